@@ -1,0 +1,38 @@
+"""tapes: the record of what agents did (schema, store, browsing, replay)."""
+
+from tapes.store import TapeFileError, TapeWriter, read_tapes, write_tapes
+from tapes.tape import (
+    Action,
+    FinalAnswerAction,
+    LLMCall,
+    Observation,
+    ParseFailureStep,
+    ReasoningThought,
+    SamplingParams,
+    Step,
+    StepMetadata,
+    Tape,
+    TapeMetadata,
+    TaskStep,
+    Thought,
+)
+
+__all__ = [
+    "Action",
+    "FinalAnswerAction",
+    "LLMCall",
+    "Observation",
+    "ParseFailureStep",
+    "ReasoningThought",
+    "SamplingParams",
+    "Step",
+    "StepMetadata",
+    "Tape",
+    "TapeFileError",
+    "TapeMetadata",
+    "TapeWriter",
+    "TaskStep",
+    "Thought",
+    "read_tapes",
+    "write_tapes",
+]

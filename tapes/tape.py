@@ -1,0 +1,196 @@
+"""The record: a Tape of typed Steps, and every LLM call that produced them.
+
+The JSON shape follows TapeAgents (`metadata`, `context`, `steps`, each step
+with `metadata` and a `kind` discriminator), so tools that read TapeAgents
+tapes read ours. On top of that a tape keeps its LLM calls whole
+(`llm_calls`): prompt messages and token ids, output text and token ids,
+per-token log-probs, reference log-probs once annotated, sampling parameters
+and the policy version. Training samples are cut from those calls, with the
+token ids vLLM actually sampled (nothing is re-tokenized).
+
+Step kinds are open: subclass `Step` (or `Observation` / `Thought` /
+`Action`) with a `kind: Literal["..."]` field and the class registers itself;
+`Tape.model_validate` turns each step dict back into its class by `kind` and
+refuses a kind it does not know.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class SamplingParams(BaseModel):
+    """How the completion was sampled."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+
+
+class LLMCall(BaseModel):
+    """One LLM call, kept whole: what went in, what came out, how, and from which weights."""
+
+    id: str = Field(default_factory=new_id, description="referenced by StepMetadata.prompt_id")
+    model: str = Field("", description="model name or folder that served the call")
+    policy_version: int = Field(0, description="training iteration whose weights served the call (0 = initial)")
+    messages: list[dict[str, Any]] = Field(default_factory=list, description="chat messages of the prompt")
+    prompt_text: str = Field("", description="the prompt after the chat template")
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    output_text: str = ""
+    output_token_ids: list[int] = Field(default_factory=list, description="exactly the ids vLLM sampled")
+    logprobs: list[float] = Field(
+        default_factory=list, description="log-prob of each output token under the sampling distribution"
+    )
+    ref_logprobs: list[float] | None = Field(
+        None, description="log-prob of each output token under the reference model, once annotated"
+    )
+    finish_reason: str | None = Field(None, description="'stop', 'length' (cut by max_tokens), ...")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    created: float = Field(default_factory=time.time)
+    latency_s: float | None = None
+
+
+class StepMetadata(BaseModel):
+    """TapeAgents' step metadata: which node of which agent made the step, from which LLM call."""
+
+    id: str = Field(default_factory=new_id)
+    prompt_id: str = Field("", description="id of the LLMCall that produced this step; '' if none")
+    node: str = ""
+    agent: str = ""
+    other: dict[str, Any] = Field(default_factory=dict)
+
+
+class Step(BaseModel):
+    """A step of a tape. Subclasses set `kind` as a Literal and are registered by it."""
+
+    model_config = ConfigDict(extra="forbid")
+    registry: ClassVar[dict[str, type[Step]]] = {}
+
+    metadata: StepMetadata = Field(default_factory=StepMetadata)
+    kind: str
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        field = cls.model_fields.get("kind")
+        if field is None or field.default in (None, ...) or not isinstance(field.default, str):
+            return  # an abstract family (Observation, Thought, Action) or a mixin
+        other = Step.registry.get(field.default)
+        if other is not None and other.__qualname__ != cls.__qualname__:
+            raise TypeError(f"step kind {field.default!r} is already used by {other.__module__}.{other.__qualname__}")
+        Step.registry[field.default] = cls
+
+    @classmethod
+    def parse_step(cls, data: Any) -> Step:
+        if isinstance(data, Step):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"a step must be an object, got {type(data).__name__}")
+        kind = data.get("kind")
+        step_cls = Step.registry.get(kind)  # type: ignore[arg-type]
+        if step_cls is None:
+            known = ", ".join(sorted(Step.registry))
+            raise ValueError(f"unknown step kind {kind!r} (known kinds: {known})")
+        return step_cls.model_validate(data)
+
+
+class Observation(Step):
+    """What the agent is told: a task, a tool result, a message."""
+
+
+class Thought(Step):
+    """What the agent thinks; not visible to the environment."""
+
+
+class Action(Step):
+    """What the agent does: answers, calls a tool."""
+
+
+class TaskStep(Observation):
+    """The task to solve, as posed to the agent."""
+
+    kind: Literal["task"] = "task"
+    text: str
+    data: dict[str, Any] = Field(default_factory=dict, description="task fields the agent may use")
+
+
+class ReasoningThought(Thought):
+    """Free-text reasoning the model wrote before its answer."""
+
+    kind: Literal["reasoning_thought"] = "reasoning_thought"
+    reasoning: str
+
+
+class FinalAnswerAction(Action):
+    """The agent's final answer (for math: the last \\boxed{} value)."""
+
+    kind: Literal["final_answer_action"] = "final_answer_action"
+    answer: str
+
+
+class ParseFailureStep(Action):
+    """The LLM output could not be turned into the expected steps."""
+
+    kind: Literal["parse_failure"] = "parse_failure"
+    error: str
+    output: str = Field("", description="the raw text that failed to parse")
+
+
+class TapeMetadata(BaseModel):
+    """TapeAgents' tape metadata, plus what RL needs on every tape."""
+
+    id: str = Field(default_factory=new_id)
+    parent_id: str | None = Field(None, description="the tape this one continues or was replayed from")
+    author: str | None = Field(None, description="the agent that wrote the latest steps")
+    author_tape_id: str | None = None
+    n_added_steps: int = 0
+    error: str | None = Field(None, description="why the agent failed, if it did")
+    result: Any = Field(default_factory=dict)
+    task_id: str = ""
+    group_id: str = Field("", description="attempts at the same task in one iteration share it (a GRPO group)")
+    iteration: int = 0
+    policy_version: int = 0
+    reward: float | None = None
+    reward_reason: str = ""
+
+
+class Tape(BaseModel):
+    """A complete, replayable record of one attempt."""
+
+    metadata: TapeMetadata = Field(default_factory=TapeMetadata)
+    context: Any = None
+    steps: list[SerializeAsAny[Step]] = Field(default_factory=list)
+    llm_calls: list[LLMCall] = Field(default_factory=list)
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps_by_kind(cls, value: Any) -> list[Step]:
+        if not isinstance(value, list):
+            raise ValueError("steps must be a list")
+        return [Step.parse_step(item) for item in value]
+
+    def append(self, step: Step, llm_call: LLMCall | None = None) -> Tape:
+        """Add a step (and the call that made it, once) and return the tape."""
+        if llm_call is not None:
+            step.metadata.prompt_id = llm_call.id
+            if not any(call.id == llm_call.id for call in self.llm_calls):
+                self.llm_calls.append(llm_call)
+        self.steps.append(step)
+        self.metadata.n_added_steps += 1
+        return self
+
+    def llm_call(self, prompt_id: str) -> LLMCall | None:
+        return next((call for call in self.llm_calls if call.id == prompt_id), None)
+
+    def last(self, step_type: type[Step]) -> Step | None:
+        return next((step for step in reversed(self.steps) if isinstance(step, step_type)), None)

@@ -1,0 +1,55 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agents import models
+from agents.models import ModelNotAvailable, resolve_model
+
+
+def test_embedded_model_is_a_plain_hf_folder(embedded_model_dir):
+    names = {p.name for p in embedded_model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not any(name.endswith(".gguf") for name in names)
+    # built once, then reused
+    assert resolve_model("smollm2") == embedded_model_dir
+
+
+def test_embedded_model_answers_7_plus_5(embedded_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32)
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    messages = [{"role": "user", "content": "What is 7 + 5?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>user\nWhat is 7 + 5?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "12" in answer, answer
+
+
+def test_llama_cpp_is_not_installed():
+    import importlib.util
+
+    assert importlib.util.find_spec("llama_cpp") is None
+    assert importlib.util.find_spec("torchvision") is None
+
+
+def test_local_folder_and_bad_names(tmp_path):
+    with pytest.raises(ModelNotAvailable, match="config.json"):
+        resolve_model(tmp_path)
+    with pytest.raises(ModelNotAvailable, match="smollm2"):
+        resolve_model("./no/such/folder")
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(tmp_path) == tmp_path.resolve()
+
+
+def test_hub_unreachable_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailable, match="local-dir"):
+        resolve_model("nobody-org/no-such-model-xyz")
+
+
+def test_missing_package_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotAvailable, match="uv sync"):
+        models.embedded_model_dir()

@@ -1,0 +1,134 @@
+import json
+
+import pytest
+
+from tapes import (
+    FinalAnswerAction,
+    LLMCall,
+    ParseFailureStep,
+    ReasoningThought,
+    SamplingParams,
+    Tape,
+    TapeFileError,
+    TapeMetadata,
+    TapeWriter,
+    TaskStep,
+    read_tapes,
+    write_tapes,
+)
+from tapes.store import PARTIAL_SUFFIX, line_offsets, read_tape_at
+
+
+def make_tape(i: int = 0) -> Tape:
+    call = LLMCall(
+        model="smollm2",
+        policy_version=3,
+        messages=[{"role": "user", "content": "What is 7 + 5?"}],
+        prompt_text="<|im_start|>user\nWhat is 7 + 5?<|im_end|>\n",
+        prompt_token_ids=[1, 2, 3],
+        output_text="7 + 5 = 12. \\boxed{12}",
+        output_token_ids=[10, 11, 12, 13],
+        logprobs=[-0.5, -0.25, -1.0, -0.125],
+        ref_logprobs=[-0.5, -0.3, -1.1, -0.1],
+        finish_reason="stop",
+        sampling=SamplingParams(temperature=0.7, max_tokens=64, seed=i),
+    )
+    tape = Tape(
+        metadata=TapeMetadata(task_id=f"t{i}", group_id="g0", iteration=2, policy_version=3, reward=1.0,
+                              reward_reason="correct"),
+        context={"source": "test"},
+    )
+    tape.append(TaskStep(text="What is 7 + 5?", data={"answer": "12"}))
+    tape.append(ReasoningThought(reasoning="7 + 5 = 12."), llm_call=call)
+    tape.append(FinalAnswerAction(answer="12"), llm_call=call)
+    tape.append(ParseFailureStep(error="no \\boxed{}", output="twelve"), llm_call=call)
+    return tape
+
+
+def test_save_load_roundtrip_every_step_kind(tmp_path):
+    tapes = [make_tape(i) for i in range(3)]
+    path = write_tapes(tmp_path / "iter_000002.jsonl", tapes)
+    loaded = list(read_tapes(path))
+    assert loaded == tapes
+    # the classes come back, not dicts
+    assert [type(s) for s in loaded[0].steps] == [TaskStep, ReasoningThought, FinalAnswerAction, ParseFailureStep]
+    # the call is stored once and referenced by every step it produced
+    assert len(loaded[0].llm_calls) == 1
+    assert loaded[0].steps[1].metadata.prompt_id == loaded[0].llm_calls[0].id
+    assert loaded[0].llm_call(loaded[0].steps[2].metadata.prompt_id).output_token_ids == [10, 11, 12, 13]
+
+
+def test_json_shape_is_tapeagents_like(tmp_path):
+    data = json.loads(make_tape().model_dump_json())
+    assert set(data) >= {"metadata", "context", "steps"}
+    assert {"id", "parent_id", "author", "n_added_steps", "error", "result"} <= set(data["metadata"])
+    for step in data["steps"]:
+        assert set(step["metadata"]) >= {"id", "prompt_id", "node", "agent", "other"}
+        assert isinstance(step["kind"], str)
+    assert data["steps"][2]["answer"] == "12"  # subclass fields are serialized
+
+
+def test_unknown_kind_names_file_and_line(tmp_path):
+    good = make_tape().model_dump_json()
+    bad = json.loads(good)
+    bad["steps"][1]["kind"] = "teleport"
+    path = tmp_path / "tapes.jsonl"
+    path.write_text(good + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(TapeFileError) as err:
+        list(read_tapes(path))
+    assert f"{path}:2" in str(err.value)
+    assert "teleport" in str(err.value)
+
+
+def test_corrupt_line_names_file_and_line(tmp_path):
+    good = make_tape().model_dump_json()
+    path = tmp_path / "tapes.jsonl"
+    path.write_text(good + "\n" + good + "\n" + good[: len(good) // 2] + "\n")
+    reader = read_tapes(path)
+    assert next(reader) == next(read_tapes(path))
+    next(reader)
+    with pytest.raises(TapeFileError) as err:
+        next(reader)
+    assert f"{path}:3" in str(err.value)
+    assert "JSON" in str(err.value)
+
+
+def test_missing_field_is_refused(tmp_path):
+    bad = json.loads(make_tape().model_dump_json())
+    del bad["steps"][2]["answer"]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(TapeFileError, match=r"t\.jsonl:1: steps"):
+        list(read_tapes(path))
+
+
+def test_writer_is_atomic_and_append_only(tmp_path):
+    path = tmp_path / "iter.jsonl"
+    writer = TapeWriter(path)
+    writer.write(make_tape(0))
+    writer.write(make_tape(1))
+    # not complete yet: only the .partial exists, and its finished lines are readable
+    assert not path.exists()
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    assert [t.metadata.task_id for t in read_tapes(partial)] == ["t0", "t1"]
+    writer.close()
+    assert path.exists() and not partial.exists()
+    with pytest.raises(FileExistsError):
+        TapeWriter(path)
+
+
+def test_writer_failure_leaves_no_complete_file(tmp_path):
+    path = tmp_path / "iter.jsonl"
+    with pytest.raises(RuntimeError):
+        with TapeWriter(path) as writer:
+            writer.write(make_tape(0))
+            raise RuntimeError("crash")
+    assert not path.exists()
+
+
+def test_random_access_by_offset(tmp_path):
+    tapes = [make_tape(i) for i in range(5)]
+    path = write_tapes(tmp_path / "t.jsonl", tapes)
+    offsets = line_offsets(path)
+    assert len(offsets) == 5
+    assert read_tape_at(path, offsets[3]).metadata.task_id == "t3"
