@@ -118,6 +118,7 @@ def embedded_model_dir() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         _convert_gguf(gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, target)  # atomic: the folder is complete or absent
         except OSError:
