@@ -13,6 +13,7 @@ without AMX and its log-probs drift from the trainer's), eager mode (start-up
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import secrets
@@ -117,6 +118,7 @@ class VLLMServer:
         self.port = 0
         self.process: subprocess.Popen | None = None
         self.restarts = 0
+        self._recovering: asyncio.Lock | None = None
 
     # -- lifecycle -------------------------------------------------------
 
@@ -143,6 +145,8 @@ class VLLMServer:
             "--max-model-len", str(c.max_model_len),
             "--seed", str(self.seed),
             "--disable-uvicorn-access-log",
+            # sampled-token log-probs of the distribution actually sampled (logits / T), as the trainer computes them
+            "--logprobs-mode", "processed_logprobs",
         ]  # fmt: skip
         if eager:
             cmd.append("--enforce-eager")
@@ -231,6 +235,40 @@ class VLLMServer:
         self.stop()
         self.restarts += 1
         self.start()
+
+    async def healthy(self) -> bool:
+        if not self.alive():
+            return False
+        try:
+            async with httpx.AsyncClient() as client:
+                return (await client.get(self.base_url + "/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def recover(self, max_restarts: int) -> None:
+        """Restart the server if it is dead (once, however many requests noticed). Call from the event loop."""
+        if self._recovering is None:
+            self._recovering = asyncio.Lock()
+        async with self._recovering:
+            if await self.healthy():
+                return  # up (maybe restarted by another request meanwhile): a plain retry will do
+            if self.restarts >= max_restarts:
+                raise ServerError(
+                    f"vLLM server '{self.served_model_name}' died {self.restarts + 1} times; giving up. "
+                    f"Log {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                )
+            self.stop()
+            self.restarts += 1
+            # Popen from the loop's (main) thread: PR_SET_PDEATHSIG is tied to the forking thread.
+            self.start(wait=False)
+            deadline = time.monotonic() + self.config.startup_timeout_s
+            while not await self.healthy():
+                if not self.alive() or time.monotonic() > deadline:
+                    raise ServerError(
+                        f"vLLM server '{self.served_model_name}' did not come back after a restart. "
+                        f"Log {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                    )
+                await asyncio.sleep(1)
 
     def __enter__(self) -> VLLMServer:
         return self.start()

@@ -23,3 +23,24 @@ def policy_server(embedded_model_dir, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_server(embedded_model_dir, tmp_path_factory):
+    """A second real server with the same (initial) weights, as the reference model."""
+    from orchestrate.vllm_server import ServerConfig, VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm") / "reference.log"
+    server = VLLMServer(
+        embedded_model_dir, log_path=log, name="reference", config=ServerConfig(max_model_len=1024, kv_cache_gib=1)
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir)

@@ -1,0 +1,225 @@
+"""LLMs an agent can call. Every call comes back as a whole `LLMCall`.
+
+`VLLMClient` talks to one or more vLLM OpenAI-compatible servers: it renders
+the chat template itself and sends token ids, so the prompt ids on the tape
+are exactly what the model saw, and it keeps the output token ids vLLM
+sampled (never re-tokenized text) with their log-probs. Requests go to the
+least-busy server under a bounded concurrency; a failed request is retried
+with backoff, and a server that stops answering is handed to `on_failure`
+(the orchestrator restarts it) before the retry.
+
+`ReplayLLM` answers from the calls recorded on a tape: re-running an agent
+with it gives the same tape back, which is how a change to an agent is
+checked against old tapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import httpx
+
+from tapes.tape import LLMCall, SamplingParams, Tape
+
+
+class LLM(Protocol):
+    async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall: ...
+
+
+class Endpoint(Protocol):
+    """What the client needs of a server (orchestrate.vllm_server.VLLMServer has it)."""
+
+    served_model_name: str
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+
+class LLMError(RuntimeError):
+    pass
+
+
+class RequestRejected(LLMError):
+    """The server answered with a client error (4xx): retrying will not help."""
+
+
+_TRANSIENT = (httpx.TransportError, httpx.RemoteProtocolError)
+
+
+def _token_id(token: str) -> int:
+    # with return_tokens_as_token_ids, vLLM names each token "token_id:<id>"
+    return int(token.rsplit(":", 1)[1])
+
+
+class VLLMClient:
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        tokenizer: Any,
+        *,
+        model: str = "",
+        policy_version: int = 0,
+        max_concurrency: int = 64,
+        timeout_s: float = 900,
+        max_retries: int = 4,
+        on_failure: Callable[[Endpoint, Exception], Awaitable[None]] | None = None,
+    ):
+        if not endpoints:
+            raise ValueError("VLLMClient needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self.tokenizer = tokenizer
+        self.model = model
+        self.policy_version = policy_version
+        self.max_retries = max_retries
+        self.on_failure = on_failure
+        self._limit = asyncio.Semaphore(max_concurrency)
+        self._in_flight = [0] * len(self.endpoints)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=30),
+            limits=httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8),
+        )
+        self.requests = 0
+        self.retries = 0
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> VLLMClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # -- requests --------------------------------------------------------
+
+    async def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/completions to the least-busy server, retrying transient failures."""
+        async with self._limit:
+            last: Exception | None = None
+            for attempt in range(self.max_retries + 1):
+                index = min(range(len(self.endpoints)), key=self._in_flight.__getitem__)
+                endpoint = self.endpoints[index]
+                self._in_flight[index] += 1
+                try:
+                    response = await self._http.post(
+                        endpoint.base_url + "/v1/completions",
+                        json={"model": endpoint.served_model_name, **payload},
+                        headers=endpoint.headers,
+                    )
+                    if 400 <= response.status_code < 500:
+                        raise RequestRejected(f"HTTP {response.status_code}: {response.text[:500]}")
+                    response.raise_for_status()
+                    self.requests += 1
+                    return response.json()
+                except RequestRejected:
+                    raise
+                except (*_TRANSIENT, httpx.HTTPStatusError) as exc:
+                    last = exc
+                    self.retries += 1
+                    if self.on_failure is not None:
+                        await self.on_failure(endpoint, exc)  # e.g. restart a dead server
+                    await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (0.5 + random.random()))
+                finally:
+                    self._in_flight[index] -= 1
+            raise LLMError(f"request failed after {self.max_retries + 1} attempts: {last!r}")
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, list(ids)
+
+    async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall:
+        prompt_text, prompt_ids = self.render(messages)
+        return await self.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+
+    async def complete_ids(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_text: str = "",
+    ) -> LLMCall:
+        payload: dict[str, Any] = {
+            "prompt": prompt_ids,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        if sampling.seed is not None:
+            payload["seed"] = sampling.seed
+        if sampling.stop:
+            payload["stop"] = sampling.stop
+        start = time.perf_counter()
+        body = await self._post(payload)
+        choice = body["choices"][0]
+        logprobs = choice.get("logprobs") or {}
+        tokens = logprobs.get("tokens") or []
+        values = logprobs.get("token_logprobs") or []
+        if len(tokens) != len(values) or any(v is None for v in values):
+            raise LLMError(f"vLLM returned {len(tokens)} tokens but {len(values)} log-probs")
+        return LLMCall(
+            model=self.model,
+            policy_version=self.policy_version,
+            messages=list(messages or []),
+            prompt_text=prompt_text,
+            prompt_token_ids=prompt_ids,
+            output_text=choice.get("text", ""),
+            output_token_ids=[_token_id(t) for t in tokens],
+            logprobs=[float(v) for v in values],
+            finish_reason=choice.get("finish_reason"),
+            sampling=sampling,
+            latency_s=time.perf_counter() - start,
+        )
+
+    async def score(self, token_ids: list[int], n_prompt: int) -> list[float]:
+        """Log-probs of token_ids[n_prompt:] given what precedes them (reference scoring).
+
+        Uses echo + prompt_logprobs on the token-id prompt and checks that every
+        returned entry is for the token that was sent: a missing or misaligned
+        log-prob is an error, never a zero.
+        """
+        if not 0 < n_prompt <= len(token_ids):
+            raise ValueError(f"n_prompt={n_prompt} for {len(token_ids)} tokens")
+        body = await self._post(
+            {"prompt": token_ids, "max_tokens": 0, "echo": True, "temperature": 1.0, "prompt_logprobs": 0}
+        )
+        entries = body["choices"][0].get("prompt_logprobs")
+        if entries is None or len(entries) != len(token_ids):
+            got = None if entries is None else len(entries)
+            raise LLMError(f"reference scoring: expected {len(token_ids)} prompt log-probs, got {got}")
+        out = []
+        for position in range(n_prompt, len(token_ids)):
+            entry = entries[position] or {}
+            found = entry.get(str(token_ids[position]))
+            if found is None:
+                raise LLMError(f"reference scoring: no log-prob for token {token_ids[position]} at {position}")
+            out.append(float(found["logprob"]))
+        return out
+
+
+class ReplayLLM:
+    """Answers from the LLM calls recorded on a tape, in order."""
+
+    def __init__(self, tape: Tape):
+        self.calls = list(tape.llm_calls)
+        self.position = 0
+
+    async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall:
+        if self.position >= len(self.calls):
+            raise LLMError(f"replay: the agent made call #{self.position + 1}; the tape recorded {len(self.calls)}")
+        call = self.calls[self.position]
+        self.position += 1
+        if call.messages != messages:
+            raise LLMError(f"replay: call #{self.position} prompt differs from the recorded one")
+        return call.model_copy(deep=True)

