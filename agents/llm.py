@@ -70,6 +70,7 @@ class VLLMClient:
         timeout_s: float = 900,
         max_retries: int = 4,
         on_failure: Callable[[Endpoint, Exception], Awaitable[None]] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         if not endpoints:
             raise ValueError("VLLMClient needs at least one endpoint")
@@ -84,6 +85,7 @@ class VLLMClient:
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=30),
             limits=httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8),
+            transport=transport,  # tests pass a mock
         )
         self.requests = 0
         self.retries = 0

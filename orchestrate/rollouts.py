@@ -39,11 +39,16 @@ async def run_rollouts(
     *,
     iteration: int,
     policy_version: int,
+    seed: int | None = None,
     group_prefix: str = "",
     desc: str = "rollouts",
     progress: bool = True,
 ) -> list[Tape]:
-    """Run `attempts` tapes per task concurrently; returns them grouped by task, in order."""
+    """Run `attempts` tapes per task concurrently; returns them grouped by task, in order.
+
+    With `seed`, attempt k of the iteration samples with seed `seed + k`, so a
+    resumed or repeated run draws the same completions (vLLM seeds per request).
+    """
     tapes = [
         new_tape(task, iteration=iteration, group_id=f"{group_prefix}{iteration}:{task.id}", policy_version=policy_version)
         for task in tasks
@@ -51,9 +56,10 @@ async def run_rollouts(
     ]
     bar = tqdm(total=len(tapes), desc=desc, unit="tape", disable=not progress, leave=False)
 
-    async def one(tape: Tape) -> None:
+    async def one(index: int, tape: Tape) -> None:
+        sampling = None if seed is None else agent.sampling.model_copy(update={"seed": seed + index})
         try:
-            await agent.run(tape, llm)
+            await agent.run(tape, llm, sampling)
         except LLMError:
             raise  # the servers are failing: stop the run, do not invent tapes
         except Exception as exc:  # an agent bug on one tape: keep it on the record
@@ -64,7 +70,7 @@ async def run_rollouts(
         bar.update(1)
 
     try:
-        await asyncio.gather(*(one(tape) for tape in tapes))
+        await asyncio.gather(*(one(i, tape) for i, tape in enumerate(tapes)))
     finally:
         bar.close()
     return tapes

@@ -1,0 +1,214 @@
+"""The agent, the client and replay, with no server: scripted HTTP and scripted LLMs."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from agents.llm import LLMError, ReplayLLM, RequestRejected, VLLMClient
+from agents.math_agent import Example, MathAgentConfig, math_agent
+from agents.rewards import score_tape
+from agents.tasks import Arithmetic, ArithmeticConfig, Task, gsm8k_gold, load_gsm8k
+from orchestrate.rollouts import run_rollouts
+from orchestrate.samples import SampleError, tapes_to_samples
+from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, ReasoningThought, SamplingParams
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 97 for c in text[-20:]]}
+
+
+class Endpoint:
+    def __init__(self, name):
+        self.served_model_name = "policy"
+        self.base_url = f"http://{name}"
+        self.headers = {}
+
+
+def completion(text, n_tokens=3, finish="stop"):
+    return {
+        "choices": [
+            {
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": {"tokens": [f"token_id:{i + 5}" for i in range(n_tokens)],
+                             "token_logprobs": [-0.5] * n_tokens},
+            }
+        ],
+        "usage": {"completion_tokens": n_tokens},
+    }
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_client_spreads_requests_and_keeps_ids():
+    seen = []
+
+    async def handler(request: httpx.Request):
+        seen.append(request.url.host)
+        await asyncio.sleep(0.01)
+        body = json.loads(request.content)
+        assert isinstance(body["prompt"], list) and body["logprobs"] == 0
+        return httpx.Response(200, json=completion("7 + 5 = 12 \\boxed{12}"))
+
+    async def go():
+        client = VLLMClient([Endpoint("a"), Endpoint("b")], FakeTokenizer(), transport=httpx.MockTransport(handler))
+        calls = await asyncio.gather(*(client.generate([{"role": "user", "content": "q"}], SamplingParams())
+                                       for _ in range(20)))
+        await client.aclose()
+        return calls
+
+    calls = run(go())
+    assert {"a", "b"} == set(seen) and min(seen.count("a"), seen.count("b")) >= 5
+    assert calls[0].output_token_ids == [5, 6, 7] and calls[0].logprobs == [-0.5] * 3
+    assert calls[0].prompt_token_ids and calls[0].messages == [{"role": "user", "content": "q"}]
+
+
+def test_client_retries_transient_failures_and_calls_on_failure():
+    state = {"n": 0, "failures": 0}
+
+    async def handler(request):
+        state["n"] += 1
+        if state["n"] <= 2:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json=completion("\\boxed{1}"))
+
+    async def on_failure(endpoint, exc):
+        state["failures"] += 1
+
+    async def go():
+        async with VLLMClient([Endpoint("a")], FakeTokenizer(), transport=httpx.MockTransport(handler),
+                              on_failure=on_failure) as client:
+            return await client.generate([{"role": "user", "content": "q"}], SamplingParams())
+
+    call = run(go())
+    assert call.output_text == "\\boxed{1}" and state["failures"] == 2
+
+
+def test_client_gives_up_and_does_not_retry_client_errors():
+    async def down(request):
+        raise httpx.ConnectError("refused")
+
+    async def bad(request):
+        return httpx.Response(400, json={"error": "prompt too long"})
+
+    async def go(handler):
+        async with VLLMClient([Endpoint("a")], FakeTokenizer(), transport=httpx.MockTransport(handler),
+                              max_retries=1) as client:
+            return await client.generate([{"role": "user", "content": "q"}], SamplingParams())
+
+    with pytest.raises(LLMError, match="after 2 attempts"):
+        run(go(down))
+    with pytest.raises(RequestRejected, match="400"):
+        run(go(bad))
+
+
+def test_reference_scoring_refuses_misaligned_logprobs():
+    async def handler(request):
+        body = json.loads(request.content)
+        ids = body["prompt"]
+        entries = [None] + [{str(t): {"logprob": -1.0}} for t in ids[1:]]
+        entries[-1] = {"999": {"logprob": -2.0}}  # the server scored another token
+        return httpx.Response(200, json={"choices": [{"text": "", "prompt_logprobs": entries}]})
+
+    async def go():
+        async with VLLMClient([Endpoint("a")], FakeTokenizer(), transport=httpx.MockTransport(handler)) as client:
+            return await client.score([1, 2, 3, 4], 2)
+
+    with pytest.raises(LLMError, match="no log-prob for token 4"):
+        run(go())
+
+
+class ScriptedLLM:
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+
+    async def generate(self, messages, sampling):
+        text, finish = self.outputs.pop(0)
+        return LLMCall(messages=messages, output_text=text, output_token_ids=[1, 2], logprobs=[-0.1, -0.2],
+                       prompt_token_ids=[3], finish_reason=finish, sampling=sampling)
+
+
+def agent():
+    return math_agent(MathAgentConfig(examples=[Example(question="1+1?", solution="\\boxed{2}")]),
+                      SamplingParams(temperature=0.7, max_tokens=16))
+
+
+def test_math_agent_steps_rewards_and_groups():
+    tasks = [Task(id="a", question="What is 7 + 5?", answer="12"), Task(id="b", question="What is 2 + 2?", answer="4")]
+    llm = ScriptedLLM([("7 + 5 = 12 \\boxed{12}", "stop"), ("\\boxed{13}", "stop"), ("I think 4", "stop"),
+                       ("2 + 2 = \\boxed{4", "length")])
+    tapes = run(run_rollouts(agent(), tasks, 2, llm, score_tape, iteration=3, policy_version=2, progress=False))
+    assert [t.metadata.reward for t in tapes] == [1.0, 0.0, -1.0, -1.0]
+    assert [type(t.steps[-1]) for t in tapes] == [FinalAnswerAction, FinalAnswerAction, ParseFailureStep,
+                                                   ParseFailureStep]
+    assert isinstance(tapes[0].steps[1], ReasoningThought) and tapes[0].steps[1].reasoning == "7 + 5 = 12"
+    assert tapes[3].steps[-1].error == "output cut by the token limit"
+    assert tapes[0].metadata.group_id == tapes[1].metadata.group_id != tapes[2].metadata.group_id
+    # the prompt holds the worked example as an earlier turn, then the question
+    messages = tapes[0].llm_calls[0].messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"] and "7 + 5" in messages[-1]["content"]
+
+    samples = tapes_to_samples(tapes, require_ref=False)
+    assert len(samples) == 4 and samples[2]["reward"] == -1.0 and samples[0]["temperature"] == 0.7
+    with pytest.raises(SampleError, match="reference"):
+        tapes_to_samples(tapes, require_ref=True)
+
+
+def test_replay_gives_the_same_tape_and_catches_prompt_changes():
+    tasks = [Task(id="a", question="What is 7 + 5?", answer="12")]
+    (tape,) = run(run_rollouts(agent(), tasks, 1, ScriptedLLM([("so \\boxed{12}", "stop")]), score_tape,
+                               iteration=0, policy_version=0, progress=False))
+    fresh = tape.model_copy(deep=True)
+    fresh.steps = fresh.steps[:1]
+    fresh.llm_calls = []
+    replayed = run(agent().run(fresh, ReplayLLM(tape)))
+    assert [s.model_dump(exclude={"metadata": {"id"}}) for s in replayed.steps] == [
+        s.model_dump(exclude={"metadata": {"id"}}) for s in tape.steps
+    ]
+    changed = math_agent(MathAgentConfig(instruction="Answer briefly."), agent().sampling)
+    fresh.steps = fresh.steps[:1]
+    with pytest.raises(LLMError, match="prompt differs"):
+        run(changed.run(fresh, ReplayLLM(tape)))
+
+
+def test_arithmetic_is_seeded_and_train_test_disjoint():
+    source = Arithmetic(ArithmeticConfig(digits=2, operands=2), seed=7)
+    assert source.train(0, 50) == Arithmetic(ArithmeticConfig(digits=2, operands=2), seed=7).train(0, 50)
+    assert source.train(10, 5) == source.train(0, 15)[10:]
+    test = source.test_set(300)
+    assert len({t.question for t in test}) == 300
+    assert not {t.question for t in test} & {t.question for t in source.train(0, 3000)}
+    hard = Arithmetic(ArithmeticConfig(digits=3, operands=3, operations=["+", "-", "*"]), seed=0).train(0, 20)
+    for task in hard:
+        assert str(eval(task.data["expression"])) == task.answer
+
+
+def test_gsm8k_local_file(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    rows = [{"question": "q1", "answer": "steps\n#### 1,080"}, {"question": "q2", "answer": "x\n#### -5"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    tasks = load_gsm8k(str(path), "test")
+    assert [t.answer for t in tasks] == ["1080", "-5"]
+    assert gsm8k_gold("a #### 72") == "72"
+
+
+def test_gsm8k_shared_test_split_if_present():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/data/gsm8k is not beside this checkout")
+    tasks = load_gsm8k(str(path), "test")
+    raw = [json.loads(line)["answer"].split("####")[-1].strip() for line in path.read_text().splitlines()]
+    assert len(tasks) == len(raw) == 1319
+    assert sum("," in r for r in raw) > 0  # thousands commas in the file ...
+    assert not any("," in t.answer for t in tasks)  # ... none in the gold answers
+    assert sum(t.answer.startswith("-") for t in tasks) == sum(r.startswith("-") for r in raw) > 0
