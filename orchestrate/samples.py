@@ -8,6 +8,8 @@ the tape's reward, its group and the sampling temperature.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tapes.tape import Tape
 
 
@@ -38,6 +40,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                 "reward": tape.metadata.reward,
                 "group_id": tape.metadata.group_id,
                 "temperature": call.sampling.temperature,
+                "sample_id": f"{tape.metadata.id}:{call.id}",
             }
         )
     return samples
@@ -45,3 +48,10 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
 
 def tapes_to_samples(tapes: list[Tape], require_ref: bool) -> list[dict]:
     return [sample for tape in tapes for sample in tape_samples(tape, require_ref)]
+
+
+def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
+    """Write the batch file the finetune process trains on (its own format and atomic writer)."""
+    from finetune.batch import write_batch
+
+    return write_batch(path, tapes_to_samples(tapes, require_ref))

@@ -11,7 +11,7 @@ from agents.math_agent import Example, MathAgentConfig, math_agent
 from agents.rewards import score_tape
 from agents.tasks import Arithmetic, ArithmeticConfig, Task, gsm8k_gold, load_gsm8k
 from orchestrate.rollouts import run_rollouts
-from orchestrate.samples import SampleError, tapes_to_samples
+from orchestrate.samples import SampleError, tapes_to_samples, write_samples
 from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, ReasoningThought, SamplingParams
 
 
@@ -160,6 +160,21 @@ def test_math_agent_steps_rewards_and_groups():
     assert len(samples) == 4 and samples[2]["reward"] == -1.0 and samples[0]["temperature"] == 0.7
     with pytest.raises(SampleError, match="reference"):
         tapes_to_samples(tapes, require_ref=True)
+
+
+def test_samples_round_trip_through_the_finetune_format(tmp_path):
+    from finetune.batch import read_batch
+
+    tasks = [Task(id="a", question="What is 7 + 5?", answer="12")]
+    llm = ScriptedLLM([("\\boxed{12}", "stop"), ("\\boxed{11}", "stop")])
+    tapes = run(run_rollouts(agent(), tasks, 2, llm, score_tape, iteration=0, policy_version=0, progress=False))
+    for tape in tapes:
+        tape.llm_calls[0].ref_logprobs = [-0.3, -0.4]
+    path = write_samples(tmp_path / "batches" / "000001.jsonl", tapes, require_ref=True)
+    samples = read_batch(path)
+    assert [s.reward for s in samples] == [1.0, 0.0]
+    assert samples[0].completion_ids == [1, 2] and samples[0].ref_logprobs == [-0.3, -0.4]
+    assert samples[0].group_id == samples[1].group_id and samples[0].temperature == 0.7
 
 
 def test_replay_gives_the_same_tape_and_catches_prompt_changes():

@@ -1,0 +1,132 @@
+"""Per-iteration metrics: computed from tapes, appended to metrics.jsonl, drawn as a PNG.
+
+One line per iteration, so a run can be followed with `tail -f` and its
+curves redrawn at any time from the file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from tapes.tape import ParseFailureStep, Tape
+
+# Where an iteration's time goes; "other" is the rest of its wall time.
+PHASES = ("generate", "reward", "reference", "train", "weight_sync", "eval")
+
+
+def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
+    """Reward mean, success rate, parse failures, truncations, completion lengths."""
+    if not tapes:
+        return {}
+    rewards = [t.metadata.reward or 0.0 for t in tapes]
+    lengths = [len(c.output_token_ids) for t in tapes for c in t.llm_calls]
+    calls = [c for t in tapes for c in t.llm_calls]
+    out = {
+        "reward_mean": statistics.fmean(rewards),
+        "success_rate": sum(r > 0 for r in rewards) / len(rewards),
+        "parse_failure_rate": sum(isinstance(t.steps[-1], ParseFailureStep) for t in tapes) / len(tapes),
+        "truncation_rate": sum(c.finish_reason == "length" for c in calls) / max(1, len(calls)),
+        "completion_tokens_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "completion_tokens_max": max(lengths, default=0),
+        "tapes": len(tapes),
+        "agent_errors": sum(t.metadata.error is not None for t in tapes),
+    }
+    with_ref = [c for c in calls if c.ref_logprobs]
+    if with_ref:  # k3 estimate of KL(policy || reference) on the sampled tokens
+        kls = [math.exp(r - p) - (r - p) - 1 for c in with_ref for p, r in zip(c.logprobs, c.ref_logprobs)]
+        out["kl_ref"] = statistics.fmean(kls)
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one JSON line and fsync it (the file only grows; a torn last line is skipped on read)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+    return records
+
+
+def _legend(ax, **kw) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, **kw)
+
+
+def plot_metrics(records: list[dict[str, Any]], out: str | os.PathLike) -> Path | None:
+    """Draw reward, success (train and held-out), KL, lengths and the time split into one PNG."""
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["iteration"] for r in records]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+
+    def curve(ax, key, label, **kw):
+        pts = [(xi, r[key]) for xi, r in zip(x, records) if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=label, **kw)
+
+    ax = axes[0][0]
+    curve(ax, "success_rate", "train success")
+    curve(ax, "eval_success_rate", "held-out success", linewidth=2)
+    curve(ax, "parse_failure_rate", "parse failures", linestyle=":")
+    ax.set_title("success")
+    ax.set_ylim(-0.02, 1.02)
+    _legend(ax)
+
+    ax = axes[0][1]
+    curve(ax, "reward_mean", "reward mean")
+    curve(ax, "eval_reward_mean", "held-out reward mean")
+    ax.set_title("reward")
+    _legend(ax)
+
+    ax = axes[1][0]
+    curve(ax, "completion_tokens_mean", "completion tokens (mean)")
+    ax2 = ax.twinx()
+    curve(ax2, "kl_ref", "KL to reference", color="tab:red")
+    curve(ax2, "train_entropy", "entropy", color="tab:green")
+    ax.set_title("lengths, KL, entropy")
+    _legend(ax, loc="upper left")
+    _legend(ax2, loc="upper right")
+
+    ax = axes[1][1]
+    bottom = [0.0] * len(records)
+    for phase in (*PHASES, "other"):
+        values = [r.get(f"time_{phase}", 0.0) for r in records]
+        if any(values):
+            ax.bar(x, values, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_title("seconds per iteration")
+    _legend(ax)
+
+    for ax in axes.flat:
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out)  # a reader never sees a half-drawn plot
+    return out
