@@ -74,7 +74,9 @@ def load_gsm8k(source: str, split: str) -> list[Task]:
 class ArithmeticConfig(BaseModel):
     digits: int = Field(2, ge=1, le=9, description="digits per operand")
     operands: int = Field(2, ge=2, le=6, description="numbers per problem")
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    operations: list[Literal["+", "-", "*"]] = Field(
+        default_factory=lambda: ["+"], min_length=1, description="operators to draw from, e.g. [\"+\", \"*\"]"
+    )
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test set")
 
 

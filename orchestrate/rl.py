@@ -1,31 +1,23 @@
-"""The RL loop: `uv run -m orchestrate.rl`.
+"""The RL loop: `uv run -m orchestrate.rl [--preset NAME] [--SECTION.OPTION VALUE ...]`.
 
-Skeleton: the loop (rollouts -> rewards -> reference pass -> finetune ->
-weight reload -> evaluation) lands with the loop issue. Today this command
-checks the set-up: it resolves the embedded model and says what is missing.
+Skeleton: the options and their validation are final; the loop itself
+(rollouts -> rewards -> reference pass -> finetune -> weight reload ->
+evaluation) lands with the loop issue.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="uv run -m orchestrate.rl",
-        description="Train an LLM agent with RL on tapes: vLLM rollouts, rewards, reference log-probs, "
-        "GRPO/REINFORCE in a separate finetune process.",
-    )
-    parser.add_argument("--preset", default="embedded", help="config preset: 'embedded' (CPU default) or 'gsm8k'")
-    parser.add_argument("--run-dir", default=None, help="run directory (created, or resumed if it exists)")
-    parser.add_argument("--iterations", type=int, default=None, help="number of RL iterations")
-    return parser
+from orchestrate.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)
-    print("The RL loop is not implemented yet; `--help` lists the options it will take.", file=sys.stderr)
+    args, config = parse_args(argv)
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        return 0
+    print("The RL loop is not implemented yet; `--print-config` shows the resolved config.", file=sys.stderr)
     return 1
 
 

@@ -1,0 +1,242 @@
+"""The RL run's configuration: typed sections, preset files, dotted overrides.
+
+    uv run -m orchestrate.rl                                   # preset "embedded"
+    uv run -m orchestrate.rl --preset gsm8k --rollouts.attempts 8 --train.lr 2e-6
+
+A preset is a TOML file in orchestrate/presets/ that sets some fields; every
+field can then be overridden on the command line by its dotted name. `--help`
+lists every option with its meaning and default. A bad value is refused with
+one line naming the option (exit status 2) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agents.math_agent import MathAgentConfig
+from agents.tasks import ArithmeticConfig
+from finetune.config import TrainConfig
+from orchestrate.vllm_server import ServerConfig
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+class ModelSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field("smollm2", description="initial policy: 'smollm2' (embedded), a model folder or a hub id")
+    reference: str | None = Field(None, description="reference model for the KL term; default: the initial policy")
+
+
+class TaskSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["arithmetic", "gsm8k"] = Field("arithmetic", description="where tasks come from")
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    gsm8k_train: str = Field("openai/gsm8k", description="GSM8K train split: hub id or a local .jsonl/.parquet file")
+    gsm8k_test: str = Field("openai/gsm8k", description="GSM8K test split: hub id or a local .jsonl/.parquet file")
+
+    @field_validator("gsm8k_train", "gsm8k_test")
+    @classmethod
+    def _local_file_exists(cls, value: str) -> str:
+        if value.endswith((".jsonl", ".json", ".parquet")) and not Path(value).expanduser().is_file():
+            raise ValueError(f"file {value} does not exist")
+        return value
+
+
+class RolloutSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tasks_per_iteration: int = Field(16, gt=0, description="train tasks sampled per iteration")
+    attempts: int = Field(4, gt=0, description="attempts per task (a GRPO group)")
+    temperature: float = Field(0.7, gt=0, description="sampling temperature of rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of rollouts")
+    max_tokens: int = Field(128, gt=0, description="new tokens per LLM call; longer output is truncated (reward -1)")
+    max_concurrency: int = Field(64, gt=0, description="requests in flight at once, across servers")
+
+
+class EvalSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(5, ge=0, description="evaluate every N iterations (0: never); also before the first")
+    tasks: int | None = Field(None, gt=0, description="held-out tasks per evaluation; none: the whole test set")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0: greedy)")
+    max_tokens: int = Field(128, gt=0, description="new tokens per LLM call in evaluation")
+
+
+class ServerSection(ServerConfig):
+    model_config = ConfigDict(extra="forbid")
+
+    policy_servers: int = Field(1, gt=0, description="policy servers (one per GPU); requests are spread across them")
+    max_restarts: int = Field(3, ge=0, description="restarts of a dead server before the run stops")
+
+
+class TrainerSection(TrainConfig):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    accelerate_config: str | None = Field(
+        None, description="accelerate config file for the trainer; default: finetune/accelerate/cpu.yaml on CPU"
+    )
+    num_processes: int = Field(1, gt=0, description="trainer processes (GPUs)")
+    timeout_s: float = Field(3600, gt=0, description="longest wait for one training step's checkpoint")
+
+
+class RunSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: int = Field(20, gt=0, description="RL iterations")
+    seed: int = Field(0, description="seeds task order and sampling")
+    keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
+    wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs `wandb` installed)")
+    tensorboard: bool = Field(False, description="also log metrics to TensorBoard (needs `tensorboard` installed)")
+
+
+class RLConfig(BaseModel):
+    """Everything one RL run needs; saved resolved in the run directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    agent: MathAgentConfig = Field(default_factory=MathAgentConfig)
+    rollouts: RolloutSection = Field(default_factory=RolloutSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    train: TrainerSection = Field(default_factory=TrainerSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+
+# -- command line ---------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A bad preset, option or value; the message is one line naming it."""
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = PRESETS_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ConfigError(f"--preset: unknown preset {name!r} (known: {', '.join(presets())})")
+    return tomllib.loads(path.read_text())
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def options(model: type[BaseModel] = RLConfig, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, field info, annotation) of every leaf option."""
+    out = []
+    for name, field in model.model_fields.items():
+        if _is_model(field.annotation):
+            out += options(field.annotation, f"{prefix}{name}.")
+        else:
+            out.append((f"{prefix}{name}", field, field.annotation))
+    return out
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return "|".join(_type_name(a) for a in typing.get_args(annotation) if a is not type(None)) + "|none"
+    if origin in (list, dict):
+        return "JSON"
+    return getattr(annotation, "__name__", str(annotation)).upper()
+
+
+def _default_text(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        value = field.default
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="uv run -m orchestrate.rl",
+        usage="%(prog)s [--preset NAME] [--run-dir DIR] [--iterations N] [--SECTION.OPTION VALUE ...]",
+        description="Train an LLM agent with RL on tapes: vLLM rollouts, rewards, reference log-probs, "
+        "GRPO/REINFORCE in a separate finetune process. Options below override the preset.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Values are parsed as JSON where they can be (numbers, true/false, null, lists), else taken as text.",
+    )
+    parser.add_argument("--preset", default="embedded", help=f"config preset, one of: {', '.join(presets())}")
+    parser.add_argument("--run-dir", default=None, help="run directory; an existing one is resumed (default: runs/PRESET)")
+    parser.add_argument("--iterations", type=int, default=None, help="same as --run.iterations")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for dotted, field, annotation in options():
+        section = dotted.split(".")[0]
+        group = sections.setdefault(section, parser.add_argument_group(f"{section}"))
+        help_text = (field.description or "").replace("%", "%%")
+        group.add_argument(
+            f"--{dotted}",
+            dest=f"opt:{dotted}",
+            default=argparse.SUPPRESS,
+            metavar=_type_name(annotation),
+            help=f"{help_text} (default: {_default_text(field).replace('%', '%%')})",
+        )
+    return parser
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
+    """Preset + dotted overrides -> a validated config, or ConfigError naming the option."""
+    data = load_preset(preset)
+    for dotted, text in overrides.items():
+        _set(data, dotted, _parse_value(text) if isinstance(text, str) else text)
+    try:
+        return RLConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        given = ""
+        if err.get("input") is not None and not isinstance(err["input"], dict):
+            given = f" (got {err['input']!r})"
+        msg = err["msg"].removeprefix("Value error, ")
+        source = f"--{where}" if where else f"preset {preset!r}"
+        raise ConfigError(f"{source}: {msg}{given}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # unknown options: argparse names them and exits 2
+    overrides = {k.removeprefix("opt:"): v for k, v in vars(args).items() if k.startswith("opt:")}
+    if args.iterations is not None:
+        overrides["run.iterations"] = str(args.iterations)
+    try:
+        config = resolve(args.preset, overrides)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    return args, config

@@ -1,0 +1,79 @@
+"""The command line: presets, dotted overrides, and bad input refused with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrate.config import ConfigError, RLConfig, options, presets, resolve
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "orchestrate.rl", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_presets_resolve():
+    assert {"embedded", "gsm8k"} <= set(presets())
+    embedded = resolve("embedded", {})
+    assert embedded.model.policy == "smollm2" and embedded.task.source == "arithmetic"
+    gsm8k = resolve("gsm8k", {})
+    assert gsm8k.model.policy == "meta-llama/Llama-3.2-1B-Instruct"
+    assert (gsm8k.rollouts.tasks_per_iteration, gsm8k.rollouts.attempts, gsm8k.rollouts.temperature) == (16, 64, 0.7)
+    assert gsm8k.eval.every == 5 and gsm8k.eval.temperature == 0 and gsm8k.eval.tasks is None
+    assert gsm8k.train.algorithm == "grpo" and gsm8k.train.kl_coef > 0
+
+
+def test_dotted_overrides_are_typed():
+    config = resolve("gsm8k", {"rollouts.attempts": "8", "train.lr": "2e-6", "model.policy": "smollm2",
+                               "task.arithmetic.operations": '["+", "-"]', "eval.tasks": "null"})
+    assert config.rollouts.attempts == 8 and config.train.lr == 2e-6 and config.model.policy == "smollm2"
+    assert config.task.arithmetic.operations == ["+", "-"] and config.eval.tasks is None
+
+
+def test_every_option_has_a_meaning():
+    names = [name for name, field, _ in options()]
+    assert "rollouts.attempts" in names and "train.kl_coef" in names and "server.kv_cache_gib" in names
+    missing = [name for name, field, _ in options() if not field.description]
+    assert not missing, missing
+
+
+def test_help_lists_every_option():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for name, _, _ in options(RLConfig):
+        assert f"--{name}" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--preset", "nope"], "--preset"),
+        (["--rollouts.bogus", "3"], "--rollouts.bogus"),
+        (["--rollouts.attempts", "0"], "--rollouts.attempts"),
+        (["--rollouts.attempts", "many"], "--rollouts.attempts"),
+        (["--rollouts.temperature", "-0.5"], "--rollouts.temperature"),
+        (["--eval.temperature", "-1"], "--eval.temperature"),
+        (["--task.source", "gsm8k", "--task.gsm8k_test", "/no/such/test.jsonl"], "--task.gsm8k_test"),
+        (["--train.algorithm", "ppo"], "--train.algorithm"),
+        (["--iterations", "0"], "iterations"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_option(args, named):
+    out = run_cli(*args)
+    assert out.returncode == 2, out
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error") or "error:" in line]
+    assert lines and named in lines[-1], out.stderr
+
+
+def test_print_config_round_trips():
+    out = run_cli("--rollouts.attempts", "6", "--print-config")
+    assert out.returncode == 0, out.stderr
+    config = RLConfig.model_validate(json.loads(out.stdout))
+    assert config.rollouts.attempts == 6
+
+
+def test_config_error_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        resolve("embedded", {"train.clip_eps_low": "2"})
+    assert "\n" not in str(err.value) and "--train.clip_eps_low" in str(err.value)
