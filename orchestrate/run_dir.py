@@ -1,0 +1,95 @@
+"""The run directory: one folder per run, everything in it written atomically.
+
+    config.json              the resolved config
+    state.json               last completed iteration (resume starts after it)
+    tapes/iter_000003.jsonl  rollout tapes of iteration 3
+    tapes/eval_000005.jsonl  evaluation tapes after iteration 5 (eval_000000: before training)
+    batches/000003.jsonl     training samples of iteration 3 (the finetune format)
+    checkpoints/000003/      the policy after training on batch 3 (the newest K are kept)
+    metrics.jsonl            one line per iteration
+    train_metrics.jsonl      one line per optimizer step (written by the trainer)
+    plots/curves.png         redrawn every iteration
+    logs/                    vLLM server and trainer logs
+
+An iteration is complete when state.json says so; every file of it was
+written before that. Files of an unfinished iteration are either complete
+(and reused on resume) or carry a temporary name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from tapes.store import atomic_write_json, atomic_write_text
+
+
+class RunState(BaseModel):
+    completed_iteration: int = 0
+    evaluated: list[int] = []
+
+
+class RunDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.tapes = self.root / "tapes"
+        self.batches = self.root / "batches"
+        self.checkpoints = self.root / "checkpoints"
+        self.logs = self.root / "logs"
+        self.plots = self.root / "plots"
+        self.config_path = self.root / "config.json"
+        self.state_path = self.root / "state.json"
+        self.metrics_path = self.root / "metrics.jsonl"
+        self.train_metrics_path = self.root / "train_metrics.jsonl"
+
+    def create(self) -> None:
+        for folder in (self.tapes, self.batches, self.checkpoints, self.logs, self.plots):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def iteration_tapes(self, iteration: int) -> Path:
+        return self.tapes / f"iter_{iteration:06d}.jsonl"
+
+    def eval_tapes(self, iteration: int) -> Path:
+        return self.tapes / f"eval_{iteration:06d}.jsonl"
+
+    def batch(self, iteration: int) -> Path:
+        return self.batches / f"{iteration:06d}.jsonl"
+
+    def checkpoint(self, iteration: int) -> Path:
+        return self.checkpoints / f"{iteration:06d}"
+
+    def load_state(self) -> RunState:
+        if not self.state_path.exists():
+            return RunState()
+        return RunState.model_validate_json(self.state_path.read_text())
+
+    def save_state(self, state: RunState) -> None:
+        atomic_write_text(self.state_path, state.model_dump_json(indent=2) + "\n")
+
+    def saved_config(self) -> dict | None:
+        return json.loads(self.config_path.read_text()) if self.config_path.exists() else None
+
+    def save_config(self, config: dict) -> None:
+        atomic_write_json(self.config_path, config)
+
+    def prune_checkpoints(self, keep: int, protect: set[Path] = frozenset()) -> None:
+        """Delete all but the newest `keep` complete checkpoints (never one in `protect`)."""
+        complete = sorted(p for p in self.checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
+        for old in complete[:-keep] if keep > 0 else complete:
+            if old not in protect:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted names whose values differ between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out

@@ -1,0 +1,139 @@
+"""The finetune process, seen from the orchestrator.
+
+Launched once per run with `accelerate launch -m finetune.train`, it stays
+alive across iterations (model and optimizer in memory), trains each batch
+file the orchestrator writes and answers with a checkpoint folder. The two
+talk only through files in the run directory (see finetune/rundir.py).
+If the trainer dies, the run stops with the tail of its log and the command
+that resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrate.config import TrainerSection
+from orchestrate.run_dir import RunDir
+from orchestrate.vllm_server import _die_with_parent, cuda_available, log_tail
+
+ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "accelerate"
+
+
+# Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr",
+              "tokens_per_s", "padding_frac")
+
+
+class TrainerError(RuntimeError):
+    pass
+
+
+class TrainerProcess:
+    def __init__(self, run_dir: RunDir, model_dir: Path, config: TrainerSection):
+        self.run = run_dir
+        self.model_dir = model_dir
+        self.config = config
+        self.log_path = run_dir.logs / "trainer.log"  # the launcher's stdout/stderr, tracebacks included
+        self.config_path = run_dir.root / "train_config.json"
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        c = self.config
+        accelerate_config = c.accelerate_config or str(
+            ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda_available() else "cpu.yaml")
+        )
+        return [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", accelerate_config,
+            "--num_processes", str(c.num_processes),
+            "-m", "finetune.train",
+            "--model", str(self.model_dir),
+            "--run-dir", str(self.run.root),
+            "--config", str(self.config_path),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        from finetune.config import TrainConfig
+
+        fields = {k: v for k, v in self.config.model_dump().items() if k in TrainConfig.model_fields}
+        self.config_path.write_text(json.dumps(fields, indent=2) + "\n")
+        (self.run.root / "trainer.stop").unlink(missing_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
+        log.flush()
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        log.close()
+
+    def _died(self) -> TrainerError:
+        code = self.process.returncode if self.process else None
+        return TrainerError(
+            f"the trainer exited with code {code}. {self.log_path} ends with:\n{log_tail(self.log_path)}\n"
+            f"Fix the cause, then resume with: uv run -m orchestrate.rl --run-dir {self.run.root}"
+        )
+
+    def wait_for_checkpoint(self, iteration: int) -> Path:
+        """Block until checkpoints/<iteration> is complete; raise if the trainer dies or times out."""
+        folder = self.run.checkpoint(iteration)
+        deadline = time.monotonic() + self.config.timeout_s
+        while not (folder / "config.json").is_file():
+            if self.process is None or self.process.poll() is not None:
+                if (folder / "config.json").is_file():
+                    break
+                raise self._died()
+            if time.monotonic() > deadline:
+                raise TrainerError(
+                    f"no checkpoint for iteration {iteration} after {self.config.timeout_s:.0f} s "
+                    f"(raise --train.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(0.2)
+        return folder
+
+    def iteration_metrics(self, iteration: int) -> dict[str, float]:
+        """Means of the trainer's per-step metrics for one batch, prefixed 'train_'."""
+        path = self.run.train_metrics_path
+        if not path.exists():
+            return {}
+        steps = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("batch") == iteration:
+                steps.append(record)
+        if not steps:
+            return {}
+        out = {"train_steps": len(steps), "train_seconds": sum(s.get("seconds", 0.0) for s in steps)}
+        for key in TRAIN_KEYS:
+            values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
+            if values:
+                out[f"train_{key}"] = sum(values) / len(values)
+        return out
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.process is None:
+            return
+        (self.run.root / "trainer.stop").touch()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.process.poll() is not None:
+                break
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
