@@ -1,0 +1,127 @@
+"""The training-sample format the learner owns: one JSON object per line.
+
+A batch file holds every sample of one iteration, one per line:
+
+    {"prompt_ids": [1, 42, ...], "completion_ids": [7, 8, 2],
+     "behaviour_logprobs": [-0.1, -2.3, -0.01], "ref_logprobs": [-0.2, -2.0, -0.02],
+     "reward": 1.0, "group_id": "task-17", "temperature": 0.7}
+
+Advantages are not stored: the learner computes them from the rewards of
+each group (the attempts at one task), so a batch file is exactly what the
+policy did and what it earned. The orchestrator writes these files with
+`write_batch` (atomically: a reader sees the whole file or no file) and may
+import this module; it imports nothing but Pydantic.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BATCH_NAME = re.compile(r"^(\d+)\.jsonl$")
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Sample(BaseModel):
+    """One completion of one prompt, with what the learner needs to train on it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_ids: list[int] = Field(min_length=1, description="Token ids the policy was conditioned on (whole chat prompt).")
+    completion_ids: list[int] = Field(min_length=1, description="Token ids the policy sampled; these are trained on.")
+    behaviour_logprobs: list[Finite] = Field(
+        description="Log-prob of each completion token under the policy that sampled it, as vLLM "
+        "reported it (of the tempered distribution: logits / temperature)."
+    )
+    ref_logprobs: list[Finite] | None = Field(
+        default=None,
+        description="Log-prob of each completion token under the reference model at temperature 1; "
+        "null when no KL penalty is used.",
+    )
+    reward: Finite = Field(description="Scalar reward of the whole completion.")
+    group_id: str | int = Field(description="Samples sharing a group id are attempts at the same prompt; "
+                                "advantages are normalised within the group.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature the completion was drawn at.")
+    sample_id: str | None = Field(default=None, description="Optional: where the sample came from (e.g. a tape id).")
+
+    @model_validator(mode="after")
+    def _lengths_match(self) -> Sample:
+        n = len(self.completion_ids)
+        if len(self.behaviour_logprobs) != n:
+            raise ValueError(
+                f"behaviour_logprobs has {len(self.behaviour_logprobs)} values for {n} completion tokens"
+            )
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} completion tokens")
+        return self
+
+
+class BatchFormatError(ValueError):
+    """A batch file that cannot be trained on; the message names the file and line."""
+
+
+def read_batch(path: str | os.PathLike) -> list[Sample]:
+    """Read a batch file; any bad line raises BatchFormatError naming file and line."""
+    path = Path(path)
+    samples = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                samples.append(Sample.model_validate_json(line))
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"]) or "sample"
+                raise BatchFormatError(f"{path}:{lineno}: {where}: {err['msg']}") from None
+    if not samples:
+        raise BatchFormatError(f"{path}: no samples; a batch file holds one JSON sample per line")
+    return samples
+
+
+def write_batch(path: str | os.PathLike, samples: Iterable[Sample | dict]) -> Path:
+    """Write samples atomically: a temp file in the same folder, fsync, rename.
+
+    Dicts are validated as Samples first, so a bad sample fails here, in the
+    writer, rather than later in the learner.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [(s if isinstance(s, Sample) else Sample.model_validate(s)).model_dump_json() for s in samples]
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def batch_file(batches_dir: str | os.PathLike, index: int) -> Path:
+    """The name the learner looks for: batches/000003.jsonl for batch 3."""
+    return Path(batches_dir) / f"{index:06d}.jsonl"
+
+
+def list_batches(batches_dir: str | os.PathLike) -> dict[int, Path]:
+    """Complete batch files in a folder, by number (temp files are ignored)."""
+    folder = Path(batches_dir)
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for entry in folder.iterdir():
+        m = BATCH_NAME.match(entry.name)
+        if m:
+            found[int(m.group(1))] = entry
+    return dict(sorted(found.items()))
+
+

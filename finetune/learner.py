@@ -1,0 +1,264 @@
+"""The learner: a model and its optimizer, trained one batch of samples at a time.
+
+`Learner.train_batch` is one iteration of GRPO / REINFORCE: group-normalised
+advantages from the rewards, then `epochs` passes over the batch, each cut
+into `steps_per_epoch` optimizer steps, each step accumulated over
+length-sorted micro-batches (token budget). It returns one metrics dict per
+optimizer step. `save_checkpoint` / `load_trainer_state` write and restore
+a Hugging Face model folder plus the optimizer state.
+
+Works the same in one process on CPU and under `accelerate launch` on GPUs
+(DDP or FSDP): each process takes every world_size-th micro-batch of a step
+and the loss weights are those of the whole step, so the summed gradient is
+the step's gradient whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from finetune.batch import Sample
+from finetune.config import TrainConfig
+from finetune.logprobs import PolicyLogProbs
+from finetune.losses import group_advantages, policy_loss, token_weights
+from finetune.microbatch import micro_batches
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mixed_precision_for(config: TrainConfig) -> str | None:
+    """accelerate's mixed_precision for config.dtype (None: what the launcher set)."""
+    if config.dtype == "bfloat16":
+        return "bf16"
+    if config.dtype == "float32":
+        return "no"
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return None
+    return "bf16" if torch.cuda.is_available() else "no"
+
+
+def folder_dtype(model_dir: Path) -> str:
+    """The dtype a model folder's config declares (float32 when it says nothing)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+
+
+class Learner:
+    def __init__(self, model_dir: str | os.PathLike, config: TrainConfig, accelerator: Accelerator | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.accelerator = accelerator or Accelerator(mixed_precision=mixed_precision_for(config))
+        acc = self.accelerator
+        if acc.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "DeepSpeed is not supported: a step has a variable number of micro-batches, which DeepSpeed's "
+                "fixed gradient accumulation cannot express. Use FSDP (finetune/accelerate/multi_gpu_fsdp.yaml)."
+            )
+        self.save_dtype = folder_dtype(self.model_dir) if config.save_dtype == "auto" else config.save_dtype
+        # Weights stay fp32 (master copy); bf16 on GPU comes from accelerate's autocast.
+        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        lm.config.use_cache = False
+        if config.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        impl = config.logprob_impl
+        if impl == "auto":
+            impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
+        self.pad_id = lm.config.pad_token_id if isinstance(lm.config.pad_token_id, int) else 0
+        policy = PolicyLogProbs(lm, impl, config.logit_chunk_tokens)
+        policy.train()
+        optimizer = torch.optim.AdamW(
+            policy.parameters(),
+            lr=config.lr_at(0),
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.model, self.optimizer = acc.prepare(policy, optimizer)
+        self.step = 0  # optimizer steps taken so far, over the whole run
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def train_batch(self, samples: list[Sample], batch_index: int = 0, on_step=None) -> list[dict]:
+        """Train on one batch; returns one metrics dict per optimizer step (also passed to on_step)."""
+        cfg = self.config
+        if cfg.kl_coef > 0 and any(s.ref_logprobs is None for s in samples):
+            raise ValueError("kl_coef > 0 but some samples have no ref_logprobs: score them with the reference "
+                             "model, or set kl_coef to 0")
+        groups = {}
+        group_ids = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        advantages = group_advantages(rewards, group_ids, cfg.normalize_std, cfg.std_eps)
+        # Same shuffle after a restart: seeded by the batch number.
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
+        metrics = []
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
+            for k, part in enumerate(torch.tensor_split(order, cfg.steps_per_epoch)):
+                if len(part) == 0:
+                    continue
+                m = self._optimizer_step(samples, part.tolist(), advantages, rewards)
+                m = {"batch": batch_index, "epoch": epoch, "step_in_batch": len(metrics), **m}
+                metrics.append(m)
+                if on_step is not None:
+                    on_step(m)
+        return metrics
+
+    def _optimizer_step(self, samples: list[Sample], idx: list[int], advantages, rewards) -> dict:
+        cfg, acc = self.config, self.accelerator
+        t0 = time.perf_counter()
+        dev = acc.device
+        sub = [samples[i] for i in idx]
+        mbs = micro_batches([s.prompt_ids for s in sub], [s.completion_ids for s in sub],
+                            cfg.token_budget, cfg.layout, self.pad_id)
+        n_completion = sum(len(s.completion_ids) for s in sub)
+        world, rank = acc.num_processes, acc.process_index
+        # Every process must run the same number of forward/backward passes
+        # (DDP / FSDP synchronise on them): a process short of micro-batches
+        # repeats one with zero weight.
+        per_rank = math.ceil(len(mbs) / world)
+        mine = [(mb, 1.0) for mb in mbs[rank::world]]
+        mine += [(mbs[0], 0.0)] * (per_rank - len(mine))
+        lr = cfg.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        sums = torch.zeros(8, dtype=torch.float64)  # loss, pg, kl, entropy, clipped, ratio, tokens, slots
+        ratio_max, ratio_min = torch.tensor(-math.inf), torch.tensor(math.inf)
+        for k, (mb, scale) in enumerate(mine):
+            seqs = [sub[i] for i in mb.indices]
+            weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(sub)) * scale
+            adv = torch.cat([advantages[idx[i]].expand(len(s.completion_ids)) for i, s in zip(mb.indices, seqs)])
+            behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
+            ref = torch.tensor([x for s in seqs for x in s.ref_logprobs]) if all(
+                s.ref_logprobs is not None for s in seqs) else None
+            inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in s.completion_ids])
+            sync = k == len(mine) - 1
+            with nullcontext() if sync else acc.no_sync(self.model):
+                logp, entropy = self.model(
+                    mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
+                    mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
+                )
+                loss, st = policy_loss(
+                    cfg.algorithm, logp, behaviour.to(dev), adv.to(dev), weights.to(dev),
+                    None if ref is None else ref.to(dev), cfg.kl_coef, cfg.clip_eps_low, cfg.clip_eps_high,
+                )
+                # Gradients are averaged over processes; the weights already
+                # divide by the step's totals, so undo the average.
+                acc.backward(loss * world)
+            if scale:
+                n = len(logp)
+                sums += torch.tensor([
+                    loss.item(), st["pg_loss"].item(), st["kl"].item(), entropy.sum().item(),
+                    st["clipped"].sum().item(), st["ratio"].sum().item(), mb.n_tokens, mb.n_slots,
+                ], dtype=torch.float64)
+                ratio_max = torch.maximum(ratio_max, st["ratio"].max().cpu())
+                ratio_min = torch.minimum(ratio_min, st["ratio"].min().cpu())
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        if world > 1:
+            sums = acc.reduce(sums.to(dev), "sum").cpu()
+            ratio_max = acc.gather(ratio_max[None].to(dev)).max().cpu()
+            ratio_min = acc.gather(ratio_min[None].to(dev)).min().cpu()
+        seconds = time.perf_counter() - t0
+        adv = advantages[idx]
+        loss, pg, kl, ent, clipped, ratio, tokens, slots = sums.tolist()
+        return {
+            "step": self.step,
+            "loss": loss,
+            "pg_loss": pg,
+            "kl": kl,
+            "entropy": ent / n_completion,
+            "clip_frac": clipped / n_completion,
+            "ratio_mean": ratio / n_completion,
+            "ratio_max": float(ratio_max),
+            "ratio_min": float(ratio_min),
+            "adv_mean": float(adv.mean()),
+            "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
+            "adv_min": float(adv.min()),
+            "adv_max": float(adv.max()),
+            "zero_adv_frac": float((adv == 0).double().mean()),
+            "reward_mean": float(rewards[idx].mean()),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "samples": len(idx),
+            "completion_tokens": n_completion,
+            "tokens": int(tokens),
+            "padding_frac": 1 - tokens / slots if slots else 0.0,
+            "micro_batches": len(mbs),
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+        }
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Current log-probs of each sample's completion tokens (at its temperature), no update."""
+        cfg, dev = self.config, self.accelerator.device
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
+                                cfg.token_budget, cfg.layout, self.pad_id):
+            inv_temp = torch.tensor([1.0 / samples[i].temperature for i in mb.indices for _ in samples[i].completion_ids])
+            logp, _ = self.model(
+                mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
+                mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
+            )
+            for i, part in zip(mb.indices, logp.float().cpu().split(mb.completion_lengths)):
+                out[i] = part
+        return out
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
+        """Write a Hugging Face model folder (safetensors, config, tokenizer) that vLLM loads,
+        plus trainer_state/ (optimizer state, progress) to resume from. Not atomic by itself:
+        write into a temp folder and rename (see finetune.checkpoints)."""
+        acc = self.accelerator
+        folder = Path(folder)
+        state = acc.get_state_dict(self.model)  # full weights on the main process, FSDP included
+        if acc.is_main_process:
+            dtype = DTYPES[self.save_dtype]
+            weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items()}
+            lm = acc.unwrap_model(self.model).lm
+            lm.save_pretrained(folder, state_dict=weights)
+            cfg_path = folder / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["dtype"] = self.save_dtype
+            cfg.pop("torch_dtype", None)
+            cfg["use_cache"] = True
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            for name in TOKENIZER_FILES:
+                if (self.model_dir / name).is_file():
+                    shutil.copy2(self.model_dir / name, folder / name)
+        del state
+        acc.save_state(str(folder / "trainer_state"))
+        if acc.is_main_process:
+            (folder / "trainer_state" / "progress.json").write_text(
+                json.dumps({**progress, "optimizer_step": self.step}) + "\n")
+        acc.wait_for_everyone()
+
+    def load_trainer_state(self, folder: str | os.PathLike) -> dict:
+        """Restore optimizer state and step count from a checkpoint written by save_checkpoint."""
+        folder = Path(folder) / "trainer_state"
+        self.accelerator.load_state(str(folder))
+        progress = json.loads((folder / "progress.json").read_text())
+        self.step = int(progress["optimizer_step"])
+        return progress

@@ -1,0 +1,128 @@
+"""Micro-batches by token budget: length-sorted, with (almost) no padding.
+
+Sequences (prompt + completion) are sorted longest first and cut greedily
+into micro-batches whose cost stays within the token budget:
+
+- padded: rows right-padded to the longest row of the micro-batch; cost =
+  rows x longest. Sorting makes neighbours similar in length, so padding is
+  a few percent. Right padding needs no attention mask: under causal
+  attention a real token never sees the padding after it. On CPU this is the
+  fastest layout (measured, see bench/bench_trainer.py): attention stays
+  cheap because rows stay short.
+- packed: all sequences of a micro-batch in one row, position ids restarting
+  at 0 for each; cost = total tokens, no padding at all. transformers turns
+  restarting position ids into a block-diagonal causal mask (sdpa) or
+  variable-length kernels (flash-attention), so sequences never see each
+  other. Pays off on GPU with flash-attention; on CPU the dense mask makes
+  attention quadratic in the row length.
+
+Each MicroBatch also says where every completion token is predicted: the
+hidden state at (row, col) predicts the token at col + 1, so the completion
+token k of a sequence with prompt length P is predicted at col P - 1 + k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from torch import Tensor
+
+Layout = Literal["padded", "packed"]
+
+
+@dataclass
+class MicroBatch:
+    indices: list[int]  # which sequences (positions in the input list), in token order below
+    input_ids: Tensor  # [rows, cols]
+    position_ids: Tensor | None  # [rows, cols] for packed, None for padded (0..cols-1 per row)
+    rows: Tensor  # [n] row of the hidden state predicting each completion token
+    cols: Tensor  # [n] its column
+    targets: Tensor  # [n] the completion tokens, sequences end to end in `indices` order
+    completion_lengths: list[int]
+    n_tokens: int  # real tokens (prompt + completion)
+
+    @property
+    def n_slots(self) -> int:
+        """Token slots computed, padding included."""
+        return self.input_ids.numel()
+
+
+def plan(lengths: Sequence[int], token_budget: int, layout: Layout) -> list[list[int]]:
+    """Group sequence indices into micro-batches, longest first.
+
+    A sequence longer than the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i in order:
+        n = lengths[i]
+        # Sorted longest first, so the first member of a padded group is its longest row.
+        cost = (len(current) + 1) * lengths[current[0]] if (layout == "padded" and current) else total + n
+        if current and cost > token_budget:
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    indices: list[int],
+    layout: Layout,
+    pad_id: int = 0,
+) -> MicroBatch:
+    """Tensors for one micro-batch of the sequences `indices`."""
+    seqs = [list(prompts[i]) + list(completions[i]) for i in indices]
+    rows, cols, targets = [], [], []
+    if layout == "padded":
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        for r, (i, s) in enumerate(zip(indices, seqs)):
+            input_ids[r, : len(s)] = torch.tensor(s)
+            p, c = len(prompts[i]), len(completions[i])
+            rows.append(torch.full((c,), r, dtype=torch.long))
+            cols.append(torch.arange(p - 1, p - 1 + c))
+        position_ids = None
+    elif layout == "packed":
+        input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+        position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        offset = 0
+        for i, s in zip(indices, seqs):
+            p, c = len(prompts[i]), len(completions[i])
+            rows.append(torch.zeros(c, dtype=torch.long))
+            cols.append(torch.arange(offset + p - 1, offset + p - 1 + c))
+            offset += len(s)
+    else:
+        raise ValueError(f"layout must be 'padded' or 'packed', not {layout!r}")
+    for i in indices:
+        targets.append(torch.as_tensor(list(completions[i]), dtype=torch.long))
+    return MicroBatch(
+        indices=list(indices),
+        input_ids=input_ids,
+        position_ids=position_ids,
+        rows=torch.cat(rows),
+        cols=torch.cat(cols),
+        targets=torch.cat(targets),
+        completion_lengths=[len(completions[i]) for i in indices],
+        n_tokens=sum(len(s) for s in seqs),
+    )
+
+
+def micro_batches(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    token_budget: int,
+    layout: Layout = "padded",
+    pad_id: int = 0,
+) -> list[MicroBatch]:
+    """All micro-batches for these sequences, longest first."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    return [build(prompts, completions, g, layout, pad_id) for g in plan(lengths, token_budget, layout)]

@@ -1,0 +1,142 @@
+"""The files the learner shares with the orchestrator, in one run folder.
+
+    RUN/batches/000003.jsonl      written by the orchestrator (finetune.batch.write_batch)
+    RUN/checkpoints/000003/       written by the learner after training batch 3
+    RUN/train_metrics.jsonl       one JSON line per optimizer step, appended
+    RUN/trainer_state.json        where the learner is (status, last batch, checkpoint)
+    RUN/trainer.log               the learner's log
+    RUN/trainer.stop              created by the orchestrator: exit after the current batch
+
+Everything that appears complete is complete: files are written to a temp
+name and renamed, folders are built under checkpoints/.tmp-000003, fsynced,
+then renamed. See finetune.train for the protocol as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from finetune.batch import list_batches
+
+CHECKPOINT_NAME = re.compile(r"^(\d+)$")
+
+
+class RunDir:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.batches = self.root / "batches"
+        self.checkpoints = self.root / "checkpoints"
+        self.metrics = self.root / "train_metrics.jsonl"
+        self.state = self.root / "trainer_state.json"
+        self.log = self.root / "trainer.log"
+        self.stop = self.root / "trainer.stop"
+
+    def checkpoint(self, index: int) -> Path:
+        return self.checkpoints / f"{index:06d}"
+
+    def next_batch(self, after: int | None) -> tuple[int, Path] | None:
+        """The lowest-numbered complete batch file above `after` (None: any)."""
+        for index, path in list_batches(self.batches).items():
+            if after is None or index > after:
+                return index, path
+        return None
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        """The newest checkpoint that can be resumed from (has its trainer state)."""
+        if not self.checkpoints.is_dir():
+            return None
+        found = sorted((int(m.group(1)), p) for p in self.checkpoints.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
+        if not found:
+            return None
+        index, path = found[-1]
+        if not (path / "trainer_state" / "progress.json").is_file():
+            raise RuntimeError(
+                f"{path} is the newest checkpoint but has no trainer_state/progress.json, so training cannot "
+                "resume from it (was it deleted by hand?). Restore it, or move it away to resume from the one before."
+            )
+        return index, path
+
+    def temp_checkpoint(self, index: int) -> Path:
+        """A fresh folder to build checkpoint `index` in (same file system, so rename is atomic)."""
+        tmp = self.checkpoints / f".tmp-{index:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def publish_checkpoint(self, tmp: Path, index: int) -> Path:
+        """fsync the temp folder's files and rename it into place."""
+        final = self.checkpoint(index)
+        fsync_tree(tmp)
+        if final.exists():
+            raise FileExistsError(f"{final} exists already: batch {index} was trained before; not overwriting it")
+        os.rename(tmp, final)
+        fsync_dir(self.checkpoints)
+        return final
+
+    def drop_old_trainer_states(self, keep: int) -> None:
+        """Optimizer state is large (2x the weights): keep it only in the newest checkpoint."""
+        for p in self.checkpoints.iterdir():
+            m = CHECKPOINT_NAME.match(p.name)
+            if m and int(m.group(1)) != keep and (p / "trainer_state").exists():
+                shutil.rmtree(p / "trainer_state", ignore_errors=True)
+
+    def clean_temp(self) -> None:
+        """Remove half-built checkpoints left by a crash."""
+        if self.checkpoints.is_dir():
+            for p in self.checkpoints.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def write_state(self, **fields) -> None:
+        write_json_atomic(self.state, {**fields, "pid": os.getpid(), "updated": time.time()})
+
+    def read_state(self) -> dict | None:
+        try:
+            return json.loads(self.state.read_text())
+        except FileNotFoundError:
+            return None
+
+    def append_metrics(self, record: dict) -> None:
+        """One line per call, written with a single write so readers never see half a line mid-file."""
+        with open(self.metrics, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def fsync_tree(folder: Path) -> None:
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

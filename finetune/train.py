@@ -1,0 +1,308 @@
+"""The learner process: waits for batches, trains on each, writes a checkpoint per batch.
+
+    uv run accelerate launch --config_file finetune/accelerate/cpu.yaml -m finetune.train \\
+        --model MODEL_DIR --run-dir RUN [--parent-pid PID] [--config finetune.json] [--lr 1e-6 ...]
+
+It imports nothing from the rest of tapeloop; it talks to the orchestrator
+through files in the run folder only:
+
+1. The orchestrator writes RUN/batches/NNNNNN.jsonl (finetune.batch.write_batch:
+   one sample per line, temp file + rename, so a visible file is complete).
+2. The learner polls for the lowest-numbered batch above the last one it
+   trained, trains on it (epochs x steps_per_epoch optimizer steps), then
+   writes RUN/checkpoints/NNNNNN/: a Hugging Face folder (config.json,
+   model.safetensors, generation_config.json, tokenizer files) that vLLM and
+   transformers load, plus trainer_state/ (weights, optimizer state,
+   progress.json) to resume from. The folder is built as
+   checkpoints/.tmp-NNNNNN, fsynced and renamed: it appears complete or not
+   at all. Only the newest checkpoint keeps trainer_state/.
+3. After the checkpoint appears, the batch's per-step metrics are appended to
+   RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
+   step, step_in_batch, loss, pg_loss, kl, entropy, clip_frac, ratio_mean,
+   ratio_max, ratio_min, adv_mean, adv_std, adv_min, adv_max,
+   zero_adv_frac, reward_mean, grad_norm, lr, samples, completion_tokens,
+   tokens, padding_frac, micro_batches, seconds, tokens_per_s), and
+   RUN/trainer_state.json is replaced (atomically) with
+   {status, last_batch, checkpoint, optimizer_step, batch_in_progress, pid,
+   updated}; status is loading | waiting | training | stopped | failed
+   (with `error`).
+4. The learner keeps model and optimizer in memory between batches. After a
+   crash or kill, started again with the same arguments, it resumes from the
+   newest checkpoint with its optimizer state and goes on with the next
+   batch: a batch that has a checkpoint is never trained again; a batch
+   interrupted before its checkpoint is trained again from the start.
+5. It exits cleanly (status stopped) when RUN/trainer.stop exists (checked
+   between batches), after --max-batches batches, or with --once when no
+   batch is left. It exits at once (code 3) when its parent process changes
+   or the --parent-pid process dies, so it never outlives the orchestrator.
+   SIGTERM / SIGKILL are safe at any time: nothing visible is half-written.
+
+Run `python -m finetune.train --help` for every option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import types
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from finetune.config import TrainConfig
+
+log = logging.getLogger("finetune")
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetune.train",
+        description="GRPO / REINFORCE learner: trains on RUN/batches/*.jsonl as they appear and writes "
+        "RUN/checkpoints/*/ (see the module docstring for the file protocol). Launch it with "
+        "`accelerate launch -m finetune.train ...`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run = parser.add_argument_group("process")
+    run.add_argument("--model", required=True, help="Hugging Face model folder to start from (config.json, "
+                     "safetensors, tokenizer). Ignored when the run folder has a checkpoint to resume from.")
+    run.add_argument("--run-dir", required=True, help="Run folder: batches/ in, checkpoints/, "
+                     "train_metrics.jsonl, trainer_state.json, trainer.log out.")
+    run.add_argument("--config", help="JSON file of training options (the names below with underscores); "
+                     "command-line options override it.")
+    run.add_argument("--parent-pid", type=int, help="Exit as soon as this process is gone (the orchestrator's "
+                     "pid: under `accelerate launch` the direct parent is the launcher).")
+    run.add_argument("--once", action="store_true", help="Train every batch already there, then exit "
+                     "(offline training from saved samples).")
+    run.add_argument("--max-batches", type=int, default=0, help="Exit after training this many batches (0: no limit).")
+    run.add_argument("--poll-seconds", type=float, default=0.5, help="How often to look for the next batch.")
+    run.add_argument("--print-config", action="store_true", help="Print the resolved training options as JSON "
+                     "and exit (checks them without loading a model).")
+    train = parser.add_argument_group("training (finetune.config.TrainConfig)")
+    for name, field in TrainConfig.model_fields.items():
+        annotation = field.annotation
+        kwargs: dict = {"default": argparse.SUPPRESS, "help": f"{field.description} [default: {field.default}]"}
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if typing.get_origin(annotation) is typing.Literal:
+                kwargs["choices"] = list(typing.get_args(annotation))
+            elif isinstance(annotation, types.UnionType) and args:
+                kwargs["metavar"] = args[0].__name__.upper()
+            else:
+                kwargs["metavar"] = getattr(annotation, "__name__", "VALUE").upper()
+        train.add_argument(_option(name), dest=f"cfg_{name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
+    """Options and the validated TrainConfig; a bad value exits with one line naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values: dict = {}
+    if args.config:
+        try:
+            values = json.loads(Path(args.config).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"--config {args.config}: {exc}")
+        if not isinstance(values, dict):
+            parser.error(f"--config {args.config}: expected a JSON object of training options")
+    values.update({k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")})
+    try:
+        config = TrainConfig.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = ".".join(str(p) for p in err["loc"])
+        where = _option(name) if name else "options"
+        got = f" (got {err['input']!r})" if name and "input" in err else ""
+        parser.error(f"{where}: {err['msg']}{got}")
+    if not args.print_config and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
+    return args, config
+
+
+# ---- never outlive the orchestrator -----------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a dead parent not yet reaped is a zombie
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def start_parent_watch(parent_pid: int | None, interval: float = 1.0) -> None:
+    """A daemon thread that ends the process when its parent (or --parent-pid) is gone.
+
+    os._exit on purpose: nothing half-written is ever visible, and the
+    orchestrator that would read a clean shutdown is gone anyway.
+    """
+    ppid = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval)
+            reason = None
+            if os.getppid() != ppid:
+                reason = f"parent process {ppid} exited"
+            elif parent_pid is not None and not _alive(parent_pid):
+                reason = f"--parent-pid {parent_pid} exited"
+            if reason:
+                log.error("%s: exiting now", reason)
+                logging.shutdown()
+                os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+def _setup_logging(path: Path | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if path is not None:
+        handlers.append(logging.FileHandler(path, encoding="utf-8"))
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    for h in handlers:
+        h.setFormatter(fmt)
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _step_line(m: dict) -> str:
+    return (f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): loss {m['loss']:.4f} pg {m['pg_loss']:.4f} "
+            f"kl {m['kl']:.4f} entropy {m['entropy']:.3f} clip {m['clip_frac']:.3f} ratio {m['ratio_mean']:.4f} "
+            f"[{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] grad_norm {m['grad_norm']:.3f} lr {m['lr']:.3g} "
+            f"{m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        return 0
+    start_parent_watch(args.parent_pid)
+
+    import torch
+    import transformers
+    from accelerate import Accelerator
+    from accelerate.utils import broadcast_object_list
+
+    from finetune.batch import read_batch
+    from finetune.learner import Learner, mixed_precision_for
+    from finetune.rundir import RunDir
+
+    transformers.utils.logging.disable_progress_bar()
+    run = RunDir(args.run_dir)
+    accelerator = Accelerator(mixed_precision=mixed_precision_for(config))
+    main_process = accelerator.is_main_process
+    if main_process:
+        run.root.mkdir(parents=True, exist_ok=True)
+        run.batches.mkdir(exist_ok=True)
+        run.checkpoints.mkdir(exist_ok=True)
+    accelerator.wait_for_everyone()
+    _setup_logging(run.log if main_process else None)
+    state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
+             "batch_in_progress": None}
+
+    def set_state(**fields):
+        state.update(fields)
+        if main_process:
+            run.write_state(**state)
+
+    try:
+        set_state()
+        log.info("learner starting: %s processes, device %s, mixed precision %s, %d threads, config %s",
+                 accelerator.num_processes, accelerator.device, accelerator.mixed_precision,
+                 torch.get_num_threads(), config.model_dump_json())
+        if main_process:
+            run.clean_temp()
+        resume = run.latest_checkpoint()
+        last: int | None = None
+        if resume is not None:
+            last, folder = resume
+            learner = Learner(folder, config, accelerator)
+            progress = learner.load_trainer_state(folder)
+            log.info("resumed from %s (batch %d, optimizer step %d)", folder, last, progress["optimizer_step"])
+            set_state(last_batch=last, checkpoint=str(folder.relative_to(run.root)), optimizer_step=learner.step)
+        else:
+            learner = Learner(args.model, config, accelerator)
+            log.info("loaded %s", args.model)
+
+        trained = 0
+        set_state(status="waiting")
+        while True:
+            decision = None  # ("train", index, path) or ("stop", reason); chosen by the main process
+            if main_process:
+                if run.stop.exists():
+                    decision = ("stop", f"{run.stop.name} found")
+                elif (found := run.next_batch(last)) is not None:
+                    decision = ("train", found[0], str(found[1]))
+                elif args.once:
+                    decision = ("stop", "no batch left (--once)")
+            decision = broadcast_object_list([decision])[0]
+            if decision is None:
+                time.sleep(args.poll_seconds)
+                continue
+            if decision[0] == "stop":
+                log.info("stopping: %s", decision[1])
+                set_state(status="stopped", reason=decision[1])
+                break
+
+            _, index, path = decision
+            samples = read_batch(path)
+            log.info("batch %d: %d samples from %s", index, len(samples), path)
+            set_state(status="training", batch_in_progress=index)
+            t0 = time.perf_counter()
+            metrics = learner.train_batch(samples, index, on_step=lambda m: log.info(_step_line(m)))
+            tmp = run.temp_checkpoint(index) if main_process else None
+            accelerator.wait_for_everyone()
+            tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
+            learner.save_checkpoint(tmp, {"batch": index, "samples": len(samples)})
+            if main_process:
+                final = run.publish_checkpoint(tmp, index)
+                for m in metrics:
+                    run.append_metrics({**m, "time": time.time()})
+                run.drop_old_trainer_states(keep=index)
+                log.info("batch %d done in %.1f s: %s", index, time.perf_counter() - t0, final)
+            accelerator.wait_for_everyone()
+            last = index
+            trained += 1
+            set_state(status="waiting", last_batch=index, checkpoint=str(run.checkpoint(index).relative_to(run.root)),
+                      optimizer_step=learner.step, batch_in_progress=None)
+            if args.max_batches and trained >= args.max_batches:
+                log.info("stopping: trained %d batches (--max-batches)", trained)
+                set_state(status="stopped", reason="--max-batches reached")
+                break
+        return 0
+    except Exception as exc:
+        log.error("failed: %s\n%s", exc, traceback.format_exc())
+        set_state(status="failed", error=f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        accelerator.end_training()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

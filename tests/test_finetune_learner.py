@@ -1,0 +1,190 @@
+"""The learner in one process, on a tiny Llama built from a config."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from finetune.batch import Sample
+from finetune.config import TrainConfig
+from finetune.learner import Learner
+from finetune.logprobs import PolicyLogProbs
+from finetune.microbatch import micro_batches
+from finetune.tiny_model import make_tiny_model
+
+PROMPT = [40, 41, 42, 43, 44]
+GOOD = [10, 11, 12, 13]
+BAD = [20, 21, 22]
+OTHER = [[30, 31], [50, 51, 52, 53, 54]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def with_behaviour(learner: Learner, samples: list[Sample]) -> list[Sample]:
+    """Behaviour log-probs as the sampling policy (the current weights) would report them."""
+    return [s.model_copy(update={"behaviour_logprobs": lp.tolist()})
+            for s, lp in zip(samples, learner.logprobs(samples))]
+
+
+def group(completions, rewards, temperature=1.0, group_id="g") -> list[Sample]:
+    return [Sample(prompt_ids=PROMPT, completion_ids=c, behaviour_logprobs=[0.0] * len(c), reward=r,
+                   group_id=group_id, temperature=temperature) for c, r in zip(completions, rewards)]
+
+
+def params(learner: Learner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
+
+
+# ---- log-probs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["fused", "full"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout):
+    lm = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 10))] for _ in range(7)]
+    completions = [[rng.randrange(256) for _ in range(rng.randint(1, 9))] for _ in range(7)]
+    temps = [1.0, 0.7, 1.0, 0.5, 1.3, 1.0, 0.7]
+    expected = []
+    with torch.no_grad():
+        for p, c, t in zip(prompts, completions, temps):
+            logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) - 1 + len(c)] / t
+            expected.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
+    policy = PolicyLogProbs(lm, impl, chunk=3)  # chunks smaller than a micro-batch
+    got = {}
+    for mb in micro_batches(prompts, completions, 24, layout):
+        inv_temp = torch.tensor([1 / temps[i] for i in mb.indices for _ in completions[i]])
+        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp)
+        assert (entropy > 0).all()
+        got.update(zip(mb.indices, logp.split(mb.completion_lengths)))
+    assert len(got) == 7
+    for i in range(7):
+        torch.testing.assert_close(got[i].detach(), expected[i], atol=1e-5, rtol=0)
+
+
+def test_fused_head_gradient_equals_plain_autograd(tiny):
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (11,))
+    inv_temp = torch.rand(11, dtype=torch.float64) + 0.5
+    coef = torch.randn(11, dtype=torch.float64)
+    from finetune.logprobs import head_logprobs
+
+    logp, entropy = head_logprobs(hidden, weight, targets, inv_temp, chunk=4)
+    g_fused = torch.autograd.grad((logp * coef).sum(), (hidden, weight))
+    logps = torch.log_softmax((hidden @ weight.T) * inv_temp[:, None], -1)
+    ref = logps.gather(1, targets[:, None]).squeeze(1)
+    g_ref = torch.autograd.grad((ref * coef).sum(), (hidden, weight))
+    torch.testing.assert_close(logp.double(), ref.detach(), atol=2e-5, rtol=0)  # outputs are fp32
+    torch.testing.assert_close(entropy.double(), -(logps.exp() * logps).sum(-1).detach(), atol=2e-5, rtol=0)
+    for a, b in zip(g_fused, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def test_rewarded_completion_goes_up_punished_goes_down(tiny):
+    learner = Learner(tiny, TrainConfig(lr=3e-3, epochs=4))
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, -1.0, 0.0, 0.0]))
+    before = [lp.sum().item() for lp in learner.logprobs(batch)]
+    metrics = learner.train_batch(batch, batch_index=0)
+    assert len(metrics) == 4 and metrics[-1]["step"] == 4
+    after = [lp.sum().item() for lp in learner.logprobs(batch)]
+    assert after[0] > before[0] + 0.1, (before, after)
+    assert after[1] < before[1] - 0.1, (before, after)
+
+
+def test_positive_advantage_raises_its_tokens_after_one_step(tiny):
+    learner = Learner(tiny, TrainConfig(lr=1e-3))
+    batch = with_behaviour(learner, group([GOOD, BAD], [1.0, 0.0]))
+    before = learner.logprobs(batch)[0]
+    (m,) = learner.train_batch(batch)
+    assert m["adv_max"] > 0 and m["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    after = learner.logprobs(batch)[0]
+    assert (after > before).all(), (before, after)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "reinforce"])
+def test_equal_rewards_leave_the_weights_unchanged(tiny, algorithm):
+    learner = Learner(tiny, TrainConfig(lr=1e-2, algorithm=algorithm))
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [0.3] * 4))
+    start = params(learner)
+    (m,) = learner.train_batch(batch)
+    assert m["grad_norm"] == 0.0 and m["zero_adv_frac"] == 1.0
+    for name, value in params(learner).items():
+        assert torch.equal(value, start[name]), name
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_micro_batching_does_not_change_the_step(tiny, aggregation):
+    rng = random.Random(3)
+    batch = []
+    for g in range(4):
+        completions = [[rng.randrange(256) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+        batch += group(completions, [rng.random() for _ in range(4)], temperature=0.7, group_id=g)
+    results = []
+    for budget in (16, 4096):
+        learner = Learner(tiny, TrainConfig(lr=1e-3, token_budget=budget, aggregation=aggregation, kl_coef=0.0))
+        (m,) = learner.train_batch(with_behaviour(learner, batch))
+        results.append(m)
+    small, large = results
+    assert small["micro_batches"] > 4 and large["micro_batches"] == 1
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_mean"):
+        assert small[key] == pytest.approx(large[key], rel=1e-5, abs=1e-7), key
+
+
+def test_step_metrics(tiny):
+    cfg = TrainConfig(lr=1e-3, epochs=2, steps_per_epoch=2, warmup_steps=2, kl_coef=0.05)
+    learner = Learner(tiny, cfg)
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    batch = [s.model_copy(update={"ref_logprobs": [x - 0.1 for x in s.behaviour_logprobs]}) for s in batch]
+    metrics = learner.train_batch(batch, batch_index=7)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["epoch"] for m in metrics] == [0, 0, 1, 1]
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "adv_mean", "adv_std",
+                "grad_norm", "lr", "tokens_per_s"):
+        assert all(isinstance(m[key], float) for m in metrics), key
+    assert all(m["batch"] == 7 and m["kl"] > 0 for m in metrics)
+    assert metrics[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # nothing trained yet
+    assert sum(m["samples"] for m in metrics) == 2 * len(batch)
+    for m in metrics:
+        assert m["loss"] == pytest.approx(m["pg_loss"] + 0.05 * m["kl"], abs=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        learner.train_batch(group([GOOD], [1.0]))
+
+
+def test_checkpoint_reloads_and_resumes_exactly(tiny, tmp_path):
+    cfg = TrainConfig(lr=1e-3)
+    learner = Learner(tiny, cfg)
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    learner.train_batch(batch, 0)
+    learner.save_checkpoint(tmp_path / "ck", {"batch": 0})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
+    trained = params(learner)
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
+                           AutoModelForCausalLM.from_pretrained(tiny).state_dict()["model.layers.0.mlp.up_proj.weight"])
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "ck").decode([104, 105]) == AutoTokenizer.from_pretrained(
+        tiny).decode([104, 105])
+
+    # A second step from the restored optimizer state equals a second step in memory.
+    resumed = Learner(tmp_path / "ck", cfg)
+    assert resumed.load_trainer_state(tmp_path / "ck")["batch"] == 0 and resumed.step == 1
+    learner.train_batch(batch, 1)
+    resumed.train_batch(batch, 1)
+    a, b = params(learner), params(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)
