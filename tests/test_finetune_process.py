@@ -1,0 +1,199 @@
+"""The learner as its own process, started through `accelerate launch` (CPU, tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.batch import Sample, batch_file, read_batch, write_batch
+from finetune.config import TrainConfig
+from finetune.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE_CPU = ROOT / "finetune" / "accelerate" / "cpu.yaml"
+OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--token-budget", "64", "--clip-eps-high", "0.28"]
+CONFIG = TrainConfig(lr=1e-3, epochs=2, token_budget=64, clip_eps_high=0.28)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def batches(tiny, tmp_path_factory):
+    """Two batch files, behaviour log-probs from the initial model."""
+    from finetune.learner import Learner
+
+    learner = Learner(tiny, CONFIG)
+    folder = tmp_path_factory.mktemp("batches")
+    g = torch.Generator().manual_seed(0)
+    paths = []
+    for index in (1, 2):
+        samples = []
+        for group in range(3):
+            prompt = torch.randint(0, 256, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+            for k in range(4):
+                n = int(torch.randint(1, 10, (1,), generator=g))
+                completion = torch.randint(0, 256, (n,), generator=g).tolist()
+                samples.append(Sample(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=[0.0] * n,
+                                      reward=float(k == group % 4), group_id=f"{index}-{group}", temperature=0.7))
+        samples = [s.model_copy(update={"behaviour_logprobs": lp.tolist()})
+                   for s, lp in zip(samples, learner.logprobs(samples))]
+        paths.append(write_batch(folder / f"{index:06d}.jsonl", samples))
+    return paths
+
+
+def launch(model: Path, run: Path, *extra: str) -> subprocess.Popen:
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU),
+           "-m", "finetune.train", "--model", str(model), "--run-dir", str(run), "--poll-seconds", "0.2",
+           *OPTIONS, *extra]
+    out = open(run / "process.out", "ab")
+    # Own process group, so the test can kill the launcher and the learner together.
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, run: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"learner exited ({proc.returncode}) before {path.name}:\n{(run / 'process.out').read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {path} after {timeout} s:\n{(run / 'process.out').read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen, run: Path) -> None:
+    (run / "trainer.stop").touch()
+    try:
+        assert proc.wait(timeout=60) == 0, (run / "process.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert json.loads((run / "trainer_state.json").read_text())["status"] == "stopped"
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
+
+
+def test_help_lists_every_option():
+    out = subprocess.run([sys.executable, "-m", "finetune.train", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    for name, field in TrainConfig.model_fields.items():
+        option = "--" + name.replace("_", "-")
+        assert option in out, option
+    for option in ("--model", "--run-dir", "--config", "--parent-pid", "--once", "--max-batches"):
+        assert option in out
+    assert "Dr. GRPO" in " ".join(out.split())  # descriptions, not just names
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--clip-eps-low", "1.5"], "--clip-eps-low"),
+    (["--lr", "fast"], "--lr"),
+    (["--lr-schedule", "cosine"], "total_steps"),
+    (["--aggregation", "mean"], "--aggregation"),
+])
+def test_bad_value_is_refused_in_one_line(tmp_path, args, option):
+    proc = subprocess.run([sys.executable, "-m", "finetune.train", "--model", str(tmp_path), "--run-dir",
+                           str(tmp_path / "run"), *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert option in last and last.startswith("finetune.train: error:")
+    assert not (tmp_path / "run").exists()  # refused before doing anything
+
+
+@pytest.mark.slow
+def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_path):
+    from finetune.learner import Learner
+
+    # The same training in this process, as the reference.
+    learner = Learner(tiny, CONFIG)
+    for index, path in zip((1, 2), batches):
+        learner.train_batch(read_batch(path), index)
+    expected = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
+    initial = weights(tiny)
+
+    # 1. One learner process takes two batches in a row.
+    run = tmp_path / "run"
+    write_batch(batch_file(run / "batches", 1), read_batch(batches[0]))
+    proc = launch(tiny, run)
+    wait_for(run / "checkpoints" / "000001", proc, run)
+    write_batch(batch_file(run / "batches", 2), read_batch(batches[1]))
+    wait_for(run / "checkpoints" / "000002", proc, run)
+    stop(proc, run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000001", "000002"]
+    # Optimizer state is kept only with the newest checkpoint.
+    assert not (run / "checkpoints" / "000001" / "trainer_state").exists()
+    assert (run / "checkpoints" / "000002" / "trainer_state" / "progress.json").is_file()
+    lines = metrics(run)
+    assert [(m["batch"], m["step"]) for m in lines] == [(1, 1), (1, 2), (2, 3), (2, 4)]
+    assert lines[0]["ratio_max"] == pytest.approx(1.0, abs=1e-4)  # behaviour = initial model
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["last_batch"] == 2 and state["checkpoint"] == "checkpoints/000002" and state["optimizer_step"] == 4
+
+    second = weights(run / "checkpoints" / "000002")
+    first = weights(run / "checkpoints" / "000001")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.equal(first[name], initial[name]) and not torch.equal(second[name], first[name])
+    for k, v in second.items():
+        torch.testing.assert_close(v, expected[k], atol=1e-6, rtol=0, msg=k)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(run / "checkpoints" / "000002")
+
+    # 2. Killed after the first batch, started again: resumes with its optimizer state.
+    run2 = tmp_path / "run2"
+    write_batch(batch_file(run2 / "batches", 1), read_batch(batches[0]))
+    proc = launch(tiny, run2)
+    wait_for(run2 / "checkpoints" / "000001", proc, run2)
+    stamp = (run2 / "checkpoints" / "000001" / "model.safetensors").stat().st_mtime_ns
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    write_batch(batch_file(run2 / "batches", 2), read_batch(batches[1]))
+    proc = launch(tiny, run2)
+    wait_for(run2 / "checkpoints" / "000002", proc, run2)
+    stop(proc, run2)
+    assert [(m["batch"], m["step"]) for m in metrics(run2)] == [(1, 1), (1, 2), (2, 3), (2, 4)]
+    assert (run2 / "checkpoints" / "000001" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert "resumed from" in (run2 / "trainer.log").read_text()
+    resumed = weights(run2 / "checkpoints" / "000002")
+    for k, v in resumed.items():
+        torch.testing.assert_close(v, second[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_exits_when_the_orchestrator_dies(tiny, tmp_path):
+    orchestrator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    run = tmp_path / "run"
+    proc = launch(tiny, run, "--parent-pid", str(orchestrator.pid))
+    try:
+        deadline = time.monotonic() + 240
+        while json.loads((run / "trainer_state.json").read_text() if (run / "trainer_state.json").exists()
+                         else "{}").get("status") != "waiting":
+            assert proc.poll() is None and time.monotonic() < deadline, (run / "process.out").read_text()[-3000:]
+            time.sleep(0.2)
+        orchestrator.kill()
+        orchestrator.wait()
+        proc.wait(timeout=30)  # the launcher goes when its child does
+        assert "exited: exiting now" in (run / "trainer.log").read_text()
+    finally:
+        orchestrator.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

