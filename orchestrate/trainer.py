@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 
 from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
-from orchestrate.vllm_server import _die_with_parent, cuda_available, log_tail
+from orchestrate.processes import spawn, stop
+from orchestrate.vllm_server import cuda_available, log_tail
 
 ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "accelerate"
 
@@ -66,14 +66,10 @@ class TrainerProcess:
         fields = {k: v for k, v in self.config.model_dump().items() if k in TrainConfig.model_fields}
         self.config_path.write_text(json.dumps(fields, indent=2) + "\n")
         (self.run.root / "trainer.stop").unlink(missing_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
-        log.flush()
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        log.close()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
+        self.process = spawn(self.command(), self.log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def _died(self) -> TrainerError:
         code = self.process.returncode if self.process else None
@@ -124,16 +120,9 @@ class TrainerProcess:
     def stop(self, timeout: float = 30) -> None:
         if self.process is None:
             return
-        (self.run.root / "trainer.stop").touch()
+        (self.run.root / "trainer.stop").touch()  # the trainer exits between batches when it sees this
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.process.poll() is not None:
-                break
-            try:
-                os.killpg(self.process.pid, sig)
-                self.process.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        stop(self.process)

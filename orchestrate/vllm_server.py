@@ -14,10 +14,8 @@ without AMX and its log-probs drift from the trainer's), eager mode (start-up
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +24,8 @@ from pathlib import Path
 
 import httpx
 from pydantic import BaseModel, Field
+
+from orchestrate.processes import spawn, stop
 
 
 # Any ids in every tokenizer's range; used to check that a weight reload took.
@@ -75,15 +75,6 @@ def _cpu_list() -> str:
         else:
             ranges.append([cpu, cpu])
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when its parent dies (Linux)."""
-    os.setsid()  # own process group, so stop() can kill vLLM's engine workers too
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -176,19 +167,9 @@ class VLLMServer:
             return self
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(f"\n===== starting: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
-        log.flush()
-        # PR_SET_PDEATHSIG follows the *thread* that forks: start servers from the main thread.
-        self.process = subprocess.Popen(
-            self.command(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment(),
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== starting: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
+        self.process = spawn(self.command(), self.log_path, env=self.environment())
         if wait:
             self.wait_ready()
         return self
@@ -219,21 +200,8 @@ class VLLMServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout: float = 15) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                pass
-        try:  # whatever is left of the group (engine core workers)
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait()
+        if self.process is not None:
+            stop(self.process, timeout)
 
     def restart(self) -> None:
         self.stop()
@@ -263,7 +231,7 @@ class VLLMServer:
                 )
             self.stop()
             self.restarts += 1
-            # Popen from the loop's (main) thread: PR_SET_PDEATHSIG is tied to the forking thread.
+            # Popen from the loop's (main) thread: the parent-death signal is tied to the forking thread.
             self.start(wait=False)
             deadline = time.monotonic() + self.config.startup_timeout_s
             while not await self.healthy():

@@ -1,0 +1,101 @@
+"""Child processes that never outlive the orchestrator, even when it is killed with SIGKILL.
+
+`spawn()` starts a command under a small guard process (`python -m
+orchestrate.processes CMD...`). The kernel sends the guard SIGTERM when the
+orchestrator dies (PR_SET_PDEATHSIG); the guard then stops the command's
+whole process group, SIGTERM first and SIGKILL after a grace period. This
+catches what a plain parent-death signal misses: vLLM's engine core outlives
+a killed API server, and an API server still starting ignores SIGTERM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+_PR_SET_PDEATHSIG = 1
+GRACE_S = 10.0
+
+
+def _guard_preexec() -> None:
+    os.setsid()  # the guard leads its own group, so stop() can signal guard and command together
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def spawn(command: list[str], log_path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `command` under a guard, its output appended to `log_path`. Call from the main thread
+    (the parent-death signal follows the thread that forks)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "orchestrate.processes", *command],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_guard_preexec,
+        )  # fmt: skip
+
+
+def stop(process: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM the guard (it stops the command's group), then SIGKILL whatever is left."""
+    if process.poll() is None:
+        try:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=timeout + GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def _others_in_my_group() -> list[int]:
+    """Pids of this process group other than this process (from /proc)."""
+    me, group, out = os.getpid(), os.getpgid(0), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)": state ppid pgrp ...
+            except OSError:
+                continue
+            if int(fields[2]) == group:
+                out.append(int(entry))
+    return out
+
+
+def _signal_others(sig: int) -> None:
+    for pid in _others_in_my_group():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _guard(command: list[str]) -> int:
+    # The command stays in the guard's group: a SIGKILL to the group (from
+    # anyone) takes everything down, and the guard can clean up after it.
+    child = subprocess.Popen(command)
+
+    def on_term(signum, frame):
+        _signal_others(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_others(signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    code = child.wait()
+    _signal_others(signal.SIGKILL)  # leftovers such as an orphaned engine core
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(_guard(sys.argv[1:]))
