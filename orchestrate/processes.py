@@ -82,18 +82,26 @@ def _guard(command: list[str]) -> int:
     # anyone) takes everything down, and the guard can clean up after it.
     child = subprocess.Popen(command)
 
+    stopping: list[float] = []  # [signal, deadline] once asked to stop
+
     def on_term(signum, frame):
-        _signal_others(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        while child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        _signal_others(signal.SIGKILL)
-        os._exit(128 + signum)
+        # Only signal here: the main thread keeps reaping the child below.
+        if not stopping:
+            stopping.extend([signum, time.monotonic() + GRACE_S])
+            _signal_others(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    code = child.wait()
+    while True:
+        try:
+            code = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if stopping and time.monotonic() > stopping[1]:
+                _signal_others(signal.SIGKILL)
     _signal_others(signal.SIGKILL)  # leftovers such as an orphaned engine core
+    if stopping:
+        return 128 + int(stopping[0])
     return code if code >= 0 else 128 - code
 
 

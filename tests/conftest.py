@@ -44,3 +44,23 @@ def tokenizer(embedded_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(embedded_model_dir)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama (byte tokenizer, chat template) that vLLM serves and the trainer trains in seconds."""
+    from transformers import AutoTokenizer
+
+    from finetune.tiny_model import make_tiny_model
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=256, num_layers=2)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder

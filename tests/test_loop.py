@@ -1,0 +1,131 @@
+"""The main command end to end: `python -m orchestrate.rl` with real vLLM servers and the
+real accelerate-launched trainer, on a tiny model; then killed during training and resumed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from orchestrate.metrics import read_metrics
+from tapes import read_tapes
+
+pytestmark = pytest.mark.vllm
+
+
+def command(model_dir, run_dir, iterations=2, *extra):
+    return [
+        sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run_dir), "--iterations", str(iterations),
+        "--model.policy", str(model_dir),
+        "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "4", "--rollouts.max_tokens", "12",
+        "--eval.every", "2", "--eval.tasks", "4", "--eval.max_tokens", "12",
+        "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
+        "--train.kl_coef", "0.01", "--train.lr", "1e-3",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_two_iterations_fill_the_run_directory(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run(command(tiny_model_dir, run), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    config = json.loads((run / "config.json").read_text())
+    assert config["rollouts"]["attempts"] == 4 and config["model"]["policy"] == str(tiny_model_dir)
+    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
+
+    for i in (1, 2):
+        tapes = list(read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl"))
+        assert len(tapes) == 8 and {t.metadata.iteration for t in tapes} == {i}
+        assert {t.metadata.policy_version for t in tapes} == {i - 1}
+        for tape in tapes:
+            call = tape.llm_calls[0]
+            assert tape.metadata.reward in (-1.0, 0.0, 1.0)
+            assert len(call.ref_logprobs) == len(call.output_token_ids) == len(call.logprobs) > 0
+        assert (run / "batches" / f"{i:06d}.jsonl").exists()
+    assert len(list(read_tapes(run / "tapes" / "eval_000000.jsonl"))) == 4  # before training
+    assert len(list(read_tapes(run / "tapes" / "eval_000002.jsonl"))) == 4
+    assert not list(run.rglob("*.partial")) and not list(run.rglob(".*.tmp"))
+
+    checkpoint = run / "checkpoints" / "000002"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert model.config.vocab_size > 0
+
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [0, 1, 2]
+    for m in metrics[1:]:
+        for key in ("reward_mean", "success_rate", "parse_failure_rate", "truncation_rate", "completion_tokens_mean",
+                    "kl_ref", "train_loss", "train_entropy", "time_generate", "time_reward", "time_reference",
+                    "time_train", "time_weight_sync", "time_other"):
+            assert key in m, key
+    assert "eval_success_rate" in metrics[0] and "eval_success_rate" in metrics[2]
+    assert (run / "plots" / "curves.png").stat().st_size > 10_000
+    assert (run / "logs" / "policy-0.log").exists() and (run / "logs" / "reference.log").exists()
+    assert (run / "logs" / "trainer.log").exists()
+    assert "iter 2/2" in out.stdout
+
+
+def children_of_run(run_dir):
+    """Processes whose command line names the run directory (servers' logs, trainer)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(run_dir) in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def test_sigkill_during_training_then_resume(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    # batches of one sample per optimizer step keep the trainer busy long enough to be caught in the act
+    slow = ("--train.steps_per_epoch", "8", "--train.epochs", "2")
+    proc = subprocess.Popen(command(tiny_model_dir, run, 2, *slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    state = run / "trainer_state.json"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if state.exists():
+            try:
+                if json.loads(state.read_text()).get("status") == "training":
+                    break
+            except json.JSONDecodeError:
+                pass
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    else:
+        pytest.fail("the trainer never started training")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    tapes_1 = (run / "tapes" / "iter_000001.jsonl").read_bytes()  # saved before training started
+    deadline = time.monotonic() + 60
+    while children_of_run(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not children_of_run(run), "children outlived the orchestrator"
+    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 0
+
+    out = subprocess.run(command(tiny_model_dir, run, 2, *slow), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Resuming" in out.stdout
+    assert (run / "tapes" / "iter_000001.jsonl").read_bytes() == tapes_1  # the completed rollouts were kept
+    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
+    assert [m["iteration"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
+    # every batch was trained exactly once to completion
+    steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
+    for batch in (1, 2):
+        assert len([s for s in steps if s["batch"] == batch]) == 16
+    assert not list(run.rglob("*.partial"))
+
+
+def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"rollouts": {"attempts": 99}}))
+    out = subprocess.run(command(tiny_model_dir, run), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--rollouts.attempts" in out.stderr
