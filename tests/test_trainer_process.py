@@ -1,0 +1,38 @@
+"""The orchestrator's handle on the finetune process: a crash stops the run with the log tail
+and the command that resumes."""
+
+import pytest
+
+from orchestrate.config import TrainerSection
+from orchestrate.run_dir import RunDir
+from orchestrate.trainer import TrainerError, TrainerProcess
+
+
+def test_crashing_trainer_reports_log_tail_and_resume_command(tmp_path, tiny_model_dir):
+    run = RunDir(tmp_path / "run")
+    run.create()
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("this is: [not a valid accelerate config\n")
+    trainer = TrainerProcess(run, tiny_model_dir, TrainerSection(accelerate_config=str(bad), timeout_s=120))
+    trainer.start()
+    try:
+        with pytest.raises(TrainerError) as err:
+            trainer.wait_for_checkpoint(1)
+    finally:
+        trainer.stop()
+    message = str(err.value)
+    assert "exited with code" in message
+    assert "uv run -m orchestrate.rl --run-dir" in message and str(run.root) in message
+    assert "yaml" in message.lower() or "Error" in message  # the log tail is in the message
+
+
+def test_trainer_metrics_are_averaged_per_iteration(tmp_path, tiny_model_dir):
+    import json
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    lines = [{"batch": 1, "loss": 1.0, "kl": 0.5, "seconds": 2.0}, {"batch": 1, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
+             {"batch": 2, "loss": 9.0, "seconds": 5.0}]
+    run.train_metrics_path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
+    m = TrainerProcess(run, tiny_model_dir, TrainerSection()).iteration_metrics(1)
+    assert m["train_loss"] == 2.0 and m["train_kl"] == 0.375 and m["train_steps"] == 2 and m["train_seconds"] == 3.0
