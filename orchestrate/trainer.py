@@ -117,7 +117,8 @@ class TrainerProcess:
                 out[f"train_{key}"] = sum(values) / len(values)
         return out
 
-    def stop(self, timeout: float = 30) -> None:
+    def stop(self, timeout: float = 5) -> None:
+        """Ask the trainer to exit (it does between batches); past `timeout` (mid-batch), stop it: it resumes."""
         if self.process is None:
             return
         (self.run.root / "trainer.stop").touch()  # the trainer exits between batches when it sees this
