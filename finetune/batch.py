@@ -36,8 +36,10 @@ class Sample(BaseModel):
     prompt_ids: list[int] = Field(min_length=1, description="Token ids the policy was conditioned on (whole chat prompt).")
     completion_ids: list[int] = Field(min_length=1, description="Token ids the policy sampled; these are trained on.")
     behaviour_logprobs: list[Finite] = Field(
-        description="Log-prob of each completion token under the policy that sampled it, as vLLM "
-        "reported it (of the tempered distribution: logits / temperature)."
+        description="Log-prob of each completion token under the policy that sampled it, of the "
+        "distribution sampled from: softmax(logits / temperature). vLLM reports these with "
+        "`--logprobs-mode processed_logprobs` (its default, raw_logprobs, ignores the temperature). "
+        "Sample with top_p = 1 and no top_k: the learner re-computes only the temperature."
     )
     ref_logprobs: list[Finite] | None = Field(
         default=None,

@@ -52,7 +52,8 @@ class TrainConfig(BaseModel):
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
     token_budget: int = Field(
         2048, ge=16, description="Tokens per micro-batch, padding included (rows x longest row). The main "
-        "memory knob: SmolLM2-135M fp32 on CPU needs ~1.2 MB per token without checkpointing."
+        "memory knob: SmolLM2-135M fp32 on CPU needs ~2 GB (weights, gradients, AdamW) + ~1.8 MB per token "
+        "of budget, so 2048 peaks at ~5.8 GB; gradient checkpointing cuts the per-token part."
     )
     layout: Literal["padded", "packed"] = Field(
         "padded", description="padded: length-sorted rows, right-padded to the longest in the micro-batch "

