@@ -96,17 +96,23 @@ def write_batch(path: str | os.PathLike, samples: Iterable[Sample | dict]) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [(s if isinstance(s, Sample) else Sample.model_validate(s)).model_dump_json() for s in samples]
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a file so that readers see the old one or the whole new one: temp file, fsync, rename."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def batch_file(batches_dir: str | os.PathLike, index: int) -> Path:

@@ -18,11 +18,10 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from finetune.batch import list_batches
+from finetune.batch import list_batches, write_text_atomic
 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 
@@ -110,17 +109,7 @@ class RunDir:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def fsync_tree(folder: Path) -> None:
