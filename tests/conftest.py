@@ -64,3 +64,25 @@ def tiny_model_dir(tmp_path_factory):
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_model_dir, tmp_path_factory):
+    """A finished 2-iteration RL run on the tiny model (real vLLM servers and trainer), shared by the
+    browse, replay and offline tests: 2 tasks x 4 attempts per iteration, reference log-probs, evaluations
+    before training and after iteration 2. Tests must not change it (copy it first)."""
+    import subprocess
+    import sys
+
+    run = tmp_path_factory.mktemp("tiny_run") / "run"
+    command = [
+        sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--iterations", "2",
+        "--model.policy", str(tiny_model_dir),
+        "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "4", "--rollouts.max_tokens", "12",
+        "--eval.every", "2", "--eval.tasks", "4", "--eval.max_tokens", "12",
+        "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
+        "--train.kl_coef", "0.01", "--train.lr", "1e-3",
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return run

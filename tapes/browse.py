@@ -1,0 +1,395 @@
+"""Browse a run's tapes in a web page: `uv run -m tapes.browse RUN_DIR [--port 8765]`.
+
+A small JSON API over the run directory plus one static page (browse.html,
+no build step), served by the standard library on 127.0.0.1:
+
+    GET /                   the page
+    GET /api/run            config, metrics (one record per iteration), tape files
+    GET /api/tapes?...      one page of tape summaries, filtered and sorted
+    GET /api/tape?file=&index=   one tape whole, its tokens with log-probs and KL, its group
+
+It stays responsive on big runs: each tape file is indexed once (byte offset
+and a small summary per line, redone only when the file changes), lists are
+paged, and a tape is read from its offset when it is asked for. Only the
+layout of the run directory is known here (tapes/iter_*.jsonl,
+tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/), so this
+module imports nothing from agents or orchestrate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from tapes.store import read_tape_at
+
+PAGE = Path(__file__).with_name("browse.html")
+TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
+MAX_LIMIT = 500
+
+
+def k3(logprob: float, ref_logprob: float) -> float:
+    """Per-token k3 estimate of KL(policy || reference), as in the run's kl_ref metric."""
+    r = ref_logprob - logprob
+    return math.exp(r) - r - 1
+
+
+def group_advantages(rewards: list[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """The learner's GRPO advantages for one group: (r - mean) / (sample std + eps); 0 if all equal."""
+    if not rewards or max(rewards) == min(rewards):
+        return [0.0] * len(rewards)
+    mean = sum(rewards) / len(rewards)
+    centered = [r - mean for r in rewards]
+    if not normalize_std:
+        return centered
+    std = math.sqrt(sum(c * c for c in centered) / max(1, len(rewards) - 1))
+    return [c / (std + eps) for c in centered]
+
+
+def summarize(data: dict, file: str, index: int, kind: str) -> dict:
+    """What a tape list shows and filters on, from one parsed tape line."""
+    meta = data.get("metadata") or {}
+    steps = data.get("steps") or []
+    calls = data.get("llm_calls") or []
+    task = next((s for s in steps if s.get("kind") == "task"), None)
+    answer = next((s.get("answer") for s in reversed(steps) if s.get("kind") == "final_answer_action"), None)
+    return {
+        "file": file,
+        "index": index,
+        "kind": kind,
+        "id": meta.get("id", ""),
+        "iteration": meta.get("iteration", 0),
+        "policy_version": meta.get("policy_version", 0),
+        "task_id": meta.get("task_id", ""),
+        "group_id": meta.get("group_id", ""),
+        "reward": meta.get("reward"),
+        "reward_reason": meta.get("reward_reason", ""),
+        "error": meta.get("error"),
+        "parse_failure": bool(steps) and steps[-1].get("kind") == "parse_failure",
+        "truncated": any(c.get("finish_reason") == "length" for c in calls),
+        "length": sum(len(c.get("output_token_ids") or []) for c in calls),
+        "steps": len(steps),
+        "calls": len(calls),
+        "answer": answer,
+        "question": ((task or {}).get("text") or "")[:200],
+    }
+
+
+@dataclass
+class IndexedFile:
+    path: Path
+    kind: str  # "rollout" or "eval"
+    iteration: int
+    stamp: tuple[int, int] = (0, 0)  # (size, mtime_ns) the index was built from
+    offsets: list[int] = field(default_factory=list)
+    summaries: list[dict] = field(default_factory=list)
+
+    def refresh(self, normalize_std: bool) -> None:
+        st = self.path.stat()
+        stamp = (st.st_size, st.st_mtime_ns)
+        if stamp == self.stamp:
+            return
+        offsets, summaries = [], []
+        with open(self.path, "rb") as f:
+            pos = 0
+            for line in f:
+                if line.strip():
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError:
+                        data = {"metadata": {"error": f"line {len(offsets) + 1} is not valid JSON"}}
+                    summaries.append(summarize(data, self.path.name, len(offsets), self.kind))
+                    offsets.append(pos)
+                pos += len(line)
+        groups: dict[str, list[dict]] = {}
+        for s in summaries:
+            groups.setdefault(s["group_id"] or s["id"], []).append(s)
+        for members in groups.values():
+            rewards = [m["reward"] if m["reward"] is not None else 0.0 for m in members]
+            for m, adv in zip(members, group_advantages(rewards, normalize_std)):
+                m["advantage"] = adv
+                m["group_size"] = len(members)
+        self.offsets, self.summaries, self.stamp = offsets, summaries, stamp
+
+
+class RunIndex:
+    """The tapes of one run directory, indexed for paged lists and random access."""
+
+    def __init__(self, root: str | Path, tokenizer: str | Path | None = None):
+        self.root = Path(root)
+        self.files: dict[str, IndexedFile] = {}
+        self._lock = threading.Lock()
+        self._tokenizer_path = tokenizer
+        self._tokenizer: Any = None
+        self._tokenizer_loaded = False
+
+    # -- run-level files ----------------------------------------------------
+
+    def config(self) -> dict | None:
+        path = self.root / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def metrics(self) -> list[dict]:
+        path = self.root / "metrics.jsonl"
+        out = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn last line
+        return out
+
+    def normalize_std(self) -> bool:
+        return bool(((self.config() or {}).get("train") or {}).get("normalize_std", True))
+
+    def refresh(self) -> list[IndexedFile]:
+        """Index new or changed tape files; returns them in order (rollouts by iteration, then evals)."""
+        with self._lock:
+            folder = self.root / "tapes"
+            present = {}
+            for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+                m = TAPE_FILE.match(path.name)
+                if m:
+                    present[path.name] = (path, "rollout" if m.group(1) == "iter" else "eval", int(m.group(2)))
+            self.files = {
+                name: self.files.get(name) or IndexedFile(path, kind, iteration)
+                for name, (path, kind, iteration) in present.items()
+            }
+            normalize = self.normalize_std()
+            for f in self.files.values():
+                f.refresh(normalize)
+            return sorted(self.files.values(), key=lambda f: (f.kind != "rollout", f.iteration))
+
+    # -- lists ----------------------------------------------------------------
+
+    def list(self, query: dict[str, str]) -> dict:
+        files = self.refresh()
+        kind = query.get("kind") or "rollout"
+        selected = [f for f in files if kind == "all" or f.kind == kind]
+        if query.get("iteration") not in (None, ""):
+            iteration = int(query["iteration"])
+            selected = [f for f in selected if f.iteration == iteration]
+        if query.get("file"):
+            selected = [f for f in selected if f.path.name == query["file"]]
+        rows = [s for f in selected for s in f.summaries]
+        rows = [s for s in rows if _keep(s, query)]
+        sort = query.get("sort") or ""
+        if sort in ("length", "-length", "reward", "-reward", "advantage", "-advantage"):
+            key = sort.lstrip("-")
+            rows = sorted(rows, key=lambda s: (s.get(key) is None, s.get(key) or 0), reverse=sort.startswith("-"))
+        offset = max(0, int(query.get("offset") or 0))
+        limit = min(MAX_LIMIT, max(1, int(query.get("limit") or 50)))
+        return {"total": len(rows), "offset": offset, "limit": limit, "items": rows[offset : offset + limit]}
+
+    # -- one tape ---------------------------------------------------------------
+
+    def tokenizer(self):
+        """The run's tokenizer (newest checkpoint, else the configured policy folder), or None."""
+        with self._lock:
+            if not self._tokenizer_loaded:
+                self._tokenizer_loaded = True
+                candidates = [Path(self._tokenizer_path)] if self._tokenizer_path else []
+                checkpoints = self.root / "checkpoints"
+                if not candidates and checkpoints.is_dir():
+                    candidates += sorted((p for p in checkpoints.iterdir() if p.name.isdigit()), reverse=True)
+                policy = ((self.config() or {}).get("model") or {}).get("policy")
+                if not self._tokenizer_path and policy:
+                    candidates.append(Path(policy))
+                for folder in candidates:
+                    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+                        try:
+                            from transformers import AutoTokenizer
+
+                            self._tokenizer = AutoTokenizer.from_pretrained(folder)
+                            break
+                        except Exception:  # a broken folder: try the next one, else show token ids
+                            continue
+            return self._tokenizer
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        tok = self.tokenizer()
+        if tok is None:
+            return [f"⟨{i}⟩" for i in ids]
+        out, previous = [], ""
+        for n in range(1, len(ids) + 1):  # prefix decoding keeps multi-byte characters whole
+            text = tok.decode(ids[:n], skip_special_tokens=False)
+            out.append(text[len(previous) :] if text.startswith(previous) else tok.decode(ids[n - 1 : n]))
+            previous = text
+        return out
+
+    def tape(self, file: str, index: int) -> dict:
+        self.refresh()
+        f = self.files.get(file)
+        if f is None:
+            raise LookupError(f"no tape file {file!r} in {self.root / 'tapes'}")
+        if not 0 <= index < len(f.offsets):
+            raise LookupError(f"{file} has {len(f.offsets)} tapes; no index {index}")
+        tape = read_tape_at(f.path, f.offsets[index], index + 1)
+        summary = f.summaries[index]
+        calls = []
+        for call in tape.llm_calls:
+            texts = self.token_texts(call.output_token_ids)
+            ref = call.ref_logprobs if call.ref_logprobs and len(call.ref_logprobs) == len(call.output_token_ids) else None
+            tokens = []
+            for i, (tid, text) in enumerate(zip(call.output_token_ids, texts)):
+                lp = call.logprobs[i] if i < len(call.logprobs) else None
+                entry = {"id": tid, "text": text, "logprob": lp}
+                if ref is not None and lp is not None:
+                    entry["ref_logprob"] = ref[i]
+                    entry["kl"] = k3(lp, ref[i])
+                tokens.append(entry)
+            calls.append({**call.model_dump(exclude={"output_token_ids", "logprobs", "ref_logprobs"}),
+                          "tokens": tokens, "has_ref": ref is not None,
+                          "n_prompt_tokens": len(call.prompt_token_ids)})
+        key = summary["group_id"] or summary["id"]
+        group = [s for s in f.summaries if (s["group_id"] or s["id"]) == key]
+        return {
+            "summary": summary,
+            "metadata": tape.metadata.model_dump(),
+            "context": tape.context,
+            "steps": [s.model_dump() for s in tape.steps],
+            "calls": calls,
+            "group": group,
+        }
+
+    def group(self, file: str, group_id: str) -> dict:
+        """Every attempt of one group, each with its output text, reward and advantage."""
+        self.refresh()
+        f = self.files.get(file)
+        if f is None:
+            raise LookupError(f"no tape file {file!r}")
+        members = [s for s in f.summaries if (s["group_id"] or s["id"]) == group_id]
+        if not members:
+            raise LookupError(f"no group {group_id!r} in {file}")
+        items = []
+        for s in members:
+            tape = read_tape_at(f.path, f.offsets[s["index"]], s["index"] + 1)
+            items.append({**s, "outputs": [c.output_text for c in tape.llm_calls],
+                          "last_step": tape.steps[-1].model_dump() if tape.steps else None})
+        return {"file": file, "group_id": group_id, "items": items}
+
+
+def _keep(s: dict, q: dict[str, str]) -> bool:
+    reward = q.get("reward") or ""
+    r = s["reward"]
+    if reward:
+        if r is None:
+            return False
+        m = re.fullmatch(r"(<=|>=|<|>|=)?\s*(-?\d+(?:\.\d+)?)", reward.strip())
+        if m:
+            op, value = m.group(1) or "=", float(m.group(2))
+            ok = {"<": r < value, ">": r > value, "<=": r <= value, ">=": r >= value, "=": r == value}[op]
+            if not ok:
+                return False
+    task = (q.get("task") or "").strip().lower()
+    if task and task not in s["task_id"].lower() and task not in s["question"].lower():
+        return False
+    for flag in ("parse_failure", "truncated"):
+        want = q.get(flag) or ""
+        if want in ("yes", "no") and s[flag] != (want == "yes"):
+            return False
+    if q.get("group") and s["group_id"] != q["group"]:
+        return False
+    return True
+
+
+class Handler(BaseHTTPRequestHandler):
+    index: RunIndex  # set on the subclass made by `serve`
+
+    def log_message(self, format, *args) -> None:  # quiet: one line per request is noise here
+        pass
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, obj: Any, status: int = 200) -> None:
+        self._send(status, json.dumps(obj, default=str).encode(), "application/json")
+
+    def do_GET(self) -> None:
+        url = urlparse(self.path)
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            if url.path in ("/", "/index.html"):
+                self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
+            elif url.path == "/favicon.ico":
+                self._send(204, b"", "image/x-icon")
+            elif url.path == "/api/run":
+                files = self.index.refresh()
+                self._json({
+                    "root": str(self.index.root.resolve()),
+                    "config": self.index.config(),
+                    "metrics": self.index.metrics(),
+                    "files": [{"name": f.path.name, "kind": f.kind, "iteration": f.iteration,
+                               "tapes": len(f.offsets)} for f in files],
+                })  # fmt: skip
+            elif url.path == "/api/tapes":
+                self._json(self.index.list(q))
+            elif url.path == "/api/tape":
+                self._json(self.index.tape(q.get("file", ""), int(q.get("index", "-1"))))
+            elif url.path == "/api/group":
+                self._json(self.index.group(q.get("file", ""), q.get("group", "")))
+            else:
+                self._json({"error": f"no such page: {url.path}"}, HTTPStatus.NOT_FOUND)
+        except (LookupError, ValueError) as exc:
+            self._json({"error": str(exc)}, HTTPStatus.NOT_FOUND if isinstance(exc, LookupError) else 400)
+        except BrokenPipeError:
+            pass
+
+
+def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765,
+          tokenizer: str | Path | None = None) -> ThreadingHTTPServer:
+    """A server (not yet serving: call serve_forever, or run it in a thread) for one run directory."""
+    index = RunIndex(run_dir, tokenizer)
+    handler = type("RunHandler", (Handler,), {"index": index})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tapes.browse", description="Browse a run's tapes in a web page.")
+    parser.add_argument("run_dir", help="run directory (holds tapes/, metrics.jsonl, config.json)")
+    parser.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on [default: 127.0.0.1]")
+    parser.add_argument("--tokenizer", help="tokenizer folder for token texts (default: the run's newest "
+                        "checkpoint, else its policy folder)")
+    args = parser.parse_args(argv)
+    root = Path(args.run_dir)
+    if not (root / "tapes").is_dir():
+        parser.error(f"run_dir {root}: no tapes/ folder here; pass a run directory (e.g. runs/embedded)")
+    try:
+        server = serve(root, args.host, args.port, args.tokenizer)
+    except OSError as exc:
+        parser.error(f"--port {args.port}: cannot listen ({exc.strerror}); pick another, or 0 for any free port")
+    host, port = server.server_address[:2]
+    print(f"Browsing {root} at http://{host}:{port}/  (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
