@@ -214,11 +214,20 @@ class VLLMClient:
 
 
 class ReplayLLM:
-    """Answers from the LLM calls recorded on a tape, in order."""
+    """Answers from the LLM calls recorded on a tape, in order.
 
-    def __init__(self, tape: Tape):
+    strict (the default): a prompt that differs from the recorded one is an
+    LLMError. strict=False answers anyway and notes the difference in
+    `mismatches` (call number, what differs), so a replay can go on and report
+    every step that changed; a different sampling setting is only noted.
+    Either way, asking for more calls than the tape recorded is an LLMError.
+    """
+
+    def __init__(self, tape: Tape, strict: bool = True):
         self.calls = list(tape.llm_calls)
         self.position = 0
+        self.strict = strict
+        self.mismatches: list[tuple[int, str]] = []
 
     async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall:
         if self.position >= len(self.calls):
@@ -226,5 +235,24 @@ class ReplayLLM:
         call = self.calls[self.position]
         self.position += 1
         if call.messages != messages:
-            raise LLMError(f"replay: call #{self.position} prompt differs from the recorded one")
+            problem = f"call #{self.position} prompt differs from the recorded one: "
+            problem += _first_message_difference(call.messages, messages)
+            if self.strict:
+                raise LLMError("replay: " + problem)
+            self.mismatches.append((self.position, problem))
+        if call.sampling != sampling:  # noted, never fatal: the recorded answer is what it is
+            self.mismatches.append((self.position, f"call #{self.position} sampling differs: recorded "
+                                    f"{call.sampling.model_dump()}, now {sampling.model_dump()}"))
         return call.model_copy(deep=True)
+
+
+def _first_message_difference(recorded: list[dict[str, Any]], now: list[dict[str, Any]]) -> str:
+    for i, (a, b) in enumerate(zip(recorded, now)):
+        if a != b:
+            return f"message {i + 1} was {_short(a)}, now {_short(b)}"
+    return f"recorded {len(recorded)} messages, now {len(now)}"
+
+
+def _short(message: dict[str, Any], width: int = 120) -> str:
+    text = repr(message)
+    return text if len(text) <= width else text[: width - 3] + "..."

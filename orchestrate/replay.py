@@ -1,0 +1,129 @@
+"""Replay saved tapes through the current agent: `uv run -m orchestrate.replay FILE [--index N]`.
+
+Each tape is run again from its given steps (those before the first step an
+LLM call produced: the task) with an LLM that answers from the calls the
+tape recorded (`agents.llm.ReplayLLM`), then scored with the current reward
+function. The result is compared with the recorded tape step by step
+(`tapes.diff`): this is how a change to an agent's parsing or prompting is
+checked against old tapes. Exit status 0 when every tape came back the
+same, 1 when one differs, 2 for bad input.
+
+The agent is built from the run's config (`config.json` two folders above a
+tape file, or `--config`), as the run built it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from agents.agent import Agent
+from agents.llm import LLMError, ReplayLLM
+from agents.rewards import Reward, score_tape
+from tapes.diff import TapeDiff, diff_tapes
+from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
+from tapes.tape import Tape, TapeMetadata
+
+
+def given_steps(tape: Tape) -> int:
+    """How many leading steps were given to the agent (not produced by an LLM call)."""
+    for i, step in enumerate(tape.steps):
+        if step.metadata.prompt_id:
+            return i
+    return len(tape.steps)
+
+
+async def replay_tape(
+    tape: Tape, agent: Agent, reward_fn: Callable[[Tape], Reward] | None = score_tape
+) -> tuple[Tape, TapeDiff]:
+    """Re-run `agent` on `tape`'s given steps with the recorded LLM calls; (replayed tape, differences)."""
+    fresh = Tape(
+        metadata=TapeMetadata(
+            id=tape.metadata.id, parent_id=tape.metadata.id, task_id=tape.metadata.task_id,
+            group_id=tape.metadata.group_id, iteration=tape.metadata.iteration,
+            policy_version=tape.metadata.policy_version,
+        ),
+        context=tape.context,
+    )  # fmt: skip
+    for step in tape.steps[: given_steps(tape)]:
+        fresh.append(step.model_copy(deep=True))
+    llm = ReplayLLM(tape, strict=False)
+    sampling = tape.llm_calls[0].sampling if tape.llm_calls else None  # the run's sampling (rollout or eval)
+    notes = []
+    try:
+        await agent.run(fresh, llm, sampling)
+    except LLMError as exc:
+        notes.append(str(exc))
+    except Exception as exc:  # the agent failed on this tape: on the record, as a rollout does
+        fresh.metadata.error = f"{type(exc).__name__}: {exc}"
+    if llm.position < len(llm.calls) and not notes:
+        notes.append(f"replay: the agent made {llm.position} calls; the tape recorded {len(llm.calls)}")
+    if reward_fn is not None:
+        reward = reward_fn(fresh)
+        fresh.metadata.reward, fresh.metadata.reward_reason = reward.value, reward.reason
+    else:
+        fresh.metadata.reward, fresh.metadata.reward_reason = tape.metadata.reward, tape.metadata.reward_reason
+    diff = diff_tapes(tape, fresh)
+    diff.notes = [p for _, p in llm.mismatches] + notes + diff.notes
+    return fresh, diff
+
+
+def agent_from_run_config(config_path: Path) -> Agent:
+    from agents.math_agent import math_agent
+    from orchestrate.config import RLConfig
+    from tapes.tape import SamplingParams
+
+    config = RLConfig.model_validate(json.loads(config_path.read_text()))
+    r = config.rollouts
+    return math_agent(config.agent, SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orchestrate.replay", description=__doc__.splitlines()[0].split(": ")[0])
+    parser.add_argument("files", nargs="+", help="tape files (JSON lines), e.g. RUN/tapes/iter_000001.jsonl")
+    parser.add_argument("--index", type=int, help="replay only this tape of the file (from 0)")
+    parser.add_argument("--config", help="the run's config.json (default: RUN/config.json beside the tapes/ folder)")
+    parser.add_argument("--quiet", action="store_true", help="print only tapes that differ and the summary")
+    args = parser.parse_args(argv)
+
+    paths = [Path(f) for f in args.files]
+    for path in paths:
+        if not path.is_file():
+            parser.error(f"files: {path} is not a file")
+    config_path = Path(args.config) if args.config else paths[0].resolve().parent.parent / "config.json"
+    if not config_path.is_file():
+        parser.error(f"--config: {config_path} not found; pass the run's config.json")
+    try:
+        agent = agent_from_run_config(config_path)
+    except Exception as exc:
+        parser.error(f"--config {config_path}: not a run config ({exc})")
+
+    total = differ = 0
+    for path in paths:
+        try:
+            if args.index is not None:
+                offsets = line_offsets(path)
+                if not 0 <= args.index < len(offsets):
+                    parser.error(f"--index {args.index}: {path} holds {len(offsets)} tapes")
+                tapes = [read_tape_at(path, offsets[args.index], args.index + 1)]
+            else:
+                tapes = read_tapes(path)
+            for tape in tapes:
+                _, diff = asyncio.run(replay_tape(tape, agent))
+                total += 1
+                differ += not diff.identical
+                if not (args.quiet and diff.identical):
+                    print(f"{path.name}: {diff.report()}")
+        except TapeFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(f"{total} tapes replayed: {total - differ} identical, {differ} differ")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
