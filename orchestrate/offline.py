@@ -1,0 +1,346 @@
+"""Train from saved tapes: `uv run -m orchestrate.offline --tapes RUN_DIR --out OUT [...]`.
+
+    uv run -m orchestrate.offline --tapes runs/embedded --iterations 3-10 --out runs/offline1
+    uv run -m orchestrate.offline --tapes a.jsonl b.jsonl --rescore --filter 'reward>=0' --out runs/off2
+    uv run -m orchestrate.offline --tapes runs/embedded --reference smollm2 --train.kl_coef 0.05 --out runs/off3
+
+1. read the tapes: a run directory's rollout tapes (tapes/iter_*.jsonl, within
+   `--iterations`), or tape files;
+2. optionally re-score them with the current reward function (`--rescore`,
+   or `--reward module:function` for another one);
+3. optionally re-annotate reference log-probs with a model served by vLLM
+   (`--reference MODEL`), as the RL loop's reference pass does;
+4. keep those that pass `--filter` (`all`, or a reward condition such as
+   `reward>0`);
+5. write them to OUT/tapes/iter_000001.jsonl (browsable with tapes.browse),
+   their training samples to OUT/batches/000001.jsonl, and run the same
+   finetune process as the RL loop (accelerate launch -m finetune.train) on
+   them: OUT/checkpoints/000001/ is the trained model, OUT/metrics.jsonl and
+   OUT/train_metrics.jsonl its metrics, OUT/logs/ the logs.
+
+The learner is GRPO / REINFORCE with group advantages (reward minus the
+group's mean): samples train only where the attempts at one task earned
+different rewards, and the recorded behaviour log-probs make the step
+off-policy-correct (clipped importance ratio). A filter that leaves every
+group with equal rewards would train nothing, and is refused.
+
+Bad input is refused before anything loads, with one line naming the option
+(exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+from tqdm.auto import tqdm
+
+from orchestrate.config import ServerSection, TrainerSection, _parse_value
+from tapes.store import TapeFileError, TapeWriter, read_tapes
+from tapes.tape import Tape
+
+FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
+RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+class OfflineError(ValueError):
+    """Bad input; the message is one line starting with the option."""
+
+
+# -- inputs ---------------------------------------------------------------------
+
+
+def parse_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = RANGE.match(text)
+    if not m:
+        raise OfflineError(f"--iterations: {text!r} is not N or A-B (e.g. 3 or 3-10)")
+    low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+    if high < low:
+        raise OfflineError(f"--iterations: {text!r} is an empty range")
+    return low, high
+
+
+def parse_filter(text: str) -> Callable[[Tape], bool]:
+    if text.strip() == "all":
+        return lambda tape: True
+    m = FILTER.match(text)
+    if not m:
+        raise OfflineError(f"--filter: {text!r} is not 'all' or a reward condition such as 'reward>0'")
+    op, value = m.group(1), float(m.group(2))
+    compare = {"<": float.__lt__, ">": float.__gt__, "<=": float.__le__, ">=": float.__ge__,
+               "=": float.__eq__, "==": float.__eq__, "!=": float.__ne__}[op]  # fmt: skip
+    return lambda tape: tape.metadata.reward is not None and compare(float(tape.metadata.reward), value)
+
+
+def tape_files(inputs: list[str], iterations: tuple[int, int] | None) -> list[Path]:
+    """The tape files named by --tapes: run directories (their rollout tapes) or files."""
+    files = []
+    for text in inputs:
+        path = Path(text)
+        if path.is_dir():
+            folder = path / "tapes" if (path / "tapes").is_dir() else path
+            found = sorted(folder.glob("iter_*.jsonl"))
+            if iterations:
+                found = [f for f in found if iterations[0] <= int(f.stem.split("_")[1]) <= iterations[1]]
+            if not found:
+                within = f" within iterations {iterations[0]}-{iterations[1]}" if iterations else ""
+                raise OfflineError(f"--tapes: {path} holds no rollout tape files (tapes/iter_*.jsonl){within}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise OfflineError(f"--tapes: {path} is neither a run directory nor a tape file")
+    return files
+
+
+def load_reward(spec: str | None, rescore: bool):
+    """The reward function to re-score with: None (keep recorded rewards), the math reward, or module:function."""
+    if spec is None:
+        if not rescore:
+            return None
+        from agents.rewards import score_tape
+
+        return score_tape
+    module_name, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise OfflineError(f"--reward: cannot import {spec!r} ({exc}); give it as module:function") from None
+    if not callable(fn):
+        raise OfflineError(f"--reward: {spec!r} is not callable")
+    return fn
+
+
+def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
+    for tape in tqdm(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
+        result = reward_fn(tape)
+        value, reason = (result.value, result.reason) if hasattr(result, "value") else (float(result), "")
+        tape.metadata.reward, tape.metadata.reward_reason = float(value), reason
+
+
+def annotate(tapes: list[Tape], model_dir: Path, server_config: ServerSection, out: Path, progress: bool) -> None:
+    """Reference log-probs from a vLLM server with `model_dir`, started for this and stopped after."""
+    from agents.llm import VLLMClient
+    from orchestrate.reference import annotate_reference
+    from orchestrate.vllm_server import VLLMServer
+
+    server = VLLMServer(model_dir, log_path=out / "logs" / "reference.log", name="reference", config=server_config)
+    with server:
+
+        async def go():
+            async with VLLMClient([server], tokenizer=None, model=str(model_dir)) as client:
+                await annotate_reference(tapes, client, progress=progress)
+
+        asyncio.run(go())
+
+
+def groups_with_signal(tapes: list[Tape]) -> int:
+    """Groups whose rewards differ: the only ones the learner's group advantages train on."""
+    rewards: dict[str, set[float]] = {}
+    for tape in tapes:
+        rewards.setdefault(tape.metadata.group_id or tape.metadata.id, set()).add(tape.metadata.reward)
+    return sum(len(values) > 1 for values in rewards.values())
+
+
+# -- command line -----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="uv run -m orchestrate.offline",
+        description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
+        "finetune process on them once, writing a checkpoint and metrics.",
+        epilog="--train.* values are parsed as JSON where they can be. Defaults of --train.* come from the "
+        "run's config.json when --tapes is one run directory.",
+    )
+    parser.add_argument("--tapes", nargs="+", required=True, metavar="RUN_DIR|FILE",
+                        help="a run directory (its tapes/iter_*.jsonl) or tape files")
+    parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
+    parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
+    parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy)")
+    parser.add_argument("--rescore", action="store_true", help="re-score the tapes with the current math reward")
+    parser.add_argument("--reward", metavar="MODULE:FUNCTION",
+                        help="re-score with this function (tape -> agents.rewards.Reward or a number)")
+    parser.add_argument("--reference", metavar="MODEL",
+                        help="re-annotate reference log-probs with this model (served by vLLM)")
+    parser.add_argument("--filter", default="all",
+                        help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for name, field in TrainerSection.model_fields.items():
+        parser.add_argument(f"--train.{name}", dest=f"train:{name}", default=argparse.SUPPRESS, metavar="VALUE",
+                            help=(field.description or "").replace("%", "%%"))
+    for name in ("max_model_len", "kv_cache_gib", "dtype"):
+        field = ServerSection.model_fields[name]
+        parser.add_argument(f"--server.{name}", dest=f"server:{name}", default=argparse.SUPPRESS, metavar="VALUE",
+                            help=f"reference server: {(field.description or '').replace('%', '%%')}")
+    return parser
+
+
+def _section(cls, base: dict, overrides: dict, prefix: str):
+    data = {k: v for k, v in base.items() if k in cls.model_fields}
+    data.update({k: _parse_value(v) for k, v in overrides.items()})
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        raise OfflineError(f"--{prefix}.{where}: {err['msg'].removeprefix('Value error, ')}{got}") from None
+
+
+def resolve(args: argparse.Namespace):
+    """Check every option before anything heavy loads; OfflineError names the first bad one."""
+    iterations = parse_range(args.iterations)
+    keep = parse_filter(args.filter)
+    files = tape_files(args.tapes, iterations)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise OfflineError(f"--out: {out} is a file")
+    if (out / "checkpoints").is_dir() and any(p.name.isdigit() for p in (out / "checkpoints").iterdir()):
+        raise OfflineError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
+    run_config = {}
+    if len(args.tapes) == 1 and Path(args.tapes[0]).is_dir() and (Path(args.tapes[0]) / "config.json").is_file():
+        run_config = json.loads((Path(args.tapes[0]) / "config.json").read_text())
+    overrides = vars(args)
+    train = _section(TrainerSection, run_config.get("train", {}),
+                     {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")}, "train")
+    server = _section(ServerSection, run_config.get("server", {}),
+                      {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("server:")}, "server")
+    from agents.models import ModelNotAvailable, resolve_model
+
+    model_name = args.model or (run_config.get("model") or {}).get("policy")
+    if not model_name:
+        raise OfflineError("--model: no run config.json to take the initial policy from; pass --model")
+    try:
+        model_dir = resolve_model(model_name)
+    except ModelNotAvailable as exc:
+        raise OfflineError(f"--model: {exc}") from None
+    reference_dir = None
+    if args.reference:
+        try:
+            reference_dir = resolve_model(args.reference)
+        except ModelNotAvailable as exc:
+            raise OfflineError(f"--reference: {exc}") from None
+    reward_fn = load_reward(args.reward, args.rescore)
+    return files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
+    except OfflineError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    progress = not args.no_progress
+    start = time.perf_counter()
+
+    tapes: list[Tape] = []
+    try:
+        for path in tqdm(files, desc="read tapes", unit="file", disable=not progress, leave=False):
+            tapes += [t for t in read_tapes(path)
+                      if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
+    except TapeFileError as exc:
+        parser.exit(2, f"error: --tapes: {exc}\n")
+    if not tapes:
+        parser.exit(2, "error: --tapes: no tapes found in the given files\n")
+    read_count = len(tapes)
+
+    if reward_fn is not None:
+        rescore(tapes, reward_fn, progress)
+    unscored = sum(t.metadata.reward is None for t in tapes)
+    if unscored:
+        parser.exit(2, f"error: --rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward\n")
+
+    tapes = [t for t in tapes if keep(t)]
+    if not tapes:
+        parser.exit(2, f"error: --filter: no tape of {read_count} passes {args.filter!r}\n")
+    if not groups_with_signal(tapes):
+        parser.exit(2, f"error: --filter: every group of the {len(tapes)} kept tapes has equal rewards, so every "
+                       "advantage is 0 and training would change nothing; keep the other attempts too "
+                       "(e.g. --filter all) or re-score (--rescore / --reward)\n")  # fmt: skip
+
+    from orchestrate.run_dir import RunDir
+
+    run = RunDir(out)
+    run.create()
+    if reference_dir is not None:
+        annotate(tapes, reference_dir, server, out, progress)
+    require_ref = train.kl_coef > 0
+    missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
+    if require_ref and missing_ref:
+        parser.exit(2, f"error: --train.kl_coef: {missing_ref} LLM calls have no reference log-probs; pass "
+                       "--reference MODEL, or --train.kl_coef 0\n")  # fmt: skip
+
+    from orchestrate.metrics import append_metrics, rollout_metrics
+    from orchestrate.samples import SampleError, write_samples
+    from orchestrate.trainer import TrainerError, TrainerProcess
+
+    run.save_config({
+        "tapes": [str(f) for f in files], "iterations": args.iterations, "filter": args.filter,
+        "rescore": args.rescore, "reward": args.reward, "reference": str(reference_dir) if reference_dir else None,
+        "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
+    })  # fmt: skip
+    tape_path = run.iteration_tapes(1)
+    tape_path.unlink(missing_ok=True)  # an earlier attempt that never trained
+    with TapeWriter(tape_path) as writer:
+        for tape in tapes:
+            writer.write(tape)
+    try:
+        write_samples(run.batch(1), tapes, require_ref=require_ref)
+    except SampleError as exc:
+        parser.exit(2, f"error: --tapes: {exc}\n")
+    print(f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r} "
+          f"({groups_with_signal(tapes)} groups with differing rewards); training {model_dir.name} ...", flush=True)
+
+    trainer = TrainerProcess(run, model_dir, train)
+    trainer.start()
+    try:
+        checkpoint = _wait(trainer, progress)
+    except TrainerError as exc:
+        print(f"error: {exc}".replace("uv run -m orchestrate.rl --run-dir", "uv run -m orchestrate.offline ... --out"),
+              file=sys.stderr)  # fmt: skip
+        return 1
+    finally:
+        trainer.stop()
+    record = {"iteration": 1, "tapes_read": read_count, **rollout_metrics(tapes), **trainer.iteration_metrics(1),
+              "time_total": round(time.perf_counter() - start, 3)}  # fmt: skip
+    append_metrics(run.metrics_path, record)
+    print(f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
+          f"{record.get('train_steps', 0)} optimizer steps)")
+    return 0
+
+
+def _wait(trainer, progress: bool) -> Path:
+    """wait_for_checkpoint with a progress bar that shows the trainer's status."""
+    from orchestrate.trainer import TrainerError
+
+    folder = trainer.run.checkpoint(1)
+    state_path = trainer.run.root / "trainer_state.json"
+    deadline = time.monotonic() + trainer.config.timeout_s
+    with tqdm(desc="train: starting", bar_format="{desc} [{elapsed}]", disable=not progress, leave=False) as bar:
+        while not (folder / "config.json").is_file():
+            if trainer.process.poll() is not None and not (folder / "config.json").is_file():
+                raise trainer._died()
+            if time.monotonic() > deadline:
+                raise TrainerError(f"no checkpoint after {trainer.config.timeout_s:.0f} s (raise --train.timeout_s)")
+            try:
+                bar.set_description_str("train: " + json.loads(state_path.read_text()).get("status", "starting"))
+            except (OSError, json.JSONDecodeError):
+                pass
+            time.sleep(0.3)
+    return folder
+
+
+if __name__ == "__main__":
+    sys.exit(main())

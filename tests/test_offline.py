@@ -1,0 +1,104 @@
+"""Offline training (`python -m orchestrate.offline`): saved tapes -> re-scored, filtered -> the finetune
+process -> a checkpoint under which the rewarded completions are more likely."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from orchestrate.offline import main
+from tapes.store import read_tapes
+
+pytestmark = pytest.mark.vllm  # the tapes come from the real run of the `tiny_run` fixture
+
+CHOSEN: set[str] = set()
+
+
+def first_of_group(tape) -> float:
+    """A reward for the test: +1 for the chosen attempt of each group, -1 for the others."""
+    return 1.0 if tape.metadata.id in CHOSEN else -1.0
+
+
+def completion_logprobs(model_dir, calls) -> list[float]:
+    """Sum of log-probs of each call's completion tokens given its prompt (transformers, fp32, T = 1)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for call in calls:
+            ids = torch.tensor([call.prompt_token_ids + call.output_token_ids])
+            logits = model(ids).logits[0, len(call.prompt_token_ids) - 1 : -1]
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(call.output_token_ids)[:, None])
+            out.append(logp.sum().item())
+    return out
+
+
+def test_offline_training_raises_the_rewarded_completions(tiny_run, tmp_path, capsys):
+    tapes = [t for i in (1, 2) for t in read_tapes(tiny_run / "tapes" / f"iter_{i:06d}.jsonl")]
+    groups = {}
+    for tape in tapes:
+        groups.setdefault(tape.metadata.group_id, tape.metadata.id)
+    CHOSEN.clear()
+    CHOSEN.update(groups.values())
+    assert len(CHOSEN) == 4  # 2 tasks x 2 iterations
+
+    out = tmp_path / "offline"
+    code = main(["--tapes", str(tiny_run), "--iterations", "1-2", "--out", str(out),
+                 "--reward", f"{__name__}:first_of_group", "--filter", "all",
+                 "--train.lr", "1e-3", "--train.epochs", "2", "--no-progress"])  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    assert "16 tapes read, 16 kept" in printed.out and "4 groups with differing rewards" in printed.out
+
+    checkpoint = out / "checkpoints" / "000001"
+    assert (checkpoint / "config.json").is_file() and (checkpoint / "model.safetensors").is_file()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["tapes_read"] == 16 and metrics[0]["train_steps"] == 2
+    assert metrics[0]["reward_mean"] == pytest.approx((4 - 12) / 16)
+    assert len((out / "train_metrics.jsonl").read_text().splitlines()) == 2
+    kept = list(read_tapes(out / "tapes" / "iter_000001.jsonl"))  # the re-scored tapes, browsable
+    assert sorted(t.metadata.id for t in kept if t.metadata.reward == 1.0) == sorted(CHOSEN)
+    assert len((out / "batches" / "000001.jsonl").read_text().splitlines()) == 16
+
+    rewarded = [t.llm_calls[0] for t in tapes if t.metadata.id in CHOSEN]
+    others = [t.llm_calls[0] for t in tapes if t.metadata.id not in CHOSEN]
+    initial = json.loads((tiny_run / "config.json").read_text())["model"]["policy"]
+    before, after = completion_logprobs(initial, rewarded), completion_logprobs(checkpoint, rewarded)
+    assert sum(after) / len(after) > sum(before) / len(before) + 0.5, (before, after)
+    assert sum(a > b for a, b in zip(after, before)) >= 3  # nearly every rewarded completion rose
+    before, after = completion_logprobs(initial, others), completion_logprobs(checkpoint, others)
+    assert sum(after) / len(after) < sum(before) / len(before)  # and the others fell
+
+    # the same output directory is not trained twice
+    with pytest.raises(SystemExit) as exc:
+        main(["--tapes", str(tiny_run), "--out", str(out)])
+    assert exc.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, option, words",
+    [
+        (["--tapes", "/nonexistent"], "--tapes", "neither a run directory nor a tape file"),
+        (["--iterations", "7-9"], "--tapes", "no rollout tape files"),
+        (["--iterations", "x"], "--iterations", "not N or A-B"),
+        (["--filter", "reward>>0"], "--filter", "not 'all' or a reward condition"),
+        (["--filter", "reward>5"], "--filter", "no tape of 16 passes"),
+        (["--rescore"], "--filter", "every group of the 16 kept tapes has equal rewards"),  # the tiny model never wins
+        (["--train.lr", "-1"], "--train.lr", "greater than 0"),
+        (["--train.algorithm", "ppo"], "--train.algorithm", "'grpo' or 'reinforce'"),
+        (["--reward", "no_such_module:f"], "--reward", "cannot import"),
+        (["--model", "/nonexistent/model"], "--model", "no such folder"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args, option, words):
+    argv = ["--out", str(tmp_path / "out"), "--no-progress"]
+    if "--tapes" not in args:
+        argv = ["--tapes", str(tiny_run), *argv]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *args])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {option}") and words in err, err
+    assert not (tmp_path / "out" / "checkpoints").exists()
