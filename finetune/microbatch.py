@@ -23,8 +23,9 @@ token k of a sequence with prompt length P is predicted at col P - 1 + k.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor

@@ -52,6 +52,7 @@ import time
 import traceback
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run = parser.add_argument_group("process")
     run.add_argument("--model", required=True, help="Hugging Face model folder to start from (config.json, "
-                     "safetensors, tokenizer). Ignored when the run folder has a checkpoint to resume from.")
+                     "safetensors, tokenizer). When the run folder has a checkpoint, training resumes from its "
+                     "weights and optimizer state; the architecture still comes from this folder.")
     run.add_argument("--run-dir", required=True, help="Run folder: batches/ in, checkpoints/, "
                      "train_metrics.jsonl, trainer_state.json, trainer.log out.")
     run.add_argument("--config", help="JSON file of training options (the names below with underscores); "
@@ -150,17 +152,20 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def start_parent_watch(parent_pid: int | None, interval: float = 1.0) -> None:
-    """A daemon thread that ends the process when its parent (or --parent-pid) is gone.
+def start_parent_watch(parent_pid: int | None, interval: float = 1.0) -> Callable[[], None]:
+    """A thread that ends the process when its parent (or --parent-pid) is gone; returns its stop function.
 
     os._exit on purpose: nothing half-written is ever visible, and the
-    orchestrator that would read a clean shutdown is gone anyway.
+    orchestrator that would read a clean shutdown is gone anyway. The thread
+    is stopped before a normal exit: a daemon thread still running at
+    interpreter shutdown can abort the process ("terminate called without an
+    active exception") once torch.distributed is loaded.
     """
     ppid = os.getppid()
+    done = threading.Event()
 
     def watch():
-        while True:
-            time.sleep(interval)
+        while not done.wait(interval):
             reason = None
             if os.getppid() != ppid:
                 reason = f"parent process {ppid} exited"
@@ -171,21 +176,30 @@ def start_parent_watch(parent_pid: int | None, interval: float = 1.0) -> None:
                 logging.shutdown()
                 os._exit(3)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+
+    def stop():
+        done.set()
+        thread.join()
+
+    return stop
 
 
 # ---- the loop -------------------------------------------------------------------------------
 
 
-def _setup_logging(path: Path | None) -> None:
+def _setup_logging(path: Path | None, rank: int) -> None:
+    """The main process logs to stderr and the log file; the others only their warnings and errors."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if path is not None:
         handlers.append(logging.FileHandler(path, encoding="utf-8"))
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {f'[rank {rank}] ' if rank else ''}%(message)s",
+                            "%Y-%m-%d %H:%M:%S")
     for h in handlers:
         h.setFormatter(fmt)
         log.addHandler(h)
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.propagate = False
 
 
@@ -201,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
-    start_parent_watch(args.parent_pid)
+    stop_watch = start_parent_watch(args.parent_pid)
 
     import torch
     import transformers
@@ -221,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         run.batches.mkdir(exist_ok=True)
         run.checkpoints.mkdir(exist_ok=True)
     accelerator.wait_for_everyone()
-    _setup_logging(run.log if main_process else None)
+    _setup_logging(run.log if main_process else None, accelerator.process_index)
     state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
              "batch_in_progress": None}
 
@@ -241,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         last: int | None = None
         if resume is not None:
             last, folder = resume
-            learner = Learner(folder, config, accelerator)
+            # Built from the initial model (checkpoints are written with an untied head for
+            # vLLM; the trainer keeps the model's own architecture), weights from trainer_state/.
+            learner = Learner(args.model, config, accelerator)
             progress = learner.load_trainer_state(folder)
             log.info("resumed from %s (batch %d, optimizer step %d)", folder, last, progress["optimizer_step"])
             set_state(last_batch=last, checkpoint=str(folder.relative_to(run.root)), optimizer_step=learner.step)
@@ -294,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("stopping: trained %d batches (--max-batches)", trained)
                 set_state(status="stopped", reason="--max-batches reached")
                 break
+        accelerator.wait_for_everyone()
         return 0
     except Exception as exc:
         log.error("failed: %s\n%s", exc, traceback.format_exc())
         set_state(status="failed", error=f"{type(exc).__name__}: {exc}")
         return 1
     finally:
+        stop_watch()
         accelerator.end_training()
 
 

@@ -52,21 +52,27 @@ def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 10))] for _ in range(7)]
     completions = [[rng.randrange(256) for _ in range(rng.randint(1, 9))] for _ in range(7)]
     temps = [1.0, 0.7, 1.0, 0.5, 1.3, 1.0, 0.7]
-    expected = []
+    expected, expected_raw = [], []
     with torch.no_grad():
         for p, c, t in zip(prompts, completions, temps):
-            logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) - 1 + len(c)] / t
-            expected.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
+            logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) - 1 + len(c)]
+            expected.append(torch.log_softmax(logits / t, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
+            expected_raw.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
     policy = PolicyLogProbs(lm, impl, chunk=3)  # chunks smaller than a micro-batch
-    got = {}
+    got, got_raw = {}, {}
     for mb in micro_batches(prompts, completions, 24, layout):
         inv_temp = torch.tensor([1 / temps[i] for i in mb.indices for _ in completions[i]])
-        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp)
+        logp, raw_logp, entropy = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
+                                         with_raw=True)
         assert (entropy > 0).all()
         got.update(zip(mb.indices, logp.split(mb.completion_lengths)))
+        got_raw.update(zip(mb.indices, raw_logp.split(mb.completion_lengths)))
+        assert policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp)[1] is None
     assert len(got) == 7
     for i in range(7):
         torch.testing.assert_close(got[i].detach(), expected[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_raw[i].detach(), expected_raw[i], atol=1e-5, rtol=0)
+    assert not torch.allclose(got[1], got_raw[1])  # T = 0.7: tempered and untempered differ
 
 
 def test_fused_head_gradient_equals_plain_autograd(tiny):
@@ -76,17 +82,22 @@ def test_fused_head_gradient_equals_plain_autograd(tiny):
     targets = torch.randint(0, 50, (11,))
     inv_temp = torch.rand(11, dtype=torch.float64) + 0.5
     coef = torch.randn(11, dtype=torch.float64)
+    raw_coef = torch.randn(11, dtype=torch.float64)
     from finetune.logprobs import head_logprobs
 
-    logp, entropy = head_logprobs(hidden, weight, targets, inv_temp, chunk=4)
-    g_fused = torch.autograd.grad((logp * coef).sum(), (hidden, weight))
-    logps = torch.log_softmax((hidden @ weight.T) * inv_temp[:, None], -1)
+    # The tempered log-probs and the untempered ones (as the KL term uses them), both with gradients.
+    logp, raw_logp, entropy = head_logprobs(hidden, weight, targets, inv_temp, chunk=4, with_raw=True)
+    g_fused = torch.autograd.grad((logp * coef).sum() + (raw_logp * raw_coef).sum(), (hidden, weight))
+    logits = hidden @ weight.T
+    logps = torch.log_softmax(logits * inv_temp[:, None], -1)
     ref = logps.gather(1, targets[:, None]).squeeze(1)
-    g_ref = torch.autograd.grad((ref * coef).sum(), (hidden, weight))
+    raw_ref = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    g_ref = torch.autograd.grad((ref * coef).sum() + (raw_ref * raw_coef).sum(), (hidden, weight))
     torch.testing.assert_close(logp.double(), ref.detach(), atol=2e-5, rtol=0)  # outputs are fp32
+    torch.testing.assert_close(raw_logp.double(), raw_ref.detach(), atol=2e-5, rtol=0)
     torch.testing.assert_close(entropy.double(), -(logps.exp() * logps).sum(-1).detach(), atol=2e-5, rtol=0)
     for a, b in zip(g_fused, g_ref):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the head works in fp32
 
 
 # ---- training ------------------------------------------------------------------------------
@@ -163,6 +174,19 @@ def test_step_metrics(tiny):
         learner.train_batch(group([GOOD], [1.0]))
 
 
+def test_kl_at_temperature_compares_untempered_logprobs_with_the_reference(tiny):
+    # Sampled at T = 0.7, reference scored at T = 1 with the same weights: the KL is 0, not
+    # the gap between the tempered and untempered distributions.
+    learner = Learner(tiny, TrainConfig(lr=1e-3, kl_coef=0.1))
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5], temperature=0.7))
+    untempered = learner.logprobs([s.model_copy(update={"temperature": 1.0}) for s in batch])
+    batch = [s.model_copy(update={"ref_logprobs": lp.tolist()}) for s, lp in zip(batch, untempered)]
+    assert any(abs(a - b) > 0.05 for s in batch for a, b in zip(s.behaviour_logprobs, s.ref_logprobs))
+    (m,) = learner.train_batch(batch)
+    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_checkpoint_reloads_and_resumes_exactly(tiny, tmp_path):
     cfg = TrainConfig(lr=1e-3)
     learner = Learner(tiny, cfg)
@@ -170,6 +194,9 @@ def test_checkpoint_reloads_and_resumes_exactly(tiny, tmp_path):
     learner.train_batch(batch, 0)
     learner.save_checkpoint(tmp_path / "ck", {"batch": 0})
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
+    # written untied (for vLLM's reload_weights), the same function as the tied model trained
+    assert reloaded.config.tie_word_embeddings is False and learner.accelerator.unwrap_model(learner.model).lm.config.tie_word_embeddings
+    assert reloaded.lm_head.weight.data_ptr() != reloaded.model.embed_tokens.weight.data_ptr()
     trained = params(learner)
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, trained[name]), name
@@ -181,10 +208,12 @@ def test_checkpoint_reloads_and_resumes_exactly(tiny, tmp_path):
         tiny).decode([104, 105])
 
     # A second step from the restored optimizer state equals a second step in memory.
-    resumed = Learner(tmp_path / "ck", cfg)
+    resumed = Learner(tiny, cfg)
     assert resumed.load_trainer_state(tmp_path / "ck")["batch"] == 0 and resumed.step == 1
     learner.train_batch(batch, 1)
     resumed.train_batch(batch, 1)
     a, b = params(learner), params(resumed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)
+    lm = resumed.accelerator.unwrap_model(resumed.model).lm
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight  # still the tied model

@@ -135,6 +135,25 @@ def test_kl_k3_by_hand():
         policy_loss("grpo", logp, behaviour, adv, w, ref_logp=None, kl_coef=0.1)
 
 
+def test_kl_takes_the_untempered_logprobs_when_given():
+    # Sampling at T != 1: the ratio uses the tempered logp, the KL (reference scored at T = 1)
+    # the untempered ones. With kl_logp = ref everywhere, k3 = 0 and the gradient of the KL
+    # part reaches kl_logp only.
+    logp, behaviour, ref, adv = tensors()
+    w = token_weights(LENGTHS, "token").double()
+    kl_logp = ref.clone().requires_grad_(True)
+    plain, _ = policy_loss("grpo", logp, behaviour, adv, w, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
+    loss, stats = policy_loss("grpo", logp, behaviour, adv, w, ref_logp=ref, kl_coef=0.1,
+                              clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_logp=kl_logp)
+    assert stats["kl"].item() == 0.0
+    assert loss.item() == pytest.approx(plain.item(), abs=1e-9)
+    # d k3 / d kl_logp = 1 - exp(ref - kl_logp) = 0 here; shift kl_logp by -0.5: grad = 1 - e^0.5, times 0.1 / 7
+    shifted = (ref - 0.5).requires_grad_(True)
+    loss, _ = policy_loss("grpo", logp, behaviour, adv, w, ref_logp=ref, kl_coef=0.1, kl_logp=shifted)
+    (grad,) = torch.autograd.grad(loss, shifted)
+    assert grad.tolist() == pytest.approx([0.1 * (1 - math.exp(0.5)) / 7] * 7, abs=1e-9)
+
+
 def test_reinforce_by_hand():
     # logp = behaviour + ln(ratio):
     #   [-0.594535, -1.904690, -1.193147, -1.5, -0.037636, -2.305361, -1.156675]

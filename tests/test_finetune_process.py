@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -197,3 +198,32 @@ def test_exits_when_the_orchestrator_dies(tiny, tmp_path):
         orchestrator.kill()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_weights(tiny, batches, tmp_path):
+    """Two CPU processes (gloo) split each step's micro-batches; the result is the one-process result."""
+    from finetune.learner import Learner
+
+    learner = Learner(tiny, CONFIG)
+    for index, path in zip((1, 2), batches):
+        learner.train_batch(read_batch(path), index)
+    expected = learner.accelerator.unwrap_model(learner.model).lm.state_dict()
+
+    run = tmp_path / "run"
+    for index, path in zip((1, 2), batches):
+        write_batch(batch_file(run / "batches", index), read_batch(path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         "-m", "finetune.train", "--model", str(tiny), "--run-dir", str(run), "--once", *OPTIONS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = metrics(run)
+    assert [(m["batch"], m["step"]) for m in lines] == [(1, 1), (1, 2), (2, 3), (2, 4)]
+    assert all(m["micro_batches"] > 2 for m in lines)
+    for k, v in weights(run / "checkpoints" / "000002").items():
+        torch.testing.assert_close(v, expected[k], atol=1e-5, rtol=0, msg=k)
