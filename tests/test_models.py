@@ -53,3 +53,21 @@ def test_missing_package_says_what_to_do(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotAvailable, match="uv sync"):
         models.embedded_model_dir()
+
+
+def test_untied_copy_is_the_same_model_with_its_head_written_out(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPELOOP_CACHE", str(tmp_path / "cache"))
+    assert models.ties_output_head(tiny_model_dir)
+    copy = models.untied_copy(tiny_model_dir)
+    assert copy != tiny_model_dir and not models.ties_output_head(copy)
+    assert models.untied_copy(tiny_model_dir) == copy  # built once
+    assert models.untied_copy(copy) == copy  # an untied folder is served as it is
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    untied = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(untied(ids).logits, tied(ids).logits, atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(copy).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False) == AutoTokenizer.from_pretrained(
+        tiny_model_dir).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from agents.llm import VLLMClient
 from agents.math_agent import Example, MathAgentConfig, math_agent
+from agents.models import untied_copy
 from agents.rewards import score_tape
 from agents.tasks import Arithmetic
 from orchestrate.reference import annotate_reference
@@ -89,7 +90,8 @@ def test_rollouts_tapes_rewards_reference(policy_server, reference_server, token
 
 
 def test_reload_changes_policy_logprobs(policy_server, reference_server, tokenizer, embedded_model_dir, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32)
+    served = untied_copy(embedded_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(served, dtype=torch.float32)
     torch.manual_seed(0)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -104,13 +106,13 @@ def test_reload_changes_policy_logprobs(policy_server, reference_server, tokeniz
         annotate(reference_server, tokenizer, tapes)
         assert max_ref_gap(tapes) > 0.1
     finally:
-        policy_server.reload_weights(embedded_model_dir)
+        policy_server.reload_weights(served)
     tapes = rollouts(policy_server, tokenizer, tasks, attempts=2)
     annotate(reference_server, tokenizer, tapes)
     assert max_ref_gap(tapes) < 1e-3  # swapped back
     # a reload that changes nothing is caught
     with pytest.raises(ServerError, match="unchanged"):
-        policy_server.reload_weights(embedded_model_dir)
+        policy_server.reload_weights(served)
 
 
 def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
