@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from orchestrate.offline import main
-from tapes.store import read_tapes
+from tapes.store import read_tapes, write_tapes
 
 pytestmark = pytest.mark.vllm  # the tapes come from the real run of the `tiny_run` fixture
 
@@ -35,8 +35,26 @@ def completion_logprobs(model_dir, calls) -> list[float]:
     return out
 
 
-def test_offline_training_raises_the_rewarded_completions(tiny_run, tmp_path, capsys):
+@pytest.fixture
+def run_without_reference(tiny_run, tmp_path):
+    """A copy of the run's rollout tapes and config, reference log-probs removed."""
+    run = tmp_path / "run"
+    (run / "tapes").mkdir(parents=True)
+    (run / "config.json").write_text((tiny_run / "config.json").read_text())
+    for i in (1, 2):
+        tapes = list(read_tapes(tiny_run / "tapes" / f"iter_{i:06d}.jsonl"))
+        for tape in tapes:
+            for call in tape.llm_calls:
+                call.ref_logprobs = None
+        write_tapes(run / "tapes" / f"iter_{i:06d}.jsonl", tapes)
+    return run
+
+
+def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_reference, tmp_path, capsys):
+    """From a run whose reference log-probs are gone: re-score, re-annotate with the reference model (a vLLM
+    server), train; the rewarded completions are more likely under the new checkpoint, the others less."""
     tapes = [t for i in (1, 2) for t in read_tapes(tiny_run / "tapes" / f"iter_{i:06d}.jsonl")]
+    initial = json.loads((tiny_run / "config.json").read_text())["model"]["policy"]  # also the run's reference
     groups = {}
     for tape in tapes:
         groups.setdefault(tape.metadata.group_id, tape.metadata.id)
@@ -45,8 +63,8 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, tmp_path, ca
     assert len(CHOSEN) == 4  # 2 tasks x 2 iterations
 
     out = tmp_path / "offline"
-    code = main(["--tapes", str(tiny_run), "--iterations", "1-2", "--out", str(out),
-                 "--reward", f"{__name__}:first_of_group", "--filter", "all",
+    code = main(["--tapes", str(run_without_reference), "--iterations", "1-2", "--out", str(out),
+                 "--reward", f"{__name__}:first_of_group", "--filter", "all", "--reference", initial,
                  "--train.lr", "1e-3", "--train.epochs", "2", "--no-progress"])  # fmt: skip
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
@@ -61,15 +79,25 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, tmp_path, ca
     kept = list(read_tapes(out / "tapes" / "iter_000001.jsonl"))  # the re-scored tapes, browsable
     assert sorted(t.metadata.id for t in kept if t.metadata.reward == 1.0) == sorted(CHOSEN)
     assert len((out / "batches" / "000001.jsonl").read_text().splitlines()) == 16
+    recorded = {t.metadata.id: t.llm_calls[0].ref_logprobs for t in tapes}  # from the run's reference pass
+    for tape in kept:
+        assert tape.llm_calls[0].ref_logprobs == pytest.approx(recorded[tape.metadata.id], abs=2e-3)
+    assert (out / "logs" / "reference.log").is_file()
 
     rewarded = [t.llm_calls[0] for t in tapes if t.metadata.id in CHOSEN]
     others = [t.llm_calls[0] for t in tapes if t.metadata.id not in CHOSEN]
-    initial = json.loads((tiny_run / "config.json").read_text())["model"]["policy"]
     before, after = completion_logprobs(initial, rewarded), completion_logprobs(checkpoint, rewarded)
     assert sum(after) / len(after) > sum(before) / len(before) + 0.5, (before, after)
     assert sum(a > b for a, b in zip(after, before)) >= 3  # nearly every rewarded completion rose
     before, after = completion_logprobs(initial, others), completion_logprobs(checkpoint, others)
     assert sum(after) / len(after) < sum(before) / len(before)  # and the others fell
+
+    # reference log-probs are needed for the KL term, and missing: refused before training
+    with pytest.raises(SystemExit) as exc:
+        main(["--tapes", str(run_without_reference), "--out", str(tmp_path / "refused"),
+              "--filter", "all", "--reward", f"{__name__}:first_of_group", "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "error: --train.kl_coef: 16 LLM calls have no reference log-probs" in err
 
     # the same output directory is not trained twice
     with pytest.raises(SystemExit) as exc:
@@ -102,3 +130,4 @@ def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args
     assert exc.value.code == 2
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {option}") and words in err, err
     assert not (tmp_path / "out" / "checkpoints").exists()
+
