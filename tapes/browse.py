@@ -132,6 +132,7 @@ class RunIndex:
         self._tokenizer_path = tokenizer
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
+        self._tokenizer_lock = threading.Lock()  # apart from the index lock: lists never wait for it
 
     # -- run-level files ----------------------------------------------------
 
@@ -199,7 +200,7 @@ class RunIndex:
 
     def tokenizer(self):
         """The run's tokenizer (newest checkpoint, else the configured policy folder), or None."""
-        with self._lock:
+        with self._tokenizer_lock:
             if not self._tokenizer_loaded:
                 self._tokenizer_loaded = True
                 candidates = [Path(self._tokenizer_path)] if self._tokenizer_path else []
@@ -210,25 +211,26 @@ class RunIndex:
                 if not self._tokenizer_path and policy:
                     candidates.append(Path(policy))
                 for folder in candidates:
-                    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-                        try:
-                            from transformers import AutoTokenizer
-
-                            self._tokenizer = AutoTokenizer.from_pretrained(folder)
-                            break
-                        except Exception:  # a broken folder: try the next one, else show token ids
-                            continue
+                    self._tokenizer = _load_tokenizer(folder)
+                    if self._tokenizer is not None:
+                        break
             return self._tokenizer
 
-    def token_texts(self, ids: list[int]) -> list[str]:
+    def token_texts(self, ids: list[int], window: int = 6) -> list[str]:
+        """Each token's text: what it adds to the decoding of the few tokens before it.
+
+        Decoding a short window keeps multi-byte characters and word-initial
+        spaces right without decoding every prefix (quadratic on long outputs).
+        """
         tok = self.tokenizer()
         if tok is None:
             return [f"⟨{i}⟩" for i in ids]
-        out, previous = [], ""
-        for n in range(1, len(ids) + 1):  # prefix decoding keeps multi-byte characters whole
-            text = tok.decode(ids[:n], skip_special_tokens=False)
-            out.append(text[len(previous) :] if text.startswith(previous) else tok.decode(ids[n - 1 : n]))
-            previous = text
+        out = []
+        for n in range(len(ids)):
+            start = max(0, n - window)
+            before = tok.decode(ids[start:n], skip_special_tokens=False) if n > start else ""
+            after = tok.decode(ids[start : n + 1], skip_special_tokens=False)
+            out.append(after[len(before) :] if after.startswith(before) else tok.decode([ids[n]]))
         return out
 
     def tape(self, file: str, index: int) -> dict:
@@ -281,6 +283,23 @@ class RunIndex:
             items.append({**s, "outputs": [c.output_text for c in tape.llm_calls],
                           "last_step": tape.steps[-1].model_dump() if tape.steps else None})
         return {"file": file, "group_id": group_id, "items": items}
+
+
+def _load_tokenizer(folder: Path):
+    """A decoder for token ids from a model folder: `tokenizers` on tokenizer.json (fast to load), else
+    transformers; None if the folder has neither."""
+    try:
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if (folder / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(folder)
+    except Exception:  # a broken folder: the caller tries the next one, else shows token ids
+        return None
+    return None
 
 
 def _keep(s: dict, q: dict[str, str]) -> bool:
@@ -362,6 +381,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765,
     handler = type("RunHandler", (Handler,), {"index": index})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
+    # Importing transformers and loading the tokenizer takes seconds: start now, not on the first tape opened.
+    threading.Thread(target=index.tokenizer, name="load-tokenizer", daemon=True).start()
     return server
 
 

@@ -81,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = None
     if args.tokenizer:
-        from transformers import AutoTokenizer
+        from tapes.browse import _load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = _load_tokenizer(Path(args.tokenizer))
+        if tokenizer is None:
+            parser.error(f"--tokenizer {args.tokenizer}: no tokenizer.json or tokenizer_config.json there")
     color = sys.stdout.isatty() and not args.no_color
     print(render(tape, tokens=args.tokens, color=color, tokenizer=tokenizer))
     return 0
