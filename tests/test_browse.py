@@ -190,6 +190,11 @@ def test_browse_a_real_run(tiny_run, page):
         by_kl = [t.evaluate("e => e.style.backgroundColor") for t in page.locator(".call .tokens .tok").all()]
         assert by_kl != by_logprob
 
+        # the address links to the tape: opened anew, the page shows it again
+        assert page.url.endswith("#tape=iter_000001.jsonl:5")
+        page.reload()
+        page.wait_for_function(f"document.querySelector('#tape-head')?.innerText.includes({json.dumps(tape.metadata.id)})")
+
         # its group, side by side, with advantages as the learner computes them
         attempts = page.locator("#group-body .attempt")
         group = [t for t in tapes[1] if t.metadata.group_id == tape.metadata.group_id]
