@@ -13,8 +13,11 @@ alternating order, one optimizer step over the whole batch:
              order, each padded to its longest row with an attention mask,
              model(input_ids).logits / T -> log_softmax -> gather at the
              completion tokens -> loss.backward(), then clip and AdamW step.
-Both train the same model and optimizer (one copy in memory). Prints tokens/s
-(prompt + completion tokens, padding not counted) of each, the median and
+Both train the same model and optimizer (one copy in memory). finetune's
+default layout, shared_prefix, computes each group's prompt once for its 4
+completions; padded is timed too. Prints tokens/s (the batch's prompt +
+completion tokens per sample, whatever a side computes, padding not counted)
+of each, the median and
 spread over repeats, tokens per CPU-second (steadier when other jobs share
 the machine), the peak memory, and last the ratio finetune/plain (target
 >= 0.9).
@@ -35,6 +38,7 @@ from agents.models import resolve_model
 from finetune.batch import Sample
 from finetune.config import TrainConfig
 from finetune.learner import Learner
+from finetune.microbatch import micro_batches
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
 EXAMPLE = ("What is 31 + 46?", "31 + 46 = 77. The answer is \\boxed{77}.")
@@ -94,7 +98,8 @@ def main() -> int:
     # 1024 rather than the default 2048: the plain loop, padded and with full logits, peaks at
     # ~10 GiB with 2048-token micro-batches; at 1024 both stay under ~6.5 GiB.
     parser.add_argument("--token-budget", type=int, default=1024)
-    parser.add_argument("--layouts", default="padded", help="comma-separated finetune layouts to time")
+    parser.add_argument("--layouts", default="shared_prefix,padded",
+                        help="comma-separated finetune layouts to time; the first one is compared with plain")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     args = parser.parse_args()
 
@@ -125,8 +130,12 @@ def main() -> int:
         return time.perf_counter() - wall, time.process_time() - cpu
 
     # Warm-up (first-call allocations), and the trainer's peak before the plain loop ever runs.
-    n_micro = run_finetune(layouts[0])
-    print(f"finetune step peak RSS: {peak_gb():.2f} GiB ({n_micro} micro-batches at token budget {args.token_budget})")
+    n_first = run_finetune(layouts[0])
+    print(f"finetune step peak RSS: {peak_gb():.2f} GiB ({n_first} micro-batches of {layouts[0]} at token budget "
+          f"{args.token_budget})")
+    # The plain loop gets as many micro-batches as padded rows need at this budget (the same memory).
+    n_micro = len(micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
+                                args.token_budget, "padded"))
     for layout in layouts[1:]:
         run_finetune(layout)
     lm.train()

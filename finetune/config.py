@@ -55,10 +55,12 @@ class TrainConfig(BaseModel):
         "memory knob: SmolLM2-135M fp32 on CPU needs ~2 GB (weights, gradients, AdamW) + ~1.8 MB per token "
         "of budget, so 2048 peaks at ~5.8 GB; gradient checkpointing cuts the per-token part."
     )
-    layout: Literal["padded", "packed"] = Field(
-        "padded", description="padded: length-sorted rows, right-padded to the longest in the micro-batch "
-        "(fastest on CPU; sorting leaves little padding); packed: sequences concatenated in one row with "
-        "position ids restarting (no padding; pays off with flash-attention varlen kernels on GPU)."
+    layout: Literal["padded", "packed", "shared_prefix"] = Field(
+        "shared_prefix", description="shared_prefix: the completions of one prompt (a GRPO group) share one copy "
+        "of it in a row, under a mask where each completion sees the prompt and itself (the prompt's forward and "
+        "backward once per group; same result); padded: length-sorted rows, right-padded to the longest in the "
+        "micro-batch; packed: sequences concatenated in one row with position ids restarting (for "
+        "flash-attention varlen kernels on GPU)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, ~30% slower.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(

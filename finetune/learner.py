@@ -91,11 +91,15 @@ class Learner:
         )
         self.model, self.optimizer = acc.prepare(policy, optimizer)
         self.step = 0  # optimizer steps taken so far, over the whole run
+        self._progress = None  # [done, total, callback] of the batch being trained
 
     # ---- training ---------------------------------------------------------------------------
 
-    def train_batch(self, samples: list[Sample], batch_index: int = 0, on_step=None) -> list[dict]:
-        """Train on one batch; returns one metrics dict per optimizer step (also passed to on_step)."""
+    def train_batch(self, samples: list[Sample], batch_index: int = 0, on_step=None, on_progress=None) -> list[dict]:
+        """Train on one batch; returns one metrics dict per optimizer step (also passed to on_step).
+
+        on_progress(done, total) is called after each micro-batch, in completion tokens over all epochs.
+        """
         cfg = self.config
         if cfg.kl_coef > 0 and any(s.ref_logprobs is None for s in samples):
             raise ValueError("kl_coef > 0 but some samples have no ref_logprobs: score them with the reference "
@@ -107,6 +111,7 @@ class Learner:
         # Same shuffle after a restart: seeded by the batch number.
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
         metrics = []
+        self._progress = [0, cfg.epochs * sum(len(s.completion_ids) for s in samples), on_progress]
         for epoch in range(cfg.epochs):
             order = torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
@@ -155,7 +160,7 @@ class Learner:
                 logp, raw_logp, entropy = self.model(
                     mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                     mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
-                    ref is not None and tempered,
+                    ref is not None and tempered, None if mb.attention_mask is None else mb.attention_mask.to(dev),
                 )
                 loss, st = policy_loss(
                     cfg.algorithm, logp, behaviour.to(dev), adv.to(dev), weights.to(dev),
@@ -172,6 +177,10 @@ class Learner:
                 ], dtype=torch.float64)
                 ratio_max = torch.maximum(ratio_max, st["ratio"].max().cpu())
                 ratio_min = torch.minimum(ratio_min, st["ratio"].min().cpu())
+                progress = getattr(self, "_progress", None)
+                if progress and progress[2] is not None:
+                    progress[0] = min(progress[1], progress[0] + sum(mb.completion_lengths) * world)
+                    progress[2](progress[0], progress[1])
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
@@ -223,6 +232,7 @@ class Learner:
             logp, _, _ = self.model(
                 mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                 mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
+                False, None if mb.attention_mask is None else mb.attention_mask.to(dev),
             )
             for i, part in zip(mb.indices, logp.float().cpu().split(mb.completion_lengths)):
                 out[i] = part

@@ -133,21 +133,39 @@ class PolicyLogProbs(nn.Module):
         # FSDP's transformer auto-wrap looks for the layer classes here.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
-    def forward(self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False):
+    def _mask(self, attention_mask):
+        """A micro-batch's 4-D boolean mask in the form the attention implementation takes."""
+        if attention_mask is None:
+            return None
+        impl = getattr(self.lm.config, "_attn_implementation", None) or "sdpa"
+        if "flash" in impl:
+            raise ValueError(f"layout 'shared_prefix' needs a custom attention mask, which {impl} does not take: "
+                             "use layout 'packed' (or 'padded') with flash-attention")
+        if impl == "eager":  # additive
+            dtype = self.lm.get_input_embeddings().weight.dtype
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill_(
+                ~attention_mask, torch.finfo(dtype).min)
+        return attention_mask
+
+    def forward(self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False,
+                attention_mask=None):
         """Per completion token: (logp, raw_logp, entropy), each [n].
 
         logp (with grad) is at each sequence's sampling temperature; raw_logp
         (with grad) at T = 1 when `with_raw`, else None; entropy has no grad.
+        `attention_mask`: a 4-D boolean mask (shared_prefix layout), else None.
         """
+        mask = self._mask(attention_mask)
         if self.impl == "fused":
-            hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                           use_cache=False)
             h = hidden.last_hidden_state[rows, cols]
             logp, raw_logp, entropy = head_logprobs(
                 h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw)
             return logp, (raw_logp if with_raw else None), entropy
         # full: the model's own forward, logits only from the first predicting column on.
         first = int(cols.min())
-        out = self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+        out = self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
                       logits_to_keep=input_ids.shape[1] - first)
         raw = out.logits[rows, cols - first].float()
         logps = torch.log_softmax(raw * inv_temp[:, None], dim=-1)

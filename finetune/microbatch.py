@@ -16,6 +16,17 @@ into micro-batches whose cost stays within the token budget:
   other. Pays off on GPU with flash-attention; on CPU the dense mask makes
   attention quadratic in the row length.
 
+- shared_prefix: the completions of one prompt (a GRPO group: every
+  attempt of a task has the same prompt ids) share one copy of it in a row:
+  [prompt, c1, c2, ...], position ids continuing after the prompt in each
+  completion, and a 4-D attention mask under which a completion sees the
+  prompt and itself only. The same function as computing every sequence
+  alone, with the prompt's forward and backward done once per group instead
+  of once per completion: with the embedded preset (prompt ~100 tokens,
+  completions ~25, 4 attempts) a step computes 2.6x fewer tokens. Rows are
+  padded as in `padded`. Needs an attention implementation that takes a
+  custom mask (sdpa, eager; not flash-attention).
+
 Each MicroBatch also says where every completion token is predicted: the
 hidden state at (row, col) predicts the token at col + 1, so the completion
 token k of a sequence with prompt length P is predicted at col P - 1 + k.
@@ -30,7 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Layout = Literal["padded", "packed"]
+Layout = Literal["padded", "packed", "shared_prefix"]
 
 
 @dataclass
@@ -42,7 +53,8 @@ class MicroBatch:
     cols: Tensor  # [n] its column
     targets: Tensor  # [n] the completion tokens, sequences end to end in `indices` order
     completion_lengths: list[int]
-    n_tokens: int  # real tokens (prompt + completion)
+    n_tokens: int  # real tokens computed (a shared prompt counts once)
+    attention_mask: Tensor | None = None  # [rows, 1, cols, cols] bool (True: may attend), shared_prefix only
 
     @property
     def n_slots(self) -> int:
@@ -125,5 +137,82 @@ def micro_batches(
     pad_id: int = 0,
 ) -> list[MicroBatch]:
     """All micro-batches for these sequences, longest first."""
+    if layout == "shared_prefix":
+        return _shared_prefix_batches(prompts, completions, token_budget, pad_id)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     return [build(prompts, completions, g, layout, pad_id) for g in plan(lengths, token_budget, layout)]
+
+
+def prefix_units(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                 token_budget: int) -> list[list[int]]:
+    """Sequences with the same prompt, in rows of one prompt + several completions within the budget."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_prompt.setdefault(tuple(p), []).append(i)
+    units = []
+    for members in by_prompt.values():
+        unit: list[int] = []
+        width = len(prompts[members[0]])
+        for i in members:
+            if unit and width + len(completions[i]) > token_budget:
+                units.append(unit)
+                unit, width = [], len(prompts[i])
+            unit.append(i)
+            width += len(completions[i])
+        units.append(unit)
+    return units
+
+
+def _shared_prefix_batches(prompts, completions, token_budget: int, pad_id: int) -> list[MicroBatch]:
+    units = prefix_units(prompts, completions, token_budget)
+    widths = [len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units]
+    batches = []
+    for group in plan(widths, token_budget, "padded"):  # rows = units, padded to the longest
+        batches.append(_build_shared_prefix(prompts, completions, [units[g] for g in group], pad_id))
+    return batches
+
+
+def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: int) -> MicroBatch:
+    width = max(len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units)
+    input_ids = torch.full((len(units), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(units), width), dtype=torch.long)
+    segment = torch.full((len(units), width), -1, dtype=torch.long)  # 0: prompt, j: completion j, -1: padding
+    rows, cols, targets, indices = [], [], [], []
+    n_tokens = 0
+    for r, unit in enumerate(units):
+        prompt = list(prompts[unit[0]])
+        p = len(prompt)
+        input_ids[r, :p] = torch.tensor(prompt)
+        position_ids[r, :p] = torch.arange(p)
+        segment[r, :p] = 0
+        offset = p
+        for j, i in enumerate(unit, start=1):
+            c = list(completions[i])
+            n = len(c)
+            input_ids[r, offset: offset + n] = torch.tensor(c)
+            position_ids[r, offset: offset + n] = torch.arange(p, p + n)
+            segment[r, offset: offset + n] = j
+            # token 0 is predicted by the prompt's last position, token k by completion token k - 1
+            rows.append(torch.full((n,), r, dtype=torch.long))
+            cols.append(torch.cat([torch.tensor([p - 1]), torch.arange(offset, offset + n - 1)]))
+            targets.append(torch.as_tensor(c, dtype=torch.long))
+            indices.append(i)
+            offset += n
+        position_ids[r, offset:] = torch.arange(width - offset) + offset  # padding: harmless positions
+        n_tokens += offset
+    q, k = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    # a token sees earlier tokens of its own segment and the whole prompt; padding sees itself only
+    mask = causal & ((k == 0) & (q >= 0) | (q == k) & (q > 0))
+    mask |= torch.eye(width, dtype=torch.bool)
+    return MicroBatch(
+        indices=indices,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        rows=torch.cat(rows),
+        cols=torch.cat(cols),
+        targets=torch.cat(targets),
+        completion_lengths=[len(completions[i]) for i in indices],
+        n_tokens=n_tokens,
+        attention_mask=mask[:, None],
+    )

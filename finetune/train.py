@@ -288,9 +288,17 @@ def main(argv: list[str] | None = None) -> int:
             _, index, path = decision
             samples = read_batch(path)
             log.info("batch %d: %d samples from %s", index, len(samples), path)
-            set_state(status="training", batch_in_progress=index)
+            set_state(status="training", batch_in_progress=index, progress=None)
             t0 = time.perf_counter()
-            metrics = learner.train_batch(samples, index, on_step=lambda m: log.info(_step_line(m)))
+            last_write = [0.0]
+
+            def progress(done: int, total: int) -> None:  # for the orchestrator's progress bar
+                if main_process and (done == total or time.monotonic() - last_write[0] > 0.5):
+                    last_write[0] = time.monotonic()
+                    set_state(progress={"done": done, "total": total, "unit": "tok"})
+
+            metrics = learner.train_batch(samples, index, on_step=lambda m: log.info(_step_line(m)),
+                                          on_progress=progress)
             tmp = run.temp_checkpoint(index) if main_process else None
             accelerator.wait_for_everyone()
             tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])

@@ -207,7 +207,7 @@ class Loop:
             write_samples(self.run.batch(i), tapes, require_ref=self.use_reference)
 
         start = time.perf_counter()
-        checkpoint = self.trainer.wait_for_checkpoint(i)
+        checkpoint = self.trainer.wait_for_checkpoint(i, progress=self.progress, desc=f"iteration {i} train")
         timer.add("train", time.perf_counter() - start)
 
         start = time.perf_counter()

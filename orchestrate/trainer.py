@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
 from orchestrate.processes import spawn, stop
@@ -78,11 +80,33 @@ class TrainerProcess:
             f"Fix the cause, then resume with: uv run -m orchestrate.rl --run-dir {self.run.root}"
         )
 
-    def wait_for_checkpoint(self, iteration: int) -> Path:
-        """Block until checkpoints/<iteration> is complete; raise if the trainer dies or times out."""
+    def status(self) -> dict:
+        """The trainer's trainer_state.json ({} while there is none or it is being replaced)."""
+        try:
+            return json.loads((self.run.root / "trainer_state.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def wait_for_checkpoint(self, iteration: int, progress: bool = False, desc: str | None = None) -> Path:
+        """Block until checkpoints/<iteration> is complete; raise if the trainer dies or times out.
+
+        With `progress`, a bar follows the trainer through the batch (completion tokens trained).
+        """
         folder = self.run.checkpoint(iteration)
         deadline = time.monotonic() + self.config.timeout_s
+        with tqdm(desc=desc or f"iteration {iteration} train", total=None, unit="tok", disable=not progress,
+                  leave=False, dynamic_ncols=True) as bar:
+            self._wait(iteration, folder, deadline, bar)
+        return folder
+
+    def _wait(self, iteration: int, folder: Path, deadline: float, bar) -> None:
         while not (folder / "config.json").is_file():
+            state = self.status()
+            done = state.get("progress") if state.get("batch_in_progress") == iteration else None
+            if done:
+                bar.total = done["total"]
+                bar.n = done["done"]
+                bar.refresh()
             if self.process is None or self.process.poll() is not None:
                 if (folder / "config.json").is_file():
                     break
@@ -93,7 +117,6 @@ class TrainerProcess:
                     f"(raise --train.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
                 )
             time.sleep(0.2)
-        return folder
 
     def iteration_metrics(self, iteration: int) -> dict[str, float]:
         """Means of the trainer's per-step metrics for one batch, prefixed 'train_'."""

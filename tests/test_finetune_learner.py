@@ -45,11 +45,13 @@ def params(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("impl", ["fused", "full"])
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prefix"])
 def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout):
     lm = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 10))] for _ in range(7)]
+    prompts[1] = prompts[0]  # groups: attempts of one task share the prompt
+    prompts[4] = prompts[3] = prompts[2]
     completions = [[rng.randrange(256) for _ in range(rng.randint(1, 9))] for _ in range(7)]
     temps = [1.0, 0.7, 1.0, 0.5, 1.3, 1.0, 0.7]
     expected, expected_raw = [], []
@@ -63,12 +65,16 @@ def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout)
     for mb in micro_batches(prompts, completions, 24, layout):
         inv_temp = torch.tensor([1 / temps[i] for i in mb.indices for _ in completions[i]])
         logp, raw_logp, entropy = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
-                                         with_raw=True)
+                                         with_raw=True, attention_mask=mb.attention_mask)
         assert (entropy > 0).all()
         got.update(zip(mb.indices, logp.split(mb.completion_lengths)))
         got_raw.update(zip(mb.indices, raw_logp.split(mb.completion_lengths)))
-        assert policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp)[1] is None
+        assert policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
+                      attention_mask=mb.attention_mask)[1] is None
     assert len(got) == 7
+    if layout == "shared_prefix":  # the shared prompts were computed once
+        n = sum(mb.n_tokens for mb in micro_batches(prompts, completions, 4096, layout))
+        assert n == sum(map(len, completions)) + sum(len(p) for p in {tuple(p) for p in prompts})
     for i in range(7):
         torch.testing.assert_close(got[i].detach(), expected[i], atol=1e-5, rtol=0)
         torch.testing.assert_close(got_raw[i].detach(), expected_raw[i], atol=1e-5, rtol=0)
@@ -143,14 +149,20 @@ def test_micro_batching_does_not_change_the_step(tiny, aggregation):
         completions = [[rng.randrange(256) for _ in range(rng.randint(1, 12))] for _ in range(4)]
         batch += group(completions, [rng.random() for _ in range(4)], temperature=0.7, group_id=g)
     results = []
-    for budget in (16, 4096):
-        learner = Learner(tiny, TrainConfig(lr=1e-3, token_budget=budget, aggregation=aggregation, kl_coef=0.0))
+    for budget, layout in ((16, "shared_prefix"), (4096, "shared_prefix"), (4096, "padded")):
+        learner = Learner(tiny, TrainConfig(lr=1e-3, token_budget=budget, aggregation=aggregation, kl_coef=0.0,
+                                            layout=layout))
         (m,) = learner.train_batch(with_behaviour(learner, batch))
-        results.append(m)
-    small, large = results
+        results.append((m, params(learner)))
+    (small, w_small), (large, w_large), (padded, w_padded) = results
     assert small["micro_batches"] > 4 and large["micro_batches"] == 1
-    for key in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_mean"):
-        assert small[key] == pytest.approx(large[key], rel=1e-5, abs=1e-7), key
+    assert large["tokens"] < padded["tokens"]  # the shared prompt was computed once
+    for other in (large, padded):
+        for key in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_mean"):
+            assert small[key] == pytest.approx(other[key], rel=1e-5, abs=1e-7), key
+    for name in w_small:  # the same update, whatever the micro-batches and the layout (Adam: ~lr * sign(g))
+        torch.testing.assert_close(w_small[name], w_padded[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(w_large[name], w_padded[name], atol=1e-5, rtol=0)
 
 
 def test_step_metrics(tiny):
@@ -172,6 +184,16 @@ def test_step_metrics(tiny):
         assert m["loss"] == pytest.approx(m["pg_loss"] + 0.05 * m["kl"], abs=1e-6)
     with pytest.raises(ValueError, match="ref_logprobs"):
         learner.train_batch(group([GOOD], [1.0]))
+
+
+def test_progress_counts_completion_tokens_up_to_the_total(tiny):
+    learner = Learner(tiny, TrainConfig(lr=1e-3, epochs=2, steps_per_epoch=2, token_budget=16))
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    seen = []
+    learner.train_batch(batch, on_progress=lambda done, total: seen.append((done, total)))
+    total = 2 * sum(len(s.completion_ids) for s in batch)
+    assert len(seen) >= 4 and all(t == total for _, t in seen)  # 4 steps, each one micro-batch or more
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
 
 
 def test_kl_at_temperature_compares_untempered_logprobs_with_the_reference(tiny):
