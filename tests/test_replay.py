@@ -11,13 +11,65 @@ import pytest
 
 from agents.agent import Agent
 from agents.math_agent import MathAgentConfig, SolveNode, math_agent
+from agents.rewards import score_tape
+from agents.tasks import Task
 from orchestrate.replay import agent_from_run_config, replay_tape
+from orchestrate.rollouts import run_rollouts
 from tapes.store import read_tapes, write_tapes
-from tapes.tape import FinalAnswerAction, ParseFailureStep
+from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, SamplingParams
 
-pytestmark = pytest.mark.vllm  # the tapes come from the real run of the `tiny_run` fixture
+vllm = pytest.mark.vllm  # these use the tapes of the real run made by the `tiny_run` fixture
 
 
+class ScriptedLLM:
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+
+    async def generate(self, messages, sampling):
+        text, finish = self.outputs.pop(0)
+        return LLMCall(messages=messages, output_text=text, output_token_ids=[1, 2], logprobs=[-0.1, -0.2],
+                       prompt_token_ids=[3], finish_reason=finish, sampling=sampling)  # fmt: skip
+
+
+def test_replay_and_diff_without_servers():
+    """The same checks on scripted tapes: identical replays, and each kind of difference named."""
+    agent = math_agent(MathAgentConfig(), SamplingParams(temperature=0.7, max_tokens=16))
+    tasks = [Task(id="a", question="What is 7 + 5?", answer="12")]
+    llm = ScriptedLLM([("so \\boxed{12}", "stop"), ("I think 12", "stop"), ("\\boxed{13}", "stop")])
+    tapes = asyncio.run(run_rollouts(agent, tasks, 3, llm, score_tape, iteration=1, policy_version=0, progress=False))
+    for tape in tapes:
+        replayed, diff = asyncio.run(replay_tape(tape, agent))
+        assert diff.identical, diff.report()
+        assert replayed.metadata.reward == tape.metadata.reward and replayed.metadata.parent_id == tape.metadata.id
+
+    # a parser that takes the first number it sees: tape 2 (no box) now answers; tape 0 keeps its steps
+    class FirstNumber(SolveNode):
+        def parse(self, tape, text, finish_reason):
+            import re
+
+            m = re.search(r"\d+", text)
+            return [FinalAnswerAction(answer=m.group(0))] if m else [ParseFailureStep(error="no number")]
+
+    changed = Agent("math_agent", [FirstNumber(MathAgentConfig())], agent.sampling)
+    _, diff = asyncio.run(replay_tape(tapes[1], changed))
+    assert diff.first_step.index == 1 and diff.first_step.recorded["kind"] == "parse_failure"
+    assert diff.first_step.replayed == {"kind": "final_answer_action", "answer": "12",
+                                        "metadata": diff.first_step.replayed["metadata"]}  # fmt: skip
+    assert diff.reward is None  # the math reward reads the output text, not the agent's steps
+    _, diff = asyncio.run(replay_tape(tapes[0], changed))
+    assert diff.first_step.index == 1 and diff.first_step.fields == ["answer", "kind", "reasoning"]
+    assert "step 3 (final_answer_action): missing from the replay" in diff.report()  # two steps became one
+
+    # an agent that wants a second call the tape does not have
+    class TwoCalls(Agent):
+        def next_node(self, tape):
+            return self.nodes[0] if len(tape.steps) < 4 else None
+
+    _, diff = asyncio.run(replay_tape(tapes[1], TwoCalls("math_agent", agent.nodes, agent.sampling)))
+    assert any("the agent made call #2; the tape recorded 1" in note for note in diff.notes)
+
+
+@vllm
 def test_every_tape_of_a_run_replays_identically(tiny_run):
     agent = agent_from_run_config(tiny_run / "config.json")
     files = sorted((tiny_run / "tapes").glob("*.jsonl"))
@@ -47,6 +99,7 @@ class AnswerAnythingNode(SolveNode):
         return [FinalAnswerAction(answer=text.strip() or "?")]
 
 
+@vllm
 def test_changed_parsing_is_reported_at_the_first_differing_step(tiny_run):
     tape = next(read_tapes(tiny_run / "tapes" / "iter_000001.jsonl"))
     assert isinstance(tape.steps[1], ParseFailureStep)  # the tiny model never writes \boxed{}
@@ -69,6 +122,7 @@ def test_changed_parsing_is_reported_at_the_first_differing_step(tiny_run):
     assert any("call #1 prompt differs" in note and "Answer briefly." in note for note in diff.notes)
 
 
+@vllm
 def test_replay_command_names_the_first_differing_step(tiny_run, tmp_path):
     """A tape whose recorded output now parses differently (here: the output is edited to hold a
     \\boxed{} answer, as if the parser had changed) is reported step by step, exit status 1."""
