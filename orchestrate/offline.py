@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="uv run -m orchestrate.offline",
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
-        epilog="--train.* values are parsed as JSON where they can be. Defaults of --train.* come from the "
-        "run's config.json when --tapes is one run directory.",
+        epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
+        "directory (RUN or files under RUN/tapes/), --model and --train.* default to that run's config.json.",
     )
     parser.add_argument("--tapes", nargs="+", required=True, metavar="RUN_DIR|FILE",
                         help="a run directory (its tapes/iter_*.jsonl) or tape files")
@@ -209,8 +209,12 @@ def resolve(args: argparse.Namespace):
     if (out / "checkpoints").is_dir() and any(p.name.isdigit() for p in (out / "checkpoints").iterdir()):
         raise OfflineError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
     run_config = {}
-    if len(args.tapes) == 1 and Path(args.tapes[0]).is_dir() and (Path(args.tapes[0]) / "config.json").is_file():
-        run_config = json.loads((Path(args.tapes[0]) / "config.json").read_text())
+    runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
+    if len(runs) == 1 and (config_path := runs.pop() / "config.json").is_file():
+        try:
+            run_config = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = vars(args)
     train = _section(TrainerSection, run_config.get("train", {}),
                      {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")}, "train")
@@ -262,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     if unscored:
         parser.exit(2, f"error: --rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward\n")
 
+    greedy = sum(1 for t in tapes if any(c.sampling.temperature <= 0 for c in t.llm_calls))
+    if greedy:
+        parser.exit(2, f"error: --tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
+                       "log-probs are not of a distribution the learner can train against; leave them out\n")  # fmt: skip
     tapes = [t for t in tapes if keep(t)]
     if not tapes:
         parser.exit(2, f"error: --filter: no tape of {read_count} passes {args.filter!r}\n")

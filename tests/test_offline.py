@@ -115,6 +115,7 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_
         (["--filter", "reward>5"], "--filter", "no tape of 16 passes"),
         (["--rescore"], "--filter", "every group of the 16 kept tapes has equal rewards"),  # the tiny model never wins
         (["--train.lr", "-1"], "--train.lr", "greater than 0"),
+        (["--tapes", "EVAL"], "--tapes", "4 tapes were sampled at temperature 0"),
         (["--train.algorithm", "ppo"], "--train.algorithm", "'grpo' or 'reinforce'"),
         (["--reward", "no_such_module:f"], "--reward", "cannot import"),
         (["--model", "/nonexistent/model"], "--model", "no such folder"),
@@ -124,6 +125,7 @@ def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args
     argv = ["--out", str(tmp_path / "out"), "--no-progress"]
     if "--tapes" not in args:
         argv = ["--tapes", str(tiny_run), *argv]
+    args = [str(tiny_run / "tapes" / "eval_000002.jsonl") if a == "EVAL" else a for a in args]
     with pytest.raises(SystemExit) as exc:
         main([*argv, *args])
     err = capsys.readouterr().err.strip()
