@@ -220,6 +220,8 @@ def resolve(args: argparse.Namespace):
                      {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")}, "train")
     server = _section(ServerSection, run_config.get("server", {}),
                       {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("server:")}, "server")
+    if train.accelerate_config and not Path(train.accelerate_config).is_file():
+        raise OfflineError(f"--train.accelerate_config: {train.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
 
     model_name = args.model or (run_config.get("model") or {}).get("policy")
@@ -278,17 +280,18 @@ def main(argv: list[str] | None = None) -> int:
                        "advantage is 0 and training would change nothing; keep the other attempts too "
                        "(e.g. --filter all) or re-score (--rescore / --reward)\n")  # fmt: skip
 
+    require_ref = train.kl_coef > 0
+    missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
+    if require_ref and missing_ref and reference_dir is None:
+        parser.exit(2, f"error: --train.kl_coef: {missing_ref} LLM calls have no reference log-probs; pass "
+                       "--reference MODEL, or --train.kl_coef 0\n")  # fmt: skip
+
     from orchestrate.run_dir import RunDir
 
     run = RunDir(out)
     run.create()
     if reference_dir is not None:
         annotate(tapes, reference_dir, server, out, progress)
-    require_ref = train.kl_coef > 0
-    missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
-    if require_ref and missing_ref:
-        parser.exit(2, f"error: --train.kl_coef: {missing_ref} LLM calls have no reference log-probs; pass "
-                       "--reference MODEL, or --train.kl_coef 0\n")  # fmt: skip
 
     from orchestrate.metrics import append_metrics, rollout_metrics
     from orchestrate.samples import SampleError, write_samples
@@ -316,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checkpoint = _wait(trainer, progress)
     except TrainerError as exc:
-        print(f"error: {exc}".replace("uv run -m orchestrate.rl --run-dir", "uv run -m orchestrate.offline ... --out"),
-              file=sys.stderr)  # fmt: skip
+        cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
+        print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
         return 1
     finally:
         trainer.stop()
