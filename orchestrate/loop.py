@@ -242,18 +242,23 @@ class Loop:
         if state.completed_iteration >= c.run.iterations:
             print(f"{self.run.root}: all {c.run.iterations} iterations are done (raise --iterations to go on).")
             return 0
+        started = time.time()
+
+        def stamp(record: dict) -> dict:  # when it was done: unix time, and seconds since this command started
+            return {**record, "wall_time": round(time.time(), 3), "elapsed_s": round(time.time() - started, 3)}
+
         with ExitStack() as stack:
             _exit_on_sigterm()
             self._start(stack)
             if c.eval.every and state.completed_iteration == 0 and 0 not in state.evaluated:
                 start = time.perf_counter()
-                record = {"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)}
+                record = stamp({"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)})
                 append_metrics(self.run.metrics_path, record)
                 state.evaluated.append(0)
                 self.run.save_state(state)
                 self._report(record)
             for i in range(state.completed_iteration + 1, c.run.iterations + 1):
-                record = self.iteration(i)
+                record = stamp(self.iteration(i))
                 append_metrics(self.run.metrics_path, record)
                 plot_metrics(read_metrics(self.run.metrics_path), self.run.plots / "curves.png")
                 state.completed_iteration = i

@@ -60,7 +60,7 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tmp_path):
     for m in metrics[1:]:
         for key in ("reward_mean", "success_rate", "parse_failure_rate", "truncation_rate", "completion_tokens_mean",
                     "kl_ref", "train_loss", "train_entropy", "time_generate", "time_reward", "time_reference",
-                    "time_train", "time_weight_sync", "time_other"):
+                    "time_train", "time_weight_sync", "time_other", "wall_time", "elapsed_s"):
             assert key in m, key
     assert "eval_success_rate" in metrics[0] and "eval_success_rate" in metrics[2]
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
@@ -129,3 +129,27 @@ def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
     (run / "config.json").write_text(json.dumps({"rollouts": {"attempts": 99}}))
     out = subprocess.run(command(tiny_model_dir, run), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--rollouts.attempts" in out.stderr
+
+
+def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_model_dir, tmp_path):
+    """The reference workload's preset, unchanged but for the model, the data files and the counts."""
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"{a} + {b} = {a + b}\n#### {a + b:,}"} for a, b in ((3, 4), (10, 990), (7, 8), (12, 30))]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "gsm8k", "--run-dir", str(run), "--iterations", "1",
+           "--model.policy", str(tiny_model_dir),
+           "--task.gsm8k_train", str(data), "--task.gsm8k_test", str(data),
+           "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "2", "--rollouts.max_tokens", "8",
+           "--eval.every", "1", "--eval.max_tokens", "8",
+           "--server.max_model_len", "512", "--server.kv_cache_gib", "1", "--train.token_budget", "1024"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"]["source"] == "gsm8k" and config["train"]["kl_coef"] > 0  # the preset's own settings
+    assert config["rollouts"]["temperature"] == 0.7 and config["eval"]["tasks"] is None
+    tapes = list(read_tapes(run / "tapes" / "iter_000001.jsonl"))
+    assert len(tapes) == 4 and all(len(t.llm_calls[0].ref_logprobs) > 0 for t in tapes)
+    assert len(list(read_tapes(run / "tapes" / "eval_000001.jsonl"))) == 4  # the whole test file
+    assert (run / "checkpoints" / "000001" / "config.json").is_file()
