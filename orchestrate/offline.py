@@ -290,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
 
     run = RunDir(out)
     run.create()
-    if reference_dir is not None:
-        annotate(tapes, reference_dir, server, out, progress)
 
     from orchestrate.metrics import append_metrics, rollout_metrics
     from orchestrate.samples import SampleError, write_samples
@@ -303,20 +301,24 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
     })  # fmt: skip
     tape_path = run.iteration_tapes(1)
-    tape_path.unlink(missing_ok=True)  # an earlier attempt that never trained
-    with TapeWriter(tape_path) as writer:
-        for tape in tapes:
-            writer.write(tape)
-    try:
-        write_samples(run.batch(1), tapes, require_ref=require_ref)
-    except SampleError as exc:
-        parser.exit(2, f"error: --tapes: {exc}\n")
-    print(f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r} "
-          f"({groups_with_signal(tapes)} groups with differing rewards); training {model_dir.name} ...", flush=True)
-
+    for stale in (tape_path, run.batch(1)):  # of an earlier attempt that never trained
+        stale.unlink(missing_ok=True)
     trainer = TrainerProcess(run, model_dir, train)
-    trainer.start()
     try:
+        if reference_dir is not None:
+            trainer.start()  # it loads its model while the reference server starts and scores
+            annotate(tapes, reference_dir, server, out, progress)
+        with TapeWriter(tape_path) as writer:
+            for tape in tapes:
+                writer.write(tape)
+        try:
+            write_samples(run.batch(1), tapes, require_ref=require_ref)
+        except SampleError as exc:
+            parser.exit(2, f"error: --tapes: {exc}\n")
+        print(f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r} ({groups_with_signal(tapes)} "
+              f"groups with differing rewards); training {model_dir.name} ...", flush=True)  # fmt: skip
+        if trainer.process is None:
+            trainer.start()
         checkpoint = _wait(trainer, progress)
     except TrainerError as exc:
         cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
