@@ -123,6 +123,16 @@ def test_browse_a_real_run(tiny_run, page):
         assert {r.locator("td").nth(1).inner_text() for r in rows(page).all()} == {"2"}
         assert page.locator("#page-info").inner_text() == "1–8 of 8"
 
+        # or a row of the iteration table: iteration 0 is the evaluation before training
+        metrics = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+        table = page.locator("#iteration-rows tr")
+        assert table.count() == 3
+        assert table.nth(1).locator("td").nth(1).inner_text() == f"{metrics[1]['reward_mean']:.3f}"
+        act(page, lambda: table.nth(0).click())
+        assert page.locator("#f-kind").input_value() == "eval" and rows(page).count() == 4
+        act(page, lambda: table.nth(2).click())
+        wait_rows(page, 8)
+
         # filters: reward, task, parse failure, truncation -- counts as in the files
         choose(page, "#f-reward", "<0")
         wait_rows(page, sum(t.metadata.reward < 0 for t in tapes[2]))
