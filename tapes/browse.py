@@ -191,7 +191,9 @@ class RunIndex:
         sort = query.get("sort") or ""
         if sort in ("length", "-length", "reward", "-reward", "advantage", "-advantage"):
             key = sort.lstrip("-")
-            rows = sorted(rows, key=lambda s: (s.get(key) is None, s.get(key) or 0), reverse=sort.startswith("-"))
+            known = sorted((s for s in rows if s.get(key) is not None), key=lambda s: s[key],
+                           reverse=sort.startswith("-"))  # fmt: skip
+            rows = known + [s for s in rows if s.get(key) is None]  # unscored tapes last either way
         offset = max(0, int(query.get("offset") or 0))
         limit = min(MAX_LIMIT, max(1, int(query.get("limit") or 50)))
         return {"total": len(rows), "offset": offset, "limit": limit, "items": rows[offset : offset + limit]}
@@ -372,6 +374,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json({"error": str(exc)}, HTTPStatus.NOT_FOUND if isinstance(exc, LookupError) else 400)
         except BrokenPipeError:
             pass
+        except Exception as exc:  # e.g. a tape file removed while the run was being browsed
+            self._json({"error": f"{type(exc).__name__}: {exc}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765,
