@@ -51,7 +51,6 @@ def main() -> None:
         for f in base.iterdir():  # tokenizer and chat template
             if f.is_file() and not (other / f.name).exists():
                 (other / f.name).write_bytes(f.read_bytes())
-        folders = [other, base]
 
         server = VLLMServer(base, log_path=Path(tmp) / "server.log", config=ServerConfig(max_model_len=1024,
                                                                                          kv_cache_gib=1))
@@ -61,14 +60,16 @@ def main() -> None:
             server.start()
             print(f"first start: {time.perf_counter() - t:.1f} s")
             before = server.probe_logprobs()
+            current = base
             for r in range(args.repeats):
-                folder = folders[r % 2]
-                reload_s.append(server.reload_weights(folder, verify=False))
+                current = other if current == base else base  # always swap in the folder not being served
+                reload_s.append(server.reload_weights(current, verify=False))
                 assert server.probe_logprobs() != before, "reload did not change the weights"
                 before = server.probe_logprobs()
+                current = other if current == base else base
                 t = time.perf_counter()
                 server.stop()
-                server.model = str(folders[(r + 1) % 2])
+                server.model = str(current)
                 server.start()
                 restart_s.append(time.perf_counter() - t)
                 assert server.probe_logprobs() != before, "restart did not change the weights"

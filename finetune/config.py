@@ -48,6 +48,11 @@ class TrainConfig(BaseModel):
         "token", description="token: mean over all completion tokens of a step; sequence: mean over "
         "sequences of each sequence's token mean."
     )
+    baseline: Literal["group", "none"] = Field(
+        "group", description="group: advantage = reward minus the group's mean (GRPO / REINFORCE with a group "
+        "baseline); none: advantage = the reward itself (with reinforce on reward-filtered samples: rejection-"
+        "sampling fine-tuning)."
+    )
     normalize_std: bool = Field(True, description="Divide advantages by the group std (GRPO); false: Dr. GRPO.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
     token_budget: int = Field(

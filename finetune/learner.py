@@ -107,7 +107,10 @@ class Learner:
         groups = {}
         group_ids = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        advantages = group_advantages(rewards, group_ids, cfg.normalize_std, cfg.std_eps)
+        if cfg.baseline == "none":
+            advantages = rewards.float()
+        else:
+            advantages = group_advantages(rewards, group_ids, cfg.normalize_std, cfg.std_eps)
         # Same shuffle after a restart: seeded by the batch number.
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
         metrics = []

@@ -22,7 +22,9 @@ The learner is GRPO / REINFORCE with group advantages (reward minus the
 group's mean): samples train only where the attempts at one task earned
 different rewards, and the recorded behaviour log-probs make the step
 off-policy-correct (clipped importance ratio). A filter that leaves every
-group with equal rewards would train nothing, and is refused.
+group with equal rewards would train nothing, and is refused, unless the
+advantages are the rewards themselves: `--filter 'reward>0' --train.baseline
+none --train.algorithm reinforce` is rejection-sampling fine-tuning.
 
 Bad input is refused before anything loads, with one line naming the option
 (exit status 2).
@@ -275,10 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     tapes = [t for t in tapes if keep(t)]
     if not tapes:
         parser.exit(2, f"error: --filter: no tape of {read_count} passes {args.filter!r}\n")
-    if not groups_with_signal(tapes):
+    if train.baseline == "group" and not groups_with_signal(tapes):
         parser.exit(2, f"error: --filter: every group of the {len(tapes)} kept tapes has equal rewards, so every "
                        "advantage is 0 and training would change nothing; keep the other attempts too "
-                       "(e.g. --filter all) or re-score (--rescore / --reward)\n")  # fmt: skip
+                       "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
+                       "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)\n")  # fmt: skip
 
     require_ref = train.kl_coef > 0
     missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)

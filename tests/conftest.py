@@ -88,4 +88,5 @@ def tiny_run(tiny_model_dir, tmp_path_factory):
     ]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run.parent / "console.txt").write_text(out.stdout)  # what the command printed (test_loop checks it)
     return run

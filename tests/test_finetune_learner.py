@@ -141,6 +141,18 @@ def test_equal_rewards_leave_the_weights_unchanged(tiny, algorithm):
         assert torch.equal(value, start[name]), name
 
 
+def test_no_baseline_trains_on_the_rewards_themselves(tiny):
+    # Rejection-sampling fine-tuning: only rewarded samples kept, all with reward 1. With the group
+    # baseline they would train nothing; with baseline "none" their log-probs rise.
+    learner = Learner(tiny, TrainConfig(lr=1e-3, algorithm="reinforce", baseline="none"))
+    batch = with_behaviour(learner, group([GOOD, BAD], [1.0, 1.0]))
+    before = [lp.sum().item() for lp in learner.logprobs(batch)]
+    (m,) = learner.train_batch(batch)
+    assert m["adv_mean"] == 1.0 and m["zero_adv_frac"] == 0.0 and m["grad_norm"] > 0
+    after = [lp.sum().item() for lp in learner.logprobs(batch)]
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_micro_batching_does_not_change_the_step(tiny, aggregation):
     rng = random.Random(3)

@@ -29,10 +29,9 @@ def command(model_dir, run_dir, iterations=2, *extra):
     ]  # fmt: skip
 
 
-def test_two_iterations_fill_the_run_directory(tiny_model_dir, tmp_path):
-    run = tmp_path / "run"
-    out = subprocess.run(command(tiny_model_dir, run), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_two_iterations_fill_the_run_directory(tiny_model_dir, tiny_run):
+    """The shared `tiny_run` fixture is this module's `command(tiny_model_dir, run)`, run once per session."""
+    run = tiny_run
 
     config = json.loads((run / "config.json").read_text())
     assert config["rollouts"]["attempts"] == 4 and config["model"]["policy"] == str(tiny_model_dir)
@@ -66,7 +65,7 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tmp_path):
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
     assert (run / "logs" / "policy-0.log").exists() and (run / "logs" / "reference.log").exists()
     assert (run / "logs" / "trainer.log").exists()
-    assert "iter 2/2" in out.stdout
+    assert "iter 2/2" in (run.parent / "console.txt").read_text()
 
 
 def children_of_run(run_dir):
