@@ -1,67 +1,160 @@
-"""Agents and nodes, in the spirit of TapeAgents.
+"""The agent: talks with an environment until the episode ends; one episode is one tape.
 
-A `Node` does one thing: build a prompt from the tape, and turn the LLM's
-output into typed steps. An `Agent` runs nodes in turn, records each LLM call
-whole on the tape, and stops when a node produces a final step (or after its
-last node). Multi-step agents are agents with several nodes, or a node that
-runs again (override `Agent.next_node`); an environment adds observations
-between agent turns with `tape.append`.
+Turn 1: the environment's first observation becomes the user message (after an
+optional system prompt and worked examples as earlier chat turns, and with the
+configured instruction appended). Each turn the agent samples one output, sends
+its whole text to `env.step` as the action, and records the environment's
+answer, reward and end flags on the tape. The episode ends when the
+environment says terminated or truncated, after `max_turns`, when an output
+is cut by max_tokens (truncated, reward `truncation_reward`, the environment
+is not asked), or when the next prompt would not fit the context (truncated).
+
+Prompts after the first are built token-exactly (`agents.chat.ChatTokens`):
+prompt ids of turn t+1 = prompt ids of turn t + the ids sampled at turn t +
+the rendered delta of the new observation. Each call records whether its
+prompt extends the previous prompt + output (`LLMCall.extends_previous`).
+
+Exceptions from the environment (or from this code) are infrastructure
+failures: the tape keeps them in `metadata.error` and is left out of
+training; server failures (`LLMError`) propagate and stop the rollouts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from agents.llm import LLM
-from tapes.tape import Action, ParseFailureStep, SamplingParams, Step, Tape
+from pydantic import BaseModel, ConfigDict, Field
 
-
-class Node:
-    """One LLM call: prompt from tape, steps from output."""
-
-    name: str = "node"
-
-    def prompt(self, tape: Tape) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def parse(self, tape: Tape, text: str, finish_reason: str | None) -> list[Step]:
-        raise NotImplementedError
+from agents.chat import ChatTokens
+from agents.envs.base import Env, jsonable
+from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
 
 
-def is_final(step: Step) -> bool:
-    """Steps after which the agent stops: an answer, or output it could not parse."""
-    return isinstance(step, (Action, ParseFailureStep))
+class TokenLLM(Protocol):
+    """What the agent needs of an LLM: complete a prompt given as token ids (VLLMClient, ReplayLLM)."""
+
+    async def complete_ids(self, prompt_ids: list[int], sampling: SamplingParams, *,
+                           messages: list[dict[str, Any]] | None = None, prompt_text: str = "") -> LLMCall: ...
 
 
-class Agent:
-    def __init__(self, name: str, nodes: list[Node], sampling: SamplingParams, max_calls: int = 8):
-        if not nodes:
-            raise ValueError("an agent needs at least one node")
-        self.name = name
-        self.nodes = nodes
+class Example(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(description="what the user said (an observation)")
+    solution: str = Field(description="what the assistant answered (e.g. ending in \\boxed{answer})")
+
+
+class AgentConfig(BaseModel):
+    """How the agent frames the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    system_prompt: str | None = Field(None, description="system message; none keeps the chat template's default")
+    instruction: str = Field("", description="appended (on a new line) to the environment's first observation")
+    examples: list[Example] = Field(
+        default_factory=list, description="worked examples as earlier chat turns (user, assistant, user, ...); "
+        "several in a row read as one multi-turn example"
+    )
+    max_turns: int = Field(16, gt=0, le=1000, description="agent turns per episode at most (the environment may "
+                           "end it sooner); reaching it truncates the episode")
+    truncation_reward: float = Field(
+        -1.0, allow_inf_nan=False, description="reward of a turn whose output was cut by max_tokens; the episode "
+        "ends there, truncated, without asking the environment"
+    )
+
+
+class ChatAgent:
+    name = "chat_agent"
+
+    def __init__(self, config: AgentConfig, sampling: SamplingParams, chat: ChatTokens, max_context: int | None = None):
+        self.config = config
         self.sampling = sampling
-        self.max_calls = max_calls
+        self.chat = chat
+        self.max_context = max_context  # the server's max_model_len: prompt + max_tokens must fit
 
-    def next_node(self, tape: Tape) -> Node | None:
-        """The node after the one that wrote the last step; the first if none did; None after the last."""
-        if tape.steps and is_final(tape.steps[-1]):
-            return None
-        names = [node.name for node in self.nodes]
-        last = next((s.metadata.node for s in reversed(tape.steps) if s.metadata.node in names), None)
-        index = 0 if last is None else names.index(last) + 1
-        return self.nodes[index] if index < len(self.nodes) else None
+    def first_messages(self, observation: str) -> list[dict[str, Any]]:
+        c = self.config
+        messages: list[dict[str, Any]] = []
+        if c.system_prompt:
+            messages.append({"role": "system", "content": c.system_prompt})
+        for example in c.examples:
+            messages += [{"role": "user", "content": example.question},
+                         {"role": "assistant", "content": example.solution}]  # fmt: skip
+        text = f"{observation}\n{c.instruction}" if c.instruction else observation
+        messages.append({"role": "user", "content": text})
+        return messages
 
-    async def run(self, tape: Tape, llm: LLM, sampling: SamplingParams | None = None) -> Tape:
-        """Continue `tape` until the agent stops; returns the same tape, extended."""
+    def _record(self, tape: Tape, step, call: LLMCall | None = None) -> None:
+        step.metadata.agent = self.name
+        step.metadata.node = "act" if call is not None else "env"
+        tape.append(step, llm_call=call)
+
+    async def run_episode(self, env: Env, seed: int, llm: TokenLLM, tape: Tape,
+                          sampling: SamplingParams | None = None) -> Tape:
+        """Play one episode of `env` from `seed`, extending `tape`; returns it."""
+        sampling = sampling or self.sampling
         tape.metadata.author = self.name
-        for _ in range(self.max_calls):
-            node = self.next_node(tape)
-            if node is None:
+        observation, info = env.reset(seed=seed)
+        self._record(tape, EnvObservation(text=str(observation), turn=0, info=jsonable(info)))
+        messages = self.first_messages(str(observation))
+        prompt_text, prompt_ids = self.chat.first_prompt(messages)
+        previous: list[int] | None = None
+        for turn in range(1, self.config.max_turns + 1):
+            if self.max_context and len(prompt_ids) + sampling.max_tokens > self.max_context:
+                last = tape.steps[-1]
+                last.truncated = True  # the conversation no longer fits the model's context
+                last.info["reason"] = f"context full: {len(prompt_ids)} prompt tokens + {sampling.max_tokens} new " \
+                                      f"> max_model_len {self.max_context}"
                 break
-            call = await llm.generate(node.prompt(tape), sampling or self.sampling)
-            steps = node.parse(tape, call.output_text, call.finish_reason)
-            for step in steps:
-                step.metadata.node = node.name
-                step.metadata.agent = self.name
-                tape.append(step, llm_call=call)
+            call = await llm.complete_ids(prompt_ids, sampling, messages=list(messages), prompt_text=prompt_text)
+            call.turn = turn
+            if previous is not None:
+                ids = call.prompt_token_ids
+                call.extends_previous = len(ids) > len(previous) and ids[: len(previous)] == previous
+            self._record(tape, EnvAction(text=call.output_text, turn=turn), call)
+            if call.finish_reason == "length":
+                self._record(tape, EnvObservation(
+                    text="", turn=turn, reward=self.config.truncation_reward, truncated=True,
+                    info={"reason": "truncated: output cut by max_tokens", "success": False},
+                ))  # fmt: skip
+                break
+            observation, reward, terminated, truncated, info = env.step(call.output_text)
+            info = jsonable(info)
+            if turn == self.config.max_turns and not (terminated or truncated):
+                truncated = True
+                info.setdefault("reason", f"turn limit ({self.config.max_turns}) reached")
+            self._record(tape, EnvObservation(text=str(observation), turn=turn, reward=float(reward),
+                                              terminated=bool(terminated), truncated=bool(truncated), info=info))
+            if terminated or truncated:
+                break
+            previous = call.prompt_token_ids + call.output_token_ids
+            delta_text, delta_ids = self.chat.continuation(call.output_token_ids, str(observation))
+            messages += [{"role": "assistant", "content": call.output_text}, {"role": "user", "content": str(observation)}]
+            prompt_text += self.chat.tokenizer.decode(call.output_token_ids, skip_special_tokens=False) + delta_text
+            prompt_ids = previous + delta_ids
+        summarize(tape)
         return tape
+
+
+def summarize(tape: Tape) -> Tape:
+    """Fill the tape's reward (sum over turns), success, turns and end flags from its steps."""
+    observations = [s for s in tape.steps if isinstance(s, EnvObservation)]
+    rewards = [s.reward for s in observations if s.reward is not None]
+    last = observations[-1] if observations else None
+    m = tape.metadata
+    m.turns = sum(isinstance(s, EnvAction) for s in tape.steps)
+    m.reward = float(sum(rewards)) if rewards else None
+    m.terminated = bool(last and last.terminated)
+    m.truncated = bool(last and last.truncated)
+    if last is not None and isinstance(last.info.get("success"), bool):
+        m.success = last.info["success"]
+    else:
+        m.success = bool(rewards) and rewards[-1] > 0
+    m.reward_reason = str(last.info.get("reason", "")) if last is not None else ""
+    return tape
+
+
+def turn_rewards(tape: Tape) -> list[float]:
+    """The reward of each agent turn, in order (a turn's reward is on the observation that answers it)."""
+    by_turn = {s.turn: s.reward for s in tape.steps if isinstance(s, EnvObservation) and s.turn > 0}
+    return [float(by_turn.get(t) or 0.0) for t in range(1, tape.metadata.turns + 1)]

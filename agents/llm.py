@@ -1,8 +1,8 @@
 """LLMs an agent can call. Every call comes back as a whole `LLMCall`.
 
-`VLLMClient` talks to one or more vLLM OpenAI-compatible servers: it renders
-the chat template itself and sends token ids, so the prompt ids on the tape
-are exactly what the model saw, and it keeps the output token ids vLLM
+`VLLMClient` talks to one or more vLLM OpenAI-compatible servers: it sends
+token ids (the agent renders them, see `agents.chat`), so the prompt ids on
+the tape are exactly what the model saw, and it keeps the output token ids vLLM
 sampled (never re-tokenized text) with their log-probs. Requests go to the
 least-busy server under a bounded concurrency; a failed request is retried
 with backoff, and a server that stops answering is handed to `on_failure`
@@ -24,10 +24,6 @@ from typing import Any, Protocol
 import httpx
 
 from tapes.tape import LLMCall, SamplingParams, Tape
-
-
-class LLM(Protocol):
-    async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall: ...
 
 
 class Endpoint(Protocol):
@@ -62,7 +58,7 @@ class VLLMClient:
     def __init__(
         self,
         endpoints: Sequence[Endpoint],
-        tokenizer: Any,
+        tokenizer: Any = None,
         *,
         model: str = "",
         policy_version: int = 0,
@@ -133,15 +129,6 @@ class VLLMClient:
                 finally:
                     self._in_flight[index] -= 1
             raise LLMError(f"request failed after {self.max_retries + 1} attempts: {last!r}")
-
-    def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, list(ids)
-
-    async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall:
-        prompt_text, prompt_ids = self.render(messages)
-        return await self.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
     async def complete_ids(
         self,
@@ -216,11 +203,12 @@ class VLLMClient:
 class ReplayLLM:
     """Answers from the LLM calls recorded on a tape, in order.
 
-    strict (the default): a prompt that differs from the recorded one is an
-    LLMError. strict=False answers anyway and notes the difference in
-    `mismatches` (call number, what differs), so a replay can go on and report
-    every step that changed; a different sampling setting is only noted.
-    Either way, asking for more calls than the tape recorded is an LLMError.
+    strict (the default): a prompt whose token ids differ from the recorded
+    ones is an LLMError. strict=False answers anyway and notes the difference
+    in `mismatches` (call number, what differs), so a replay can go on and
+    report every step that changed; a different sampling setting is only
+    noted. Either way, asking for more calls than the tape recorded is an
+    LLMError.
     """
 
     def __init__(self, tape: Tape, strict: bool = True):
@@ -229,28 +217,41 @@ class ReplayLLM:
         self.strict = strict
         self.mismatches: list[tuple[int, str]] = []
 
-    async def generate(self, messages: list[dict[str, Any]], sampling: SamplingParams) -> LLMCall:
+    async def complete_ids(self, prompt_ids: list[int], sampling: SamplingParams, *,
+                           messages: list[dict[str, Any]] | None = None, prompt_text: str = "") -> LLMCall:
         if self.position >= len(self.calls):
             raise LLMError(f"replay: the agent made call #{self.position + 1}; the tape recorded {len(self.calls)}")
         call = self.calls[self.position]
         self.position += 1
-        if call.messages != messages:
+        if call.prompt_token_ids != list(prompt_ids):
             problem = f"call #{self.position} prompt differs from the recorded one: "
-            problem += _first_message_difference(call.messages, messages)
+            problem += _first_message_difference(call.messages, list(messages or []))
+            problem += "; " + _first_id_difference(call.prompt_token_ids, list(prompt_ids))
             if self.strict:
                 raise LLMError("replay: " + problem)
             self.mismatches.append((self.position, problem))
         if call.sampling != sampling:  # noted, never fatal: the recorded answer is what it is
             self.mismatches.append((self.position, f"call #{self.position} sampling differs: recorded "
                                     f"{call.sampling.model_dump()}, now {sampling.model_dump()}"))
-        return call.model_copy(deep=True)
+        replayed = call.model_copy(deep=True)
+        replayed.turn, replayed.extends_previous = 1, None  # the agent sets these again
+        return replayed
+
+
+def _first_id_difference(recorded: list[int], now: list[int]) -> str:
+    for i, (a, b) in enumerate(zip(recorded, now)):
+        if a != b:
+            return f"token {i} was {a}, now {b}"
+    return f"recorded {len(recorded)} prompt tokens, now {len(now)}"
 
 
 def _first_message_difference(recorded: list[dict[str, Any]], now: list[dict[str, Any]]) -> str:
     for i, (a, b) in enumerate(zip(recorded, now)):
         if a != b:
             return f"message {i + 1} was {_short(a)}, now {_short(b)}"
-    return f"recorded {len(recorded)} messages, now {len(now)}"
+    if len(recorded) != len(now):
+        return f"recorded {len(recorded)} messages, now {len(now)}"
+    return "same messages"
 
 
 def _short(message: dict[str, Any], width: int = 120) -> str:

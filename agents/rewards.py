@@ -15,8 +15,6 @@ import threading
 
 from pydantic import BaseModel
 
-from tapes.tape import Tape
-
 CORRECT, WRONG, INVALID = 1.0, 0.0, -1.0
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call without timeouts
@@ -78,15 +76,3 @@ def math_reward(output: str, gold: str, finish_reason: str | None = None) -> Rew
     if answers_match(answer, gold):
         return Reward(value=CORRECT, reason="correct")
     return Reward(value=WRONG, reason=f"wrong: {answer!r} != {gold!r}")
-
-
-def score_tape(tape: Tape) -> Reward:
-    """Reward a math tape from its last LLM call and the gold answer in `tape.context['task']`."""
-    try:
-        gold = tape.context["task"]["answer"]
-    except (TypeError, KeyError):
-        raise ValueError(f"tape {tape.metadata.id} has no context.task.answer to score against") from None
-    if not tape.llm_calls:
-        return Reward(value=INVALID, reason=f"no LLM call ({tape.metadata.error or 'agent made none'})")
-    call = tape.llm_calls[-1]
-    return math_reward(call.output_text, str(gold), call.finish_reason)

@@ -1,14 +1,30 @@
 """The training-sample format the learner owns: one JSON object per line.
 
-A batch file holds every sample of one iteration, one per line:
+A batch file holds every sample of one iteration, one per line. A one-turn sample:
 
     {"prompt_ids": [1, 42, ...], "completion_ids": [7, 8, 2],
      "behaviour_logprobs": [-0.1, -2.3, -0.01], "ref_logprobs": [-0.2, -2.0, -0.02],
      "reward": 1.0, "group_id": "task-17", "temperature": 0.7}
 
-Advantages are not stored: the learner computes them from the rewards of
-each group (the attempts at one task), so a batch file is exactly what the
-policy did and what it earned. The orchestrator writes these files with
+A multi-turn episode is one sample too: `prompt_ids` is the first turn's
+prompt, `completion_ids` everything after it (the model's outputs and, between
+them, the environment's tokens), and `turns` says where each sampled output
+lies in `completion_ids` and what its turn earned:
+
+    {"prompt_ids": [...], "completion_ids": [7, 2, 198, 1, 55, 198, 9, 2],
+     "turns": [{"index": 0, "start": 0, "length": 2, "reward": 0.0},
+               {"index": 1, "start": 6, "length": 2, "reward": 1.0}],
+     "behaviour_logprobs": [-0.1, -0.2, -0.3, -0.05], "reward": 1.0, "group_id": "3:train:17", ...}
+
+Only tokens inside turns are trained on; the log-prob lists hold one value per
+such token, in order. An episode whose prompts were re-rendered (a call that
+does not extend the previous one) is cut into several samples that share an
+`episode_id`; their turns' `index` numbers the turns of the whole episode.
+
+Advantages are not stored: the learner computes them from the rewards (per
+turn returns with a discount, then a group or batch baseline), so a batch file
+is exactly what the policy did and what it earned; the learner writes the
+advantages it used beside its checkpoints. The orchestrator writes these files with
 `write_batch` (atomically: a reader sees the whole file or no file) and may
 import this module; it imports nothing but Pydantic.
 """
@@ -28,13 +44,27 @@ BATCH_NAME = re.compile(r"^(\d+)\.jsonl$")
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
+class Turn(BaseModel):
+    """One sampled output of an episode, inside a sample's completion_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(ge=0, description="The turn's number in its episode, from 0.")
+    start: int = Field(ge=0, description="Where the output starts in completion_ids.")
+    length: int = Field(ge=1, description="Sampled tokens of the output.")
+    reward: Finite = Field(description="Reward the environment gave this turn's action.")
+
+
 class Sample(BaseModel):
     """One completion of one prompt, with what the learner needs to train on it."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt_ids: list[int] = Field(min_length=1, description="Token ids the policy was conditioned on (whole chat prompt).")
-    completion_ids: list[int] = Field(min_length=1, description="Token ids the policy sampled; these are trained on.")
+    completion_ids: list[int] = Field(
+        min_length=1, description="Token ids after the prompt: what the policy sampled (trained on) and, in a "
+        "multi-turn episode, the environment's tokens between its outputs (not trained on)."
+    )
     behaviour_logprobs: list[Finite] = Field(
         description="Log-prob of each completion token under the policy that sampled it, of the "
         "distribution sampled from: softmax(logits / temperature). vLLM reports these with "
@@ -46,7 +76,15 @@ class Sample(BaseModel):
         description="Log-prob of each completion token under the reference model at temperature 1; "
         "null when no KL penalty is used.",
     )
-    reward: Finite = Field(description="Scalar reward of the whole completion.")
+    reward: Finite = Field(description="Reward of the whole completion (of a multi-turn sample: the sum of its turns').")
+    turns: list[Turn] | None = Field(
+        default=None, description="The sampled outputs inside completion_ids, in order; none: one turn that is the "
+        "whole completion and earned `reward`."
+    )
+    episode_id: str | None = Field(
+        default=None, description="Samples of one episode share it (an episode cut where a prompt was "
+        "re-rendered); none: the sample is an episode of its own."
+    )
     group_id: str | int = Field(description="Samples sharing a group id are attempts at the same prompt; "
                                 "advantages are normalised within the group.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature the completion was drawn at.")
@@ -54,14 +92,40 @@ class Sample(BaseModel):
 
     @model_validator(mode="after")
     def _lengths_match(self) -> Sample:
-        n = len(self.completion_ids)
+        if self.turns is not None:
+            if not self.turns:
+                raise ValueError("turns is empty; leave it out for a one-turn sample")
+            end = 0
+            for turn in self.turns:
+                if turn.start < end:
+                    raise ValueError(f"turn {turn.index} starts at {turn.start}, inside the previous turn or before it")
+                end = turn.start + turn.length
+            if end > len(self.completion_ids):
+                raise ValueError(f"turns reach token {end} of {len(self.completion_ids)} completion tokens")
+        n = self.n_trained
         if len(self.behaviour_logprobs) != n:
-            raise ValueError(
-                f"behaviour_logprobs has {len(self.behaviour_logprobs)} values for {n} completion tokens"
-            )
+            raise ValueError(f"behaviour_logprobs has {len(self.behaviour_logprobs)} values for {n} sampled tokens")
         if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
-            raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} completion tokens")
+            raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} sampled tokens")
         return self
+
+    @property
+    def all_turns(self) -> list[Turn]:
+        """The turns, a one-turn sample's included."""
+        if self.turns is not None:
+            return self.turns
+        return [Turn(index=0, start=0, length=len(self.completion_ids), reward=self.reward)]
+
+    @property
+    def n_trained(self) -> int:
+        """Tokens trained on: those inside turns."""
+        return len(self.completion_ids) if self.turns is None else sum(t.length for t in self.turns)
+
+    def trained_positions(self) -> list[int]:
+        """Positions in completion_ids of the tokens trained on, in order."""
+        if self.turns is None:
+            return list(range(len(self.completion_ids)))
+        return [t.start + k for t in self.turns for k in range(t.length)]
 
 
 class BatchFormatError(ValueError):

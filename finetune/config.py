@@ -48,12 +48,17 @@ class TrainConfig(BaseModel):
         "token", description="token: mean over all completion tokens of a step; sequence: mean over "
         "sequences of each sequence's token mean."
     )
-    baseline: Literal["group", "none"] = Field(
-        "group", description="group: advantage = reward minus the group's mean (GRPO / REINFORCE with a group "
-        "baseline); none: advantage = the reward itself (with reinforce on reward-filtered samples: rejection-"
-        "sampling fine-tuning)."
+    baseline: Literal["group", "batch", "none"] = Field(
+        "group", description="group: an episode's return minus its group's mean, the same for all its turns (GRPO "
+        "/ REINFORCE with a group baseline; one member per episode however many turns); batch: each turn's return "
+        "normalised over all turns of the batch (GEM's ReBN: per-turn rewards, gamma < 1); none: advantage = the "
+        "return itself (with reinforce on reward-filtered samples: rejection-sampling fine-tuning)."
     )
-    normalize_std: bool = Field(True, description="Divide advantages by the group std (GRPO); false: Dr. GRPO.")
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="Discount over the turns of an episode: G_t = r_t + gamma * G_{t+1} "
+        "(GEM's games use 0.9). One-turn samples are unaffected."
+    )
+    normalize_std: bool = Field(True, description="Divide advantages by the group (or batch) std; false: Dr. GRPO.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
     token_budget: int = Field(
         2048, ge=16, description="Tokens per micro-batch, padding included (rows x longest row). The main "

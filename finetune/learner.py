@@ -1,7 +1,8 @@
 """The learner: a model and its optimizer, trained one batch of samples at a time.
 
-`Learner.train_batch` is one iteration of GRPO / REINFORCE: group-normalised
-advantages from the rewards, then `epochs` passes over the batch, each cut
+`Learner.train_batch` is one iteration of GRPO / REINFORCE: per-turn returns
+(discount gamma) and advantages (group, batch or no baseline, see
+`losses.turn_advantages`; kept in `self.credit` for the run directory), then `epochs` passes over the batch, each cut
 into `steps_per_epoch` optimizer steps, each step accumulated over
 length-sorted micro-batches (token budget). It returns one metrics dict per
 optimizer step. `save_checkpoint` / `load_trainer_state` write and restore
@@ -30,7 +31,7 @@ from accelerate.utils import DistributedType
 from finetune.batch import Sample
 from finetune.config import TrainConfig
 from finetune.logprobs import PolicyLogProbs
-from finetune.losses import group_advantages, policy_loss, token_weights
+from finetune.losses import policy_loss, token_weights, turn_advantages
 from finetune.microbatch import micro_batches
 
 TOKENIZER_FILES = (
@@ -104,17 +105,28 @@ class Learner:
         if cfg.kl_coef > 0 and any(s.ref_logprobs is None for s in samples):
             raise ValueError("kl_coef > 0 but some samples have no ref_logprobs: score them with the reference "
                              "model, or set kl_coef to 0")
-        groups = {}
-        group_ids = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        if cfg.baseline == "none":
-            advantages = rewards.float()
-        else:
-            advantages = group_advantages(rewards, group_ids, cfg.normalize_std, cfg.std_eps)
+        returns, turn_adv = turn_advantages(
+            [[(t.index, t.reward) for t in sample.all_turns] for sample in samples],
+            [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
+            [sample.group_id for sample in samples],
+            cfg.baseline, cfg.gamma, cfg.normalize_std, cfg.std_eps,
+        )  # fmt: skip
+        # what the step trains with, per sample and turn: the trainer writes it beside the checkpoint
+        self.credit = [
+            {"sample_id": sample.sample_id, "turns": [
+                {"index": t.index, "reward": t.reward, "return": g, "advantage": a}
+                for t, g, a in zip(sample.all_turns, sample_returns, sample_adv)]}
+            for sample, sample_returns, sample_adv in zip(samples, returns, turn_adv)
+        ]  # fmt: skip
+        advantages = [
+            torch.tensor([a for t, a in zip(sample.all_turns, sample_adv) for _ in range(t.length)], dtype=torch.float32)
+            for sample, sample_adv in zip(samples, turn_adv)
+        ]  # one per trained token
+        rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float64)
         # Same shuffle after a restart: seeded by the batch number.
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
         metrics = []
-        self._progress = [0, cfg.epochs * sum(len(s.completion_ids) for s in samples), on_progress]
+        self._progress = [0, cfg.epochs * sum(s.n_trained for s in samples), on_progress]
         for epoch in range(cfg.epochs):
             order = torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
@@ -133,8 +145,8 @@ class Learner:
         dev = acc.device
         sub = [samples[i] for i in idx]
         mbs = micro_batches([s.prompt_ids for s in sub], [s.completion_ids for s in sub],
-                            cfg.token_budget, cfg.layout, self.pad_id)
-        n_completion = sum(len(s.completion_ids) for s in sub)
+                            cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in sub])
+        n_completion = sum(s.n_trained for s in sub)
         world, rank = acc.num_processes, acc.process_index
         # Every process must run the same number of forward/backward passes
         # (DDP / FSDP synchronise on them): a process short of micro-batches
@@ -151,11 +163,11 @@ class Learner:
         for k, (mb, scale) in enumerate(mine):
             seqs = [sub[i] for i in mb.indices]
             weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(sub)) * scale
-            adv = torch.cat([advantages[idx[i]].expand(len(s.completion_ids)) for i, s in zip(mb.indices, seqs)])
+            adv = torch.cat([advantages[idx[i]] for i in mb.indices])
             behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
             ref = torch.tensor([x for s in seqs for x in s.ref_logprobs]) if all(
                 s.ref_logprobs is not None for s in seqs) else None
-            inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in s.completion_ids])
+            inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in range(s.n_trained)])
             # The reference is scored at T = 1: the KL takes untempered log-probs.
             tempered = bool((inv_temp != 1).any())
             sync = k == len(mine) - 1
@@ -195,7 +207,7 @@ class Learner:
             ratio_max = acc.gather(ratio_max[None].to(dev)).max().cpu()
             ratio_min = acc.gather(ratio_min[None].to(dev)).min().cpu()
         seconds = time.perf_counter() - t0
-        adv = advantages[idx]
+        adv = torch.cat([advantages[i] for i in idx])  # per trained token
         loss, pg, kl, ent, clipped, ratio, tokens, slots = sums.tolist()
         return {
             "step": self.step,
@@ -230,8 +242,8 @@ class Learner:
         cfg, dev = self.config, self.accelerator.device
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
-                                cfg.token_budget, cfg.layout, self.pad_id):
-            inv_temp = torch.tensor([1.0 / samples[i].temperature for i in mb.indices for _ in samples[i].completion_ids])
+                                cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in samples]):
+            inv_temp = torch.tensor([1.0 / samples[i].temperature for i in mb.indices for _ in range(samples[i].n_trained)])
             logp, _, _ = self.model(
                 mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                 mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),

@@ -14,6 +14,7 @@ tokens, `behaviour_logp` those of the policy that sampled them (vLLM),
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -43,6 +44,76 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, normalize_std: bool = T
     hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
     constant = (lo == hi)[group]
     return torch.where(constant, torch.zeros_like(adv), adv).float()
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """G_t = r_t + gamma * G_{t+1} for each turn t of one episode (G after the last turn is 0: a truncated
+    episode is not bootstrapped)."""
+    out, g = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        g = float(rewards[t]) + gamma * g
+        out[t] = g
+    return out
+
+
+Baseline = Literal["group", "batch", "none"]
+
+
+def turn_advantages(
+    turns: Sequence[Sequence[tuple[int, float]]],
+    episode_ids: Sequence[str],
+    group_ids: Sequence[str | int],
+    baseline: Baseline,
+    gamma: float = 1.0,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-turn returns and advantages of every sample: (returns, advantages), each a list per sample
+    holding one value per turn of that sample.
+
+    `turns[i]` lists sample i's turns as (index in the episode, reward). Samples sharing an episode id are
+    parts of one episode: its returns run over all of its turns.
+    - group: GRPO over episodes. Each episode is one member of its group whatever its number of turns,
+      scored by its return G_0; advantage = (G_0 - group mean) / (group std + eps), the same for every turn.
+    - batch: every turn's return G_t, normalised over all turns of the batch (GEM's ReBN, `norm_return`):
+      (G_t - mean) / (std + eps). Fits per-turn rewards and gamma < 1, where a group baseline does not.
+    - none: the returns themselves.
+    With normalize_std False the std is not divided by (Dr. GRPO / plain mean baseline).
+    """
+    episodes: dict[str, dict[int, float]] = {}
+    episode_group: dict[str, str | int] = {}
+    for sample_turns, episode, group in zip(turns, episode_ids, group_ids):
+        rewards = episodes.setdefault(episode, {})
+        episode_group.setdefault(episode, group)
+        for index, reward in sample_turns:
+            rewards[index] = float(reward)
+    returns_of: dict[str, dict[int, float]] = {}
+    for episode, rewards in episodes.items():
+        order = sorted(rewards)
+        returns_of[episode] = dict(zip(order, discounted_returns([rewards[t] for t in order], gamma)))
+    returns = [[returns_of[e][index] for index, _ in st] for st, e in zip(turns, episode_ids)]
+
+    if baseline == "none":
+        advantages = [list(r) for r in returns]
+    elif baseline == "group":
+        names = list(episodes)
+        first = torch.tensor([returns_of[e][min(returns_of[e])] if returns_of[e] else 0.0 for e in names],
+                             dtype=torch.float64)
+        group_index: dict[str | int, int] = {}
+        gids = torch.tensor([group_index.setdefault(episode_group[e], len(group_index)) for e in names])
+        adv = group_advantages(first, gids, normalize_std, eps).double().tolist()
+        by_episode = dict(zip(names, adv))
+        advantages = [[by_episode[e]] * len(st) for st, e in zip(turns, episode_ids)]
+    elif baseline == "batch":
+        flat = torch.tensor([g for e in episodes for g in returns_of[e].values()], dtype=torch.float64)
+        mean = float(flat.mean()) if len(flat) else 0.0
+        std = float(flat.std()) if len(flat) > 1 else 0.0
+        scale = (std + eps) if normalize_std else 1.0
+        constant = len(flat) == 0 or float(flat.max() - flat.min()) == 0.0
+        advantages = [[0.0 if constant else (g - mean) / scale for g in r] for r in returns]
+    else:
+        raise ValueError(f"baseline must be 'group', 'batch' or 'none', not {baseline!r}")
+    return returns, advantages
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:

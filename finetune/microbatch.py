@@ -27,9 +27,12 @@ into micro-batches whose cost stays within the token budget:
   padded as in `padded`. Needs an attention implementation that takes a
   custom mask (sdpa, eager; not flash-attention).
 
-Each MicroBatch also says where every completion token is predicted: the
-hidden state at (row, col) predicts the token at col + 1, so the completion
-token k of a sequence with prompt length P is predicted at col P - 1 + k.
+Each MicroBatch also says where every trained completion token is
+predicted: the hidden state at (row, col) predicts the token at col + 1, so
+the completion token k of a sequence with prompt length P is predicted at col
+P - 1 + k. `trained` picks which completion tokens are trained on (a
+multi-turn episode's environment tokens are computed, as context, but not
+trained on); by default all are.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ class MicroBatch:
     position_ids: Tensor | None  # [rows, cols] for packed, None for padded (0..cols-1 per row)
     rows: Tensor  # [n] row of the hidden state predicting each completion token
     cols: Tensor  # [n] its column
-    targets: Tensor  # [n] the completion tokens, sequences end to end in `indices` order
-    completion_lengths: list[int]
+    targets: Tensor  # [n] the trained completion tokens, sequences end to end in `indices` order
+    completion_lengths: list[int]  # trained tokens of each sequence
     n_tokens: int  # real tokens computed (a shared prompt counts once)
     attention_mask: Tensor | None = None  # [rows, 1, cols, cols] bool (True: may attend), shared_prefix only
 
@@ -85,38 +88,47 @@ def plan(lengths: Sequence[int], token_budget: int, layout: Layout) -> list[list
     return groups
 
 
+Positions = Sequence[Sequence[int]] | None
+
+
+def _positions(trained: Positions, completions: Sequence[Sequence[int]], i: int) -> list[int]:
+    return list(range(len(completions[i]))) if trained is None else list(trained[i])
+
+
 def build(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     indices: list[int],
     layout: Layout,
     pad_id: int = 0,
+    trained: Positions = None,
 ) -> MicroBatch:
     """Tensors for one micro-batch of the sequences `indices`."""
     seqs = [list(prompts[i]) + list(completions[i]) for i in indices]
+    positions = {i: torch.as_tensor(_positions(trained, completions, i), dtype=torch.long) for i in indices}
     rows, cols, targets = [], [], []
     if layout == "padded":
         width = max(len(s) for s in seqs)
         input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
         for r, (i, s) in enumerate(zip(indices, seqs)):
             input_ids[r, : len(s)] = torch.tensor(s)
-            p, c = len(prompts[i]), len(completions[i])
-            rows.append(torch.full((c,), r, dtype=torch.long))
-            cols.append(torch.arange(p - 1, p - 1 + c))
+            p, k = len(prompts[i]), positions[i]
+            rows.append(torch.full((len(k),), r, dtype=torch.long))
+            cols.append(p - 1 + k)
         position_ids = None
     elif layout == "packed":
         input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
         position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
         offset = 0
         for i, s in zip(indices, seqs):
-            p, c = len(prompts[i]), len(completions[i])
-            rows.append(torch.zeros(c, dtype=torch.long))
-            cols.append(torch.arange(offset + p - 1, offset + p - 1 + c))
+            p, k = len(prompts[i]), positions[i]
+            rows.append(torch.zeros(len(k), dtype=torch.long))
+            cols.append(offset + p - 1 + k)
             offset += len(s)
     else:
         raise ValueError(f"layout must be 'padded' or 'packed', not {layout!r}")
     for i in indices:
-        targets.append(torch.as_tensor(list(completions[i]), dtype=torch.long))
+        targets.append(torch.as_tensor(list(completions[i]), dtype=torch.long)[positions[i]])
     return MicroBatch(
         indices=list(indices),
         input_ids=input_ids,
@@ -124,7 +136,7 @@ def build(
         rows=torch.cat(rows),
         cols=torch.cat(cols),
         targets=torch.cat(targets),
-        completion_lengths=[len(completions[i]) for i in indices],
+        completion_lengths=[len(positions[i]) for i in indices],
         n_tokens=sum(len(s) for s in seqs),
     )
 
@@ -135,12 +147,14 @@ def micro_batches(
     token_budget: int,
     layout: Layout = "padded",
     pad_id: int = 0,
+    trained: Positions = None,
 ) -> list[MicroBatch]:
-    """All micro-batches for these sequences, longest first."""
+    """All micro-batches for these sequences, longest first; `trained[i]`: the completion positions of
+    sequence i that are trained on (default: all)."""
     if layout == "shared_prefix":
-        return _shared_prefix_batches(prompts, completions, token_budget, pad_id)
+        return _shared_prefix_batches(prompts, completions, token_budget, pad_id, trained)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    return [build(prompts, completions, g, layout, pad_id) for g in plan(lengths, token_budget, layout)]
+    return [build(prompts, completions, g, layout, pad_id, trained) for g in plan(lengths, token_budget, layout)]
 
 
 def prefix_units(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -163,21 +177,21 @@ def prefix_units(prompts: Sequence[Sequence[int]], completions: Sequence[Sequenc
     return units
 
 
-def _shared_prefix_batches(prompts, completions, token_budget: int, pad_id: int) -> list[MicroBatch]:
+def _shared_prefix_batches(prompts, completions, token_budget: int, pad_id: int, trained: Positions) -> list[MicroBatch]:
     units = prefix_units(prompts, completions, token_budget)
     widths = [len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units]
     batches = []
     for group in plan(widths, token_budget, "padded"):  # rows = units, padded to the longest
-        batches.append(_build_shared_prefix(prompts, completions, [units[g] for g in group], pad_id))
+        batches.append(_build_shared_prefix(prompts, completions, [units[g] for g in group], pad_id, trained))
     return batches
 
 
-def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: int) -> MicroBatch:
+def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: int, trained: Positions) -> MicroBatch:
     width = max(len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units)
     input_ids = torch.full((len(units), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(units), width), dtype=torch.long)
     segment = torch.full((len(units), width), -1, dtype=torch.long)  # 0: prompt, j: completion j, -1: padding
-    rows, cols, targets, indices = [], [], [], []
+    rows, cols, targets, indices, lengths = [], [], [], [], []
     n_tokens = 0
     for r, unit in enumerate(units):
         prompt = list(prompts[unit[0]])
@@ -193,10 +207,13 @@ def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: i
             position_ids[r, offset: offset + n] = torch.arange(p, p + n)
             segment[r, offset: offset + n] = j
             # token 0 is predicted by the prompt's last position, token k by completion token k - 1
-            rows.append(torch.full((n,), r, dtype=torch.long))
-            cols.append(torch.cat([torch.tensor([p - 1]), torch.arange(offset, offset + n - 1)]))
-            targets.append(torch.as_tensor(c, dtype=torch.long))
+            k = torch.as_tensor(_positions(trained, completions, i), dtype=torch.long)
+            predicted_at = torch.cat([torch.tensor([p - 1]), torch.arange(offset, offset + n - 1)])
+            rows.append(torch.full((len(k),), r, dtype=torch.long))
+            cols.append(predicted_at[k])
+            targets.append(torch.as_tensor(c, dtype=torch.long)[k])
             indices.append(i)
+            lengths.append(len(k))
             offset += n
         position_ids[r, offset:] = torch.arange(width - offset) + offset  # padding: harmless positions
         n_tokens += offset
@@ -212,7 +229,7 @@ def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: i
         rows=torch.cat(rows),
         cols=torch.cat(cols),
         targets=torch.cat(targets),
-        completion_lengths=[len(completions[i]) for i in indices],
+        completion_lengths=lengths,
         n_tokens=n_tokens,
         attention_mask=mask[:, None],
     )

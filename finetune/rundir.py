@@ -2,6 +2,9 @@
 
     RUN/batches/000003.jsonl      written by the orchestrator (finetune.batch.write_batch)
     RUN/checkpoints/000003/       written by the learner after training batch 3
+    RUN/advantages/000003.jsonl   the returns and advantages the learner trained batch 3 with, one line per
+                                  sample: {"sample_id", "turns": [{"index", "reward", "return", "advantage"}]}
+                                  (written before the checkpoint appears; what tools show, never recomputed)
     RUN/train_metrics.jsonl       one JSON line per optimizer step, appended
     RUN/trainer_state.json        where the learner is (status, last batch, checkpoint)
     RUN/trainer.log               the learner's log
@@ -24,6 +27,25 @@ from pathlib import Path
 from finetune.batch import list_batches, write_text_atomic
 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
+ADVANTAGES_DIR = "advantages"
+
+
+def advantages_file(root: str | os.PathLike, index: int) -> Path:
+    """RUN/advantages/000003.jsonl: what the learner trained batch 3 with."""
+    return Path(root) / ADVANTAGES_DIR / f"{index:06d}.jsonl"
+
+
+def read_advantages(root: str | os.PathLike, index: int) -> dict[str, list[dict]]:
+    """sample_id -> its turns ({index, reward, return, advantage}) for batch `index`; {} if not written."""
+    path = advantages_file(root, index)
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            out[str(record.get("sample_id"))] = record.get("turns", [])
+    return out
 
 
 class RunDir:
@@ -31,6 +53,7 @@ class RunDir:
         self.root = Path(root)
         self.batches = self.root / "batches"
         self.checkpoints = self.root / "checkpoints"
+        self.advantages = self.root / ADVANTAGES_DIR
         self.metrics = self.root / "train_metrics.jsonl"
         self.state = self.root / "trainer_state.json"
         self.log = self.root / "trainer.log"
@@ -38,6 +61,12 @@ class RunDir:
 
     def checkpoint(self, index: int) -> Path:
         return self.checkpoints / f"{index:06d}"
+
+    def write_advantages(self, index: int, credit: list[dict]) -> Path:
+        path = advantages_file(self.root, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, "".join(json.dumps(c) + "\n" for c in credit))
+        return path
 
     def next_batch(self, after: int | None) -> tuple[int, Path] | None:
         """The lowest-numbered complete batch file above `after` (None: any)."""

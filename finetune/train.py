@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
             learner.save_checkpoint(tmp, {"batch": index, "samples": len(samples)})
             if main_process:
+                run.write_advantages(index, learner.credit)  # before the checkpoint: it marks the batch done
                 final = run.publish_checkpoint(tmp, index)
                 for m in metrics:
                     run.append_metrics({**m, "time": time.time()})

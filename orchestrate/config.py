@@ -19,10 +19,10 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agents.math_agent import MathAgentConfig
-from agents.tasks import ArithmeticConfig
+from agents.agent import AgentConfig
+from agents.envs import EnvError, check_options, known_ids
 from finetune.config import TrainConfig
 from orchestrate.vllm_server import ServerConfig
 
@@ -36,30 +36,34 @@ class ModelSection(BaseModel):
     reference: str | None = Field(None, description="reference model for the KL term; default: the initial policy")
 
 
-class TaskSection(BaseModel):
+class EnvSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    source: Literal["arithmetic", "gsm8k"] = Field("arithmetic", description="where tasks come from")
-    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
-    gsm8k_train: str = Field("openai/gsm8k", description="GSM8K train split: hub id or a local .jsonl/.parquet file")
-    gsm8k_test: str = Field("openai/gsm8k", description="GSM8K test split: hub id or a local .jsonl/.parquet file")
+    id: str = Field("math:arithmetic", description="the environment, GEM-style: " + ", ".join(known_ids()))
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the environment's options, each as --env.options.NAME VALUE "
+        "(or all at once as a JSON object)"
+    )
 
-    @field_validator("gsm8k_train", "gsm8k_test")
-    @classmethod
-    def _local_file_exists(cls, value: str) -> str:
-        if value.endswith((".jsonl", ".json", ".parquet")) and not Path(value).expanduser().is_file():
-            raise ValueError(f"file {value} does not exist")
-        return value
+    @model_validator(mode="after")
+    def _known_with_valid_options(self) -> EnvSection:
+        try:
+            self.options = check_options(self.id, self.options).model_dump(exclude_unset=True)
+        except EnvError as exc:
+            text = str(exc)
+            raise ValueError(text if text.startswith(("options.", "options: ")) else f"id: {text}") from None
+        return self
 
 
 class RolloutSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tasks_per_iteration: int = Field(16, gt=0, description="train tasks sampled per iteration")
-    attempts: int = Field(4, gt=0, description="attempts per task (a GRPO group)")
+    tasks_per_iteration: int = Field(16, gt=0, description="train episodes seeds (tasks) per iteration")
+    attempts: int = Field(4, gt=0, description="attempts per seed (a GRPO group)")
     temperature: float = Field(0.7, gt=0, description="sampling temperature of rollouts")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of rollouts")
-    max_tokens: int = Field(128, gt=0, description="new tokens per LLM call; longer output is truncated (reward -1)")
+    max_tokens: int = Field(128, gt=0, description="new tokens per LLM call; longer output ends the episode, "
+                            "truncated (reward agent.truncation_reward)")
     max_concurrency: int = Field(64, gt=0, description="requests in flight at once, across servers")
 
 
@@ -67,7 +71,8 @@ class EvalSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     every: int = Field(5, ge=0, description="evaluate every N iterations (0: never); also before the first")
-    tasks: int | None = Field(None, gt=0, description="held-out tasks per evaluation; none: the whole test set")
+    tasks: int | None = Field(None, gt=0, description="held-out episodes per evaluation; none: the environment's "
+                              "whole test set")
     temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0: greedy)")
     max_tokens: int = Field(128, gt=0, description="new tokens per LLM call in evaluation")
 
@@ -105,8 +110,8 @@ class RLConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelSection = Field(default_factory=ModelSection)
-    task: TaskSection = Field(default_factory=TaskSection)
-    agent: MathAgentConfig = Field(default_factory=MathAgentConfig)
+    env: EnvSection = Field(default_factory=EnvSection)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     rollouts: RolloutSection = Field(default_factory=RolloutSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     server: ServerSection = Field(default_factory=ServerSection)
@@ -214,6 +219,9 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
     """Preset + dotted overrides -> a validated config, or ConfigError naming the option."""
     data = load_preset(preset)
+    env = data.setdefault("env", {})
+    if "env.id" in overrides and overrides["env.id"] != env.get("id"):
+        env["options"] = {}  # another environment: the preset's options were for its own
     for dotted, text in overrides.items():
         _set(data, dotted, _parse_value(text) if isinstance(text, str) else text)
     try:
@@ -225,14 +233,51 @@ def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
         if err.get("input") is not None and not isinstance(err["input"], dict):
             given = f" (got {err['input']!r})"
         msg = err["msg"].removeprefix("Value error, ")
+        if where == "env" and msg.startswith(("id: ", "options.", "options: ")):  # the environment's own check
+            field, _, msg = msg.partition(": ")
+            where, given = f"env.{field}", ""
         source = f"--{where}" if where else f"preset {preset!r}"
         raise ConfigError(f"{source}: {msg}{given}") from None
 
 
+ENV_OPTION = "--env.options."
+
+
+def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take `--env.options.NAME VALUE` (or `--env.options.NAME=VALUE`) out of argv: each environment has
+    its own options, which argparse cannot know in advance."""
+    rest, found = [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(ENV_OPTION):
+            name, eq, value = arg[len(ENV_OPTION):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{arg}: expected a value")
+                value = argv[i + 1]
+                i += 1
+            if not name:
+                raise ConfigError(f"{arg}: name the option, e.g. --env.options.digits 3")
+            found[name] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, found
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
+    import sys
+
     parser = build_parser()
+    try:
+        argv, env_options = split_env_options(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)  # unknown options: argparse names them and exits 2
     overrides = {k.removeprefix("opt:"): v for k, v in vars(args).items() if k.startswith("opt:")}
+    for name, value in env_options.items():
+        overrides[f"env.options.{name}"] = value
     if args.iterations is not None:
         overrides["run.iterations"] = str(args.iterations)
     try:

@@ -1,13 +1,15 @@
 """One RL run: the loop that ties servers, agents, tapes and the trainer together.
 
 Each iteration i:
-  1. sample tasks (the same ones on a resumed run: the order depends on the seed only)
-  2. rollouts on the policy servers -> tapes with rewards
+  1. take the next episode seeds of the train split (the same ones on a resumed run: they depend on the
+     iteration and the run seed only)
+  2. rollouts on the policy servers: the agent plays each seed's episodes in the environment -> tapes with
+     per-turn rewards
   3. reference pass on the reference server (skipped when kl_coef is 0)
   4. save the tapes, then the training samples (batches/i) for the trainer
   5. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
   6. the policy servers reload their weights from it (no restart)
-  7. every `eval.every` iterations: held-out tasks at eval temperature, tapes saved
+  7. every `eval.every` iterations: held-out episodes (test split) at eval temperature, tapes saved
   8. metrics line, plot, state.json: the iteration is complete
 
 Steps whose files already exist are not redone, so a run killed at any point
@@ -22,11 +24,10 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from agents.agent import ChatAgent
+from agents.chat import ChatTokens
 from agents.llm import VLLMClient
-from agents.math_agent import math_agent
 from agents.models import resolve_model, untied_copy
-from agents.rewards import score_tape
-from agents.tasks import Arithmetic, Gsm8k
 from orchestrate.config import RLConfig
 from orchestrate.metrics import (
     PHASES,
@@ -36,7 +37,7 @@ from orchestrate.metrics import (
     rollout_metrics,
 )
 from orchestrate.reference import annotate_reference
-from orchestrate.rollouts import run_rollouts
+from orchestrate.rollouts import EnvSpec, run_rollouts
 from orchestrate.run_dir import RunDir
 from orchestrate.samples import write_samples
 from orchestrate.trainer import TrainerProcess
@@ -63,10 +64,19 @@ class Timer:
         return out
 
 
-def task_source(config: RLConfig):
-    if config.task.source == "gsm8k":
-        return Gsm8k(config.task.gsm8k_train, config.task.gsm8k_test, seed=config.run.seed)
-    return Arithmetic(config.task.arithmetic, seed=config.run.seed)
+def build_agent(config: RLConfig, tokenizer) -> ChatAgent:
+    """The agent a run uses (replay and offline build it the same way from the run's config)."""
+    r = config.rollouts
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+    return ChatAgent(config.agent, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
+
+
+def eval_size(config: RLConfig) -> int:
+    """Held-out episodes per evaluation: eval.tasks, else the environment's whole test set (500 if unbounded)."""
+    if config.eval.tasks is not None:
+        return config.eval.tasks
+    size = getattr(EnvSpec(config.env.id, config.env.options, "test", config.run.seed).make(), "test_size", None)
+    return int(size) if size else 500
 
 
 def save_tapes(path: Path, tapes: list[Tape]) -> None:
@@ -92,11 +102,10 @@ class Loop:
         self.policy_dir = resolve_model(c.model.policy)
         self.reference_dir = resolve_model(c.model.reference) if c.model.reference else self.policy_dir
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-        self.tasks = task_source(c)
-        self.agent = math_agent(
-            c.agent,
-            SamplingParams(temperature=c.rollouts.temperature, top_p=c.rollouts.top_p, max_tokens=c.rollouts.max_tokens),
-        )
+        self.train_env = EnvSpec(c.env.id, c.env.options, "train", c.run.seed)
+        self.test_env = EnvSpec(c.env.id, c.env.options, "test", c.run.seed)
+        self.eval_episodes = eval_size(c)
+        self.agent = build_agent(c, self.tokenizer)
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
         # The trainer first: it loads its model while the servers start.
@@ -150,24 +159,15 @@ class Loop:
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
         )  # fmt: skip
 
-    async def _rollouts(self, tasks, attempts, iteration, sampling, desc) -> tuple[list[Tape], float]:
-        reward_seconds = 0.0
-
-        def timed_reward(tape):
-            nonlocal reward_seconds
-            start = time.perf_counter()
-            try:
-                return score_tape(tape)
-            finally:
-                reward_seconds += time.perf_counter() - start
-
+    async def _rollouts(self, spec, seeds, attempts, iteration, sampling, desc) -> tuple[list[Tape], float]:
+        """Tapes, and the seconds spent inside the environment (its reset and step: the 'reward' phase)."""
+        timer = {"env_s": 0.0}
         async with self._client(self.policy_servers, policy_version=iteration - 1) as client:
-            agent = self.agent if sampling is None else math_agent(self.config.agent, sampling)
             tapes = await run_rollouts(
-                agent, tasks, attempts, client, timed_reward, iteration=iteration,
-                policy_version=max(0, iteration - 1), desc=desc, progress=self.progress,
+                self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=max(0, iteration - 1),
+                sampling=sampling, desc=desc, progress=self.progress, timer=timer,
             )  # fmt: skip
-        return tapes, reward_seconds
+        return tapes, timer["env_s"]
 
     def _reference(self, tapes: list[Tape]) -> None:
         for server in self.policy_servers:
@@ -191,10 +191,11 @@ class Loop:
         if tape_file.exists():  # resumed after the tapes were saved: reuse them
             tapes = list(read_tapes(tape_file))
         else:
-            tasks = self.tasks.train((i - 1) * c.rollouts.tasks_per_iteration, c.rollouts.tasks_per_iteration)
+            n = c.rollouts.tasks_per_iteration
+            seeds = list(range((i - 1) * n, i * n))
             start = time.perf_counter()
             tapes, reward_seconds = asyncio.run(
-                self._rollouts(tasks, c.rollouts.attempts, i, None, f"iteration {i} rollouts")
+                self._rollouts(self.train_env, seeds, c.rollouts.attempts, i, None, f"iteration {i} rollouts")
             )
             timer.add("generate", time.perf_counter() - start - reward_seconds)
             timer.add("reward", reward_seconds)
@@ -229,8 +230,8 @@ class Loop:
         if path.exists():
             tapes = list(read_tapes(path))
         else:
-            tasks = self.tasks.test_set(self.config.eval.tasks)
-            tapes, _ = asyncio.run(self._rollouts(tasks, 1, i, self.eval_sampling, f"eval after {i}"))
+            seeds = list(range(self.eval_episodes))
+            tapes, _ = asyncio.run(self._rollouts(self.test_env, seeds, 1, i, self.eval_sampling, f"eval after {i}"))
             save_tapes(path, tapes)
         return rollout_metrics(tapes, prefix="eval_")
 
@@ -272,7 +273,7 @@ class Loop:
     def _report(self, r: dict) -> None:
         parts = [f"iter {r['iteration']}/{self.config.run.iterations}"]
         for key, label, fmt in [
-            ("reward_mean", "reward", "{:+.3f}"), ("success_rate", "success", "{:.3f}"),
+            ("reward_mean", "reward", "{:+.3f}"), ("success_rate", "success", "{:.3f}"), ("turns_mean", "turns", "{:.1f}"),
             ("parse_failure_rate", "unparsed", "{:.2f}"), ("completion_tokens_mean", "len", "{:.0f}"),
             ("kl_ref", "kl", "{:.4f}"), ("train_loss", "loss", "{:+.4f}"), ("eval_success_rate", "EVAL", "{:.3f}"),
         ]:  # fmt: skip

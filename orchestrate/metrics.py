@@ -13,28 +13,38 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tapes.tape import ParseFailureStep, Tape
+from tapes.tape import EnvObservation, Tape
 
 # Where an iteration's time goes; "other" is the rest of its wall time.
 PHASES = ("generate", "reward", "reference", "train", "weight_sync", "eval")
 
 
 def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
-    """Reward mean, success rate, parse failures, truncations, completion lengths."""
+    """Episode returns, success (the environment's own notion), turns, format errors, truncations,
+    completion lengths, prompt chaining, infrastructure failures, KL to the reference."""
     if not tapes:
         return {}
-    rewards = [t.metadata.reward or 0.0 for t in tapes]
-    lengths = [len(c.output_token_ids) for t in tapes for c in t.llm_calls]
-    calls = [c for t in tapes for c in t.llm_calls]
+    ok = [t for t in tapes if not t.metadata.error]  # infrastructure failures are counted, not scored
+    calls = [c for t in ok for c in t.llm_calls]
+    lengths = [len(c.output_token_ids) for c in calls]
+    observations = [s for t in ok for s in t.steps if isinstance(s, EnvObservation) and s.turn > 0]
     out = {
-        "reward_mean": statistics.fmean(rewards),
-        "success_rate": sum(r > 0 for r in rewards) / len(rewards),
-        "parse_failure_rate": sum(isinstance(t.steps[-1], ParseFailureStep) for t in tapes) / len(tapes),
+        "reward_mean": statistics.fmean(t.metadata.reward or 0.0 for t in ok) if ok else 0.0,
+        "success_rate": sum(bool(t.metadata.success) for t in ok) / max(1, len(ok)),
+        "turns_mean": statistics.fmean(t.metadata.turns for t in ok) if ok else 0.0,
+        # share of episodes with an action the environment could not parse (no \boxed{}, ...)
+        "parse_failure_rate": sum(
+            any(isinstance(s, EnvObservation) and s.info.get("format_error") for s in t.steps) for t in ok
+        ) / max(1, len(ok)),
         "truncation_rate": sum(c.finish_reason == "length" for c in calls) / max(1, len(calls)),
+        "episode_truncated_rate": sum(t.metadata.truncated for t in ok) / max(1, len(ok)),
         "completion_tokens_mean": statistics.fmean(lengths) if lengths else 0.0,
         "completion_tokens_max": max(lengths, default=0),
+        "env_reward_per_turn": statistics.fmean(s.reward or 0.0 for s in observations) if observations else 0.0,
+        # calls whose prompt is not exactly the previous prompt + output + the observation's tokens
+        "prompt_mismatches": sum(c.extends_previous is False for c in calls),
         "tapes": len(tapes),
-        "agent_errors": sum(t.metadata.error is not None for t in tapes),
+        "infra_errors": len(tapes) - len(ok),
     }
     with_ref = [c for c in calls if c.ref_logprobs]
     if with_ref:  # k3 estimate of KL(policy || reference) on the sampled tokens

@@ -6,8 +6,10 @@
 
 1. read the tapes: a run directory's rollout tapes (tapes/iter_*.jsonl, within
    `--iterations`), or tape files;
-2. optionally re-score them with the current reward function (`--rescore`,
-   or `--reward module:function` for another one);
+2. optionally re-score them: `--rescore` sends each episode's recorded actions
+   to a fresh environment from its seed and takes the rewards it gives now;
+   `--reward module:function` scores each tape with your function (its value
+   becomes the last turn's reward, earlier turns get 0);
 3. optionally re-annotate reference log-probs with a model served by vLLM
    (`--reference MODEL`), as the RL loop's reference pass does;
 4. keep those that pass `--filter` (`all`, or a reward condition such as
@@ -106,13 +108,13 @@ def tape_files(inputs: list[str], iterations: tuple[int, int] | None) -> list[Pa
 
 
 def load_reward(spec: str | None, rescore: bool):
-    """The reward function to re-score with: None (keep recorded rewards), the math reward, or module:function."""
+    """The re-scoring to do: None (keep recorded rewards), the environment's (replayed), or module:function."""
     if spec is None:
         if not rescore:
             return None
-        from agents.rewards import score_tape
+        from orchestrate.rollouts import rescore_episode
 
-        return score_tape
+        return rescore_episode
     module_name, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), name)
@@ -124,10 +126,25 @@ def load_reward(spec: str | None, rescore: bool):
 
 
 def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
+    from agents.agent import summarize
+    from orchestrate.rollouts import rescore_episode
+    from tapes.tape import EnvObservation
+
     for tape in tqdm(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
+        if reward_fn is rescore_episode:
+            rescore_episode(tape)
+            continue
         result = reward_fn(tape)
         value, reason = (result.value, result.reason) if hasattr(result, "value") else (float(result), "")
-        tape.metadata.reward, tape.metadata.reward_reason = float(value), reason
+        answers = [s for s in tape.steps if isinstance(s, EnvObservation) and s.turn > 0]
+        for step in answers:  # the function's value is the episode's: on its last turn
+            step.reward = 0.0
+        if answers:
+            answers[-1].reward = float(value)
+            answers[-1].info["reason"] = reason
+        summarize(tape)
+        if not answers:
+            tape.metadata.reward, tape.metadata.reward_reason = float(value), reason
 
 
 def annotate(tapes: list[Tape], model_dir: Path, server_config: ServerSection, out: Path, progress: bool) -> None:
@@ -170,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
     parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
     parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy)")
-    parser.add_argument("--rescore", action="store_true", help="re-score the tapes with the current math reward")
+    parser.add_argument("--rescore", action="store_true",
+                        help="re-score each episode: replay its actions against a fresh environment from its seed")
     parser.add_argument("--reward", metavar="MODULE:FUNCTION",
                         help="re-score with this function (tape -> agents.rewards.Reward or a number)")
     parser.add_argument("--reference", metavar="MODEL",

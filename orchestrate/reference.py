@@ -13,23 +13,33 @@ import asyncio
 from tqdm.auto import tqdm
 
 from agents.llm import VLLMClient
-from tapes.tape import Tape
+from tapes.tape import Tape, call_chains
 
 
 async def annotate_reference(tapes: list[Tape], reference: VLLMClient, progress: bool = True) -> int:
-    """Fill `ref_logprobs` on every LLM call of every tape; returns the number of calls scored."""
-    calls = [call for tape in tapes for call in tape.llm_calls if call.output_token_ids]
-    bar = tqdm(total=len(calls), desc="reference", unit="call", disable=not progress, leave=False)
+    """Fill `ref_logprobs` on every LLM call of every tape; returns the number of calls scored.
 
-    async def one(call) -> None:
-        scores = await reference.score(call.prompt_token_ids + call.output_token_ids, len(call.prompt_token_ids))
-        if len(scores) != len(call.output_token_ids):  # score() checks too; this is the contract
-            raise RuntimeError(f"call {call.id}: {len(scores)} reference log-probs for {len(call.output_token_ids)} tokens")
-        call.ref_logprobs = scores
-        bar.update(1)
+    The turns of an episode are scored in one request: the last call's prompt + output holds every
+    earlier turn, so the reference model reads each token once instead of once per later turn.
+    """
+    chains = [chain for tape in tapes for chain in call_chains([c for c in tape.llm_calls if c.output_token_ids])]
+    bar = tqdm(total=sum(map(len, chains)), desc="reference", unit="call", disable=not progress, leave=False)
+
+    async def one(chain) -> None:
+        last, first = chain[-1], chain[0]
+        ids = last.prompt_token_ids + last.output_token_ids
+        scores = await reference.score(ids, len(first.prompt_token_ids))
+        offset = len(first.prompt_token_ids)
+        for call in chain:
+            start = len(call.prompt_token_ids) - offset
+            part = scores[start: start + len(call.output_token_ids)]
+            if len(part) != len(call.output_token_ids):  # score() checks too; this is the contract
+                raise RuntimeError(f"call {call.id}: {len(part)} reference log-probs for {len(call.output_token_ids)} tokens")
+            call.ref_logprobs = part
+        bar.update(len(chain))
 
     try:
-        await asyncio.gather(*(one(call) for call in calls))
+        await asyncio.gather(*(one(chain) for chain in chains))
     finally:
         bar.close()
-    return len(calls)
+    return sum(map(len, chains))

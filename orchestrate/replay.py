@@ -1,12 +1,14 @@
-"""Replay saved tapes through the current agent: `uv run -m orchestrate.replay FILE [--index N]`.
+"""Replay saved episodes against their environment: `uv run -m orchestrate.replay FILE [--index N]`.
 
-Each tape is run again from its given steps (those before the first step an
-LLM call produced: the task) with an LLM that answers from the calls the
-tape recorded (`agents.llm.ReplayLLM`), then scored with the current reward
-function. The result is compared with the recorded tape step by step
-(`tapes.diff`): this is how a change to an agent's parsing or prompting is
-checked against old tapes. Exit status 0 when every tape came back the
-same, 1 when one differs, 2 for bad input.
+Each tape is played again from its environment's seed (`context.env`: id,
+options, split, run seed, episode seed) by the run's agent, with an LLM that
+answers from the calls the tape recorded (`agents.llm.ReplayLLM`): the
+environment computes its observations and rewards anew, the agent renders
+its prompts anew, and the result is compared with the recorded tape step by
+step (`tapes.diff`) and prompt by prompt (token ids). This is how a change
+to an agent, its prompts or an environment is checked against old tapes.
+Exit status 0 when every tape came back the same, 1 when one differs, 2 for
+bad input.
 
 The agent is built from the run's config (`config.json` two folders above a
 tape file, or `--config`), as the run built it.
@@ -18,29 +20,20 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from agents.agent import Agent
+from agents.agent import ChatAgent, summarize
 from agents.llm import LLMError, ReplayLLM
-from agents.rewards import Reward, score_tape
+from orchestrate.rollouts import EnvSpec
 from tapes.diff import TapeDiff, diff_tapes
 from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata
 
 
-def given_steps(tape: Tape) -> int:
-    """How many leading steps were given to the agent (not produced by an LLM call)."""
-    for i, step in enumerate(tape.steps):
-        if step.metadata.prompt_id:
-            return i
-    return len(tape.steps)
-
-
-async def replay_tape(
-    tape: Tape, agent: Agent, reward_fn: Callable[[Tape], Reward] | None = score_tape
-) -> tuple[Tape, TapeDiff]:
-    """Re-run `agent` on `tape`'s given steps with the recorded LLM calls; (replayed tape, differences)."""
+async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
+    """Play `tape`'s episode again against a fresh environment with the recorded LLM outputs;
+    (replayed tape, differences)."""
+    spec, seed = EnvSpec.of(tape)
     fresh = Tape(
         metadata=TapeMetadata(
             id=tape.metadata.id, parent_id=tape.metadata.id, task_id=tape.metadata.task_id,
@@ -49,37 +42,38 @@ async def replay_tape(
         ),
         context=tape.context,
     )  # fmt: skip
-    for step in tape.steps[: given_steps(tape)]:
-        fresh.append(step.model_copy(deep=True))
     llm = ReplayLLM(tape, strict=False)
     sampling = tape.llm_calls[0].sampling if tape.llm_calls else None  # the run's sampling (rollout or eval)
     notes = []
     try:
-        await agent.run(fresh, llm, sampling)
+        await agent.run_episode(spec.make(), seed, llm, fresh, sampling)
     except LLMError as exc:
         notes.append(str(exc))
-    except Exception as exc:  # the agent failed on this tape: on the record, as a rollout does
+        summarize(fresh)
+    except Exception as exc:  # the environment or agent failed on this tape: on the record, as a rollout does
         fresh.metadata.error = f"{type(exc).__name__}: {exc}"
+        summarize(fresh)
     if llm.position < len(llm.calls) and not notes:
         notes.append(f"replay: the agent made {llm.position} calls; the tape recorded {len(llm.calls)}")
-    if reward_fn is not None:
-        reward = reward_fn(fresh)
-        fresh.metadata.reward, fresh.metadata.reward_reason = reward.value, reward.reason
-    else:
-        fresh.metadata.reward, fresh.metadata.reward_reason = tape.metadata.reward, tape.metadata.reward_reason
+    for recorded, replayed in zip(tape.llm_calls, fresh.llm_calls):
+        if (recorded.turn, recorded.extends_previous) != (replayed.turn, replayed.extends_previous):
+            notes.append(f"call {recorded.id}: recorded turn {recorded.turn} extends_previous "
+                         f"{recorded.extends_previous}, replayed {replayed.turn} {replayed.extends_previous}")
     diff = diff_tapes(tape, fresh)
     diff.notes = [p for _, p in llm.mismatches] + notes + diff.notes
     return fresh, diff
 
 
-def agent_from_run_config(config_path: Path) -> Agent:
-    from agents.math_agent import math_agent
+def agent_from_run_config(config_path: Path) -> ChatAgent:
+    from transformers import AutoTokenizer
+
+    from agents.models import resolve_model
     from orchestrate.config import RLConfig
-    from tapes.tape import SamplingParams
+    from orchestrate.loop import build_agent
 
     config = RLConfig.model_validate(json.loads(config_path.read_text()))
-    r = config.rollouts
-    return math_agent(config.agent, SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model.policy))
+    return build_agent(config, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

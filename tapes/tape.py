@@ -58,6 +58,11 @@ class LLMCall(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     created: float = Field(default_factory=time.time)
     latency_s: float | None = None
+    turn: int = Field(1, description="the episode's turn this call acted in (1 = first)")
+    extends_previous: bool | None = Field(
+        None, description="whether prompt_token_ids are exactly the previous call's prompt + output ids followed "
+        "by more tokens (None for the first call of an episode); False means the conversation was re-rendered"
+    )
 
 
 class StepMetadata(BaseModel):
@@ -146,6 +151,27 @@ class ParseFailureStep(Action):
     output: str = Field("", description="the raw text that failed to parse")
 
 
+class EnvObservation(Observation):
+    """What the environment said: the first observation (turn 0, from reset) or its answer to the action of
+    `turn`, with that action's reward and whether the episode ended there."""
+
+    kind: Literal["env_observation"] = "env_observation"
+    text: str
+    turn: int = Field(0, description="0: from reset(); t: the answer to the agent's action in turn t")
+    reward: float | None = Field(None, description="reward of the action this answers (None for reset)")
+    terminated: bool = Field(False, description="the episode reached an end state (solved, lost, answered)")
+    truncated: bool = Field(False, description="the episode was cut: turn limit, output cut by max_tokens, context full")
+    info: dict[str, Any] = Field(default_factory=dict, description="the environment's info, JSON-safe")
+
+
+class EnvAction(Action):
+    """What the agent sent the environment in one turn: its whole output text."""
+
+    kind: Literal["env_action"] = "env_action"
+    text: str
+    turn: int = 1
+
+
 class TapeMetadata(BaseModel):
     """TapeAgents' tape metadata, plus what RL needs on every tape."""
 
@@ -160,8 +186,12 @@ class TapeMetadata(BaseModel):
     group_id: str = Field("", description="attempts at the same task in one iteration share it (a GRPO group)")
     iteration: int = 0
     policy_version: int = 0
-    reward: float | None = None
+    reward: float | None = Field(None, description="the episode's total reward (sum over turns, undiscounted)")
     reward_reason: str = ""
+    success: bool | None = Field(None, description="the environment's own notion of solved (info['success'])")
+    turns: int = Field(0, description="agent turns (LLM calls that acted) in the episode")
+    terminated: bool = False
+    truncated: bool = False
 
 
 class Tape(BaseModel):
@@ -194,3 +224,18 @@ class Tape(BaseModel):
 
     def last(self, step_type: type[Step]) -> Step | None:
         return next((step for step in reversed(self.steps) if isinstance(step, step_type)), None)
+
+
+def call_chains(calls: list[LLMCall]) -> list[list[LLMCall]]:
+    """Runs of calls whose prompt ids each extend the previous call's prompt + output ids: the turns of an
+    episode that can be computed as one sequence (a re-rendered prompt starts a new run)."""
+    chains: list[list[LLMCall]] = []
+    previous: list[int] | None = None
+    for call in calls:
+        ids = call.prompt_token_ids
+        if previous is not None and len(ids) > len(previous) and ids[: len(previous)] == previous:
+            chains[-1].append(call)
+        else:
+            chains.append([call])
+        previous = ids + call.output_token_ids
+    return chains

@@ -1,4 +1,4 @@
-"""The agent, the client and replay, with no server: scripted HTTP and scripted LLMs."""
+"""The client, the math environments through the agent, and replay, with no server: scripted HTTP and LLMs."""
 
 import asyncio
 import json
@@ -6,21 +6,13 @@ import json
 import httpx
 import pytest
 
+from agents.agent import AgentConfig, ChatAgent, Example
+from agents.chat import ChatTokens
 from agents.llm import LLMError, ReplayLLM, RequestRejected, VLLMClient
-from agents.math_agent import Example, MathAgentConfig, math_agent
-from agents.rewards import score_tape
-from agents.tasks import Arithmetic, ArithmeticConfig, Task, gsm8k_gold, load_gsm8k
-from orchestrate.rollouts import run_rollouts
+from agents.tasks import Arithmetic, ArithmeticConfig, gsm8k_gold, load_gsm8k
+from orchestrate.rollouts import EnvSpec, run_rollouts
 from orchestrate.samples import SampleError, tapes_to_samples, write_samples
-from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, ReasoningThought, SamplingParams
-
-
-class FakeTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) % 97 for c in text[-20:]]}
+from tapes.tape import EnvObservation, LLMCall, SamplingParams, Tape
 
 
 class Endpoint:
@@ -59,16 +51,16 @@ def test_client_spreads_requests_and_keeps_ids():
         return httpx.Response(200, json=completion("7 + 5 = 12 \\boxed{12}"))
 
     async def go():
-        client = VLLMClient([Endpoint("a"), Endpoint("b")], FakeTokenizer(), transport=httpx.MockTransport(handler))
-        calls = await asyncio.gather(*(client.generate([{"role": "user", "content": "q"}], SamplingParams())
-                                       for _ in range(20)))
+        client = VLLMClient([Endpoint("a"), Endpoint("b")], transport=httpx.MockTransport(handler))
+        calls = await asyncio.gather(*(client.complete_ids([1, 2, 3], SamplingParams(), messages=[
+            {"role": "user", "content": "q"}]) for _ in range(20)))
         await client.aclose()
         return calls
 
     calls = run(go())
     assert {"a", "b"} == set(seen) and min(seen.count("a"), seen.count("b")) >= 5
     assert calls[0].output_token_ids == [5, 6, 7] and calls[0].logprobs == [-0.5] * 3
-    assert calls[0].prompt_token_ids and calls[0].messages == [{"role": "user", "content": "q"}]
+    assert calls[0].prompt_token_ids == [1, 2, 3] and calls[0].messages == [{"role": "user", "content": "q"}]
 
 
 def test_client_retries_transient_failures_and_calls_on_failure():
@@ -84,9 +76,9 @@ def test_client_retries_transient_failures_and_calls_on_failure():
         state["failures"] += 1
 
     async def go():
-        async with VLLMClient([Endpoint("a")], FakeTokenizer(), transport=httpx.MockTransport(handler),
+        async with VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler),
                               on_failure=on_failure) as client:
-            return await client.generate([{"role": "user", "content": "q"}], SamplingParams())
+            return await client.complete_ids([1], SamplingParams())
 
     call = run(go())
     assert call.output_text == "\\boxed{1}" and state["failures"] == 2
@@ -100,9 +92,8 @@ def test_client_gives_up_and_does_not_retry_client_errors():
         return httpx.Response(400, json={"error": "prompt too long"})
 
     async def go(handler):
-        async with VLLMClient([Endpoint("a")], FakeTokenizer(), transport=httpx.MockTransport(handler),
-                              max_retries=1) as client:
-            return await client.generate([{"role": "user", "content": "q"}], SamplingParams())
+        async with VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler), max_retries=1) as client:
+            return await client.complete_ids([1], SamplingParams())
 
     with pytest.raises(LLMError, match="after 2 attempts"):
         run(go(down))
@@ -119,7 +110,7 @@ def test_reference_scoring_refuses_misaligned_logprobs():
         return httpx.Response(200, json={"choices": [{"text": "", "prompt_logprobs": entries}]})
 
     async def go():
-        async with VLLMClient([Endpoint("a")], FakeTokenizer(), transport=httpx.MockTransport(handler)) as client:
+        async with VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler)) as client:
             return await client.score([1, 2, 3, 4], 2)
 
     with pytest.raises(LLMError, match="no log-prob for token 4"):
@@ -127,34 +118,45 @@ def test_reference_scoring_refuses_misaligned_logprobs():
 
 
 class ScriptedLLM:
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
+    """Answers with scripted (text, finish reason); output ids [1, 2] (+ the end-of-turn token on a stop)."""
 
-    async def generate(self, messages, sampling):
+    def __init__(self, outputs, eos=None):
+        self.outputs, self.eos = list(outputs), eos
+
+    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
         text, finish = self.outputs.pop(0)
-        return LLMCall(messages=messages, output_text=text, output_token_ids=[1, 2], logprobs=[-0.1, -0.2],
-                       prompt_token_ids=[3], finish_reason=finish, sampling=sampling)
+        ids = [1, 2] + ([self.eos] if finish == "stop" and self.eos is not None else [])
+        return LLMCall(messages=list(messages or []), output_text=text, output_token_ids=ids,
+                       logprobs=[-0.1] * len(ids), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
+                       finish_reason=finish, sampling=sampling)
 
 
-def agent():
-    return math_agent(MathAgentConfig(examples=[Example(question="1+1?", solution="\\boxed{2}")]),
-                      SamplingParams(temperature=0.7, max_tokens=16))
+def agent(tokenizer):
+    config = AgentConfig(instruction="Put the answer in \\boxed{}.", max_turns=1,
+                         examples=[Example(question="1+1?", solution="\\boxed{2}")])
+    return ChatAgent(config, SamplingParams(temperature=0.7, max_tokens=16), ChatTokens(tokenizer))
 
 
-def test_math_agent_steps_rewards_and_groups():
-    tasks = [Task(id="a", question="What is 7 + 5?", answer="12"), Task(id="b", question="What is 2 + 2?", answer="4")]
-    llm = ScriptedLLM([("7 + 5 = 12 \\boxed{12}", "stop"), ("\\boxed{13}", "stop"), ("I think 4", "stop"),
-                       ("2 + 2 = \\boxed{4", "length")])
-    tapes = run(run_rollouts(agent(), tasks, 2, llm, score_tape, iteration=3, policy_version=2, progress=False))
+def arithmetic(split="train"):
+    return EnvSpec("math:arithmetic", {"digits": 1}, split, run_seed=0)
+
+
+def test_math_environment_rewards_and_groups(tokenizer):
+    spec = arithmetic()
+    answers = [spec.make().reset(seed)[1]["answer"] for seed in (0, 1)]
+    llm = ScriptedLLM([(f"so \\boxed{{{answers[0]}}}", "stop"), ("\\boxed{-77}", "stop"), ("I think 4", "stop"),
+                       (f"= \\boxed{{{answers[1]}", "length")])
+    tapes = run(run_rollouts(agent(tokenizer), spec, [0, 1], 2, llm, iteration=3, policy_version=2, progress=False))
     assert [t.metadata.reward for t in tapes] == [1.0, 0.0, -1.0, -1.0]
-    assert [type(t.steps[-1]) for t in tapes] == [FinalAnswerAction, FinalAnswerAction, ParseFailureStep,
-                                                   ParseFailureStep]
-    assert isinstance(tapes[0].steps[1], ReasoningThought) and tapes[0].steps[1].reasoning == "7 + 5 = 12"
-    assert tapes[3].steps[-1].error == "output cut by the token limit"
+    assert [t.metadata.success for t in tapes] == [True, False, False, False]
+    assert tapes[2].steps[-1].info["format_error"] and tapes[3].metadata.truncated
     assert tapes[0].metadata.group_id == tapes[1].metadata.group_id != tapes[2].metadata.group_id
-    # the prompt holds the worked example as an earlier turn, then the question
+    assert tapes[0].context["env"] == {"id": "math:arithmetic", "options": {"digits": 1}, "split": "train",
+                                       "run_seed": 0, "seed": 0}
+    # the prompt holds the worked example as an earlier turn, then the question with the instruction
     messages = tapes[0].llm_calls[0].messages
-    assert [m["role"] for m in messages] == ["user", "assistant", "user"] and "7 + 5" in messages[-1]["content"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[-1]["content"] == tapes[0].steps[0].text + "\nPut the answer in \\boxed{}."
 
     samples = tapes_to_samples(tapes, require_ref=False)
     assert len(samples) == 4 and samples[2]["reward"] == -1.0 and samples[0]["temperature"] == 0.7
@@ -162,12 +164,29 @@ def test_math_agent_steps_rewards_and_groups():
         tapes_to_samples(tapes, require_ref=True)
 
 
-def test_samples_round_trip_through_the_finetune_format(tmp_path):
+def test_environment_failure_is_flagged_not_scored(tokenizer):
+    class Broken:
+        def reset(self, seed=None):
+            return "q", {}
+
+        def step(self, action):
+            raise RuntimeError("verifier crashed")
+
+    spec = arithmetic()
+    spec.make = lambda: Broken()
+    (tape,) = run(run_rollouts(agent(tokenizer), spec, [0], 1, ScriptedLLM([("x", "stop")]), iteration=1,
+                               policy_version=0, progress=False))
+    assert tape.metadata.error == "RuntimeError: verifier crashed"
+    assert tapes_to_samples([tape], require_ref=False) == []
+
+
+def test_samples_round_trip_through_the_finetune_format(tmp_path, tokenizer):
     from finetune.batch import read_batch
 
-    tasks = [Task(id="a", question="What is 7 + 5?", answer="12")]
-    llm = ScriptedLLM([("\\boxed{12}", "stop"), ("\\boxed{11}", "stop")])
-    tapes = run(run_rollouts(agent(), tasks, 2, llm, score_tape, iteration=0, policy_version=0, progress=False))
+    answer = arithmetic().make().reset(0)[1]["answer"]
+    llm = ScriptedLLM([(f"\\boxed{{{answer}}}", "stop"), ("\\boxed{-1}", "stop")])
+    tapes = run(run_rollouts(agent(tokenizer), arithmetic(), [0], 2, llm, iteration=0, policy_version=0,
+                             progress=False))
     for tape in tapes:
         tape.llm_calls[0].ref_logprobs = [-0.3, -0.4]
     path = write_samples(tmp_path / "batches" / "000001.jsonl", tapes, require_ref=True)
@@ -177,21 +196,20 @@ def test_samples_round_trip_through_the_finetune_format(tmp_path):
     assert samples[0].group_id == samples[1].group_id and samples[0].temperature == 0.7
 
 
-def test_replay_gives_the_same_tape_and_catches_prompt_changes():
-    tasks = [Task(id="a", question="What is 7 + 5?", answer="12")]
-    (tape,) = run(run_rollouts(agent(), tasks, 1, ScriptedLLM([("so \\boxed{12}", "stop")]), score_tape,
-                               iteration=0, policy_version=0, progress=False))
-    fresh = tape.model_copy(deep=True)
-    fresh.steps = fresh.steps[:1]
-    fresh.llm_calls = []
-    replayed = run(agent().run(fresh, ReplayLLM(tape)))
-    assert [s.model_dump(exclude={"metadata": {"id"}}) for s in replayed.steps] == [
-        s.model_dump(exclude={"metadata": {"id"}}) for s in tape.steps
-    ]
-    changed = math_agent(MathAgentConfig(instruction="Answer briefly."), agent().sampling)
-    fresh.steps = fresh.steps[:1]
+def test_replay_gives_the_same_tape_and_catches_prompt_changes(tokenizer):
+    from orchestrate.replay import replay_tape
+
+    answer = arithmetic().make().reset(0)[1]["answer"]
+    (tape,) = run(run_rollouts(agent(tokenizer), arithmetic(), [0], 1, ScriptedLLM([(f"so \\boxed{{{answer}}}",
+                               "stop")]), iteration=0, policy_version=0, progress=False))  # fmt: skip
+    replayed, diff = run(replay_tape(tape, agent(tokenizer)))
+    assert diff.identical, diff.report()
+    changed = agent(tokenizer)
+    changed.config = changed.config.model_copy(update={"instruction": "Answer briefly."})
+    _, diff = run(replay_tape(tape, changed))
+    assert not diff.identical and "prompt differs" in diff.report()
     with pytest.raises(LLMError, match="prompt differs"):
-        run(changed.run(fresh, ReplayLLM(tape)))
+        run(changed.run_episode(arithmetic().make(), 0, ReplayLLM(tape), Tape()))
 
 
 def test_arithmetic_is_seeded_and_train_test_disjoint():

@@ -33,7 +33,7 @@ def test_round_trip_and_names(tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (sample(behaviour_logprobs=[-0.5]), "behaviour_logprobs has 1 values for 2 completion tokens"),
+        (sample(behaviour_logprobs=[-0.5]), "behaviour_logprobs has 1 values for 2 sampled tokens"),
         (sample(ref_logprobs=[-0.5, -1, -2]), "ref_logprobs has 3 values"),
         (sample(completion_ids=[]), "completion_ids"),
         (sample(temperature=0), "temperature"),

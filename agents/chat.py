@@ -1,0 +1,78 @@
+"""Token-exact multi-turn prompts: the conversation is never re-tokenised.
+
+The prompt of turn t+1 is the prompt of turn t, then the output ids vLLM
+sampled at turn t, then the tokens that close the assistant's turn and add the
+new user message, rendered through the chat template as a *delta*:
+
+- the delta is the chat template's text for a fixed dummy conversation with
+  the new message minus the same conversation without it (so system-prompt
+  injection, role headers and separators are the template's own);
+- the end of an assistant turn ("<|im_end|>\\n" for ChatML) is taken from the
+  template too. When the output stopped on an end-of-turn special token, vLLM
+  sampled that token already and only the rest ("\\n") is appended; after a
+  stop string, or any other stop, the whole end of turn is appended.
+
+Re-tokenising the whole conversation instead can merge tokens across the
+turn boundary, drop the newline after the end-of-turn token, or (Qwen3)
+strip earlier `<think>` blocks: the trainer would then score ids the model
+never saw. Every call records whether its prompt extends the previous prompt
++ output exactly (`LLMCall.extends_previous`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+_MARK = "ZQXJ7"  # a dummy assistant text that no template contains
+
+
+class ChatTokens:
+    """Renders first prompts and turn deltas with one tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def _template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def first_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The whole first prompt (chat template + generation prompt) as text and ids."""
+        text = self._template(messages, add_generation_prompt=True)
+        return text, self.encode(text)
+
+    @cached_property
+    def _dummy(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": "A"}, {"role": "assistant", "content": _MARK}]
+
+    @cached_property
+    def turn_end(self) -> str:
+        """What the template writes after an assistant message's content ("<|im_end|>\\n" for ChatML)."""
+        text = self._template(self._dummy, add_generation_prompt=False)
+        at = text.rfind(_MARK)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant message's content")
+        return text[at + len(_MARK):]
+
+    def user_delta(self, content: str) -> str:
+        """The template's text for one more user message and the generation prompt, after a closed assistant turn."""
+        base = self._template(self._dummy, add_generation_prompt=False)
+        full = self._template([*self._dummy, {"role": "user", "content": content}], add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError("the chat template renders earlier turns differently once a message is added; "
+                             "a token-exact delta cannot be taken from it")
+        return full[len(base):]
+
+    def continuation(self, output_ids: list[int], observation: str) -> tuple[str, list[int]]:
+        """Text and ids to append after a turn's sampled `output_ids` so that the model reads `observation`
+        as the next user message and starts its answer."""
+        end = self.turn_end
+        if output_ids and output_ids[-1] in set(self.tokenizer.all_special_ids):
+            sampled = self.tokenizer.decode([output_ids[-1]], skip_special_tokens=False)
+            if sampled and end.startswith(sampled):
+                end = end[len(sampled):]  # vLLM sampled the end-of-turn token itself
+        text = end + self.user_delta(observation)
+        return text, self.encode(text)

@@ -1,0 +1,121 @@
+"""Guess the number: a small multi-turn game, answered higher / lower after each guess.
+
+    I am thinking of a number between 1 and 10. You have 4 guesses. ...
+    -> \\boxed{5}
+    Your guess 5 is too low: the number is higher than 5. 3 guesses left.
+
+Rewards follow GEM's `game:GuessTheNumber-v0-easy` where it is sound: 1 for
+the right number (the episode ends, success), 0 for a wrong guess, and a
+guess that cannot be read (no `\\boxed{}` with a whole number in it) gets
+-0.1 and by default ends the episode. Unlike GEM, running out of guesses
+gives 0 (GEM pays up to 0.9 for a last guess that is close, so a lost game
+looks like a success), and the game is lost, not truncated: it is the rule
+of the game, not a limit outside it. A guess outside the range counts as a
+guess and is answered like any other.
+
+The number is drawn from (run seed, split, episode seed) for train episodes;
+the held-out episodes 0 .. n-1 (n = high - low + 1, the `test_size`) take
+every number once, in an order set by the run seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agents.envs.base import episode_seed
+from agents.envs.registry import register
+from agents.rewards import last_boxed
+
+_WHOLE_NUMBER = re.compile(r"[+-]?\d{1,18}")
+
+
+class GuessOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    low: int = Field(1, description="smallest number the target can be")
+    high: int = Field(10, description="largest number the target can be")
+    max_turns: int = Field(4, ge=1, le=1000, description="guesses allowed; the game is lost when they run out")
+    reward_correct: float = Field(1.0, allow_inf_nan=False, description="reward of the right guess")
+    reward_invalid: float = Field(-0.1, allow_inf_nan=False, description="reward of a guess that cannot be read "
+                                  "(no \\boxed{} holding a whole number)")
+    invalid_ends_episode: bool = Field(True, description="an unreadable guess ends the game (GEM's rule); "
+                                       "otherwise it uses up one guess and the game goes on")
+
+    @model_validator(mode="after")
+    def _range(self) -> GuessOptions:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be smaller than high ({self.high})")
+        return self
+
+
+def _guesses(k: int) -> str:
+    return f"{k} guess left" if k == 1 else f"{k} guesses left"
+
+
+class GuessTheNumberEnv:
+    def __init__(self, options: GuessOptions, split: str, run_seed: int):
+        self.options, self.split, self.run_seed = options, split, run_seed
+        self.test_size: int | None = options.high - options.low + 1
+        self.target: int | None = None
+        self.turn = 0
+
+    def _target(self, seed: int) -> int:
+        o = self.options
+        span = o.high - o.low + 1
+        if self.split == "test":  # held-out episodes 0 .. span-1 take every number once
+            offset = episode_seed(self.run_seed, "test", 0, salt="guess_the_number") % span
+            return o.low + (seed + offset) % span
+        rng = random.Random(episode_seed(self.run_seed, self.split, seed, salt="guess_the_number"))
+        return rng.randint(o.low, o.high)
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        o = self.options
+        self.target = self._target(0 if seed is None else int(seed))
+        self.turn = 0
+        observation = (
+            f"I am thinking of a number between {o.low} and {o.high}. "
+            f"You have {o.max_turns} {'guess' if o.max_turns == 1 else 'guesses'}. "
+            "After each guess I say whether the number is higher or lower. "
+            f"Put your guess in \\boxed{{}}, e.g. \\boxed{{{(o.low + o.high) // 2}}}."
+        )
+        return observation, {"target": self.target, "low": o.low, "high": o.high}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.target is None:
+            raise RuntimeError("step() before reset()")
+        o, target = self.options, self.target
+        self.turn += 1
+        left = o.max_turns - self.turn
+        boxed = last_boxed(action)
+        guess = int(boxed) if boxed is not None and _WHOLE_NUMBER.fullmatch(boxed) else None
+        info: dict[str, Any] = {"success": False, "format_error": guess is None, "guess": guess, "turn": self.turn}
+        if guess is None:
+            info["reason"] = "no \\boxed{} holding a whole number"
+            told = "I could not read a guess: put one whole number in \\boxed{}, e.g. \\boxed{5}."
+            if o.invalid_ends_episode or left <= 0:
+                return f"{told} The game is over: the number was {target}.", o.reward_invalid, True, False, info
+            return f"{told} It counts as a guess. {_guesses(left)}.", o.reward_invalid, False, False, info
+        if guess == target:
+            info.update(success=True, reason="correct")
+            return f"Correct! The number is {target}.", o.reward_correct, True, False, info
+        if not o.low <= guess <= o.high:
+            info["reason"] = "out of range"
+            told = (f"Your guess {guess} is outside the range {o.low} to {o.high}; it still counts as a guess. "
+                    f"The number is between {o.low} and {o.high}.")  # fmt: skip
+        else:
+            info["reason"] = "too low" if guess < target else "too high"
+            told = (f"Your guess {guess} is too low: the number is higher than {guess}." if guess < target
+                    else f"Your guess {guess} is too high: the number is lower than {guess}.")  # fmt: skip
+        if left <= 0:
+            info["reason"] += "; out of guesses"
+            return f"{told} You are out of guesses: the number was {target}.", 0.0, True, False, info
+        return f"{told} {_guesses(left)}.", 0.0, False, False, info
+
+
+@register("game:guess_the_number", GuessOptions, "guess a number in low..high with higher/lower hints; multi-turn")
+def make_guess_the_number(options: GuessOptions, split: str, run_seed: int) -> GuessTheNumberEnv:
+    return GuessTheNumberEnv(options, split, run_seed)
