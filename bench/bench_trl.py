@@ -38,11 +38,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.math_agent import MathAgentConfig, SolveNode  # noqa: E402
+from agents.agent import ChatAgent  # noqa: E402
 from agents.models import resolve_model  # noqa: E402
 from agents.rewards import math_reward  # noqa: E402
-from agents.tasks import Arithmetic  # noqa: E402
 from orchestrate.config import resolve  # noqa: E402
+from orchestrate.rollouts import EnvSpec  # noqa: E402
+from tapes.tape import SamplingParams  # noqa: E402
 
 TASKS, ATTEMPTS, MAX_TOKENS, TEMPERATURE, LR = 16, 4, 128, 0.7, 1e-5
 
@@ -81,15 +82,13 @@ def trl_steps(steps: int, beta: float, workdir: Path) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     config = resolve("embedded", {})
-    node = SolveNode(MathAgentConfig(**config.agent.model_dump()))
-    tasks = Arithmetic(config.task.arithmetic, seed=config.run.seed).train(0, TASKS * steps)
-
-    def messages(question: str) -> list[dict]:
-        from tapes.tape import Tape, TaskStep
-
-        return node.prompt(Tape(steps=[TaskStep(text=question)]))
-
-    data = Dataset.from_list([{"prompt": messages(t.question), "answer": t.answer} for t in tasks])
+    agent = ChatAgent(config.agent, SamplingParams(), chat=None)  # only its first prompt is used
+    env = EnvSpec(config.env.id, config.env.options, "train", config.run.seed).make()
+    rows = []
+    for seed in range(TASKS * steps):  # the episode seeds tapeloop's iterations take, in order
+        question, info = env.reset(seed)
+        rows.append({"prompt": agent.first_messages(question), "answer": info["answer"]})
+    data = Dataset.from_list(rows)
     # shuffle_dataset=False and one pass: TRL sees the tasks in the order tapeloop does
 
     def reward(prompts, completions, answer, **_):

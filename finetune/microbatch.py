@@ -159,20 +159,29 @@ def micro_batches(
 
 def prefix_units(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                  token_budget: int) -> list[list[int]]:
-    """Sequences with the same prompt, in rows of one prompt + several completions within the budget."""
+    """Sequences with the same prompt, in rows of one prompt + several completions.
+
+    A row grows while it stays within the token budget and while its attention area (width squared,
+    under the 4-D mask every position is computed) stays within that of its sequences computed one by
+    one: sharing the prompt saves its tokens once per extra completion, but long completions (multi-turn
+    episodes) in one wide row would cost more attention than they save.
+    """
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         by_prompt.setdefault(tuple(p), []).append(i)
     units = []
     for members in by_prompt.values():
+        p = len(prompts[members[0]])
         unit: list[int] = []
-        width = len(prompts[members[0]])
+        width, alone = p, 0
         for i in members:
-            if unit and width + len(completions[i]) > token_budget:
+            c = len(completions[i])
+            if unit and (width + c > token_budget or (width + c) ** 2 > alone + (p + c) ** 2):
                 units.append(unit)
-                unit, width = [], len(prompts[i])
+                unit, width, alone = [], p, 0
             unit.append(i)
-            width += len(completions[i])
+            width += c
+            alone += (p + c) ** 2
         units.append(unit)
     return units
 

@@ -16,7 +16,7 @@ def run_cli(*args):
 def test_presets_resolve():
     assert {"embedded", "gsm8k"} <= set(presets())
     embedded = resolve("embedded", {})
-    assert embedded.model.policy == "smollm2" and embedded.task.source == "arithmetic"
+    assert embedded.model.policy == "smollm2" and embedded.env.id == "math:arithmetic"
     gsm8k = resolve("gsm8k", {})
     assert gsm8k.model.policy == "meta-llama/Llama-3.2-1B-Instruct"
     assert (gsm8k.rollouts.tasks_per_iteration, gsm8k.rollouts.attempts, gsm8k.rollouts.temperature) == (16, 64, 0.7)
@@ -26,9 +26,10 @@ def test_presets_resolve():
 
 def test_dotted_overrides_are_typed():
     config = resolve("gsm8k", {"rollouts.attempts": "8", "train.lr": "2e-6", "model.policy": "smollm2",
-                               "task.arithmetic.operations": '["+", "-"]', "eval.tasks": "null"})
+                               "env.id": "math:arithmetic", "env.options.operations": '["+", "-"]',
+                               "eval.tasks": "null"})
     assert config.rollouts.attempts == 8 and config.train.lr == 2e-6 and config.model.policy == "smollm2"
-    assert config.task.arithmetic.operations == ["+", "-"] and config.eval.tasks is None
+    assert config.env.options == {"operations": ["+", "-"]} and config.eval.tasks is None  # the preset's were gsm8k's
 
 
 def test_every_option_has_a_meaning():
@@ -54,7 +55,11 @@ def test_help_lists_every_option():
         (["--rollouts.attempts", "many"], "--rollouts.attempts"),
         (["--rollouts.temperature", "-0.5"], "--rollouts.temperature"),
         (["--eval.temperature", "-1"], "--eval.temperature"),
-        (["--task.source", "gsm8k", "--task.gsm8k_test", "/no/such/test.jsonl"], "--task.gsm8k_test"),
+        (["--preset", "gsm8k", "--env.options.test", "/no/such/test.jsonl"], "--env.options.test"),
+        (["--env.id", "no:such"], "--env.id"),
+        (["--env.options.digits", "0"], "--env.options.digits"),
+        (["--env.options.nonsense", "1"], "--env.options.nonsense"),
+        (["--env.id", "countdown", "--env.options.numbers", "99"], "--env.options.numbers"),
         (["--train.algorithm", "ppo"], "--train.algorithm"),
         (["--iterations", "0"], "iterations"),
     ],

@@ -72,9 +72,14 @@ def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout)
         assert policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
                       attention_mask=mb.attention_mask)[1] is None
     assert len(got) == 7
-    if layout == "shared_prefix":  # the shared prompts were computed once
+    if layout == "shared_prefix":  # a shared prompt is computed once per row
+        from finetune.microbatch import prefix_units
+
+        units = prefix_units(prompts, completions, 4096)
+        assert any(len(u) > 1 for u in units)
         n = sum(mb.n_tokens for mb in micro_batches(prompts, completions, 4096, layout))
-        assert n == sum(map(len, completions)) + sum(len(p) for p in {tuple(p) for p in prompts})
+        assert n == sum(map(len, completions)) + sum(len(prompts[u[0]]) for u in units)
+        assert n < sum(len(p) + len(c) for p, c in zip(prompts, completions))
     for i in range(7):
         torch.testing.assert_close(got[i].detach(), expected[i], atol=1e-5, rtol=0)
         torch.testing.assert_close(got_raw[i].detach(), expected_raw[i], atol=1e-5, rtol=0)
@@ -251,3 +256,16 @@ def test_checkpoint_reloads_and_resumes_exactly(tiny, tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)
     lm = resumed.accelerator.unwrap_model(resumed.model).lm
     assert lm.lm_head.weight is lm.model.embed_tokens.weight  # still the tied model
+
+
+def test_shared_prefix_rows_stop_growing_when_attention_would_cost_more():
+    """Long completions (multi-turn episodes) are not all packed behind one prompt: a row grows while its
+    width squared stays within the sum of its sequences' squared lengths."""
+    from finetune.microbatch import prefix_units
+
+    prompt = list(range(300))
+    short = [[1] * 25 for _ in range(4)]  # one-turn answers: all four share the prompt
+    assert prefix_units([prompt] * 4, short, 4096) == [[0, 1, 2, 3]]
+    long = [[1] * 140 for _ in range(16)]  # episodes: (300 + 140k)^2 <= k (440)^2 holds up to k = 4
+    units = prefix_units([prompt] * 16, long, 4096)
+    assert [len(u) for u in units] == [4] * 4

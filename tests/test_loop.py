@@ -139,14 +139,14 @@ def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_mod
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "gsm8k", "--run-dir", str(run), "--iterations", "1",
            "--model.policy", str(tiny_model_dir),
-           "--task.gsm8k_train", str(data), "--task.gsm8k_test", str(data),
+           "--env.options.train", str(data), "--env.options.test", str(data),
            "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "2", "--rollouts.max_tokens", "8",
            "--eval.every", "1", "--eval.max_tokens", "8",
            "--server.max_model_len", "512", "--server.kv_cache_gib", "1", "--train.token_budget", "1024"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     config = json.loads((run / "config.json").read_text())
-    assert config["task"]["source"] == "gsm8k" and config["train"]["kl_coef"] > 0  # the preset's own settings
+    assert config["env"]["id"] == "math:gsm8k" and config["train"]["kl_coef"] > 0  # the preset's own settings
     assert config["rollouts"]["temperature"] == 0.7 and config["eval"]["tasks"] is None
     tapes = list(read_tapes(run / "tapes" / "iter_000001.jsonl"))
     assert len(tapes) == 4 and all(len(t.llm_calls[0].ref_logprobs) > 0 for t in tapes)

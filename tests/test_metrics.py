@@ -1,30 +1,42 @@
+import math
+
 from orchestrate.metrics import append_metrics, plot_metrics, read_metrics, rollout_metrics
-from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, Tape, TapeMetadata
+from tapes.tape import EnvAction, EnvObservation, LLMCall, Tape, TapeMetadata
 
 
-def tape(reward, final, n_tokens, finish="stop", ref=None):
-    t = Tape(metadata=TapeMetadata(reward=reward))
-    call = LLMCall(output_token_ids=list(range(n_tokens)), logprobs=[-1.0] * n_tokens, finish_reason=finish,
-                   ref_logprobs=ref)
-    return t.append(final, llm_call=call)
+def tape(rewards, n_tokens, finish="stop", ref=None, success=None, format_error=False, error=None, chain_ok=True):
+    """An episode with one call per reward; the last observation carries success / format_error."""
+    t = Tape(metadata=TapeMetadata(reward=sum(rewards), turns=len(rewards), success=success, error=error))
+    t.append(EnvObservation(text="start"))
+    for turn, reward in enumerate(rewards, start=1):
+        call = LLMCall(output_token_ids=list(range(n_tokens)), logprobs=[-1.0] * n_tokens, finish_reason=finish,
+                       ref_logprobs=ref, turn=turn, extends_previous=None if turn == 1 else chain_ok)
+        t.append(EnvAction(text="x", turn=turn), llm_call=call)
+        last = turn == len(rewards)
+        t.append(EnvObservation(text="y", turn=turn, reward=reward, terminated=last,
+                                info={"format_error": format_error and last}))
+    return t
 
 
 def test_rollout_metrics():
     tapes = [
-        tape(1.0, FinalAnswerAction(answer="1"), 10, ref=[-1.0] * 10),
-        tape(0.0, FinalAnswerAction(answer="2"), 20, ref=[-1.0] * 20),
-        tape(-1.0, ParseFailureStep(error="x"), 30, finish="length", ref=[-2.0] * 30),
-        tape(-1.0, ParseFailureStep(error="x"), 40, ref=[-1.0] * 40),
+        tape([1.0], 10, ref=[-1.0] * 10, success=True),
+        tape([0.0, 0.0], 20, ref=[-1.0] * 20, success=False),  # two turns: two calls
+        tape([-1.0], 30, finish="length", ref=[-2.0] * 30, success=False),
+        tape([-1.0], 40, ref=[-1.0] * 40, success=False, format_error=True, chain_ok=False),
+        tape([0.0], 5, success=False, error="RuntimeError: env crashed"),  # counted, not scored
     ]
     m = rollout_metrics(tapes, prefix="")
-    assert m["reward_mean"] == -0.25 and m["success_rate"] == 0.25
-    assert m["parse_failure_rate"] == 0.5 and m["truncation_rate"] == 0.25
-    assert m["completion_tokens_mean"] == 25 and m["completion_tokens_max"] == 40
-    # k3 on 30 of 100 tokens with ref - logp = -1: exp(-1) + 1 - 1
-    import math
-
-    assert abs(m["kl_ref"] - 30 * math.exp(-1) / 100) < 1e-9
+    assert m["reward_mean"] == -0.25 and m["success_rate"] == 0.25 and m["infra_errors"] == 1 and m["tapes"] == 5
+    assert m["turns_mean"] == 1.25 and m["parse_failure_rate"] == 0.25
+    assert m["truncation_rate"] == 0.2  # 1 of 5 calls cut by max_tokens
+    assert m["completion_tokens_mean"] == (10 + 20 + 20 + 30 + 40) / 5 and m["completion_tokens_max"] == 40
+    assert m["prompt_mismatches"] == 0  # one-turn episodes have no previous call; the 2-turn one chains
+    # k3 on 30 of 120 tokens with ref - logp = -1: exp(-1) + 1 - 1
+    assert abs(m["kl_ref"] - 30 * math.exp(-1) / 120) < 1e-9
     assert rollout_metrics(tapes, prefix="eval_")["eval_success_rate"] == 0.25
+    broken = tape([0.0, 1.0], 3, chain_ok=False)
+    assert rollout_metrics([broken])["prompt_mismatches"] == 1
 
 
 def test_metrics_file_survives_a_torn_line_and_plots(tmp_path):
