@@ -45,7 +45,8 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from orchestrate.config import ServerSection, TrainerSection, _parse_value
+from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
+from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
 from tapes.store import TapeFileError, TapeWriter, read_tapes
 from tapes.tape import Tape
 
@@ -160,6 +161,7 @@ def groups_with_signal(tapes: list[Tape]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="uv run -m orchestrate.offline",
+        allow_abbrev=False,
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
@@ -192,7 +194,13 @@ def _section(cls, base: dict, overrides: dict, prefix: str):
     data = {k: v for k, v in base.items() if k in cls.model_fields}
     data.update({k: _parse_value(v) for k, v in overrides.items()})
     try:
-        return cls.model_validate(data)
+        check_override_types({f"{prefix}.{k}": data[k] for k in overrides},
+                             {f"{prefix}.{k}": f.annotation for k, f in cls.model_fields.items()})
+        section = cls.model_validate(data)
+        check_finite(section.model_dump(), f"{prefix}.")
+        return section
+    except ConfigError as exc:
+        raise OfflineError(str(exc)) from None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
@@ -245,6 +253,10 @@ def resolve(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        refuse_repeated_options(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)
     try:
         files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
@@ -289,8 +301,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: --train.kl_coef: {missing_ref} LLM calls have no reference log-probs; pass "
                        "--reference MODEL, or --train.kl_coef 0\n")  # fmt: skip
 
+    from orchestrate.preflight import PreflightError, check_run_dir_path
     from orchestrate.run_dir import RunDir
+    from orchestrate.run_lock import RunDirInUse, RunLock
 
+    try:  # one command per output directory: held until this process ends
+        check_run_dir_path(out, "--out")
+        out.mkdir(parents=True, exist_ok=True)
+        _lock = RunLock(out).acquire()  # noqa: F841 (released when the process exits)
+    except (PreflightError, RunDirInUse, OSError) as exc:
+        parser.exit(2, f"error: --out: {str(exc).removeprefix('--out: ')}\n")
     run = RunDir(out)
     run.create()
 

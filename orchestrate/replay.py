@@ -83,7 +83,7 @@ def agent_from_run_config(config_path: Path) -> Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.replay", description=__doc__.splitlines()[0].split(": ")[0])
+    parser = argparse.ArgumentParser(prog="orchestrate.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0])
     parser.add_argument("files", nargs="+", help="tape files (JSON lines), e.g. RUN/tapes/iter_000001.jsonl")
     parser.add_argument("--index", type=int, help="replay only this tape of the file (from 0)")
     parser.add_argument("--config", help="the run's config.json (default: RUN/config.json beside the tapes/ folder)")

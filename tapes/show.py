@@ -61,7 +61,7 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tapes.show", description="Print one tape of a tape file.")
+    parser = argparse.ArgumentParser(prog="tapes.show", allow_abbrev=False, description="Print one tape of a tape file.")
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")
     parser.add_argument("--index", type=int, default=0, help="which tape of the file, from 0 [default: 0]")
     parser.add_argument("--tokens", action="store_true", help="list output tokens with their log-probs")
