@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from orchestrate.config import parse_args
+from orchestrate.durable import repair_metrics
 from orchestrate.preflight import PreflightError, check_run_dir_path, preflight
 from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     state = run_dir.load_state()
     if run_dir.saved_config() is not None:
         print(f"Resuming {run_dir.root} after iteration {state.completed_iteration}.")
+        # records state.json does not count yet are redone, and written once then; a torn tail goes
+        repair_metrics(run_dir.metrics_path, state.completed_iteration, state.evaluated)
     run_dir.create()
     run_dir.save_config(current)
 

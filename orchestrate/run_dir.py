@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from tapes.store import atomic_write_json, atomic_write_text
+from tapes.store import atomic_write_json, atomic_write_text, fsync_dir
 
 
 class RunState(BaseModel):
@@ -52,6 +52,7 @@ class RunDir:
     def create(self) -> None:
         for folder in (self.tapes, self.batches, self.checkpoints, self.logs, self.plots):
             folder.mkdir(parents=True, exist_ok=True)
+        fsync_dir(self.root)  # the new folders survive a power loss with the files about to go in them
 
     def iteration_tapes(self, iteration: int) -> Path:
         return self.tapes / f"iter_{iteration:06d}.jsonl"

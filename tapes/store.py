@@ -26,6 +26,16 @@ class TapeFileError(ValueError):
     """A tape file line that is not a valid tape."""
 
 
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename or a new file in `folder` durable: without it, after a power loss the
+    directory may still list the old file (or none) while later files are there."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that the file is either the old one or the whole new one."""
     path = Path(path)
@@ -40,6 +50,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -76,6 +87,7 @@ class TapeWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self.partial, self.path)
+            fsync_dir(self.path.parent)
         return self.path
 
     def __enter__(self) -> TapeWriter:
