@@ -92,7 +92,7 @@ def tape_files(inputs: list[str], iterations: tuple[int, int] | None) -> list[Pa
         path = Path(text)
         if path.is_dir():
             folder = path / "tapes" if (path / "tapes").is_dir() else path
-            found = sorted(folder.glob("iter_*.jsonl"))
+            found = sorted(f for f in folder.glob("iter_*.jsonl") if re.fullmatch(r"iter_\d+", f.stem))
             if iterations:
                 found = [f for f in found if iterations[0] <= int(f.stem.split("_")[1]) <= iterations[1]]
             if not found:
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: --tapes: {exc}\n")
     if not tapes:
         parser.exit(2, "error: --tapes: no tapes found in the given files\n")
+    if problem := _missing_fields(tapes):
+        parser.exit(2, f"error: --tapes: {problem}\n")
     read_count = len(tapes)
 
     if reward_fn is not None:
@@ -355,6 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
           f"{record.get('train_steps', 0)} optimizer steps)")
     return 0
+
+
+def _missing_fields(tapes: list[Tape]) -> str | None:
+    """What keeps these tapes from training (no steps, no sampled LLM call), as one line; None if nothing."""
+    no_steps = sum(not t.steps for t in tapes)
+    no_calls = sum(not any(c.output_token_ids for c in t.llm_calls) for t in tapes)
+    if no_steps or no_calls == len(tapes):
+        what = f"{no_steps} of {len(tapes)} tapes have no steps" if no_steps else "no tape holds a sampled LLM call"
+        return f"{what}: these are not rollout tapes of tapeloop (RUN/tapes/iter_*.jsonl); nothing to train on"
+    return None
 
 
 def _wait(trainer, progress: bool) -> Path:

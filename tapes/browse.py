@@ -390,10 +390,16 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765,
     return server
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number 0-65535")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tapes.browse", allow_abbrev=False, description="Browse a run's tapes in a web page.")
     parser.add_argument("run_dir", help="run directory (holds tapes/, metrics.jsonl, config.json)")
-    parser.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
+    parser.add_argument("--port", type=_port, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [default: 127.0.0.1]")
     parser.add_argument("--tokenizer", help="tokenizer folder for token texts (default: the run's newest "
                         "checkpoint, else its policy folder)")
