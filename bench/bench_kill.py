@@ -155,6 +155,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-delay", type=float, default=5.0, help="seconds after a start, at least")
     parser.add_argument("--max-delay", type=float, default=90.0, help="seconds after a start, at most")
+    parser.add_argument("--kl-coef", type=float, default=0.01,
+                        help="> 0 (the default) adds the reference server; with 0 the tiny model's batches of equal "
+                        "rewards train nothing and the loop stops on an unchanged checkpoint")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directory")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -171,7 +174,7 @@ def main() -> int:
         "--rollouts.tasks_per_iteration", str(TASKS), "--rollouts.attempts", str(ATTEMPTS),
         "--rollouts.max_tokens", "12", "--eval.every", str(EVAL_EVERY), "--eval.tasks", str(EVAL_TASKS),
         "--eval.max_tokens", "12", "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
-        "--train.kl_coef", "0", "--train.lr", "1e-3",
+        "--train.kl_coef", str(args.kl_coef), "--train.lr", "1e-3",
     ]  # fmt: skip
     log = open(tmp / "console.log", "ab")
     all_problems: list[str] = []
