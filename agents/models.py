@@ -209,6 +209,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m agents.models",
+        allow_abbrev=False,
         description="Resolve a model name to a local Hugging Face folder (building the embedded one if needed) and print it.",
     )
     parser.add_argument("name", nargs="?", default=EMBEDDED, help=f"'{EMBEDDED}' (default), a local folder or a hub id")

@@ -72,6 +72,7 @@ def _option(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune.train",
+        allow_abbrev=False,
         description="GRPO / REINFORCE learner: trains on RUN/batches/*.jsonl as they appear and writes "
         "RUN/checkpoints/*/ (see the module docstring for the file protocol). Launch it with "
         "`accelerate launch -m finetune.train ...`.",

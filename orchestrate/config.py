@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tomllib
 import types
 import typing
@@ -132,9 +133,12 @@ def presets() -> list[str]:
 
 def load_preset(name: str) -> dict[str, Any]:
     path = PRESETS_DIR / f"{name}.toml"
-    if not path.is_file():
+    if name not in presets() or not path.is_file():  # a name, never a path outside presets/
         raise ConfigError(f"--preset: unknown preset {name!r} (known: {', '.join(presets())})")
-    return tomllib.loads(path.read_text())
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"--preset {name}: {path} is not a valid TOML preset ({exc}); fix or restore it") from None
 
 
 def _is_model(annotation: Any) -> bool:
@@ -180,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an LLM agent with RL on tapes: vLLM rollouts, rewards, reference log-probs, "
         "GRPO/REINFORCE in a separate finetune process. Options below override the preset.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # `--iter 7` must not silently mean --iterations
         epilog="Values are parsed as JSON where they can be (numbers, true/false, null, lists), else taken as text.",
     )
     parser.add_argument("--preset", default="embedded", help=f"config preset, one of: {', '.join(presets())}")
@@ -218,14 +223,23 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
     """Preset + dotted overrides -> a validated config, or ConfigError naming the option."""
+    from orchestrate.config_checks import check_config, check_override_types
+
     data = load_preset(preset)
-    env = data.setdefault("env", {})
-    if "env.id" in overrides and overrides["env.id"] != env.get("id"):
+    env = data.setdefault("env", {}) if isinstance(data.get("env", {}), dict) else data["env"]
+    if isinstance(env, dict) and "env.id" in overrides and overrides["env.id"] != env.get("id"):
         env["options"] = {}  # another environment: the preset's options were for its own
-    for dotted, text in overrides.items():
-        _set(data, dotted, _parse_value(text) if isinstance(text, str) else text)
+    values = {dotted: _parse_value(text) if isinstance(text, str) else text for dotted, text in overrides.items()}
+    check_override_types(values, {dotted: annotation for dotted, _, annotation in options()})
+    for dotted, value in values.items():
+        try:
+            _set(data, dotted, value)
+        except (TypeError, AttributeError):  # the preset holds a value where a section should be
+            raise ConfigError(f"--{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
     try:
-        return RLConfig.model_validate(data)
+        config = RLConfig.model_validate(data)
+        check_config(config)
+        return config
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
@@ -267,10 +281,11 @@ def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
-    import sys
+    from orchestrate.config_checks import refuse_repeated_options
 
     parser = build_parser()
     try:
+        refuse_repeated_options(sys.argv[1:] if argv is None else argv, {"--iterations": "--run.iterations"})
         argv, env_options = split_env_options(list(sys.argv[1:] if argv is None else argv))
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")

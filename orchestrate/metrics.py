@@ -54,11 +54,10 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
 
 
 def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it (the file only grows; a torn last line is skipped on read)."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one JSON line and fsync it: whole or not at all, a torn tail cut first (orchestrate/durable.py)."""
+    from orchestrate.durable import append_line
+
+    append_line(path, json.dumps(record))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

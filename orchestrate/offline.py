@@ -47,7 +47,8 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from orchestrate.config import ServerSection, TrainerSection, _parse_value
+from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
+from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
 from tapes.store import TapeFileError, TapeWriter, read_tapes
 from tapes.tape import Tape
 
@@ -93,7 +94,7 @@ def tape_files(inputs: list[str], iterations: tuple[int, int] | None) -> list[Pa
         path = Path(text)
         if path.is_dir():
             folder = path / "tapes" if (path / "tapes").is_dir() else path
-            found = sorted(folder.glob("iter_*.jsonl"))
+            found = sorted(f for f in folder.glob("iter_*.jsonl") if re.fullmatch(r"iter_\d+", f.stem))
             if iterations:
                 found = [f for f in found if iterations[0] <= int(f.stem.split("_")[1]) <= iterations[1]]
             if not found:
@@ -177,6 +178,7 @@ def groups_with_signal(tapes: list[Tape]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="uv run -m orchestrate.offline",
+        allow_abbrev=False,
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
@@ -210,7 +212,13 @@ def _section(cls, base: dict, overrides: dict, prefix: str):
     data = {k: v for k, v in base.items() if k in cls.model_fields}
     data.update({k: _parse_value(v) for k, v in overrides.items()})
     try:
-        return cls.model_validate(data)
+        check_override_types({f"{prefix}.{k}": data[k] for k in overrides},
+                             {f"{prefix}.{k}": f.annotation for k, f in cls.model_fields.items()})
+        section = cls.model_validate(data)
+        check_finite(section.model_dump(), f"{prefix}.")
+        return section
+    except ConfigError as exc:
+        raise OfflineError(str(exc)) from None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
@@ -263,6 +271,10 @@ def resolve(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        refuse_repeated_options(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)
     try:
         files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
@@ -280,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: --tapes: {exc}\n")
     if not tapes:
         parser.exit(2, "error: --tapes: no tapes found in the given files\n")
+    if problem := _missing_fields(tapes):
+        parser.exit(2, f"error: --tapes: {problem}\n")
     read_count = len(tapes)
 
     if reward_fn is not None:
@@ -307,8 +321,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: --train.kl_coef: {missing_ref} LLM calls have no reference log-probs; pass "
                        "--reference MODEL, or --train.kl_coef 0\n")  # fmt: skip
 
+    from orchestrate.preflight import PreflightError, check_run_dir_path
     from orchestrate.run_dir import RunDir
+    from orchestrate.run_lock import RunDirInUse, RunLock
 
+    try:  # one command per output directory: held until this process ends
+        check_run_dir_path(out, "--out")
+        out.mkdir(parents=True, exist_ok=True)
+        _lock = RunLock(out).acquire()  # noqa: F841 (released when the process exits)
+    except (PreflightError, RunDirInUse, OSError) as exc:
+        parser.exit(2, f"error: --out: {str(exc).removeprefix('--out: ')}\n")
     run = RunDir(out)
     run.create()
 
@@ -353,6 +375,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
           f"{record.get('train_steps', 0)} optimizer steps)")
     return 0
+
+
+def _missing_fields(tapes: list[Tape]) -> str | None:
+    """What keeps these tapes from training (no steps, no sampled LLM call), as one line; None if nothing."""
+    no_steps = sum(not t.steps for t in tapes)
+    no_calls = sum(not any(c.output_token_ids for c in t.llm_calls) for t in tapes)
+    if no_steps or no_calls == len(tapes):
+        what = f"{no_steps} of {len(tapes)} tapes have no steps" if no_steps else "no tape holds a sampled LLM call"
+        return f"{what}: these are not rollout tapes of tapeloop (RUN/tapes/iter_*.jsonl); nothing to train on"
+    return None
 
 
 def _wait(trainer, progress: bool) -> Path:

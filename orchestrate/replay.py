@@ -77,7 +77,7 @@ def agent_from_run_config(config_path: Path) -> ChatAgent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.replay", description=__doc__.splitlines()[0].split(": ")[0])
+    parser = argparse.ArgumentParser(prog="orchestrate.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0])
     parser.add_argument("files", nargs="+", help="tape files (JSON lines), e.g. RUN/tapes/iter_000001.jsonl")
     parser.add_argument("--index", type=int, help="replay only this tape of the file (from 0)")
     parser.add_argument("--config", help="the run's config.json (default: RUN/config.json beside the tapes/ folder)")
@@ -106,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
                 tapes = [read_tape_at(path, offsets[args.index], args.index + 1)]
             else:
                 tapes = read_tapes(path)
-            for tape in tapes:
-                _, diff = asyncio.run(replay_tape(tape, agent))
+            for number, tape in enumerate(tapes, start=args.index + 1 if args.index is not None else 1):
+                try:
+                    _, diff = asyncio.run(replay_tape(tape, agent))
+                except Exception as exc:  # a tape without what replay needs (task, answer, calls)
+                    print(f"error: {path}:{number}: cannot replay this tape ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)  # fmt: skip
+                    return 2
                 total += 1
                 differ += not diff.identical
                 if not (args.quiet and diff.identical):
@@ -115,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         except TapeFileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if total == 0:
+        print(f"error: {', '.join(map(str, paths))}: no tapes to replay (empty file?)", file=sys.stderr)
+        return 2
     print(f"{total} tapes replayed: {total - differ} identical, {differ} differ")
     return 1 if differ else 0
 

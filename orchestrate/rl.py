@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 from orchestrate.config import parse_args
-from orchestrate.run_dir import RunDir, config_differences
+from orchestrate.durable import repair_metrics
+from orchestrate.preflight import PreflightError, check_run_dir_path, preflight
+from orchestrate.run_dir import RunDir, RunDirError, config_differences
+from orchestrate.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed.
 RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "train.timeout_s", "server.startup_timeout_s"}
@@ -31,15 +34,31 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
 
     run_dir = RunDir(args.run_dir or Path("runs") / args.preset)
-    saved = run_dir.saved_config()
     current = config.model_dump(mode="json")
-    if saved is not None:
-        changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
-        if changed:
-            print(f"error: {run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "
-                  "resume it with the same options, or pass a new --run-dir", file=sys.stderr)  # fmt: skip
-            return 2
-        print(f"Resuming {run_dir.root} after iteration {run_dir.load_state().completed_iteration}.")
+    # Nothing is written to the run directory until the run can start: its path, its saved config and
+    # state (under its lock when it exists), the task data and the models are checked first.
+    lock = None
+    try:
+        check_run_dir_path(run_dir.root)
+        if run_dir.root.is_dir():
+            lock = RunLock(run_dir.root).acquire()  # an flock on the folder: writes nothing
+            _check_resume(run_dir, current)
+        preflight(config)
+        if lock is None:
+            try:
+                run_dir.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise PreflightError(f"--run-dir: cannot create {run_dir.root} ({exc.strerror or exc})") from None
+            lock = RunLock(run_dir.root).acquire()
+            _check_resume(run_dir, current)  # another command may have started it meanwhile
+    except (PreflightError, RunDirError, RunDirInUse, _Refused) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    state = run_dir.load_state()
+    if run_dir.saved_config() is not None:
+        print(f"Resuming {run_dir.root} after iteration {state.completed_iteration}.")
+        # records state.json does not count yet are redone, and written once then; a torn tail goes
+        repair_metrics(run_dir.metrics_path, state.completed_iteration, state.evaluated)
     run_dir.create()
     run_dir.save_config(current)
 
@@ -49,12 +68,29 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return Loop(config, run_dir)()
-    except (TrainerError, ServerError) as exc:
+    except (TrainerError, ServerError, RunDirError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\nInterrupted. Resume with: uv run -m orchestrate.rl --run-dir {run_dir.root}", file=sys.stderr)
         return 130
+    finally:
+        lock.release()
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _check_resume(run_dir: RunDir, current: dict) -> None:
+    """A saved run may be resumed with the same settings only (RESUMABLE aside); its state must be readable."""
+    saved = run_dir.saved_config()
+    if saved is not None:
+        changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
+        if changed:
+            raise _Refused(f"{run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "
+                           "resume it with the same options, or pass a new --run-dir")  # fmt: skip
+    run_dir.load_state()
 
 
 if __name__ == "__main__":

@@ -22,14 +22,18 @@ import json
 import shutil
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
-from tapes.store import atomic_write_json, atomic_write_text
+from tapes.store import atomic_write_json, atomic_write_text, fsync_dir
 
 
 class RunState(BaseModel):
-    completed_iteration: int = 0
+    completed_iteration: int = Field(0, ge=0)
     evaluated: list[int] = []
+
+
+class RunDirError(ValueError):
+    """A run directory file that cannot be read as what it should be; one line saying what to do."""
 
 
 class RunDir:
@@ -48,6 +52,7 @@ class RunDir:
     def create(self) -> None:
         for folder in (self.tapes, self.batches, self.checkpoints, self.logs, self.plots):
             folder.mkdir(parents=True, exist_ok=True)
+        fsync_dir(self.root)  # the new folders survive a power loss with the files about to go in them
 
     def iteration_tapes(self, iteration: int) -> Path:
         return self.tapes / f"iter_{iteration:06d}.jsonl"
@@ -64,13 +69,28 @@ class RunDir:
     def load_state(self) -> RunState:
         if not self.state_path.exists():
             return RunState()
-        return RunState.model_validate_json(self.state_path.read_text())
+        try:
+            return RunState.model_validate_json(self.state_path.read_bytes())
+        except (OSError, ValidationError) as exc:
+            reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else exc
+            raise RunDirError(f"{self.state_path} is not a run state ({reason}); restore it, or pass a new "
+                              "--run-dir") from None  # fmt: skip
 
     def save_state(self, state: RunState) -> None:
         atomic_write_text(self.state_path, state.model_dump_json(indent=2) + "\n")
 
     def saved_config(self) -> dict | None:
-        return json.loads(self.config_path.read_text()) if self.config_path.exists() else None
+        if not self.config_path.exists():
+            return None
+        try:
+            config = json.loads(self.config_path.read_bytes())
+        except (OSError, ValueError) as exc:  # not JSON, not UTF-8, unreadable
+            raise RunDirError(f"{self.config_path} is not readable JSON ({exc}); restore it, or pass a new "
+                              "--run-dir") from None  # fmt: skip
+        if not isinstance(config, dict):
+            raise RunDirError(f"{self.config_path} holds a {type(config).__name__}, not a run config; restore "
+                              "it, or pass a new --run-dir")  # fmt: skip
+        return config
 
     def save_config(self, config: dict) -> None:
         atomic_write_json(self.config_path, config)

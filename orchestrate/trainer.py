@@ -24,6 +24,7 @@ from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
 from orchestrate.processes import spawn, stop
 from orchestrate.vllm_server import cuda_available, log_tail
+from tapes.store import atomic_write_text
 
 ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "accelerate"
 
@@ -66,7 +67,7 @@ class TrainerProcess:
         from finetune.config import TrainConfig
 
         fields = {k: v for k, v in self.config.model_dump().items() if k in TrainConfig.model_fields}
-        self.config_path.write_text(json.dumps(fields, indent=2) + "\n")
+        atomic_write_text(self.config_path, json.dumps(fields, indent=2) + "\n")
         (self.run.root / "trainer.stop").unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from orchestrate.processes import spawn, stop
+from orchestrate.server_auth import KEY_ENV, MIDDLEWARE, forbidden_server_arg
 
 
 # Any ids in every tokenizer's range; used to check that a weight reload took.
@@ -49,6 +50,14 @@ class ServerConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="attempts of one task share their prompt's KV cache")
     startup_timeout_s: float = Field(600, gt=0, description="give up when /health does not answer by then")
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as given")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _keeps_our_address_and_key(cls, value: list[str]) -> list[str]:
+        if bad := forbidden_server_arg(value):
+            raise ValueError(f"{bad!r}: host, port, API key, socket and middleware are set by tapeloop "
+                             "(127.0.0.1, a free port, a per-server key required on every route); leave them out")
+        return value
 
 
 def cuda_available() -> bool:
@@ -135,7 +144,9 @@ class VLLMServer:
             "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--api-key", self.api_key,
+            # the key comes from the environment ($VLLM_API_KEY; /proc/PID/cmdline is world-readable) and
+            # this middleware requires it on every route, not only under /v1 (see orchestrate/server_auth.py)
+            "--middleware", MIDDLEWARE,
             "--dtype", dtype,
             "--max-model-len", str(c.max_model_len),
             "--seed", str(self.seed),
@@ -153,6 +164,7 @@ class VLLMServer:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables /collective_rpc (weight reload) and /reset_prefix_cache
+        env[KEY_ENV] = self.api_key
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         if self.on_gpu:
             if self.gpu_ids is not None:
@@ -184,7 +196,7 @@ class VLLMServer:
                     f"Log {self.log_path} ends with:\n{log_tail(self.log_path)}"
                 )
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base_url + "/health", headers=self.headers, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -213,7 +225,7 @@ class VLLMServer:
             return False
         try:
             async with httpx.AsyncClient() as client:
-                return (await client.get(self.base_url + "/health", timeout=5)).status_code == 200
+                return (await client.get(self.base_url + "/health", headers=self.headers, timeout=5)).status_code == 200
         except httpx.HTTPError:
             return False
 

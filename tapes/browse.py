@@ -85,6 +85,39 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
     }
 
 
+def checked_summary(line: bytes, file: str, index: int, kind: str, lineno: int) -> dict:
+    """summarize() of one line, or, for a line that is not a tape (not JSON, not UTF-8, JSON of another
+    shape or with mistyped fields), a summary flagged as a bad line `FILE:LINE: ...`: the rest of the
+    file and of the run still list."""
+    try:
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not a tape object")
+        s = summarize(data, file, index, kind)
+        for key, kinds in (("iteration", int), ("policy_version", int), ("task_id", str), ("group_id", str),
+                           ("id", str), ("reward_reason", (str, type(None))), ("question", str)):  # fmt: skip
+            if not isinstance(s[key], kinds) or isinstance(s[key], bool):
+                raise ValueError(f"metadata.{key} is {type(s[key]).__name__}")
+        if s["reward"] is not None and (isinstance(s["reward"], bool) or not isinstance(s["reward"], (int, float))):
+            raise ValueError(f"metadata.reward is {type(s['reward']).__name__}")
+        if s["error"] is not None and not isinstance(s["error"], str):
+            s["error"] = str(s["error"])
+        return s
+    except Exception as exc:  # noqa: BLE001 - any shape a foreign line may have
+        s = summarize({}, file, index, kind)
+        s["error"] = f"{file}:{lineno}: not a tape ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        s["bad_line"] = True
+        return s
+
+
+def inside(root: Path, path: Path) -> bool:
+    """Whether `path`, symlinks resolved, lies in `root`: links that point out of the run are not followed."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except OSError:
+        return False
+
+
 @dataclass
 class IndexedFile:
     path: Path
@@ -102,13 +135,9 @@ class IndexedFile:
         offsets, summaries = [], []
         with open(self.path, "rb") as f:
             pos = 0
-            for line in f:
+            for lineno, line in enumerate(f, start=1):
                 if line.strip():
-                    try:
-                        data = json.loads(line)
-                    except json.JSONDecodeError:
-                        data = {"metadata": {"error": f"line {len(offsets) + 1} is not valid JSON"}}
-                    summaries.append(summarize(data, self.path.name, len(offsets), self.kind))
+                    summaries.append(checked_summary(line, self.path.name, len(offsets), self.kind, lineno))
                     offsets.append(pos)
                 pos += len(line)
         groups: dict[str, list[dict]] = {}
@@ -138,21 +167,30 @@ class RunIndex:
 
     def config(self) -> dict | None:
         path = self.root / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        if not inside(self.root, path):
             return None
+        try:
+            config = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return None
+        return config if isinstance(config, dict) else None
 
     def metrics(self) -> list[dict]:
         path = self.root / "metrics.jsonl"
         out = []
-        if path.exists():
-            for line in path.read_text().splitlines():
+        if path.exists() and inside(self.root, path):
+            for line in path.read_bytes().splitlines():
                 try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
+                    record = json.loads(line)
+                except ValueError:
                     continue  # a torn last line
+                if isinstance(record, dict):
+                    out.append(record)
         return out
+
+    def bad_lines(self) -> list[str]:
+        """`FILE:LINE: why` of every indexed line that is not a tape."""
+        return [s["error"] for f in self.files.values() for s in f.summaries if s.get("bad_line")]
 
     def normalize_std(self) -> bool:
         return bool(((self.config() or {}).get("train") or {}).get("normalize_std", True))
@@ -164,7 +202,7 @@ class RunIndex:
             present = {}
             for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
                 m = TAPE_FILE.match(path.name)
-                if m:
+                if m and inside(self.root, path):
                     present[path.name] = (path, "rollout" if m.group(1) == "iter" else "eval", int(m.group(2)))
             self.files = {
                 name: self.files.get(name) or IndexedFile(path, kind, iteration)
@@ -208,7 +246,8 @@ class RunIndex:
                 candidates = [Path(self._tokenizer_path)] if self._tokenizer_path else []
                 checkpoints = self.root / "checkpoints"
                 if not candidates and checkpoints.is_dir():
-                    candidates += sorted((p for p in checkpoints.iterdir() if p.name.isdigit()), reverse=True)
+                    candidates += sorted((p for p in checkpoints.iterdir() if p.name.isdigit() and inside(self.root, p)),
+                                         reverse=True)  # fmt: skip
                 policy = ((self.config() or {}).get("model") or {}).get("policy")
                 if not self._tokenizer_path and policy:
                     candidates.append(Path(policy))
@@ -345,7 +384,14 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, obj: Any, status: int = 200) -> None:
         self._send(status, json.dumps(obj, default=str).encode(), "application/json")
 
+    allowed_hosts: frozenset[str] = frozenset()  # set by `serve`: Host headers naming this server
+
     def do_GET(self) -> None:
+        if self.headers.get("Host", "").lower() not in self.allowed_hosts:
+            # a page elsewhere that made its own name resolve to 127.0.0.1 (DNS rebinding) is not us
+            self._json({"error": "this server answers only requests addressed to it (Host header)"},
+                       HTTPStatus.MISDIRECTED_REQUEST)  # fmt: skip
+            return
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
@@ -361,6 +407,7 @@ class Handler(BaseHTTPRequestHandler):
                     "metrics": self.index.metrics(),
                     "files": [{"name": f.path.name, "kind": f.kind, "iteration": f.iteration,
                                "tapes": len(f.offsets)} for f in files],
+                    "bad_lines": self.index.bad_lines()[:100],
                 })  # fmt: skip
             elif url.path == "/api/tapes":
                 self._json(self.index.list(q))
@@ -385,15 +432,55 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765,
     handler = type("RunHandler", (Handler,), {"index": index})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
+    handler.allowed_hosts = allowed_hosts(host, server.server_address[1])
     # Importing transformers and loading the tokenizer takes seconds: start now, not on the first tape opened.
     threading.Thread(target=index.tokenizer, name="load-tokenizer", daemon=True).start()
     return server
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def allowed_hosts(host: str, port: int) -> frozenset[str]:
+    """Host header values a request to this server carries: its address (and loopback names for a
+    loopback server; this machine's names and addresses for one bound to all interfaces)."""
+    import socket
+
+    names = {host.lower()}
+    if is_loopback(host):
+        names |= set(LOOPBACK_NAMES)
+    if host in ("", "0.0.0.0", "::"):
+        names |= set(LOOPBACK_NAMES) | {socket.gethostname().lower(), socket.getfqdn().lower()}
+        try:
+            names |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        except OSError:
+            pass
+    out = set()
+    for name in names:
+        name = f"[{name}]" if ":" in name and not name.startswith("[") else name
+        out |= {f"{name}:{port}"} | ({name} if port == 80 else set())
+    return frozenset(out)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number 0-65535")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tapes.browse", description="Browse a run's tapes in a web page.")
+    parser = argparse.ArgumentParser(prog="tapes.browse", allow_abbrev=False, description="Browse a run's tapes in a web page.")
     parser.add_argument("run_dir", help="run directory (holds tapes/, metrics.jsonl, config.json)")
-    parser.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
+    parser.add_argument("--port", type=_port, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [default: 127.0.0.1]")
     parser.add_argument("--tokenizer", help="tokenizer folder for token texts (default: the run's newest "
                         "checkpoint, else its policy folder)")
@@ -406,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         parser.error(f"--port {args.port}: cannot listen ({exc.strerror}); pick another, or 0 for any free port")
     host, port = server.server_address[:2]
+    if not is_loopback(args.host):
+        print(f"warning: --host {args.host}: the page has no authentication: anyone who can reach this address "
+              "reads every tape of the run; prefer 127.0.0.1 with an SSH tunnel", file=sys.stderr, flush=True)  # fmt: skip
     print(f"Browsing {root} at http://{host}:{port}/  (Ctrl-C stops)", flush=True)
     try:
         server.serve_forever()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -18,11 +19,32 @@ from tapes.tape import Tape
 
 BOLD, DIM, RED, GREEN, RESET = "\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[0m"
 
+# Terminal control characters (C0 but newline and tab, DEL, C1) and bidirectional overrides: model output
+# is untrusted, and an escape sequence in it could move the cursor, retitle or recolour the terminal, or
+# make text read otherwise than it is. They are shown escaped instead.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def strip_controls(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256 else f"\\u{ord(m.group()):04x}",
+                        text)  # fmt: skip
+
+
+def _printable(value):
+    if isinstance(value, str):
+        return strip_controls(value)
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value
+
 
 def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=None) -> str:
     def c(code: str, text: str) -> str:
         return f"{code}{text}{RESET}" if color else text
 
+    tape = Tape.model_validate(_printable(tape.model_dump()))  # every string of the tape, control characters escaped
     m = tape.metadata
     reward = "none" if m.reward is None else f"{m.reward:+g}"
     reward_code = GREEN if (m.reward or 0) > 0 else RED if (m.reward or 0) < 0 else ""
@@ -51,7 +73,7 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
         if tokens:
             ref = call.ref_logprobs or []
             for j, (tid, lp) in enumerate(zip(call.output_token_ids, call.logprobs)):
-                text = repr(tokenizer.decode([tid])) if tokenizer is not None else ""
+                text = strip_controls(repr(tokenizer.decode([tid]))) if tokenizer is not None else ""
                 extra = ""
                 if j < len(ref):
                     r = ref[j] - lp
@@ -61,7 +83,7 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tapes.show", description="Print one tape of a tape file.")
+    parser = argparse.ArgumentParser(prog="tapes.show", allow_abbrev=False, description="Print one tape of a tape file.")
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")
     parser.add_argument("--index", type=int, default=0, help="which tape of the file, from 0 [default: 0]")
     parser.add_argument("--tokens", action="store_true", help="list output tokens with their log-probs")

@@ -26,6 +26,16 @@ class TapeFileError(ValueError):
     """A tape file line that is not a valid tape."""
 
 
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename or a new file in `folder` durable: without it, after a power loss the
+    directory may still list the old file (or none) while later files are there."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that the file is either the old one or the whole new one."""
     path = Path(path)
@@ -40,6 +50,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -76,6 +87,7 @@ class TapeWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self.partial, self.path)
+            fsync_dir(self.path.parent)
         return self.path
 
     def __enter__(self) -> TapeWriter:
@@ -95,6 +107,14 @@ def write_tapes(path: str | os.PathLike, tapes: Iterable[Tape]) -> Path:
     return writer.path
 
 
+def _decode(raw: bytes, path: str | os.PathLike, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TapeFileError(f"{path}:{lineno}: not UTF-8 text at byte {exc.start} (a binary or foreign file?); "
+                            "tape files are JSON lines") from None  # fmt: skip
+
+
 def parse_tape_line(line: str, path: str | os.PathLike = "<string>", lineno: int = 0) -> Tape:
     try:
         return Tape.model_validate_json(line)
@@ -110,10 +130,10 @@ def parse_tape_line(line: str, path: str | os.PathLike = "<string>", lineno: int
 def read_tapes(path: str | os.PathLike) -> Iterator[Tape]:
     """Stream the tapes of one file, in order."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield parse_tape_line(line, path, lineno)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if raw.strip():
+                yield parse_tape_line(_decode(raw, path, lineno), path, lineno)
 
 
 def line_offsets(path: str | os.PathLike) -> list[int]:
@@ -131,4 +151,4 @@ def line_offsets(path: str | os.PathLike) -> list[int]:
 def read_tape_at(path: str | os.PathLike, offset: int, lineno: int = 0) -> Tape:
     with open(path, "rb") as f:
         f.seek(offset)
-        return parse_tape_line(f.readline().decode("utf-8"), path, lineno)
+        return parse_tape_line(_decode(f.readline(), path, lineno), path, lineno)

@@ -1,0 +1,119 @@
+"""What is checked before a run may start, and before anything is written to its directory.
+
+`orchestrate.rl` refuses, with one line naming what is wrong and exit status
+2, a run directory that is a file, under a file or not writable; a model that
+cannot be had or a folder that holds no model; task data that is missing, of
+an unknown kind, unreadable or without the fields it needs. Only then does
+it create the run directory, take its lock and save config.json: a refused
+run leaves nothing behind that would make the corrected command look like a
+changed resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Suffixes that mark a value as meant to be a file (not a hub id such as "openai/gsm8k").
+FILE_LIKE_SUFFIXES = (*DATA_SUFFIXES, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".xlsx", ".yaml", ".toml")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+class PreflightError(ValueError):
+    """The run cannot start; the message is one line naming the option or file."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# -- the run directory ----------------------------------------------------------
+
+
+def check_run_dir_path(root: str | os.PathLike, option: str = "--run-dir") -> None:
+    """Refuse a directory that is a file, lies under a file, or cannot be written by this user."""
+    root = Path(root)
+    try:
+        if root.exists() and not root.is_dir():
+            raise PreflightError(f"{option}: {root} is a file, not a directory; pass a directory")
+        existing = root
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise PreflightError(f"{option}: {root} lies under {existing}, which is a file; pass a directory path")
+    except OSError as exc:  # e.g. a parent folder we may not enter
+        raise PreflightError(f"{option}: {root}: {exc.strerror or exc}") from None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PreflightError(f"{option}: {existing} is not writable by this user; pass a directory you can write to")
+
+
+# -- models ------------------------------------------------------------------------
+
+
+def check_model(name: str, option: str) -> Path:
+    """A local model folder for `name` (the embedded one is built if needed) that holds a model."""
+    from agents.models import ModelNotAvailable, resolve_model
+
+    try:
+        folder = resolve_model(name)
+    except ModelNotAvailable as exc:
+        raise PreflightError(f"{option}: {' '.join(str(exc).split())}") from None
+    except Exception as exc:
+        raise PreflightError(f"{option}: model {name!r} cannot be had ({_first_line(exc)})") from None
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"{option}: {folder}/config.json is not readable JSON ({_first_line(exc)})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise PreflightError(f"{option}: {folder}/config.json is not a Hugging Face model config (no model_type)")
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise PreflightError(f"{option}: {folder} holds no weights (*.safetensors or *.bin); "
+                             "point to a complete Hugging Face model folder")  # fmt: skip
+    return folder
+
+
+# -- task data ------------------------------------------------------------------------
+
+
+def check_gsm8k_source(value: str, split: str, option: str) -> int:
+    """Load a GSM8K source as the run will; the number of tasks. Refuses what would fail later."""
+    from agents.tasks import load_gsm8k
+
+    path = Path(value).expanduser()
+    if path.exists():
+        if path.is_dir():
+            raise PreflightError(f"{option}: {path} is a folder; give a {'/'.join(DATA_SUFFIXES)} file")
+        if path.suffix.lower() not in DATA_SUFFIXES:
+            raise PreflightError(f"{option}: {path}: unknown kind of file {path.suffix or '(no extension)'!r}; "
+                                 f"give a {'/'.join(DATA_SUFFIXES)} file with 'question' and 'answer' fields")  # fmt: skip
+    elif path.suffix.lower() in FILE_LIKE_SUFFIXES or value.startswith((".", "/", "~")):
+        raise PreflightError(f"{option}: {path} does not exist")
+    import datasets
+
+    datasets.disable_progress_bars()  # the run's console shows one line per problem, not a loader's bars
+    try:
+        tasks = load_gsm8k(value, split)
+    except Exception as exc:  # datasets raises many kinds on a corrupt file
+        raise PreflightError(f"{option}: cannot read {value} ({_first_line(exc)}); give a "
+                             f"{'/'.join(DATA_SUFFIXES)} file with 'question' and 'answer' fields") from None  # fmt: skip
+    finally:
+        datasets.enable_progress_bars()
+    if not tasks:
+        raise PreflightError(f"{option}: {value} holds no tasks")
+    return len(tasks)
+
+
+def preflight(config) -> None:
+    """Check task data, then models, of an RLConfig: PreflightError names the first problem."""
+    if config.env.id == "math:gsm8k":
+        from agents.envs import check_options
+
+        options = check_options(config.env.id, config.env.options)
+        check_gsm8k_source(options.train, "train", "--env.options.train")
+        check_gsm8k_source(options.test, "test", "--env.options.test")
+    check_model(config.model.policy, "--model.policy")
+    if config.model.reference:
+        check_model(config.model.reference, "--model.reference")

@@ -1,0 +1,187 @@
+"""What used to end in a traceback ends in one clear line and exit status 2 (issue 13, item 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrate import rl
+
+
+def one_line_error(out: subprocess.CompletedProcess, *words: str) -> str:
+    assert out.returncode == 2, (out.returncode, out.stdout[-1500:], out.stderr[-1500:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    for word in words:
+        assert word in line, line
+    return line
+
+
+def run(module, *args, timeout=180):
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def rl_main(argv, capsys):
+    try:
+        code = rl.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, (err[-1] if err else "")
+
+
+@pytest.fixture
+def folder_model(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    return folder
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- nothing is written to a run directory until the run can start ------------------------------
+
+
+def test_a_model_that_cannot_be_had_leaves_no_run_directory(tmp_path, capsys, folder_model):
+    run_dir = tmp_path / "run"
+    code, line = rl_main(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "no-such-model")], capsys)
+    assert code == 2 and "--model.policy" in line
+    assert not run_dir.exists()  # so the right command afterwards is a new run, not a "changed settings" resume
+
+
+def test_a_refused_resume_changes_nothing(tmp_path, capsys, folder_model):
+    run_dir = tmp_path / "run"
+    (run_dir / "tapes").mkdir(parents=True)
+    (run_dir / "state.json").write_text('{"completed_iteration": 2, "evaluated": [0]}')
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n{"iteration": 3, "to')
+    before = snapshot(run_dir)
+    code, line = rl_main(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "gone")], capsys)
+    assert code == 2 and "--model.policy" in line
+    assert snapshot(run_dir) == before
+
+
+# -- the run directory itself ---------------------------------------------------------------------
+
+
+def test_run_dir_that_is_a_file(tmp_path, capsys, folder_model):
+    (tmp_path / "f").write_text("x")
+    for target in (tmp_path / "f", tmp_path / "f" / "run"):
+        code, line = rl_main(["--run-dir", str(target), "--model.policy", str(folder_model)], capsys)
+        assert code == 2 and "--run-dir" in line and "file" in line, line
+
+
+def test_run_dir_not_writable(tmp_path, capsys, folder_model, monkeypatch):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    os.chmod(parent, 0o555)
+    real_access = os.access
+    if os.geteuid() == 0:  # root may write anywhere: ask as a normal user would be answered
+        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(parent) else real_access(p, mode))
+    code, line = rl_main(["--run-dir", str(parent / "run"), "--model.policy", str(folder_model)], capsys)
+    assert code == 2 and "--run-dir" in line and "not writable" in line, line
+    os.chmod(parent, 0o755)
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("config.json", b"{not json", "config.json"),
+        ("config.json", b"[1, 2]", "config.json"),
+        ("config.json", b"\xff\xfe\x00\x00", "config.json"),
+        ("state.json", b"{not json", "state.json"),
+        ("state.json", b"[]", "state.json"),
+        ("state.json", b'{"completed_iteration": "three"}', "state.json"),
+        ("state.json", b'{"completed_iteration": -4}', "state.json"),
+    ],
+)
+def test_corrupt_run_files(name, content, words, tmp_path, capsys, folder_model):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / name).write_bytes(content)
+    code, line = rl_main(["--run-dir", str(run_dir), "--model.policy", str(folder_model)], capsys)
+    assert code == 2 and words in line and "--run-dir" in line, line
+    assert sorted(p.name for p in run_dir.iterdir()) == [name]
+
+
+# -- presets ------------------------------------------------------------------------------------------
+
+
+def test_malformed_preset(tmp_path, monkeypatch, capsys):
+    from orchestrate import config
+
+    (tmp_path / "broken.toml").write_text("[rollouts\nattempts = ")
+    (tmp_path / "shape.toml").write_text("rollouts = 3\n")
+    monkeypatch.setattr(config, "PRESETS_DIR", tmp_path)
+    with pytest.raises(config.ConfigError, match="broken.toml is not a valid TOML preset"):
+        config.resolve("broken", {})
+    with pytest.raises(config.ConfigError, match="--rollouts.attempts"):
+        config.resolve("shape", {"rollouts.attempts": "3"})
+    code, line = rl_main(["--preset", "broken", "--print-config"], capsys)
+    assert code == 2 and "--preset" in line
+
+
+def test_preset_path_outside_the_presets(tmp_path, capsys):
+    (tmp_path / "evil.toml").write_text("[run]\niterations = 1\n")
+    for name in (str(tmp_path / "evil"), "../../../../" + str(tmp_path / "evil"), "../presets/embedded"):
+        code, line = rl_main(["--preset", name, "--print-config"], capsys)
+        assert code == 2 and "--preset" in line and "unknown preset" in line, line
+
+
+# -- tape tools on what is not a tape file ----------------------------------------------------------------
+
+
+@pytest.fixture
+def bad_run(tmp_path):
+    """A run directory with a binary tape file, a Latin-1 one, tapes missing what tools need, and odd names."""
+    from orchestrate.config import resolve
+
+    run_dir = tmp_path / "run"
+    (run_dir / "tapes").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
+    (run_dir / "tapes" / "iter_000001.jsonl").write_bytes(os.urandom(64) + b"\x00\xff\n")
+    (run_dir / "tapes" / "iter_000002.jsonl").write_bytes('{"metadata": {"task_id": "caf\xe9"}}\n'.encode("latin-1"))
+    (run_dir / "tapes" / "iter_000003.jsonl").write_text('{"metadata": {"reward": 1.0, "iteration": 3}, "steps": []}\n'
+                                                         '{"metadata": {"reward": 0.0, "iteration": 3}, "steps": []}\n')  # fmt: skip
+    (run_dir / "tapes" / "iter_000004.jsonl").write_text("")
+    (run_dir / "tapes" / "iter_last.jsonl").write_text("whatever")
+    (run_dir / "tapes" / "iter_.jsonl").write_text("whatever")
+    return run_dir
+
+
+def test_show_on_binary_and_non_utf8(bad_run):
+    for name in ("iter_000001.jsonl", "iter_000002.jsonl"):
+        one_line_error(run("tapes.show", bad_run / "tapes" / name), name, "UTF-8")
+
+
+def test_replay_on_binary_missing_fields_and_empty(bad_run):
+    tapes = bad_run / "tapes"
+    one_line_error(run("orchestrate.replay", tapes / "iter_000001.jsonl"), "iter_000001.jsonl:1", "UTF-8")
+    one_line_error(run("orchestrate.replay", tapes / "iter_000003.jsonl"), "iter_000003.jsonl:1", "cannot replay")
+    one_line_error(run("orchestrate.replay", tapes / "iter_000004.jsonl"), "no tapes")
+
+
+def test_offline_on_binary_missing_fields_and_odd_names(bad_run, tmp_path, folder_model):
+    tapes = bad_run / "tapes"
+    common = ["--model", folder_model, "--no-progress"]
+    one_line_error(run("orchestrate.offline", "--tapes", tapes / "iter_000002.jsonl", "--out", tmp_path / "o1",
+                       *common), "UTF-8")  # fmt: skip
+    one_line_error(run("orchestrate.offline", "--tapes", tapes / "iter_000003.jsonl", "--out", tmp_path / "o2",
+                       *common), "--tapes", "no steps")  # fmt: skip
+    # --iterations over a folder that also holds iter_last.jsonl and iter_.jsonl
+    one_line_error(run("orchestrate.offline", "--tapes", bad_run, "--iterations", "3-4", "--out", tmp_path / "o3",
+                       *common), "--tapes", "no steps")  # fmt: skip
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536", "http"])
+def test_browse_port_out_of_range(bad_run, port):
+    one_line_error(run("tapes.browse", bad_run, "--port", port, timeout=60), "--port")

@@ -1,0 +1,162 @@
+"""Nothing torn, nothing duplicated, renames made durable (issue 13, item 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from orchestrate.durable import repair_metrics
+from orchestrate.metrics import append_metrics, read_metrics
+
+TORN_WRITE = r"""
+import json, os, resource, signal, sys
+from orchestrate.metrics import append_metrics
+path = sys.argv[1]
+append_metrics(path, {"iteration": 1, "reward_mean": 0.5})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead of killing us
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 20, hard))  # "disk full" 20 bytes on
+try:
+    append_metrics(path, {"iteration": 2, "padding": "x" * 200})
+    print("no error")
+except OSError as exc:
+    print("failed:", exc.errno)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again
+append_metrics(path, {"iteration": 3, "reward_mean": 1.0})
+"""
+
+
+def test_a_failed_write_leaves_no_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    out = subprocess.run([sys.executable, "-c", TORN_WRITE, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("failed"), out.stdout
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [1, 3], lines  # every line whole, none glued
+
+
+def test_a_torn_tail_is_cut_before_the_next_append(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1}\n{"iteration": 2, "rew')  # kill -9 in the middle of a write
+    append_metrics(path, {"iteration": 2, "reward": 1})
+    assert path.read_text().splitlines() == ['{"iteration": 1}', '{"iteration": 2, "reward": 1}']
+
+
+def test_resume_repairs_torn_tail_and_uncounted_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 0, "eval_success_rate": 0.3}\n{"iteration": 1}\n{"iteration": 2}\n'
+                    '{"iteration": 3}\n{"iteration": 4, "tor')  # fmt: skip
+    # state.json says iteration 2 is the last complete one: 3 was appended before a crash
+    assert repair_metrics(path, 2, [0]) == 2
+    assert [r["iteration"] for r in read_metrics(path)] == [0, 1, 2]
+    assert path.read_text().endswith("}\n")
+    # the eval before training was appended, but the crash came before state.json counted it
+    assert repair_metrics(path, 2, []) == 1
+    assert [r["iteration"] for r in read_metrics(path)] == [1, 2]
+
+
+def _folder_model(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    return folder
+
+
+def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch):
+    """A crash between the metrics append and state.json: the resumed run does not duplicate the record."""
+    from orchestrate import loop, rl
+    from orchestrate.run_dir import RunDir, RunState
+
+    seen = []
+
+    class FakeLoop:
+        def __init__(self, config, run_dir):
+            self.run = run_dir
+
+        def __call__(self):
+            seen.append(read_metrics(self.run.metrics_path))
+            state = self.run.load_state()
+            for i in range(state.completed_iteration + 1, 4):
+                append_metrics(self.run.metrics_path, {"iteration": i})
+                self.run.save_state(RunState(completed_iteration=i))
+            return 0
+
+    monkeypatch.setattr(loop, "Loop", FakeLoop)
+    argv = ["--run-dir", str(tmp_path / "run"), "--model.policy", str(_folder_model(tmp_path)), "--iterations", "3",
+            "--eval.every", "0"]  # fmt: skip
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    assert rl.main(argv) == 0
+    # as if killed after iteration 3's metrics line but before its state.json, mid-way through a 4th line
+    run.save_state(RunState(completed_iteration=2))
+    with open(run.metrics_path, "a") as f:
+        f.write('{"iteration": 4, "tor')
+    assert rl.main(argv) == 0
+    assert [r["iteration"] for r in seen[1]] == [1, 2]  # repaired before the loop resumed
+    assert [json.loads(line)["iteration"] for line in run.metrics_path.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.fixture
+def synced(monkeypatch):
+    """Record the paths fsync is called on (directories included)."""
+    calls = []
+    real = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        calls.append((path, stat.S_ISDIR(os.fstat(fd).st_mode)))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def test_directory_synced_after_every_rename(tmp_path, synced):
+    from finetune.batch import write_text_atomic
+    from orchestrate.run_dir import RunDir, RunState
+    from tapes.store import TapeWriter, atomic_write_text
+    from tests.test_tapes import make_tape
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    for write in (
+        lambda: atomic_write_text(run.root / "x.json", "{}"),
+        lambda: run.save_state(RunState(completed_iteration=1)),
+        lambda: run.save_config({"a": 1}),
+        lambda: write_text_atomic(run.batch(1), "{}\n"),
+    ):
+        synced.clear()
+        write()
+        assert synced and synced[-1][1], synced  # the last fsync is of a directory, after the rename
+    synced.clear()
+    with TapeWriter(run.iteration_tapes(1)) as writer:
+        writer.write(make_tape())
+    assert synced[-1] == (str(run.tapes), True), synced
+    synced.clear()
+    append_metrics(run.metrics_path, {"iteration": 1})  # a new file: its directory entry too
+    assert (str(run.root), True) in synced
+
+
+def test_train_config_is_written_atomically(tmp_path, monkeypatch):
+    from orchestrate import trainer as trainer_module
+    from orchestrate.config import TrainerSection
+    from orchestrate.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    path = run.root / "train_config.json"
+    path.write_text("old")
+    before = os.stat(path).st_ino
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: renames.append(str(b)) or real_replace(a, b))
+    monkeypatch.setattr(trainer_module, "spawn", lambda *a, **k: None)
+    trainer_module.TrainerProcess(run, tmp_path, TrainerSection(lr=3e-5)).start()
+    assert str(path) in renames  # written under a temp name and renamed into place
+    assert os.stat(path).st_ino != before and json.loads(path.read_text())["lr"] == 3e-5
