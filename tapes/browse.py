@@ -12,8 +12,16 @@ It stays responsive on big runs: each tape file is indexed once (byte offset
 and a small summary per line, redone only when the file changes), lists are
 paged, and a tape is read from its offset when it is asked for. Only the
 layout of the run directory is known here (tapes/iter_*.jsonl,
-tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/), so this
-module imports nothing from agents or orchestrate.
+tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/, and the
+learner's advantages/NNNNNN.jsonl read with `finetune.rundir.read_advantages`),
+so this module imports nothing from agents or orchestrate.
+
+A tape is shown as the episode it records: the environment's observations and
+the agent's actions turn by turn, each turn with its reward and the return and
+advantage the learner trained it with, read from the learner's advantages file
+of that iteration (never recomputed here: the learner's baseline, discount and
+normalisation are its own). Evaluation tapes, iterations not trained yet and
+tapes with an infrastructure error show that they were not trained on.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from finetune.rundir import advantages_file, read_advantages
 from tapes.store import read_tape_at
+from tapes.tape import Tape
 
 PAGE = Path(__file__).with_name("browse.html")
 TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
@@ -39,21 +49,121 @@ MAX_LIMIT = 500
 
 
 def k3(logprob: float, ref_logprob: float) -> float:
-    """Per-token k3 estimate of KL(policy || reference), as in the run's kl_ref metric."""
+    """Per-token k3 estimate of KL(policy || reference): exp(r) - r - 1 with r = ref - logprob (>= 0).
+
+    The one pure-Python k3 (no torch): the browser, tapes.show and the run's kl_ref metric use it;
+    `finetune.losses` has the tensor form the learner trains with."""
     r = ref_logprob - logprob
     return math.exp(r) - r - 1
 
 
-def group_advantages(rewards: list[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
-    """The learner's GRPO advantages for one group: (r - mean) / (sample std + eps); 0 if all equal."""
-    if not rewards or max(rewards) == min(rewards):
-        return [0.0] * len(rewards)
-    mean = sum(rewards) / len(rewards)
-    centered = [r - mean for r in rewards]
-    if not normalize_std:
-        return centered
-    std = math.sqrt(sum(c * c for c in centered) / max(1, len(rewards) - 1))
-    return [c / (std + eps) for c in centered]
+INFRA_FAILURE = "infrastructure failure: not trained on"
+
+
+def episode_credit(advantages: dict[str, list[dict]], tape_id: str) -> list[dict] | None:
+    """The learner's turns ({index, reward, return, advantage}) for one episode, in turn order, from an
+    advantages file read with `read_advantages`; None if the episode is not in it. An episode cut into
+    several samples has them as "<id>:0", "<id>:1", ..."""
+    if tape_id in advantages:
+        turns = list(advantages[tape_id])
+    else:
+        turns, k = [], 0
+        while f"{tape_id}:{k}" in advantages:
+            turns += advantages[f"{tape_id}:{k}"]
+            k += 1
+        if k == 0:
+            return None
+    return sorted(turns, key=lambda t: t.get("index", 0))
+
+
+def credit_for(kind: str, error: Any, tape_id: str, advantages: dict[str, list[dict]] | None,
+               source: str = "the advantages file") -> tuple[list[dict] | None, str]:
+    """(the learner's turns or None, a note saying whether and why not the tape was trained on).
+
+    `advantages` is the iteration's advantages file (None: not written); `source` names it in the note."""
+    if error:
+        return None, INFRA_FAILURE
+    if kind != "rollout":
+        return None, "not trained on (evaluation)"
+    if advantages is None:
+        return None, f"not trained on (no {source}: iteration not trained yet)"
+    turns = episode_credit(advantages, tape_id)
+    if turns is None:
+        return None, f"not trained on (not in {source})"
+    return turns, "trained"
+
+
+def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
+    """The episode as a conversation: the environment's first observation, then per turn the agent's action
+    (its LLM call's index in tape.llm_calls), the environment's answer with the turn's reward and end flags,
+    and the learner's reward, return and advantage for the turn (`credit`, None if not trained on).
+
+    Tapes made before episodes (task, reasoning_thought, final_answer_action, parse_failure steps) read as
+    one observation and one turn per LLM call, the tape's reward on the last turn."""
+    call_index = {call.id: i for i, call in enumerate(tape.llm_calls)}
+    first: dict | None = None
+    turns: dict[int, dict] = {}
+
+    def turn_of(number: int) -> dict:
+        if number not in turns:
+            turns[number] = {"turn": number, "call": None, "action": None, "steps": [], "reward": None,
+                             "observation": None, "info": {}, "terminated": False, "truncated": False,
+                             "format_error": False, "learner": None}  # fmt: skip
+        return turns[number]
+
+    legacy = not any(step.kind in ("env_observation", "env_action") for step in tape.steps)
+    for step in tape.steps:
+        kind = step.kind
+        if kind == "env_observation" and step.turn == 0 and first is None:
+            first = {"text": step.text, "info": step.info}
+        elif kind == "env_observation":
+            t = turn_of(max(1, step.turn))
+            t.update(observation=step.text, reward=step.reward, info=step.info, terminated=step.terminated,
+                     truncated=step.truncated, format_error=bool(step.info.get("format_error")))  # fmt: skip
+        elif kind == "env_action":
+            t = turn_of(step.turn)
+            t["action"] = step.text
+            t["call"] = call_index.get(step.metadata.prompt_id)
+        elif kind == "task" and first is None:
+            first = {"text": step.text, "info": {}}
+        else:  # an older or custom step: shown within the turn of the call that made it
+            i = call_index.get(step.metadata.prompt_id)
+            number = (i + 1 if legacy else tape.llm_calls[i].turn) if i is not None else max(turns, default=0)
+            t = turn_of(number) if number else None
+            if t is None:
+                first = first or {"text": "", "info": {}}
+                first.setdefault("steps", []).append(step.model_dump(exclude={"metadata"}))
+                continue
+            t["steps"].append(step.model_dump(exclude={"metadata"}))
+            if t["call"] is None and i is not None:
+                t["call"] = i
+            if kind == "parse_failure":
+                t["format_error"] = True
+    for i, call in enumerate(tape.llm_calls):  # a call no step points at still shows
+        if i not in {t["call"] for t in turns.values()}:
+            t = turn_of(i + 1 if legacy else call.turn)
+            if t["call"] is None:
+                t["call"] = i
+    ordered = [turns[n] for n in sorted(turns)]
+    m = tape.metadata
+    if legacy and ordered and m.reward is not None:
+        ordered[-1]["reward"] = m.reward
+    by_index = {c.get("index"): c for c in credit or []}
+    for t in ordered:
+        c = by_index.get(t["turn"] - 1)
+        if c is not None:
+            t["learner"] = {k: c.get(k) for k in ("reward", "return", "advantage")}
+    last = ordered[-1] if ordered else {}
+    return {
+        "first_observation": first,
+        "turns": ordered,
+        "end": {
+            "terminated": bool(m.terminated or last.get("terminated")),
+            "truncated": bool(m.truncated or last.get("truncated")),
+            "reason": str((last.get("info") or {}).get("reason") or m.reward_reason or ""),
+            "success": m.success,
+        },
+    }
 
 
 def summarize(data: dict, file: str, index: int, kind: str) -> dict:
@@ -61,8 +171,16 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
     meta = data.get("metadata") or {}
     steps = data.get("steps") or []
     calls = data.get("llm_calls") or []
-    task = next((s for s in steps if s.get("kind") == "task"), None)
+    context = data.get("context")
+    env = context.get("env") if isinstance(context, dict) and isinstance(context.get("env"), dict) else {}
+    observations = [s for s in steps if s.get("kind") == "env_observation"]
+    task = next((s for s in steps if s.get("kind") == "task" or (s.get("kind") == "env_observation"
+                                                                   and not s.get("turn"))), None)  # fmt: skip
     answer = next((s.get("answer") for s in reversed(steps) if s.get("kind") == "final_answer_action"), None)
+    cut = any(c.get("finish_reason") == "length" for c in calls)
+    format_error = any((s.get("info") or {}).get("format_error") for s in observations) or any(
+        s.get("kind") == "parse_failure" for s in steps)
+    terminated, truncated = bool(meta.get("terminated")), bool(meta.get("truncated")) or cut
     return {
         "file": file,
         "index": index,
@@ -75,8 +193,14 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
         "reward": meta.get("reward"),
         "reward_reason": meta.get("reward_reason", ""),
         "error": meta.get("error"),
-        "parse_failure": bool(steps) and steps[-1].get("kind") == "parse_failure",
-        "truncated": any(c.get("finish_reason") == "length" for c in calls),
+        "env_id": str(env.get("id") or ""),
+        "turns": meta.get("turns") or sum(s.get("kind") == "env_action" for s in steps) or len(calls),
+        "success": meta.get("success"),
+        "terminated": terminated,
+        "truncated": truncated,  # the episode was cut (turn limit, context full) or an output was cut
+        "cut": cut,  # an output was cut by max_tokens
+        "end": "truncated" if truncated else "terminated" if terminated else "",
+        "format_error": format_error,  # some action could not be parsed (or an older tape's parse_failure)
         "length": sum(len(c.get("output_token_ids") or []) for c in calls),
         "steps": len(steps),
         "calls": len(calls),
@@ -126,12 +250,35 @@ class IndexedFile:
     stamp: tuple[int, int] = (0, 0)  # (size, mtime_ns) the index was built from
     offsets: list[int] = field(default_factory=list)
     summaries: list[dict] = field(default_factory=list)
+    credit_stamp: tuple[int, int] | None = None  # of the advantages file the credit was read from
+    credit: list[list[dict] | None] = field(default_factory=list)  # the learner's turns, per tape
 
-    def refresh(self, normalize_std: bool) -> None:
+    def refresh(self, root: Path) -> None:
         st = self.path.stat()
         stamp = (st.st_size, st.st_mtime_ns)
-        if stamp == self.stamp:
+        adv_path = advantages_file(root, self.iteration)
+        credit_stamp = _stamp(adv_path) if self.kind == "rollout" else None
+        if stamp != self.stamp:
+            self._index(stamp)
+        elif credit_stamp == self.credit_stamp:
             return
+        advantages = None
+        if credit_stamp is not None:
+            try:
+                advantages = read_advantages(root, self.iteration)
+            except (OSError, ValueError):  # unreadable: shown as not written
+                advantages, credit_stamp = None, None
+        source = f"{adv_path.parent.name}/{adv_path.name}"
+        self.credit = []
+        for s in self.summaries:
+            turns, note = credit_for(self.kind, s["error"], s["id"], advantages, source)
+            first = turns[0] if turns else {}
+            s.update(trained=turns is not None, credit=note, advantage=first.get("advantage"),
+                     **{"return": first.get("return")})
+            self.credit.append(turns)
+        self.credit_stamp = credit_stamp
+
+    def _index(self, stamp: tuple[int, int]) -> None:
         offsets, summaries = [], []
         with open(self.path, "rb") as f:
             pos = 0
@@ -144,11 +291,17 @@ class IndexedFile:
         for s in summaries:
             groups.setdefault(s["group_id"] or s["id"], []).append(s)
         for members in groups.values():
-            rewards = [m["reward"] if m["reward"] is not None else 0.0 for m in members]
-            for m, adv in zip(members, group_advantages(rewards, normalize_std)):
-                m["advantage"] = adv
+            for m in members:
                 m["group_size"] = len(members)
         self.offsets, self.summaries, self.stamp = offsets, summaries, stamp
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns)
 
 
 class RunIndex:
@@ -192,9 +345,6 @@ class RunIndex:
         """`FILE:LINE: why` of every indexed line that is not a tape."""
         return [s["error"] for f in self.files.values() for s in f.summaries if s.get("bad_line")]
 
-    def normalize_std(self) -> bool:
-        return bool(((self.config() or {}).get("train") or {}).get("normalize_std", True))
-
     def refresh(self) -> list[IndexedFile]:
         """Index new or changed tape files; returns them in order (rollouts by iteration, then evals)."""
         with self._lock:
@@ -208,9 +358,8 @@ class RunIndex:
                 name: self.files.get(name) or IndexedFile(path, kind, iteration)
                 for name, (path, kind, iteration) in present.items()
             }
-            normalize = self.normalize_std()
             for f in self.files.values():
-                f.refresh(normalize)
+                f.refresh(self.root)
             return sorted(self.files.values(), key=lambda f: (f.kind != "rollout", f.iteration))
 
     # -- lists ----------------------------------------------------------------
@@ -227,7 +376,7 @@ class RunIndex:
         rows = [s for f in selected for s in f.summaries]
         rows = [s for s in rows if _keep(s, query)]
         sort = query.get("sort") or ""
-        if sort in ("length", "-length", "reward", "-reward", "advantage", "-advantage"):
+        if sort in ("length", "-length", "reward", "-reward", "advantage", "-advantage", "turns", "-turns"):
             key = sort.lstrip("-")
             known = sorted((s for s in rows if s.get(key) is not None), key=lambda s: s[key],
                            reverse=sort.startswith("-"))  # fmt: skip
@@ -283,6 +432,7 @@ class RunIndex:
             raise LookupError(f"{file} has {len(f.offsets)} tapes; no index {index}")
         tape = read_tape_at(f.path, f.offsets[index], index + 1)
         summary = f.summaries[index]
+        credit = f.credit[index] if index < len(f.credit) else None
         calls = []
         for call in tape.llm_calls:
             texts = self.token_texts(call.output_token_ids)
@@ -306,11 +456,14 @@ class RunIndex:
             "context": tape.context,
             "steps": [s.model_dump() for s in tape.steps],
             "calls": calls,
+            "episode": episode_view(tape, credit),
+            "credit": {"trained": credit is not None, "note": summary.get("credit", ""), "turns": credit},
             "group": group,
         }
 
     def group(self, file: str, group_id: str) -> dict:
-        """Every attempt of one group, each with its output text, reward and advantage."""
+        """Every attempt of one group, each with its outputs, reward, turns and the learner's return and
+        advantage (of its first turn)."""
         self.refresh()
         f = self.files.get(file)
         if f is None:
@@ -356,11 +509,12 @@ def _keep(s: dict, q: dict[str, str]) -> bool:
             if not ok:
                 return False
     task = (q.get("task") or "").strip().lower()
-    if task and task not in s["task_id"].lower() and task not in s["question"].lower():
+    if task and not any(task in s[key].lower() for key in ("task_id", "question", "env_id")):
         return False
-    for flag in ("parse_failure", "truncated"):
+    for flag, key in (("format_error", "format_error"), ("parse_failure", "format_error"), ("truncated", "truncated"),
+                      ("success", "success"), ("trained", "trained")):  # parse_failure: the older name
         want = q.get(flag) or ""
-        if want in ("yes", "no") and s[flag] != (want == "yes"):
+        if want in ("yes", "no") and bool(s[key]) != (want == "yes"):
             return False
     if q.get("group") and s["group_id"] != q["group"]:
         return False

@@ -1,23 +1,31 @@
 """One tape in the terminal: `uv run -m tapes.show FILE [--index N] [--tokens]`.
 
-Prints the tape's metadata, reward and reason, its steps in order, and each
-LLM call with its prompt and output. `--tokens` adds one line per output
-token with its log-prob (and reference log-prob and KL where annotated).
+Prints the episode as a conversation: its metadata, the environment's first
+observation, then turn by turn the agent's action (from which LLM call), the
+turn's reward and, when the tape file lies in a run directory
+(RUN/tapes/iter_NNNNNN.jsonl), the return and advantage the learner trained
+the turn with (read from RUN/advantages/NNNNNN.jsonl, never recomputed), the
+environment's answer, and how the episode ended. The first call's prompt is
+printed before its output; `--tokens` adds one line per output token with its
+log-prob (and reference log-prob and KL where annotated); `--steps` adds the
+steps as recorded. Tapes made before episodes (task, reasoning_thought,
+final_answer_action, parse_failure steps) show as one turn per call.
 Colours are used when the output is a terminal (`--no-color` turns them off).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
 
+from finetune.rundir import advantages_file, read_advantages
+from tapes.browse import TAPE_FILE, credit_for, episode_view, k3
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 
-BOLD, DIM, RED, GREEN, RESET = "\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[0m"
+BOLD, DIM, RED, GREEN, YELLOW, RESET = "\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[33m", "\033[0m"
 
 # Terminal control characters (C0 but newline and tab, DEL, C1) and bidirectional overrides: model output
 # is untrusted, and an escape sequence in it could move the cursor, retitle or recolour the terminal, or
@@ -40,46 +48,114 @@ def _printable(value):
     return value
 
 
-def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=None) -> str:
+def _num(x) -> str:
+    return "none" if x is None else f"{x:+g}" if isinstance(x, (int, float)) else str(x)
+
+
+def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=None, steps: bool = False,
+           credit: list[dict] | None = None, credit_note: str = "") -> str:
+    """The tape as text. `credit`: the learner's turns for this tape ({index, reward, return, advantage}, from
+    the advantages file), None if it was not trained on (`credit_note` says why; empty: unknown)."""
+
     def c(code: str, text: str) -> str:
         return f"{code}{text}{RESET}" if color else text
 
+    def signed(x) -> str:
+        code = GREEN if (x or 0) > 0 else RED if (x or 0) < 0 else ""
+        return c(code, _num(x))
+
     tape = Tape.model_validate(_printable(tape.model_dump()))  # every string of the tape, control characters escaped
     m = tape.metadata
-    reward = "none" if m.reward is None else f"{m.reward:+g}"
-    reward_code = GREEN if (m.reward or 0) > 0 else RED if (m.reward or 0) < 0 else ""
+    env = (tape.context or {}).get("env") if isinstance(tape.context, dict) else None
+    episode = episode_view(tape, credit)
+    end = episode["end"]
+    end_text = "terminated" if end["terminated"] else "truncated" if end["truncated"] else "no end recorded"
+    n = len(episode["turns"])
+    success = {True: "yes", False: "no"}.get(m.success, "unknown")
     lines = [
-        c(BOLD, f"tape {m.id}") + f"  task {m.task_id}  group {m.group_id}  iteration {m.iteration}  "
-        f"policy version {m.policy_version}",
-        "reward " + c(reward_code, reward) + (f": {m.reward_reason}" if m.reward_reason else ""),
+        c(BOLD, f"tape {m.id}") + (f"  env {env.get('id')}" if isinstance(env, dict) and env.get("id") else "")
+        + f"  task {m.task_id}  group {m.group_id}  iteration {m.iteration}  policy version {m.policy_version}",
+        "reward " + signed(m.reward) + (f": {m.reward_reason}" if m.reward_reason else "")
+        + f"  ({n} turn{'' if n == 1 else 's'}, success {success}, {end_text})",
     ]
     if m.error:
         lines.append(c(RED, f"agent error: {m.error}"))
-    call_number = {call.id: i + 1 for i, call in enumerate(tape.llm_calls)}
-    lines.append(c(BOLD, "\nsteps"))
-    for i, step in enumerate(tape.steps, start=1):
-        origin = f"  (call {call_number.get(step.metadata.prompt_id, '?')})" if step.metadata.prompt_id else ""
-        lines.append(c(BOLD, f"{i}. {step.kind}") + c(DIM, origin))
-        for key, value in step.model_dump(exclude={"metadata", "kind"}).items():
-            text = value if isinstance(value, str) else repr(value)
-            lines.append(f"   {key}: " + text.replace("\n", "\n   "))
-    for i, call in enumerate(tape.llm_calls, start=1):
-        lines.append(c(BOLD, f"\ncall {i}") + c(DIM, f"  {call.model}  T={call.sampling.temperature}  "
-                     f"finish {call.finish_reason}  {len(call.prompt_token_ids)} prompt + "
-                     f"{len(call.output_token_ids)} output tokens"))
-        for message in call.messages:
-            lines.append(c(DIM, f"[{message.get('role')}] ") + str(message.get("content", "")))
-        lines.append(c(BOLD, "[output] ") + call.output_text)
-        if tokens:
+    if credit is not None:
+        lines.append("learner: trained (returns and advantages from its advantages file)")
+    elif credit_note:
+        lines.append(c(RED if m.error else DIM, f"learner: {credit_note}"))
+    first = episode["first_observation"]
+    if first is not None:
+        lines.append(c(BOLD, "\n[environment] reset"))
+        lines.append("   " + first["text"].replace("\n", "\n   "))
+        for step in first.get("steps", []):
+            lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
+    for turn in episode["turns"]:
+        call = tape.llm_calls[turn["call"]] if turn["call"] is not None else None
+        head = c(BOLD, f"\n[agent] turn {turn['turn']}")
+        if call is not None:
+            head += c(DIM, f"  call {turn['call'] + 1}: {call.model}  T={call.sampling.temperature}  "
+                      f"finish {call.finish_reason}  {len(call.prompt_token_ids)} prompt + "
+                      f"{len(call.output_token_ids)} output tokens")  # fmt: skip
+            if call.extends_previous is False:
+                head += "  " + c(YELLOW, "WARNING: prompt re-rendered (does not extend the previous call)")
+        lines.append(head)
+        if call is not None and (turn["call"] == 0 or call.extends_previous is False):
+            lines.append(c(DIM, f"   prompt of call {turn['call'] + 1}:"))
+            for message in call.messages:
+                lines.append(c(DIM, f"   [{message.get('role')}] ") + str(message.get("content", "")).replace("\n", "\n   "))
+            lines.append(c(DIM, "   output:"))
+        text = call.output_text if call is not None else (turn["action"] or "")
+        lines.append("   " + text.replace("\n", "\n   "))
+        for step in turn["steps"]:
+            lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
+        if tokens and call is not None:
             ref = call.ref_logprobs or []
             for j, (tid, lp) in enumerate(zip(call.output_token_ids, call.logprobs)):
-                text = strip_controls(repr(tokenizer.decode([tid]))) if tokenizer is not None else ""
-                extra = ""
-                if j < len(ref):
-                    r = ref[j] - lp
-                    extra = f"  ref {ref[j]:8.4f}  kl {math.exp(r) - r - 1:.4f}"
-                lines.append(f"   {j:4d}  {tid:6d} {text:16s} logprob {lp:8.4f}{extra}")
+                token = strip_controls(repr(tokenizer.decode([tid]))) if tokenizer is not None else ""
+                extra = f"  ref {ref[j]:8.4f}  kl {k3(lp, ref[j]):.4f}" if j < len(ref) else ""
+                lines.append(f"   {j:4d}  {tid:6d} {token:16s} logprob {lp:8.4f}{extra}")
+        learner = turn["learner"]
+        credit_line = f"   turn {turn['turn']}: reward " + signed(turn["reward"])
+        if learner is not None:
+            credit_line += f"  return {_num(learner['return'])}  advantage " + signed(learner["advantage"])
+        elif credit_note:  # no note: the file is not in a run directory, the learner's numbers are unknown
+            credit_line += c(DIM, f"  ({credit_note})")
+        lines.append(credit_line)
+        if turn["observation"] is not None:
+            flag = "  " + c(RED, "format error") if turn["format_error"] else ""
+            lines.append(c(BOLD, f"[environment] answer to turn {turn['turn']}") + flag)
+            lines.append("   " + turn["observation"].replace("\n", "\n   "))
+    if end["terminated"] or end["truncated"]:
+        lines.append(c(BOLD, f"\nend: {end_text}") + (f" ({end['reason']})" if end["reason"] else "")
+                     + f", success {success}")
+    if steps:
+        call_number = {call.id: i + 1 for i, call in enumerate(tape.llm_calls)}
+        lines.append(c(BOLD, "\nsteps"))
+        for i, step in enumerate(tape.steps, start=1):
+            origin = f"  (call {call_number.get(step.metadata.prompt_id, '?')})" if step.metadata.prompt_id else ""
+            lines.append(c(BOLD, f"{i}. {step.kind}") + c(DIM, origin))
+            for key, value in step.model_dump(exclude={"metadata", "kind"}).items():
+                text = value if isinstance(value, str) else repr(value)
+                lines.append(f"   {key}: " + text.replace("\n", "\n   "))
     return "\n".join(lines)
+
+
+def _fields(step: dict) -> str:
+    return "; ".join(f"{k} {v if isinstance(v, str) else repr(v)}" for k, v in step.items() if k != "kind")
+
+
+def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
+    """The learner's turns for a tape of RUN/tapes/iter_NNNNNN.jsonl (from RUN/advantages/NNNNNN.jsonl) and a
+    note; (None, "") when the file is not in a run directory's tapes/ folder."""
+    match = TAPE_FILE.match(path.name)
+    if match is None or path.resolve().parent.name != "tapes":
+        return None, ""
+    root, iteration = path.resolve().parent.parent, int(match.group(2))
+    adv = advantages_file(root, iteration)
+    advantages = read_advantages(root, iteration) if adv.is_file() else None
+    kind = "rollout" if match.group(1) == "iter" else "eval"
+    return credit_for(kind, tape.metadata.error, tape.metadata.id, advantages, f"{adv.parent.name}/{adv.name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")
     parser.add_argument("--index", type=int, default=0, help="which tape of the file, from 0 [default: 0]")
     parser.add_argument("--tokens", action="store_true", help="list output tokens with their log-probs")
+    parser.add_argument("--steps", action="store_true", help="also list the steps as recorded")
     parser.add_argument("--tokenizer", help="tokenizer folder to show token texts with --tokens")
     parser.add_argument("--no-color", action="store_true", help="no terminal colours")
     args = parser.parse_args(argv)
@@ -98,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--index {args.index}: {path} holds {len(offsets)} tapes (0..{len(offsets) - 1})")
     try:
         tape = read_tape_at(path, offsets[args.index], args.index + 1)
+        credit, note = learner_credit(path, tape)
     except TapeFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # an unreadable advantages file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokenizer = None
@@ -109,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             parser.error(f"--tokenizer {args.tokenizer}: no tokenizer.json or tokenizer_config.json there")
     color = sys.stdout.isatty() and not args.no_color
-    print(render(tape, tokens=args.tokens, color=color, tokenizer=tokenizer))
+    print(render(tape, tokens=args.tokens, color=color, tokenizer=tokenizer, steps=args.steps, credit=credit,
+                 credit_note=note))
     return 0
 
 

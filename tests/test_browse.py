@@ -1,9 +1,12 @@
 """The tape browser (`python -m tapes.browse`) driven in a real headless chromium, and the terminal view.
 
 The page is checked for what a user sees: the run's config and curves, the tape list and its
-filters, sorting and paging, one tape with its steps, prompt and coloured output tokens, and its
-GRPO group with advantages. Most tests use the tapes of a real 2-iteration run on the tiny model
-(the session fixture `tiny_run`); the 10,000-tape test makes its tapes.
+filters, sorting and paging, one episode as a conversation (observations, actions with their
+prompt and coloured output tokens, per-turn rewards and the learner's returns and advantages),
+and its group. The returns and advantages shown are the learner's, read from RUN/advantages/:
+a hand-made run with deliberately odd numbers (no recomputation could give them) checks that
+the API, the page and tapes.show show exactly those. The `tiny_run` tests use the tapes of a real
+2-iteration run on the tiny model; the 10,000-tape test makes its tapes.
 """
 
 from __future__ import annotations
@@ -21,9 +24,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tapes.browse import group_advantages, serve
+from agents.agent import summarize
+from finetune.rundir import RunDir, read_advantages
+from orchestrate.samples import tape_samples
+from tapes.browse import INFRA_FAILURE, RunIndex, episode_credit, serve
 from tapes.store import read_tapes, write_tapes
-from tapes.tape import FinalAnswerAction, LLMCall, ParseFailureStep, ReasoningThought, SamplingParams, Tape, TaskStep
+from tapes.tape import (
+    EnvAction,
+    EnvObservation,
+    FinalAnswerAction,
+    LLMCall,
+    ParseFailureStep,
+    ReasoningThought,
+    SamplingParams,
+    Tape,
+    TapeMetadata,
+    TaskStep,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -133,7 +150,7 @@ def test_browse_a_real_run(tiny_run, page):
         act(page, lambda: table.nth(2).click())
         wait_rows(page, 8)
 
-        # filters: reward, task, parse failure, truncation -- counts as in the files
+        # filters: reward, task, format error, truncation -- counts as in the files
         choose(page, "#f-reward", "<0")
         wait_rows(page, sum(t.metadata.reward < 0 for t in tapes[2]))
         choose(page, "#f-reward", ">0")
@@ -142,13 +159,16 @@ def test_browse_a_real_run(tiny_run, page):
         task = tapes[2][0].metadata.task_id
         type_in(page, "#f-task", task)
         wait_rows(page, sum(t.metadata.task_id == task for t in tapes[2]))
-        assert {r.locator("td").nth(2).inner_text() for r in rows(page).all()} == {task}
+        assert {r.locator("td.task").get_attribute("data-task") for r in rows(page).all()} == {task}
         type_in(page, "#f-task", "")
         wait_rows(page, 8)
-        for flag, select in (("parse_failure", "#f-parse"), ("truncated", "#f-trunc")):
+        for flag, select in (("format_error", "#f-format"), ("truncated", "#f-trunc"), ("success", "#f-success")):
             expected = {
-                "parse_failure": sum(isinstance(t.steps[-1], ParseFailureStep) for t in tapes[2]),
-                "truncated": sum(any(c.finish_reason == "length" for c in t.llm_calls) for t in tapes[2]),
+                "format_error": sum(any(isinstance(s, EnvObservation) and s.info.get("format_error") for s in t.steps)
+                                    for t in tapes[2]),
+                "truncated": sum(t.metadata.truncated or any(c.finish_reason == "length" for c in t.llm_calls)
+                                 for t in tapes[2]),
+                "success": sum(bool(t.metadata.success) for t in tapes[2]),
             }[flag]
             choose(page, select, "yes")
             wait_rows(page, expected)
@@ -172,19 +192,25 @@ def test_browse_a_real_run(tiny_run, page):
         choose(page, "#f-sort", "")
         wait_rows(page, 16)
 
-        # one tape: steps in order, the prompt, output tokens coloured by log-prob, then by KL
+        # one tape: a conversation (the observation, the action), the prompt, output tokens coloured by
+        # log-prob, then by KL; the learner's return and advantage from its advantages file
         tape = tapes[1][5]
         page.locator("#rows tr[data-file='iter_000001.jsonl'][data-index='5']").click()
         page.locator("#tape-head").wait_for()
         head = page.locator("#tape-head").inner_text()
         assert tape.metadata.id in head and tape.metadata.reward_reason in head
         assert f"reward {tape.metadata.reward:.1f}" in head
-        kinds = [k.inner_text() for k in page.locator("#steps .kind").all()]
+        kinds = [k.text_content() for k in page.locator("#steps .kind").all()]
         assert kinds == [f"{i}. {s.kind}" for i, s in enumerate(tape.steps, start=1)]
+        assert page.locator("#conversation .bubble.user").first.locator(".observation").inner_text() == tape.steps[0].text
+        assert page.locator("#conversation .bubble.assistant").count() == tape.metadata.turns
+        credit = episode_credit(read_advantages(tiny_run, 1), tape.metadata.id)
+        shown = [float(b.get_attribute("data-value")) for b in page.locator(".t-advantage b").all()]
+        assert shown == [t["advantage"] for t in credit]
         call = tape.llm_calls[0]
-        prompt = page.locator(".call .prompt").inner_text()
+        prompt = page.locator("details.prompt[data-call='1']").text_content()
         assert tape.steps[0].text in prompt
-        tokens = page.locator(".call .tokens .tok")
+        tokens = page.locator(".call[data-call='1'] .tokens .tok")
         assert tokens.count() == len(call.output_token_ids)
         titles = [t.get_attribute("title") for t in tokens.all()]
         assert [int(re.match(r"token (\d+):", t).group(1)) for t in titles] == call.output_token_ids
@@ -195,9 +221,9 @@ def test_browse_a_real_run(tiny_run, page):
         page.get_by_role("radio", name=re.compile("KL to reference")).check()
         ref = call.ref_logprobs
         kl0 = math.exp(ref[0] - call.logprobs[0]) - (ref[0] - call.logprobs[0]) - 1
-        first = page.locator(".call .tokens .tok").first
+        first = page.locator(".call[data-call='1'] .tokens .tok").first
         assert f"KL {kl0:.4f}" in first.get_attribute("title")
-        by_kl = [t.evaluate("e => e.style.backgroundColor") for t in page.locator(".call .tokens .tok").all()]
+        by_kl = [t.evaluate("e => e.style.backgroundColor") for t in page.locator(".call[data-call='1'] .tokens .tok").all()]
         assert by_kl != by_logprob
 
         # the address links to the tape: opened anew, the page shows it again
@@ -205,52 +231,55 @@ def test_browse_a_real_run(tiny_run, page):
         page.reload()
         page.wait_for_function(f"document.querySelector('#tape-head')?.innerText.includes({json.dumps(tape.metadata.id)})")
 
-        # its group, side by side, with advantages as the learner computes them
+        # its group, side by side, with the advantages the learner trained with
         attempts = page.locator("#group-body .attempt")
         group = [t for t in tapes[1] if t.metadata.group_id == tape.metadata.group_id]
         assert attempts.count() == len(group) == 4
         page.wait_for_function("![...document.querySelectorAll('#group-body .output')].some(e => e.textContent === '…')")
         outputs = [a.locator(".output").inner_text() for a in attempts.all()]
         assert outputs == [t.llm_calls[0].output_text for t in group]
+        advantages = read_advantages(tiny_run, 1)
+        shown = [float(a.locator(".advantage").get_attribute("data-value")) for a in attempts.all()]
+        assert shown == [episode_credit(advantages, t.metadata.id)[0]["advantage"] for t in group]
     finally:
         server.shutdown()
 
 
 @vllm
-def test_group_view_shows_advantages(tiny_run, tmp_path, page):
-    """Rewards differ within a group (set here on a copy of the run): the page shows the GRPO advantages."""
+def test_group_view_shows_the_learners_advantages(tiny_run, tmp_path, page):
+    """The advantages shown are those of the learner's file (replaced here, on a copy of the run, by numbers no
+    recomputation from the rewards gives), in the list and in the group view."""
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("checkpoints", "batches", "logs"))
-    path = run / "tapes" / "iter_000001.jsonl"
-    tapes = list(read_tapes(path))
-    rewards = [1.0, 0.0, -1.0, -1.0, 1.0, 1.0, 1.0, 0.0]
-    for tape, r in zip(tapes, rewards):
-        tape.metadata.reward = r
-    path.unlink()
-    write_tapes(path, tapes)
-    expected = group_advantages(rewards[:4]) + group_advantages(rewards[4:])
-    assert any(abs(a) > 0.1 for a in expected)
+    tapes = list(read_tapes(run / "tapes" / "iter_000001.jsonl"))
+    learned = read_advantages(run, 1)
+    assert set(learned) == {t.metadata.id for t in tapes}  # one sample per one-turn episode
+    odd = {t.metadata.id: 0.5 - 0.137 * i for i, t in enumerate(tapes)}
+    RunDir(run).write_advantages(1, [
+        {"sample_id": sid, "turns": [{**turn, "advantage": odd[sid]} for turn in turns]} for sid, turns in learned.items()
+    ])  # fmt: skip
+    expected = [odd[t.metadata.id] for t in tapes]
 
     server, url = start_server(run)
     try:
         open_page(page, url)
         act(page, lambda: page.locator("a.file-link", has_text="iter_000001.jsonl").click())
         wait_rows(page, 8)
-        assert [float(r.locator("td").nth(4).inner_text()) for r in rows(page).all()] == pytest.approx(
-            expected, abs=0.006
-        )
-        choose(page, "#f-sort", "-reward")
-        assert [float(x) for x in column(page, "reward")] == sorted(rewards, reverse=True)
+        assert [float(x) for x in column(page, "advantage")] == pytest.approx(expected, abs=0.006)
+        assert [float(c.get_attribute("data-value")) for c in page.locator("#rows td.advantage").all()] == expected
+        choose(page, "#f-sort", "-advantage")
+        assert [float(x) for x in column(page, "advantage")] == pytest.approx(sorted(expected, reverse=True), abs=0.006)
         choose(page, "#f-sort", "")
         wait_rows(page, 8)
         rows(page).nth(1).click()
         page.locator("#tape-head").wait_for()
-        shown = [float(a.inner_text()) for a in page.locator("#group-body .attempt .advantage").all()]
-        assert shown == pytest.approx(expected[:4], abs=0.0006)
+        shown = [float(a.get_attribute("data-value")) for a in page.locator("#group-body .attempt .advantage").all()]
+        assert shown == expected[:4]
         assert page.locator("#group-body .attempt.current").inner_text().startswith("#1")
         page.locator("#group-body .attempt").nth(0).click()  # open another attempt from the group
         page.wait_for_function("document.querySelector('#tape-head').innerText.includes('#0')")
-        assert "reward 1.0" in page.locator("#tape-head").inner_text()
+        assert f"reward {tapes[0].metadata.reward:.1f}" in page.locator("#tape-head").inner_text()
+        assert float(page.locator(".t-advantage b").first.get_attribute("data-value")) == expected[0]
     finally:
         server.shutdown()
 
@@ -298,7 +327,7 @@ def test_browse_stays_responsive_with_10000_tapes(tmp_path, page):
         # later requests use the index: each page and filter answers quickly
         for action in (
             lambda: page.click("#next"),
-            lambda: page.select_option("#f-parse", "yes"),
+            lambda: page.select_option("#f-format", "yes"),
             lambda: page.select_option("#f-sort", "-length"),
         ):
             start = time.perf_counter()
@@ -309,7 +338,7 @@ def test_browse_stays_responsive_with_10000_tapes(tmp_path, page):
         assert lengths == sorted(lengths, reverse=True) and lengths[0] == max(5 + i % 40 for i in range(0, 2000, 5))
 
         # the last tape of the last file opens as fast as the first
-        choose(page, "#f-parse", "")
+        choose(page, "#f-format", "")
         choose(page, "#f-sort", "")
         choose(page, "#f-limit", "100")
         wait_rows(page, 100)
@@ -355,14 +384,277 @@ def test_browse_command_prints_its_address_and_refuses_a_non_run(tmp_path):
 
 
 def test_show_prints_one_tape(tmp_path):
+    """A tape made before episodes (task, reasoning, final answer steps) still shows: one turn per call."""
     path = tmp_path / "iter_000001.jsonl"
     write_tapes(path, [synthetic_tape(i, 1) for i in range(3)])
-    out = subprocess.run([sys.executable, "-m", "tapes.show", str(path), "--index", "1", "--tokens"],
+    out = subprocess.run([sys.executable, "-m", "tapes.show", str(path), "--index", "1", "--tokens", "--steps"],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "What is 1 + 1?" in text and "reward +0" in text
+    assert text.index("[environment] reset") < text.index("[agent] turn 1") < text.index("final_answer_action: answer 2")
+    assert "turn 1: reward +0" in text and "learner" not in text  # not in a run directory: nothing said
     assert text.index("1. task") < text.index("2. reasoning_thought") < text.index("3. final_answer_action")
     assert "logprob  -0.1000  ref  -0.2000" in text
+    out = subprocess.run([sys.executable, "-m", "tapes.show", str(path), "--index", "0"], capture_output=True, text=True)
+    assert out.returncode == 0 and "parse_failure: error no \\boxed{} answer" in out.stdout
     out = subprocess.run([sys.executable, "-m", "tapes.show", str(path), "--index", "7"], capture_output=True, text=True)
     assert out.returncode == 2 and "--index 7" in out.stderr and "holds 3 tapes" in out.stderr
+
+
+# -- a hand-made run: multi-turn episodes and the learner's advantages file ---------------------------------------
+
+ENV = "game:guess_the_number"
+SECRET = "Guess my number <b>1..10</b> & win"  # markup in an observation is text, never HTML
+
+
+def episode(seed: int, actions: list[tuple[str, str, float]], *, iteration: int = 1, rerender_at: int | None = None,
+            last: dict | None = None, error: str | None = None) -> Tape:
+    """An episode played by hand: each action is (the model's output, the environment's answer, reward); the last
+    answer ends it (`last`: its end flags and info). The call of turn `rerender_at` does not extend the previous
+    prompt (a re-rendered conversation)."""
+    tape = Tape(metadata=TapeMetadata(task_id=f"{ENV}/train/{seed}", group_id=f"{iteration}:train:{seed // 10}",
+                                      iteration=iteration, error=error),
+                context={"env": {"id": ENV, "options": {}, "split": "train", "run_seed": 0, "seed": seed}})  # fmt: skip
+    tape.append(EnvObservation(text=SECRET, turn=0))
+    prompt = [1, 2, 3, 4]
+    for turn, (output, answer, reward) in enumerate(actions, start=1):
+        ids = [100 + turn, 200 + turn, 2]
+        call = LLMCall(
+            model="hand", messages=[{"role": "system", "content": "Play well."}, {"role": "user", "content": SECRET}],
+            prompt_token_ids=prompt, output_text=output, output_token_ids=ids, logprobs=[-0.25 * turn, -1.5, -0.01],
+            ref_logprobs=[-0.5, -1.0, -0.02], finish_reason="stop", turn=turn,
+            extends_previous=None if turn == 1 else turn != rerender_at,
+        )  # fmt: skip
+        tape.append(EnvAction(text=output, turn=turn), llm_call=call)
+        end = turn == len(actions)
+        info = {"format_error": output == "???"} | ((last or {}).get("info", {}) if end else {})
+        tape.append(EnvObservation(text=answer, turn=turn, reward=reward, info=info,
+                                   terminated=end and (last or {}).get("terminated", False),
+                                   truncated=end and (last or {}).get("truncated", False)))  # fmt: skip
+        prompt = prompt + ids + [9, 9] if turn + 1 != rerender_at else [1, 5, 6, 7, 8, 9]
+    return summarize(tape)
+
+
+def handmade_run(root: Path) -> dict:
+    """RUN/ with iteration 1 trained (two multi-turn episodes and an infrastructure failure, and the learner's
+    advantages file with numbers no recomputation from the rewards gives), iteration 2 not trained yet, and an
+    evaluation. Returns the tapes and the advantages written, by episode."""
+    solved = episode(11, [("5", "higher", 0.0), ("8", "lower", 0.0), ("7", "correct!", 1.0)],
+                     last={"terminated": True, "info": {"success": True, "reason": "guessed 7 in 3 turns"}})
+    lost = episode(12, [("???", "say a number", -0.25), ("3", "higher", 0.0)], rerender_at=2,
+                   last={"truncated": True, "info": {"success": False, "reason": "turn limit (2) reached"}})
+    crashed = episode(21, [("4", "", 0.0)], error="RuntimeError: env crashed")
+    later = episode(31, [("6", "correct!", 1.0)], iteration=2, last={"terminated": True, "info": {"success": True}})
+    held_out = episode(41, [("2", "correct!", 1.0)], iteration=2, last={"terminated": True, "info": {"success": True}})
+    write_tapes(root / "tapes" / "iter_000001.jsonl", [solved, lost, crashed])
+    write_tapes(root / "tapes" / "iter_000002.jsonl", [later])
+    write_tapes(root / "tapes" / "eval_000002.jsonl", [held_out])
+    # what the learner would write, per sample: its ids and turn indexes as orchestrate.samples makes them
+    odd = {solved.metadata.id: [(0.91, 0.123456), (0.95, -0.5), (1.0, 2.75)],
+           lost.metadata.id: [(-0.125, -0.987), (0.0, 0.31415)]}  # (return, advantage) per turn
+    credit, expected = [], {}
+    for tape in (solved, lost):
+        for sample in tape_samples(tape, require_ref=True):
+            turns = [{"index": t["index"], "reward": t["reward"], "return": odd[tape.metadata.id][t["index"]][0],
+                      "advantage": odd[tape.metadata.id][t["index"]][1]} for t in sample["turns"]]  # fmt: skip
+            credit.append({"sample_id": sample["sample_id"], "turns": turns})
+            expected.setdefault(tape.metadata.id, []).extend(turns)
+    assert [c["sample_id"] for c in credit][1:] == [f"{lost.metadata.id}:0", f"{lost.metadata.id}:1"]  # cut in two
+    assert tape_samples(crashed, require_ref=True) == []
+    RunDir(root).write_advantages(1, credit)
+    (root / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (
+        {"iteration": 1, "reward_mean": 0.25, "success_rate": 0.5, "turns_mean": 2.5},
+        {"iteration": 2, "reward_mean": 1.0, "success_rate": 1.0, "turns_mean": 1.0, "eval_success_rate": 1.0})))
+    (root / "config.json").write_text(json.dumps({"env": {"id": ENV}, "train": {"baseline": "none"}}))
+    return {"solved": solved, "lost": lost, "crashed": crashed, "later": later, "held_out": held_out,
+            "advantages": expected}
+
+
+def test_api_shows_the_learners_advantages_per_turn(tmp_path):
+    run = tmp_path / "run"
+    made = handmade_run(run)
+    solved, lost, expected = made["solved"], made["lost"], made["advantages"]
+    index = RunIndex(run)
+
+    listed = index.list({"kind": "all"})["items"]
+    assert [(s["file"], s["index"]) for s in listed] == [("iter_000001.jsonl", 0), ("iter_000001.jsonl", 1),
+                                                         ("iter_000001.jsonl", 2), ("iter_000002.jsonl", 0),
+                                                         ("eval_000002.jsonl", 0)]  # fmt: skip
+    first = {s["id"]: s for s in listed}
+    s = first[solved.metadata.id]
+    assert (s["env_id"], s["turns"], s["success"], s["end"], s["format_error"]) == (ENV, 3, True, "terminated", False)
+    assert (s["trained"], s["credit"], s["return"], s["advantage"]) == (True, "trained", 0.91, 0.123456)
+    assert s["question"] == SECRET and s["reward"] == 1.0
+    s = first[lost.metadata.id]
+    assert (s["turns"], s["success"], s["end"], s["format_error"], s["truncated"]) == (2, False, "truncated", True, True)
+    assert (s["return"], s["advantage"]) == (-0.125, -0.987)  # its first turn's, from the sample "<id>:0"
+    s = first[made["crashed"].metadata.id]
+    assert (s["trained"], s["credit"], s["advantage"]) == (False, INFRA_FAILURE, None)
+    s = first[made["later"].metadata.id]
+    assert not s["trained"] and s["credit"].startswith("not trained on") and "advantages/000002.jsonl" in s["credit"]
+    assert first[made["held_out"].metadata.id]["credit"] == "not trained on (evaluation)"
+
+    # filters on the episode's flags; parse_failure is the older name of format_error
+    for query, ids in (({"format_error": "yes"}, [lost]), ({"parse_failure": "yes"}, [lost]),
+                       ({"success": "yes"}, [solved]), ({"truncated": "yes"}, [lost]),
+                       ({"trained": "no"}, [made["crashed"]]), ({"task": "guess_the"}, [solved, lost, made["crashed"]])):
+        assert [s["id"] for s in index.list({"iteration": "1", **query})["items"]] == [t.metadata.id for t in ids]
+    assert [s["id"] for s in index.list({"iteration": "1", "sort": "-advantage"})["items"]] == [
+        solved.metadata.id, lost.metadata.id, made["crashed"].metadata.id]  # untrained last
+
+    # one episode over HTTP, as the page gets it: every turn with the file's numbers, exactly
+    server, url = start_server(run)
+    try:
+        for i, tape in enumerate((solved, lost)):
+            body = httpx.get(url + "api/tape", params={"file": "iter_000001.jsonl", "index": i}).json()
+            turns = body["episode"]["turns"]
+            assert [t["turn"] for t in turns] == list(range(1, tape.metadata.turns + 1))
+            assert [t["learner"] for t in turns] == [{k: e[k] for k in ("reward", "return", "advantage")}
+                                                     for e in expected[tape.metadata.id]]  # fmt: skip
+            assert body["credit"] == {"trained": True, "note": "trained", "turns": expected[tape.metadata.id]}
+            assert [t["action"] for t in turns] == [s.text for s in tape.steps if isinstance(s, EnvAction)]
+            assert [t["call"] for t in turns] == list(range(tape.metadata.turns))
+            assert body["episode"]["first_observation"]["text"] == SECRET
+        assert [t["reward"] for t in turns] == [-0.25, 0.0] and [t["format_error"] for t in turns] == [True, False]
+        assert body["episode"]["end"] == {"terminated": False, "truncated": True, "reason": "turn limit (2) reached",
+                                          "success": False}  # fmt: skip
+        assert [c["extends_previous"] for c in body["calls"]] == [None, False]
+        assert body["calls"][0]["tokens"][0]["kl"] == pytest.approx(math.exp(-0.25) + 0.25 - 1)
+        group = httpx.get(url + "api/group", params={"file": "iter_000001.jsonl", "group": "1:train:1"}).json()
+        assert [(g["turns"], g["return"], g["advantage"]) for g in group["items"]] == [(3, 0.91, 0.123456),
+                                                                                      (2, -0.125, -0.987)]
+        for file, index_, note in (("iter_000001.jsonl", 2, INFRA_FAILURE), ("eval_000002.jsonl", 0, "not trained on")):
+            body = httpx.get(url + "api/tape", params={"file": file, "index": index_}).json()
+            assert body["credit"]["trained"] is False and body["credit"]["note"].startswith(note)
+            assert all(t["learner"] is None for t in body["episode"]["turns"])
+
+        # the learner writes iteration 2's file later: the browser picks it up
+        later = made["later"]
+        RunDir(run).write_advantages(2, [{"sample_id": later.metadata.id,
+                                          "turns": [{"index": 0, "reward": 1.0, "return": 1.0, "advantage": -3.5}]}])
+        body = httpx.get(url + "api/tape", params={"file": "iter_000002.jsonl", "index": 0}).json()
+        assert body["episode"]["turns"][0]["learner"]["advantage"] == -3.5 and body["summary"]["trained"]
+    finally:
+        server.shutdown()
+
+
+def test_page_shows_an_episode_as_a_conversation(tmp_path, page):
+    run = tmp_path / "run"
+    made = handmade_run(run)
+    solved, lost, expected = made["solved"], made["lost"], made["advantages"]
+    server, url = start_server(run)
+    try:
+        open_page(page, url)
+        act(page, lambda: page.locator("a.file-link", has_text="iter_000001.jsonl").click())
+        wait_rows(page, 3)
+        assert column(page, "turns") == ["3", "2", "1"]
+        assert column(page, "success") == ["yes", "no", "no"]
+        assert column(page, "end") == ["terminated", "truncated, format error", "infra error"]
+        assert column(page, "advantage") == ["0.12", "-0.99", "–"]
+        assert page.locator("#rows tr[data-index='2'] td.advantage").get_attribute("title") == INFRA_FAILURE
+        choose(page, "#f-format", "yes")
+        wait_rows(page, 1)
+        choose(page, "#f-format", "")
+
+        # the solved episode: observations as user bubbles, actions as assistant bubbles, turn by turn
+        rows(page).nth(0).click()
+        page.locator("#conversation").wait_for()
+        conversation = page.locator("#conversation > *")
+        assert [e.get_attribute("class") for e in conversation.all()] == [
+            "bubble user", "bubble assistant", "bubble user", "bubble assistant", "bubble user",
+            "bubble assistant", "bubble user", "episode-end"]  # fmt: skip
+        observations = [o.inner_text() for o in page.locator("#conversation .observation").all()]
+        assert observations == [SECRET, "higher", "lower", "correct!"]  # the markup shown as text
+        assert page.locator("#conversation .observation b").count() == 0
+        assistant = page.locator("#conversation .bubble.assistant")
+        assert [a.locator(".tok").count() for a in assistant.all()] == [3, 3, 3]
+        assert assistant.nth(2).locator(".tok").first.get_attribute("title").startswith("token 103: log-prob -0.7500")
+        # per turn: the environment's reward, the learner's return and advantage (the file's numbers)
+        rewards = [float(b.get_attribute("data-value")) for b in page.locator(".t-reward b").all()]
+        assert rewards == [0.0, 0.0, 1.0]
+        returns = [float(b.get_attribute("data-value")) for b in page.locator(".t-return b").all()]
+        advantages = [float(b.get_attribute("data-value")) for b in page.locator(".t-advantage b").all()]
+        assert returns == [t["return"] for t in expected[solved.metadata.id]] == [0.91, 0.95, 1.0]
+        assert advantages == [t["advantage"] for t in expected[solved.metadata.id]]
+        assert [b.inner_text() for b in page.locator(".t-advantage b").all()] == ["0.123", "-0.500", "2.750"]
+        end = page.locator("#episode-end").inner_text()
+        assert "terminated" in end and "guessed 7 in 3 turns" in end and "success" in end
+        head = page.locator("#tape-head").inner_text()
+        assert ENV in head and "3 turns" in head and page.locator("#tape-success").inner_text() == "yes"
+        # the first call's prompt, collapsed; no re-rendered prompt here
+        prompts = page.locator("#conversation details.prompt")
+        assert prompts.count() == 1 and not prompts.first.evaluate("e => e.open")
+        assert not prompts.first.locator(".msg").first.is_visible()
+        prompts.first.locator("summary").click()
+        assert prompts.first.locator(".msg").nth(1).inner_text().endswith(SECRET)
+        assert page.locator(".badge.re-rendered").count() == 0
+        # the group: each episode's return and advantage (its first turn's) and its turns
+        attempts = page.locator("#group-body .attempt")
+        assert attempts.count() == 2
+        assert [a.locator(".turns").inner_text() for a in attempts.all()] == ["3", "2"]
+        assert [float(a.locator(".advantage").get_attribute("data-value")) for a in attempts.all()] == [0.123456, -0.987]
+        assert [float(a.locator(".return").get_attribute("data-value")) for a in attempts.all()] == [0.91, -0.125]
+
+        # the other attempt: a format error, a re-rendered prompt (warned), truncated at the turn limit
+        attempts.nth(1).click()
+        page.wait_for_function("document.querySelector('#tape-head').innerText.includes('#1')")
+        assert page.locator(".bubble.assistant[data-turn='2'] .badge.re-rendered").count() == 1
+        assert page.locator(".bubble.assistant[data-turn='1'] .badge.re-rendered").count() == 0
+        assert page.locator("#conversation details.prompt").count() == 2  # the first call's, the re-rendered one's
+        assert page.locator(".bubble.user[data-turn='1'] .badge.format-error").inner_text() == "format error"
+        advantages = [float(b.get_attribute("data-value")) for b in page.locator(".t-advantage b").all()]
+        assert advantages == [-0.987, 0.31415]
+        assert "truncated: turn limit (2) reached" in page.locator("#episode-end").inner_text()
+
+        # not trained on: an infrastructure failure, an iteration not trained yet, an evaluation
+        page.locator("#rows tr[data-index='2']").click()
+        page.wait_for_function("document.querySelector('#tape-head').innerText.includes('#2')")
+        assert page.locator("#tape-credit").inner_text() == INFRA_FAILURE
+        assert "RuntimeError: env crashed" in page.locator("#tape-head").inner_text()
+        assert page.locator(".t-advantage").count() == 0
+        assert page.locator(".t-untrained").inner_text() == INFRA_FAILURE
+        for file in ("iter_000002.jsonl", "eval_000002.jsonl"):
+            act(page, lambda: page.locator("a.file-link", has_text=file).click())
+            rows(page).first.click()
+            page.wait_for_function(f"document.querySelector('#tape-head').innerText.includes({json.dumps(file)})")
+            assert page.locator("#tape-credit").inner_text().startswith("not trained on")
+            assert page.locator(".t-advantage").count() == 0 and page.locator(".t-reward").count() == 1
+    finally:
+        server.shutdown()
+
+
+def test_show_prints_an_episode_with_the_learners_advantages(tmp_path):
+    run = tmp_path / "run"
+    made = handmade_run(run)
+
+    def show(file, index):
+        out = subprocess.run([sys.executable, "-m", "tapes.show", str(run / "tapes" / file), "--index", str(index)],
+                             capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    text = show("iter_000001.jsonl", 0)
+    assert f"env {ENV}" in text and "(3 turns, success yes, terminated)" in text and "learner: trained" in text
+    order = ["[environment] reset", SECRET, "[agent] turn 1", "prompt of call 1", "[system] Play well.",
+             "turn 1: reward +0  return +0.91  advantage +0.123456", "[environment] answer to turn 1", "higher",
+             "[agent] turn 2", "turn 2: reward +0  return +0.95  advantage -0.5", "lower",
+             "[agent] turn 3", "turn 3: reward +1  return +1  advantage +2.75", "correct!",
+             "end: terminated (guessed 7 in 3 turns), success yes"]  # fmt: skip
+    positions = [text.index(part) for part in order]
+    assert positions == sorted(positions), text
+    assert text.count("prompt of call") == 1 and "re-rendered" not in text
+
+    text = show("iter_000001.jsonl", 1)
+    assert "turn 1: reward -0.25  return -0.125  advantage -0.987" in text
+    assert "turn 2: reward +0  return +0  advantage +0.31415" in text
+    assert "WARNING: prompt re-rendered" in text and "format error" in text
+    assert "end: truncated (turn limit (2) reached), success no" in text
+
+    text = show("iter_000001.jsonl", 2)
+    assert f"learner: {INFRA_FAILURE}" in text and "agent error: RuntimeError: env crashed" in text
+    assert "return" not in text and not re.search(r"advantage [-+\d]", text)
+    for file in ("iter_000002.jsonl", "eval_000002.jsonl"):
+        text = show(file, 0)
+        assert "learner: not trained on" in text and "turn 1: reward +1" in text
+        assert "return" not in text and not re.search(r"advantage [-+\d]", text)
