@@ -90,3 +90,29 @@ def tiny_run(tiny_model_dir, tmp_path_factory):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run.parent / "console.txt").write_text(out.stdout)  # what the command printed (test_loop checks it)
     return run
+
+
+@pytest.fixture
+def folder_model(tmp_path):
+    """A folder that looks like a model to the command-line checks (no weights are ever loaded from it)."""
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    return folder
+
+
+@pytest.fixture
+def rl_cli(capsys):
+    """Run `orchestrate.rl` in-process: argv -> (exit status, last line of stderr)."""
+    from orchestrate import rl
+
+    def run(argv):
+        try:
+            code = rl.main([str(a) for a in argv])
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err.strip().splitlines()
+        return code, (err[-1] if err else "")
+
+    return run

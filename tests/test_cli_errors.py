@@ -26,45 +26,24 @@ def run(module, *args, timeout=180):
                           timeout=timeout)  # fmt: skip
 
 
-def rl_main(argv, capsys):
-    try:
-        code = rl.main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err.strip().splitlines()
-    return code, (err[-1] if err else "")
-
-
-@pytest.fixture
-def folder_model(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "model.safetensors").write_bytes(b"\0" * 8)
-    return folder
-
-
 def snapshot(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-# -- nothing is written to a run directory until the run can start ------------------------------
-
-
-def test_a_model_that_cannot_be_had_leaves_no_run_directory(tmp_path, capsys, folder_model):
+def test_a_model_that_cannot_be_had_leaves_no_run_directory(tmp_path, rl_cli, folder_model):
     run_dir = tmp_path / "run"
-    code, line = rl_main(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "no-such-model")], capsys)
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "no-such-model")])
     assert code == 2 and "--model.policy" in line
     assert not run_dir.exists()  # so the right command afterwards is a new run, not a "changed settings" resume
 
 
-def test_a_refused_resume_changes_nothing(tmp_path, capsys, folder_model):
+def test_a_refused_resume_changes_nothing(tmp_path, rl_cli, folder_model):
     run_dir = tmp_path / "run"
     (run_dir / "tapes").mkdir(parents=True)
     (run_dir / "state.json").write_text('{"completed_iteration": 2, "evaluated": [0]}')
     (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n{"iteration": 3, "to')
     before = snapshot(run_dir)
-    code, line = rl_main(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "gone")], capsys)
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "gone")])
     assert code == 2 and "--model.policy" in line
     assert snapshot(run_dir) == before
 
@@ -72,21 +51,21 @@ def test_a_refused_resume_changes_nothing(tmp_path, capsys, folder_model):
 # -- the run directory itself ---------------------------------------------------------------------
 
 
-def test_run_dir_that_is_a_file(tmp_path, capsys, folder_model):
+def test_run_dir_that_is_a_file(tmp_path, rl_cli, folder_model):
     (tmp_path / "f").write_text("x")
     for target in (tmp_path / "f", tmp_path / "f" / "run"):
-        code, line = rl_main(["--run-dir", str(target), "--model.policy", str(folder_model)], capsys)
+        code, line = rl_cli(["--run-dir", str(target), "--model.policy", str(folder_model)])
         assert code == 2 and "--run-dir" in line and "file" in line, line
 
 
-def test_run_dir_not_writable(tmp_path, capsys, folder_model, monkeypatch):
+def test_run_dir_not_writable(tmp_path, rl_cli, folder_model, monkeypatch):
     parent = tmp_path / "ro"
     parent.mkdir()
     os.chmod(parent, 0o555)
     real_access = os.access
     if os.geteuid() == 0:  # root may write anywhere: ask as a normal user would be answered
         monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(parent) else real_access(p, mode))
-    code, line = rl_main(["--run-dir", str(parent / "run"), "--model.policy", str(folder_model)], capsys)
+    code, line = rl_cli(["--run-dir", str(parent / "run"), "--model.policy", str(folder_model)])
     assert code == 2 and "--run-dir" in line and "not writable" in line, line
     os.chmod(parent, 0o755)
 
@@ -103,11 +82,11 @@ def test_run_dir_not_writable(tmp_path, capsys, folder_model, monkeypatch):
         ("state.json", b'{"completed_iteration": -4}', "state.json"),
     ],
 )
-def test_corrupt_run_files(name, content, words, tmp_path, capsys, folder_model):
+def test_corrupt_run_files(name, content, words, tmp_path, rl_cli, folder_model):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / name).write_bytes(content)
-    code, line = rl_main(["--run-dir", str(run_dir), "--model.policy", str(folder_model)], capsys)
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(folder_model)])
     assert code == 2 and words in line and "--run-dir" in line, line
     assert sorted(p.name for p in run_dir.iterdir()) == [name]
 
@@ -115,7 +94,7 @@ def test_corrupt_run_files(name, content, words, tmp_path, capsys, folder_model)
 # -- presets ------------------------------------------------------------------------------------------
 
 
-def test_malformed_preset(tmp_path, monkeypatch, capsys):
+def test_malformed_preset(tmp_path, monkeypatch, rl_cli):
     from orchestrate import config
 
     (tmp_path / "broken.toml").write_text("[rollouts\nattempts = ")
@@ -125,14 +104,14 @@ def test_malformed_preset(tmp_path, monkeypatch, capsys):
         config.resolve("broken", {})
     with pytest.raises(config.ConfigError, match="--rollouts.attempts"):
         config.resolve("shape", {"rollouts.attempts": "3"})
-    code, line = rl_main(["--preset", "broken", "--print-config"], capsys)
+    code, line = rl_cli(["--preset", "broken", "--print-config"])
     assert code == 2 and "--preset" in line
 
 
-def test_preset_path_outside_the_presets(tmp_path, capsys):
+def test_preset_path_outside_the_presets(tmp_path, rl_cli):
     (tmp_path / "evil.toml").write_text("[run]\niterations = 1\n")
     for name in (str(tmp_path / "evil"), "../../../../" + str(tmp_path / "evil"), "../presets/embedded"):
-        code, line = rl_main(["--preset", name, "--print-config"], capsys)
+        code, line = rl_cli(["--preset", name, "--print-config"])
         assert code == 2 and "--preset" in line and "unknown preset" in line, line
 
 

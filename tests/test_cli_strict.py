@@ -12,24 +12,10 @@ import pytest
 from orchestrate import rl
 
 
-def refused(argv, capsys, run_dir):
-    """Run orchestrate.rl in-process; (exit status, last stderr line)."""
-    try:
-        code = rl.main(["--run-dir", str(run_dir), *argv])
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err.strip().splitlines()
-    return code, (err[-1] if err else "")
-
-
 @pytest.fixture
-def folder_model(tmp_path):
-    """A folder that looks like a model to the checks (no weights are ever loaded in these tests)."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "model.safetensors").write_bytes(b"\0" * 8)
-    return folder
+def refused(rl_cli):
+    """(argv, run_dir) -> (exit status, last stderr line) of orchestrate.rl on that run directory."""
+    return lambda argv, run_dir: rl_cli(["--run-dir", run_dir, *argv])
 
 
 @pytest.mark.parametrize(
@@ -65,20 +51,20 @@ def folder_model(tmp_path):
         (["--server.extra_args", '["--host", "0.0.0.0"]'], "--server.extra_args"),
     ],
 )
-def test_refused_naming_the_option(argv, named, capsys, tmp_path, folder_model):
+def test_refused_naming_the_option(argv, named, tmp_path, folder_model, refused):
     run_dir = tmp_path / "run"
-    code, line = refused(["--model.policy", str(folder_model), *argv], capsys, run_dir)
+    code, line = refused(["--model.policy", str(folder_model), *argv], run_dir)
     assert code == 2 and named in line, line
     assert not run_dir.exists()
 
 
-def test_size_limit_is_named(capsys, tmp_path, folder_model):
-    code, line = refused(["--model.policy", str(folder_model), "--rollouts.attempts", "1e9"], capsys, tmp_path / "r")
+def test_size_limit_is_named(tmp_path, folder_model, refused):
+    code, line = refused(["--model.policy", str(folder_model), "--rollouts.attempts", "1e9"], tmp_path / "r")
     assert code == 2 and "limit 4096" in line, line
 
 
-def test_top_p_message_says_why(capsys, tmp_path, folder_model):
-    code, line = refused(["--model.policy", str(folder_model), "--rollouts.top_p", "0.5"], capsys, tmp_path / "r")
+def test_top_p_message_says_why(tmp_path, folder_model, refused):
+    code, line = refused(["--model.policy", str(folder_model), "--rollouts.top_p", "0.5"], tmp_path / "r")
     assert code == 2 and "trainer" in line and "top_p = 1" in line, line
 
 
@@ -108,10 +94,10 @@ def test_strict_values_still_take_what_is_right():
          "--model.policy"),
     ],
 )
-def test_model_that_is_not_there_is_refused_first(make, named, capsys, tmp_path):
+def test_model_that_is_not_there_is_refused_first(make, named, tmp_path, refused):
     model = make(tmp_path)
     run_dir = tmp_path / "run"
-    code, line = refused(["--model.policy", str(model)], capsys, run_dir)
+    code, line = refused(["--model.policy", str(model)], run_dir)
     assert code == 2 and named in line, line
     assert not run_dir.exists()
 
@@ -138,13 +124,13 @@ GOOD = b'{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n'
         ("list.json", b"[1, 2, 3]", "cannot read"),
     ],
 )
-def test_task_data_is_checked_before_anything_starts(name, content, words, capsys, tmp_path, folder_model):
+def test_task_data_is_checked_before_anything_starts(name, content, words, tmp_path, folder_model, refused):
     path = tmp_path / name if content is None else _gsm8k(tmp_path, name, content)
     good = _gsm8k(tmp_path, "good.jsonl", GOOD)
     run_dir = tmp_path / "run"
     for option, other in (("--env.options.train", "--env.options.test"), ("--env.options.test", "--env.options.train")):
         code, line = refused(["--model.policy", str(folder_model), "--env.id", "math:gsm8k",
-                              option, str(path), other, str(good)], capsys, run_dir)  # fmt: skip
+                              option, str(path), other, str(good)], run_dir)  # fmt: skip
         assert code == 2 and option in line and words in line, line
         assert not run_dir.exists()
 

@@ -60,15 +60,7 @@ def test_resume_repairs_torn_tail_and_uncounted_records(tmp_path):
     assert [r["iteration"] for r in read_metrics(path)] == [1, 2]
 
 
-def _folder_model(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "model.safetensors").write_bytes(b"\0" * 8)
-    return folder
-
-
-def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch):
+def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch, folder_model):
     """A crash between the metrics append and state.json: the resumed run does not duplicate the record."""
     from orchestrate import loop, rl
     from orchestrate.run_dir import RunDir, RunState
@@ -88,7 +80,7 @@ def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch):
             return 0
 
     monkeypatch.setattr(loop, "Loop", FakeLoop)
-    argv = ["--run-dir", str(tmp_path / "run"), "--model.policy", str(_folder_model(tmp_path)), "--iterations", "3",
+    argv = ["--run-dir", str(tmp_path / "run"), "--model.policy", str(folder_model), "--iterations", "3",
             "--eval.every", "0"]  # fmt: skip
     run = RunDir(tmp_path / "run")
     run.root.mkdir()

@@ -54,25 +54,17 @@ def test_lock_dies_with_its_holder_even_with_kill_9(holder):
     assert sorted(p.name for p in run.iterdir()) == []  # nothing was written to take the lock
 
 
-def _folder_model(tmp_path):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    (folder / "model.safetensors").write_bytes(b"\0" * 8)
-    return folder
-
-
-def test_rl_on_a_run_dir_in_use_is_refused(holder, tmp_path):
+def test_rl_on_a_run_dir_in_use_is_refused(holder, tmp_path, folder_model):
     run, proc, _ = holder
     out = subprocess.run([sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--model.policy",
-                          str(_folder_model(tmp_path))], capture_output=True, text=True, timeout=120)  # fmt: skip
+                          str(folder_model)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
     assert "in use" in line and str(proc.pid) in line, line
     assert list(run.iterdir()) == []
 
 
-def test_offline_on_an_out_dir_in_use_is_refused(holder, tmp_path):
+def test_offline_on_an_out_dir_in_use_is_refused(holder, tmp_path, folder_model):
     from tapes.store import write_tapes
     from tests.test_tapes import make_tape
 
@@ -85,14 +77,14 @@ def test_offline_on_an_out_dir_in_use_is_refused(holder, tmp_path):
         tapes.append(tape)
     path = write_tapes(tmp_path / "iter_000001.jsonl", tapes)
     out = subprocess.run([sys.executable, "-m", "orchestrate.offline", "--tapes", str(path), "--out", str(run),
-                          "--model", str(_folder_model(tmp_path)), "--no-progress"],
+                          "--model", str(folder_model), "--no-progress"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
     assert "--out" in line and "in use" in line and str(proc.pid) in line, line
 
 
-def test_lock_is_taken_while_the_loop_runs(tmp_path, monkeypatch):
+def test_lock_is_taken_while_the_loop_runs(tmp_path, monkeypatch, folder_model):
     """rl.main holds the lock around the loop: a second acquire from this process's view fails meanwhile."""
     from orchestrate import loop, rl
 
@@ -111,7 +103,7 @@ def test_lock_is_taken_while_the_loop_runs(tmp_path, monkeypatch):
             return 0
 
     monkeypatch.setattr(loop, "Loop", FakeLoop)
-    code = rl.main(["--run-dir", str(tmp_path / "run"), "--model.policy", str(_folder_model(tmp_path))])
+    code = rl.main(["--run-dir", str(tmp_path / "run"), "--model.policy", str(folder_model)])
     assert code == 0
     assert "in use by process" in seen[0] and str(os.getpid()) in seen[0]
     RunLock(tmp_path / "run").acquire().release()  # released after
