@@ -103,13 +103,18 @@ class Arithmetic:
 
     def _stream(self, split: str, start: int):
         rng = random.Random(f"{self.seed}-{split}")
-        index, seen = 0, set()
+        index, seen, fruitless = 0, set(), 0
         while True:
             task = self._draw(rng)
+            fruitless += 1
+            if split == "test" and fruitless > 20_000:  # every held-out problem of these options was drawn
+                raise TaskSourceError(f"these arithmetic options have only {len(seen)} distinct held-out "
+                                      f"problems; evaluate on at most that many (--eval.tasks {len(seen)})")
             if split == "test" and task.question in seen:
                 continue  # a test set of distinct problems; train may repeat
             if self._is_test(task.question) == (split == "test"):
                 seen.add(task.question)
+                fruitless = 0
                 if index >= start:
                     yield task.model_copy(update={"id": f"arith-{split}-{self.seed}-{index}"})
                 index += 1

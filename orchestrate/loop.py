@@ -28,6 +28,7 @@ from agents.agent import ChatAgent
 from agents.chat import ChatTokens
 from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
+from finetune.rundir import read_advantages
 from orchestrate.config import RLConfig
 from orchestrate.metrics import (
     PHASES,
@@ -212,8 +213,12 @@ class Loop:
         timer.add("train", time.perf_counter() - start)
 
         start = time.perf_counter()
+        # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
+        # weights as they were: then the reload cannot be checked by a change of log-probs.
+        credit = read_advantages(self.run.root, i)
+        idle = not c.train.kl_coef and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
         for server in self.policy_servers:
-            server.reload_weights(checkpoint)
+            server.reload_weights(checkpoint, verify=not idle)
         timer.add("weight_sync", time.perf_counter() - start)
 
         record = {"iteration": i, **rollout_metrics(tapes)}

@@ -114,6 +114,23 @@ def preflight(config) -> None:
         options = check_options(config.env.id, config.env.options)
         check_gsm8k_source(options.train, "train", "--env.options.train")
         check_gsm8k_source(options.test, "test", "--env.options.test")
+    check_environment(config)
     check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
+
+
+def check_environment(config) -> None:
+    """The environment starts: the first train episode and the last held-out one reset without an error
+    (a data set that cannot be had, options that leave fewer held-out problems than evaluated, ...)."""
+    from orchestrate.loop import eval_size
+    from orchestrate.rollouts import EnvSpec
+
+    try:
+        EnvSpec(config.env.id, config.env.options, "train", config.run.seed).make().reset(0)
+        if config.eval.every:
+            n = eval_size(config)
+            EnvSpec(config.env.id, config.env.options, "test", config.run.seed).make().reset(n - 1)
+    except Exception as exc:  # noqa: BLE001 - whatever the environment raises, said in one line
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PreflightError(f"--env.id {config.env.id}: the environment does not start: {text}") from None

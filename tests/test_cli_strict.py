@@ -170,3 +170,13 @@ def test_config_json_never_holds_infinity():
     with pytest.raises(ConfigError, match="finite"):
         resolve("embedded", {"train.adam_eps": "Infinity"})
     assert json.dumps(resolve("embedded", {}).model_dump(mode="json"), allow_nan=False)
+
+
+def test_an_environment_that_cannot_start_is_refused_before_the_run(tmp_path, folder_model, refused):
+    """One-digit addition has about 10 held-out problems: evaluating 500 of them is refused up front, naming
+    the environment, and nothing is written."""
+    run_dir = tmp_path / "run"
+    code, line = refused(["--model.policy", str(folder_model), "--env.options.digits", "1",
+                          "--eval.tasks", "500"], run_dir)  # fmt: skip
+    assert code == 2 and "--env.id math:arithmetic" in line and "--eval.tasks" in line, line
+    assert not run_dir.exists()
