@@ -7,12 +7,12 @@ curves redrawn at any time from the file alone.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from tapes.browse import k3
 from tapes.tape import EnvObservation, Tape
 
 # Where an iteration's time goes; "other" is the rest of its wall time.
@@ -48,7 +48,7 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
     }
     with_ref = [c for c in calls if c.ref_logprobs]
     if with_ref:  # k3 estimate of KL(policy || reference) on the sampled tokens
-        kls = [math.exp(r - p) - (r - p) - 1 for c in with_ref for p, r in zip(c.logprobs, c.ref_logprobs)]
+        kls = [k3(p, r) for c in with_ref for p, r in zip(c.logprobs, c.ref_logprobs)]
         out["kl_ref"] = statistics.fmean(kls)
     return {f"{prefix}{k}": v for k, v in out.items()}
 
