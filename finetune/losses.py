@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from tapes.kl import k3
+
 Aggregation = Literal["token", "sequence"]
 
 
@@ -116,15 +118,6 @@ def turn_advantages(
     return returns, advantages
 
 
-def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(policy || reference): exp(r) - r - 1 with r = ref - logp.
-
-    Always >= 0, unbiased for samples drawn from the policy, low variance.
-    """
-    r = ref_logp - logp
-    return torch.exp(r) - r - 1
-
-
 def grpo_token_loss(
     logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, clip_eps_low: float, clip_eps_high: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -207,10 +200,10 @@ def policy_loss(
     if kl_coef:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference log-probs")
-        kl = kl_k3(kl_logp, ref_logp)
+        kl = k3(kl_logp, ref_logp)
         per_token = pg + kl_coef * kl
     else:
-        kl = kl_k3(kl_logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+        kl = k3(kl_logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
     loss = (weights * per_token).sum()
     stats = {
         "pg_loss": (weights * pg).sum().detach(),

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tapes.browse import k3
+from tapes.kl import k3
 from tapes.tape import EnvObservation, Tape
 
 # Where an iteration's time goes; "other" is the rest of its wall time.

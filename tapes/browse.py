@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import threading
@@ -40,21 +39,13 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from finetune.rundir import advantages_file, read_advantages
+from tapes.kl import k3
 from tapes.store import read_tape_at
 from tapes.tape import Tape
 
 PAGE = Path(__file__).with_name("browse.html")
 TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
 MAX_LIMIT = 500
-
-
-def k3(logprob: float, ref_logprob: float) -> float:
-    """Per-token k3 estimate of KL(policy || reference): exp(r) - r - 1 with r = ref - logprob (>= 0).
-
-    The one pure-Python k3 (no torch): the browser, tapes.show and the run's kl_ref metric use it;
-    `finetune.losses` has the tensor form the learner trains with."""
-    r = ref_logprob - logprob
-    return math.exp(r) - r - 1
 
 
 INFRA_FAILURE = "infrastructure failure: not trained on"

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from finetune.rundir import advantages_file, read_advantages
-from tapes.browse import TAPE_FILE, credit_for, episode_view, k3
+from tapes.browse import TAPE_FILE, credit_for, episode_view
+from tapes.kl import k3
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 

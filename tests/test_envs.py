@@ -355,16 +355,17 @@ def test_range_feedback_says_where_the_number_still_is():
     env = guess_env(feedback="range", low=1, high=20, max_turns=6)
     target = next(t for s in range(100) if 8 <= (t := env.reset(s)[1]["target"]) <= 12)
     steps = play(env, ["\\boxed{3}", "\\boxed{15}", "\\boxed{25}", "\\boxed{1}", "oops"])
-    assert steps[0][0] == "Your guess 3 is too low: the number is higher than 3. It is between 4 and 20. 5 guesses left."
-    assert steps[1][0].endswith("lower than 15. It is between 4 and 14. 4 guesses left.")
+    assert steps[0][0] == "3 is too low. The number is between 4 and 20. 5 guesses left."
+    assert steps[1][0] == "15 is too high. The number is between 4 and 14. 4 guesses left."
     # a guess outside the range, or one already ruled out, leaves the known range as it was
-    assert steps[2][0] == "Your guess 25 is outside the range 1 to 20; it still counts as a guess. It is between 4 and 14. 3 guesses left."
-    assert steps[3][0].endswith("higher than 1. It is between 4 and 14. 2 guesses left.")
+    assert steps[2][0] == ("Your guess 25 is outside the range 1 to 20; it still counts as a guess. "
+                           "The number is between 4 and 14. 3 guesses left.")
+    assert steps[3][0] == "1 is too low. The number is between 4 and 14. 2 guesses left."
     assert steps[4][2] and f"the number was {target}" in steps[4][0]  # unreadable: the game ends as with direction
     seed = next(s for s in range(100) if 2 <= env.reset(s)[1]["target"] <= 19)
     target = env.reset(seed)[1]["target"]
     steps = play(env, [f"\\boxed{{{target - 1}}}", f"\\boxed{{{target + 1}}}"])
-    assert steps[1][0].endswith(f"It can only be {target}. 4 guesses left.")
+    assert steps[1][0].endswith(f"The number can only be {target}. 4 guesses left.")
 
 
 def test_range_feedback_last_guess_says_no_range():

@@ -28,10 +28,10 @@ import math
 import pytest
 import torch
 
+from tapes.kl import k3
 from finetune.losses import (
     group_advantages,
     grpo_token_loss,
-    kl_k3,
     policy_loss,
     reinforce_token_loss,
     token_weights,
@@ -118,12 +118,15 @@ def test_kl_k3_by_hand():
     #   d=0.5: 1.648721 - 1.5 = 0.148721;  d=-0.2: 0.818731 + 0.2 - 1 = 0.018731;  d=0: 0
     #   d=0.1: 0.005171;  d=-0.4: 0.070320;  d=0.3: 0.049859;  d=0.2: 0.021403
     logp, behaviour, ref, adv = tensors()
-    kl = kl_k3(logp, ref)
+    kl = k3(logp, ref)
     assert kl.tolist() == pytest.approx([0.148721, 0.018731, 0.0, 0.005171, 0.070320, 0.049859, 0.021403], abs=1e-6)
     assert (kl >= 0).all()
     # d k3 / d logp = 1 - exp(ref - logp)
     (grad,) = torch.autograd.grad(kl.sum(), logp)
     assert grad.tolist() == pytest.approx([1 - math.exp(d) for d in REF_MINUS_LOGP], abs=1e-9)
+    # the same function on floats (the browser, tapes.show, the kl_ref metric): the same numbers
+    floats = [k3(p, r) for p, r in zip(logp.tolist(), ref.tolist())]
+    assert all(type(x) is float for x in floats) and floats == pytest.approx(kl.tolist(), abs=1e-12)
 
     # In the GRPO loss: token mean of k3 = 0.314205 / 7 = 0.044886, weighted by kl_coef 0.1.
     w = token_weights(LENGTHS, "token").double()

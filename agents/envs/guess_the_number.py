@@ -115,8 +115,11 @@ class GuessTheNumberEnv:
                 told += f" The number is between {o.low} and {o.high}."
         else:
             info["reason"] = "too low" if guess < target else "too high"
-            told = (f"Your guess {guess} is too low: the number is higher than {guess}." if guess < target
-                    else f"Your guess {guess} is too high: the number is lower than {guess}.")  # fmt: skip
+            if o.feedback == "range":  # the range says the rest
+                told = f"{guess} is {info['reason']}."
+            else:
+                told = (f"Your guess {guess} is too low: the number is higher than {guess}." if guess < target
+                        else f"Your guess {guess} is too high: the number is lower than {guess}.")  # fmt: skip
             lo, hi = self.known
             self.known = (max(lo, guess + 1), hi) if guess < target else (lo, min(hi, guess - 1))
         if left <= 0:
@@ -129,7 +132,7 @@ class GuessTheNumberEnv:
         if self.options.feedback != "range":
             return ""
         lo, hi = self.known
-        return f" It is between {lo} and {hi}." if lo < hi else f" It can only be {lo}."
+        return f" The number is between {lo} and {hi}." if lo < hi else f" The number can only be {lo}."
 
 
 @register("game:guess_the_number", GuessOptions, "guess a number in low..high with higher/lower hints; multi-turn")
