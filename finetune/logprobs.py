@@ -18,6 +18,8 @@ head also returns the untempered log-probs when asked (`with_raw`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -113,16 +115,41 @@ def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Ten
     return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw)
 
 
+def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None:
+    """A micro-batch's 4-D boolean mask in the form `model`'s attention implementation takes."""
+    if attention_mask is None:
+        return None
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if "flash" in impl:
+        raise ValueError(f"layout 'shared_prefix' needs a custom attention mask, which {impl} does not take: "
+                         "use layout 'packed' (or 'padded') with flash-attention")
+    if impl == "eager":  # additive
+        dtype = model.get_input_embeddings().weight.dtype
+        return torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill_(
+            ~attention_mask, torch.finfo(dtype).min)
+    return attention_mask
+
+
+class PolicyOutput(NamedTuple):
+    logp: Tensor  # [n] at each sequence's sampling temperature, with grad
+    raw_logp: Tensor | None  # [n] at T = 1 (with grad) when asked, else None
+    entropy: Tensor  # [n] of the tempered distribution, no grad
+    values: Tensor | None  # [n] the value head's V before each token (with grad), when the policy has one
+
+
 class PolicyLogProbs(nn.Module):
     """Wraps a causal LM so that its forward returns completion log-probs.
 
     accelerate prepares this wrapper (DDP / FSDP hook into its forward), so
     the whole computation, head included, happens inside one forward call.
+    With `value_head` (PPO's critic as a head on the policy), the forward also
+    returns a value per completion token, from the same last hidden state.
     """
 
-    def __init__(self, lm: nn.Module, impl: str = "fused", chunk: int = 1024):
+    def __init__(self, lm: nn.Module, impl: str = "fused", chunk: int = 1024, value_head: bool = False):
         super().__init__()
         self.lm = lm
+        self.value_head = new_value_head(lm.config.hidden_size) if value_head else None
         head = lm.get_output_embeddings()
         if impl == "fused" and getattr(head, "bias", None) is not None:
             impl = "full"  # the fused head has no bias term
@@ -134,25 +161,15 @@ class PolicyLogProbs(nn.Module):
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
     def _mask(self, attention_mask):
-        """A micro-batch's 4-D boolean mask in the form the attention implementation takes."""
-        if attention_mask is None:
-            return None
-        impl = getattr(self.lm.config, "_attn_implementation", None) or "sdpa"
-        if "flash" in impl:
-            raise ValueError(f"layout 'shared_prefix' needs a custom attention mask, which {impl} does not take: "
-                             "use layout 'packed' (or 'padded') with flash-attention")
-        if impl == "eager":  # additive
-            dtype = self.lm.get_input_embeddings().weight.dtype
-            return torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill_(
-                ~attention_mask, torch.finfo(dtype).min)
-        return attention_mask
+        return model_mask(self.lm, attention_mask)
 
     def forward(self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False,
                 attention_mask=None):
-        """Per completion token: (logp, raw_logp, entropy), each [n].
+        """Per completion token: PolicyOutput(logp, raw_logp, entropy, values), each [n].
 
         logp (with grad) is at each sequence's sampling temperature; raw_logp
-        (with grad) at T = 1 when `with_raw`, else None; entropy has no grad.
+        (with grad) at T = 1 when `with_raw`, else None; entropy has no grad;
+        values from the value head, else None.
         `attention_mask`: a 4-D boolean mask (shared_prefix layout), else None.
         """
         mask = self._mask(attention_mask)
@@ -162,15 +179,47 @@ class PolicyLogProbs(nn.Module):
             h = hidden.last_hidden_state[rows, cols]
             logp, raw_logp, entropy = head_logprobs(
                 h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw)
-            return logp, (raw_logp if with_raw else None), entropy
+            values = None if self.value_head is None else self.value_head(h.float()).squeeze(-1)
+            return PolicyOutput(logp, (raw_logp if with_raw else None), entropy, values)
         # full: the model's own forward, logits only from the first predicting column on.
         first = int(cols.min())
         out = self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
-                      logits_to_keep=input_ids.shape[1] - first)
+                      logits_to_keep=input_ids.shape[1] - first, output_hidden_states=self.value_head is not None)
         raw = out.logits[rows, cols - first].float()
         logps = torch.log_softmax(raw * inv_temp[:, None], dim=-1)
         logp = logps.gather(1, targets[:, None]).squeeze(1)
         raw_logp = torch.log_softmax(raw, dim=-1).gather(1, targets[:, None]).squeeze(1) if with_raw else None
         with torch.no_grad():
             entropy = -(logps.exp() * logps).sum(-1)
-        return logp, raw_logp, entropy
+        values = None
+        if self.value_head is not None:
+            values = self.value_head(out.hidden_states[-1][rows, cols].float()).squeeze(-1)
+        return PolicyOutput(logp, raw_logp, entropy, values)
+
+
+def new_value_head(hidden_size: int) -> nn.Linear:
+    """A linear value head, zero-initialised: every value starts at 0 (the critic learns the scale)."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class ValueModel(nn.Module):
+    """PPO's separate critic: the policy's body (a copy, trained on its own) and a linear value head.
+
+    Its forward takes a micro-batch like PolicyLogProbs's and returns V before each completion token: the
+    value of the hidden state at the position that predicts the token.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.body = lm.get_decoder()
+        self.config = lm.config
+        self.value_head = new_value_head(lm.config.hidden_size)
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)
+
+    def forward(self, input_ids, position_ids, rows, cols, attention_mask=None) -> Tensor:
+        mask = model_mask(self.body, attention_mask)
+        hidden = self.body(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        return self.value_head(hidden.last_hidden_state[rows, cols].float()).squeeze(-1)

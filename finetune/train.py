@@ -58,6 +58,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from finetune.config import TrainConfig
+from finetune.losses import LOSSES
 
 log = logging.getLogger("finetune")
 
@@ -69,11 +70,28 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _argument(field) -> dict:
+    annotation = field.annotation
+    default = field.default_factory() if field.default_factory is not None else field.default
+    kwargs: dict = {"default": argparse.SUPPRESS, "help": f"{field.description} [default: {default}]"}
+    if annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if typing.get_origin(annotation) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(annotation))
+        elif isinstance(annotation, types.UnionType) and args:
+            kwargs["metavar"] = args[0].__name__.upper()
+        else:
+            kwargs["metavar"] = getattr(annotation, "__name__", "VALUE").upper()
+    return kwargs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune.train",
         allow_abbrev=False,
-        description="GRPO / REINFORCE learner: trains on RUN/batches/*.jsonl as they appear and writes "
+        description="GRPO / REINFORCE / PPO learner: trains on RUN/batches/*.jsonl as they appear and writes "
         "RUN/checkpoints/*/ (see the module docstring for the file protocol). Launch it with "
         "`accelerate launch -m finetune.train ...`.",
     )
@@ -95,19 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "and exit (checks them without loading a model).")
     train = parser.add_argument_group("training (finetune.config.TrainConfig)")
     for name, field in TrainConfig.model_fields.items():
-        annotation = field.annotation
-        kwargs: dict = {"default": argparse.SUPPRESS, "help": f"{field.description} [default: {field.default}]"}
-        if annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if typing.get_origin(annotation) is typing.Literal:
-                kwargs["choices"] = list(typing.get_args(annotation))
-            elif isinstance(annotation, types.UnionType) and args:
-                kwargs["metavar"] = args[0].__name__.upper()
-            else:
-                kwargs["metavar"] = getattr(annotation, "__name__", "VALUE").upper()
-        train.add_argument(_option(name), dest=f"cfg_{name}", **kwargs)
+        if name in LOSSES:
+            continue
+        train.add_argument(_option(name), dest=f"cfg_{name}", **_argument(field))
+    for loss, spec in LOSSES.items():
+        group = parser.add_argument_group(f"options of --algorithm {loss} (finetune.losses)")
+        for name, field in spec.config.model_fields.items():
+            group.add_argument(f"--{loss}.{name.replace('_', '-')}", dest=f"cfg_{loss}__{name}", **_argument(field))
     return parser
 
 
@@ -123,15 +135,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
             parser.error(f"--config {args.config}: {exc}")
         if not isinstance(values, dict):
             parser.error(f"--config {args.config}: expected a JSON object of training options")
-    values.update({k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")})
+    for key, value in vars(args).items():
+        if key.startswith("cfg_"):
+            name = key.removeprefix("cfg_")
+            if "__" in name:  # a loss's own option: its section
+                section, option = name.split("__", 1)
+                values[section] = {**(values.get(section) or {}), option: value}
+            else:
+                values[name] = value
     try:
         config = TrainConfig.model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
         name = ".".join(str(p) for p in err["loc"])
-        where = _option(name) if name else "options"
+        where = ("--" + name.replace("_", "-")) if name else "options"
         got = f" (got {err['input']!r})" if name and "input" in err else ""
-        parser.error(f"{where}: {err['msg']}{got}")
+        parser.error(f"{where}: {err['msg'].removeprefix('Value error, ')}{got}")
     if not args.print_config and not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
     return args, config

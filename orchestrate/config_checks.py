@@ -138,7 +138,7 @@ def check_config(config) -> None:
     if s.kv_cache_gib > memory_gib:
         raise _error(f"--server.kv_cache_gib: {s.kv_cache_gib} GiB is more than this machine's memory "
                      f"({memory_gib:.0f} GiB)")  # fmt: skip
-    if config.train.baseline == "group" and r.attempts < 2:
+    if config.train.baseline == "group" and not config.train.loss.critic and r.attempts < 2:
         raise _error(f"--rollouts.attempts: {r.attempts} attempt per task leaves every group of one, so every "
                      f"group-baseline advantage ({config.train.algorithm}, train.baseline group) is 0 and nothing "
                      "is learned; use 2 or more (or --train.baseline none)")  # fmt: skip

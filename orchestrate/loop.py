@@ -5,7 +5,7 @@ Each iteration i:
      iteration and the run seed only)
   2. rollouts on the policy servers: the agent plays each seed's episodes in the environment -> tapes with
      per-turn rewards
-  3. reference pass on the reference server (skipped when kl_coef is 0)
+  3. reference pass on the reference server (skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0)
   4. save the tapes, then the training samples (batches/i) for the trainer
   5. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
   6. the policy servers reload their weights from it (no restart)
@@ -91,7 +91,7 @@ class Loop:
         self.config = config
         self.run = run_dir
         self.progress = progress
-        self.use_reference = config.train.kl_coef > 0
+        self.use_reference = config.train.needs_reference
         self.loggers: list = []
 
     # -- set-up ------------------------------------------------------------------
@@ -216,7 +216,7 @@ class Loop:
         # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
         # weights as they were: then the reload cannot be checked by a change of log-probs.
         credit = read_advantages(self.run.root, i)
-        idle = not c.train.kl_coef and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
+        idle = not c.train.kl_coef and not c.train.loss.critic and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
         for server in self.policy_servers:
             server.reload_weights(checkpoint, verify=not idle)
         timer.add("weight_sync", time.perf_counter() - start)

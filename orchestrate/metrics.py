@@ -108,6 +108,11 @@ def plot_metrics(records: list[dict[str, Any]], out: str | os.PathLike) -> Path 
     curve(ax, "eval_reward_mean", "held-out reward mean")
     ax.set_title("reward")
     _legend(ax)
+    if any(r.get("train_explained_variance") is not None for r in records):  # PPO's critic
+        ax2 = ax.twinx()
+        curve(ax2, "train_explained_variance", "critic: explained variance", color="tab:purple", linestyle="--")
+        curve(ax2, "train_value_mean", "critic: value mean", color="tab:brown", linestyle="--")
+        _legend(ax2, loc="lower right")
 
     ax = axes[1][0]
     curve(ax, "completion_tokens_mean", "completion tokens (mean)")

@@ -315,11 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                        "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
                        "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)\n")  # fmt: skip
 
-    require_ref = train.kl_coef > 0
+    require_ref = train.needs_reference
     missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
     if require_ref and missing_ref and reference_dir is None:
-        parser.exit(2, f"error: --train.kl_coef: {missing_ref} LLM calls have no reference log-probs; pass "
-                       "--reference MODEL, or --train.kl_coef 0\n")  # fmt: skip
+        what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
+        parser.exit(2, f"error: {what}: {missing_ref} LLM calls have no reference log-probs; pass "
+                       f"--reference MODEL, or {what} 0\n")  # fmt: skip
 
     from orchestrate.preflight import PreflightError, check_run_dir_path
     from orchestrate.run_dir import RunDir

@@ -31,7 +31,9 @@ ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "acce
 
 # Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
 TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr",
-              "tokens_per_s", "padding_frac")
+              "tokens_per_s", "padding_frac",
+              # PPO's critic (absent otherwise)
+              "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance")
 
 
 class TrainerError(RuntimeError):

@@ -33,7 +33,9 @@ def refused(rl_cli):
         (["--rollouts.temperature", "Infinity"], "--rollouts.temperature"),
         (["--rollouts.attempts", "true"], "--rollouts.attempts"),
         (["--run.iterations", "false"], "--run.iterations"),
-        (["--train.clip_eps_high", "true"], "--train.clip_eps_high"),
+        (["--train.grpo.clip_eps_high", "true"], "--train.grpo.clip_eps_high"),
+        (["--train.algorithm", "ppx"], "--train.algorithm"),
+        (["--train.ppo.vf_coef", "0.3"], "ppo"),  # options of an algorithm not chosen
         # an option given twice, under its two names or one
         (["--iterations", "3", "--run.iterations", "9"], "iterations"),
         (["--rollouts.attempts", "3", "--rollouts.attempts=5"], "--rollouts.attempts"),

@@ -60,7 +60,7 @@ def test_help_lists_every_option():
         (["--env.options.digits", "0"], "--env.options.digits"),
         (["--env.options.nonsense", "1"], "--env.options.nonsense"),
         (["--env.id", "countdown", "--env.options.numbers", "99"], "--env.options.numbers"),
-        (["--train.algorithm", "ppo"], "--train.algorithm"),
+        (["--train.algorithm", "ppx"], "--train.algorithm"),
         (["--iterations", "0"], "iterations"),
     ],
 )
@@ -80,5 +80,5 @@ def test_print_config_round_trips():
 
 def test_config_error_is_one_line():
     with pytest.raises(ConfigError) as err:
-        resolve("embedded", {"train.clip_eps_low": "2"})
-    assert "\n" not in str(err.value) and "--train.clip_eps_low" in str(err.value)
+        resolve("embedded", {"train.grpo.clip_eps_low": "2"})
+    assert "\n" not in str(err.value) and "--train.grpo.clip_eps_low" in str(err.value)

@@ -64,7 +64,7 @@ def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout)
     got, got_raw = {}, {}
     for mb in micro_batches(prompts, completions, 24, layout):
         inv_temp = torch.tensor([1 / temps[i] for i in mb.indices for _ in completions[i]])
-        logp, raw_logp, entropy = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
+        logp, raw_logp, entropy, _ = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
                                          with_raw=True, attention_mask=mb.attention_mask)
         assert (entropy > 0).all()
         got.update(zip(mb.indices, logp.split(mb.completion_lengths)))

@@ -30,12 +30,24 @@ import torch
 
 from tapes.kl import k3
 from finetune.losses import (
+    LOSSES,
+    LossInputs,
     group_advantages,
     grpo_token_loss,
-    policy_loss,
     reinforce_token_loss,
     token_weights,
 )
+
+
+def policy_loss(algorithm, logp, behaviour, adv, weights, ref_logp=None, kl_coef=0.0, clip_eps_low=0.2,
+                clip_eps_high=0.2, kl_logp=None):
+    """The registered loss through its typed inputs and outputs: (loss, its weighted terms)."""
+    spec = LOSSES[algorithm]
+    options = spec.config(**({"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
+                             if "clip_eps_low" in spec.config.model_fields else {}))
+    out = spec.fn(LossInputs(logp=logp, behaviour_logp=behaviour, advantages=adv, weights=weights, ref_logp=ref_logp,
+                             kl_logp=kl_logp, kl_coef=kl_coef), options)
+    return out.loss, out.terms
 
 REWARDS = [1.0, 0.0, 2.0, -1.0, -1.0]
 GROUPS = [0, 0, 1, 1, 1]

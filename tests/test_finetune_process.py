@@ -20,8 +20,8 @@ from finetune.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CPU = ROOT / "finetune" / "accelerate" / "cpu.yaml"
-OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--token-budget", "64", "--clip-eps-high", "0.28"]
-CONFIG = TrainConfig(lr=1e-3, epochs=2, token_budget=64, clip_eps_high=0.28)
+OPTIONS = ["--lr", "1e-3", "--epochs", "2", "--token-budget", "64", "--grpo.clip-eps-high", "0.28"]
+CONFIG = TrainConfig(lr=1e-3, epochs=2, token_budget=64, grpo={"clip_eps_high": 0.28})
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +53,11 @@ def batches(tiny, tmp_path_factory):
     return paths
 
 
-def launch(model: Path, run: Path, *extra: str) -> subprocess.Popen:
+def launch(model: Path, run: Path, *extra: str, options: list[str] = OPTIONS) -> subprocess.Popen:
     run.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU),
            "-m", "finetune.train", "--model", str(model), "--run-dir", str(run), "--poll-seconds", "0.2",
-           *OPTIONS, *extra]
+           *options, *extra]
     out = open(run / "process.out", "ab")
     # Own process group, so the test can kill the launcher and the learner together.
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -97,7 +97,13 @@ def metrics(run: Path) -> list[dict]:
 def test_help_lists_every_option():
     out = subprocess.run([sys.executable, "-m", "finetune.train", "--help"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
+    from finetune.losses import LOSSES
+
     for name, field in TrainConfig.model_fields.items():
+        if name in LOSSES:  # a loss's own options: --LOSS.OPTION
+            for option in LOSSES[name].config.model_fields:
+                assert f"--{name}.{option.replace('_', '-')}" in out, (name, option)
+            continue
         option = "--" + name.replace("_", "-")
         assert option in out, option
     for option in ("--model", "--run-dir", "--config", "--parent-pid", "--once", "--max-batches"):
@@ -106,7 +112,10 @@ def test_help_lists_every_option():
 
 
 @pytest.mark.parametrize("args, option", [
-    (["--clip-eps-low", "1.5"], "--clip-eps-low"),
+    (["--grpo.clip-eps-low", "1.5"], "--grpo.clip-eps-low"),
+    (["--algorithm", "ppx"], "--algorithm"),
+    (["--ppo.critic", "both"], "--ppo.critic"),
+    (["--ppo.vf-coef", "0.3"], "ppo"),  # an option of an algorithm not chosen
     (["--lr", "fast"], "--lr"),
     (["--lr-schedule", "cosine"], "total_steps"),
     (["--aggregation", "mean"], "--aggregation"),

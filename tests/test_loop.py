@@ -195,3 +195,33 @@ def test_game_preset_two_iterations_chain_every_call_and_replay(tmp_path):
     metrics = read_metrics(run / "metrics.jsonl")
     assert all(m.get("prompt_mismatches", 0) == 0 for m in metrics)
     assert "turns_mean" in metrics[1] and metrics[1]["turns_mean"] > 1
+
+
+def test_ppo_two_iterations_through_the_real_loop(tiny_model_dir, tmp_path):
+    """`--train.algorithm ppo` (a separate critic, KL in the reward) through real vLLM and the real trainer:
+    the trainer reports the critic's metrics, writes the advantages it used with the critic's values, and
+    the checkpoint vLLM loads is the policy alone; the critic lives in trainer_state/."""
+    from finetune.rundir import read_advantages
+
+    run = tmp_path / "run"
+    out = subprocess.run(command(tiny_model_dir, run, 2, "--train.algorithm", "ppo", "--train.ppo.kl_in_reward",
+                                 "0.05", "--train.ppo.critic_lr", "1e-4"),
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
+    steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
+    assert [s["batch"] for s in steps] == [1, 2]
+    for s in steps:
+        for key in ("value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance", "clip_frac",
+                    "critic_grad_norm"):
+            assert key in s, key
+    assert steps[0]["value_mean"] == 0.0  # a zero-initialised value head: the first batch's values
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert "train_value_loss" in metrics[1] and "train_value_loss" in metrics[2]
+    for i in (1, 2):
+        credit = read_advantages(run, i)
+        assert len(credit) == 8 and all("value" in t for turns in credit.values() for t in turns)
+    checkpoint = run / "checkpoints" / "000002"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert not any("value" in k for k in model.state_dict())
+    assert len(list((checkpoint / "trainer_state").glob("model_1*"))) == 1  # the critic, resumable
