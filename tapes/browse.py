@@ -144,6 +144,8 @@ def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
         c = by_index.get(t["turn"] - 1)
         if c is not None:
             t["learner"] = {k: c.get(k) for k in ("reward", "return", "advantage")}
+            if "value" in c:  # PPO's critic before the turn's first token
+                t["learner"]["value"] = c["value"]
     last = ordered[-1] if ordered else {}
     return {
         "first_observation": first,

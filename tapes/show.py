@@ -120,6 +120,8 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
         credit_line = f"   turn {turn['turn']}: reward " + signed(turn["reward"])
         if learner is not None:
             credit_line += f"  return {_num(learner['return'])}  advantage " + signed(learner["advantage"])
+            if learner.get("value") is not None:  # PPO's critic, before the turn
+                credit_line += f"  value {_num(learner['value'])}"
         elif credit_note:  # no note: the file is not in a run directory, the learner's numbers are unknown
             credit_line += c(DIM, f"  ({credit_note})")
         lines.append(credit_line)

@@ -658,3 +658,28 @@ def test_show_prints_an_episode_with_the_learners_advantages(tmp_path):
         text = show(file, 0)
         assert "learner: not trained on" in text and "turn 1: reward +1" in text
         assert "return" not in text and not re.search(r"advantage [-+\d]", text)
+
+
+def test_a_ppo_learners_values_show_beside_its_advantages(tmp_path):
+    """With PPO the advantages file also holds the critic's value before each turn: the API and tapes.show
+    give it, as written."""
+    run = tmp_path / "run"
+    made = handmade_run(run)
+    solved = made["solved"]
+    path = run / "advantages" / "000001.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        for k, turn in enumerate(record["turns"]):
+            turn["value"] = 0.375 + k
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    server, url = start_server(run)
+    try:
+        body = httpx.get(url + "api/tape", params={"file": "iter_000001.jsonl", "index": 0}).json()
+    finally:
+        server.shutdown()
+    assert [t["learner"]["value"] for t in body["episode"]["turns"]] == [0.375, 1.375, 2.375]
+    out = subprocess.run([sys.executable, "-m", "tapes.show", str(run / "tapes" / "iter_000001.jsonl"), "--index",
+                          "0"], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "turn 1: reward +0  return +0.91  advantage +0.123456  value +0.375" in out.stdout
+    assert solved.metadata.turns == 3
