@@ -1,0 +1,69 @@
+"""Held-out success of several runs against wall-clock minutes, in one plot and one table.
+
+    uv run python bench/compare_runs.py RUN_A RUN_B ... --labels "GRPO,PPO" --out bench/ppo_vs_grpo.png
+
+Reads each run's metrics.jsonl (the numbers the loop logged: eval_success_rate at the iterations it
+evaluated, elapsed_s from the command's start, the trainer's seconds per iteration). The trainer's
+memory is bench/bench_ppo.py's to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orchestrate.metrics import read_metrics  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run directories")
+    parser.add_argument("--labels", help="comma-separated, one per run (default: the folder names)")
+    parser.add_argument("--out", required=True, help="PNG to write")
+    parser.add_argument("--title", default="held-out success")
+    parser.add_argument("--minutes", type=float, help="only up to this many minutes from the start")
+    args = parser.parse_args()
+    labels = args.labels.split(",") if args.labels else [Path(r).name for r in args.runs]
+    if len(labels) != len(args.runs):
+        parser.error(f"--labels: {len(labels)} labels for {len(args.runs)} runs")
+    for run in args.runs:
+        if not (Path(run) / "metrics.jsonl").is_file():
+            parser.error(f"{run}: no metrics.jsonl (not a run directory)")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run, label in zip(args.runs, labels):
+        records = read_metrics(Path(run) / "metrics.jsonl")
+        points = [(r["elapsed_s"] / 60, r["eval_success_rate"], r["iteration"]) for r in records
+                  if r.get("eval_success_rate") is not None and "elapsed_s" in r
+                  and (args.minutes is None or r["elapsed_s"] / 60 <= args.minutes)]
+        train = [r["train_seconds"] for r in records if isinstance(r.get("train_seconds"), (int, float))]
+        total = [r["time_total"] for r in records if isinstance(r.get("time_total"), (int, float))
+                 and not r.get("time_eval")]
+        ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=label)
+        print(f"{label}: " + ", ".join(f"it {i} {m:.1f} min {100 * s:.1f}%" for m, s, i in points))
+        if train:
+            print(f"{label}: trainer {statistics.median(train):.1f} s per iteration (median of {len(train)}), "
+                  f"iteration {statistics.median(total):.1f} s without evaluation" if total else "")
+    ax.set_xlabel("minutes from the command's start")
+    ax.set_ylabel("held-out success (%)")
+    ax.set_title(args.title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=90)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
