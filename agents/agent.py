@@ -93,6 +93,9 @@ class ChatAgent:
                           sampling: SamplingParams | None = None) -> Tape:
         """Play one episode of `env` from `seed`, extending `tape`; returns it."""
         sampling = sampling or self.sampling
+        env_stop = [s for s in getattr(env, "stop", None) or [] if s not in sampling.stop]
+        if env_stop:  # an environment with tools: sampling stops at the end of a tool call
+            sampling = sampling.model_copy(update={"stop": [*sampling.stop, *env_stop]})
         tape.metadata.author = self.name
         observation, info = env.reset(seed=seed)
         self._record(tape, EnvObservation(text=str(observation), turn=0, info=jsonable(info)))

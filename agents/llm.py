@@ -150,7 +150,10 @@ class VLLMClient:
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
         if sampling.stop:
+            # the stop string stays in the output: a tool call ends with its closing tag, and the next
+            # prompt continues from exactly the tokens sampled
             payload["stop"] = sampling.stop
+            payload["include_stop_str_in_output"] = True
         payload.update(self.extra_body)
         start = time.perf_counter()
         body = await self._post(payload)

@@ -95,6 +95,11 @@ class TimedEnv:
     def step(self, action):
         return self._timed(self.env.step, action)
 
+    @property
+    def stop(self) -> list[str]:
+        """The wrapped environment's stop strings (its tools'), if any."""
+        return list(getattr(self.env, "stop", None) or [])
+
 
 async def play(agent: ChatAgent, spec: EnvSpec, seed: int, llm: TokenLLM, tape: Tape,
                sampling: SamplingParams | None = None, timer: dict[str, float] | None = None) -> Tape:

@@ -1,0 +1,81 @@
+"""The python tool and the tool environment wrapper, with the real sandbox and scripted agent turns."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from agents.envs.registry import make_env
+from agents.sandbox import Sandbox, SandboxConfig, SandboxResult
+from agents.tools import PythonTool, ToolEnv, ToolInfraError
+
+
+@pytest.fixture(scope="module")
+def tool():
+    if shutil.which("bwrap") is None:
+        pytest.fail("bwrap is missing: install bubblewrap (`apt-get install bubblewrap`; .ci/run does)")
+    return PythonTool(Sandbox(SandboxConfig(timeout_s=5)))
+
+
+def test_parse_takes_the_first_complete_block(tool):
+    assert tool.parse("Let me compute.\n<python>\nprint(123 * 45)\n</python>").text == "print(123 * 45)"
+    assert tool.parse("<python>print(1)</python> and <python>print(2)</python>").text == "print(1)"
+    assert tool.parse("<python>print(1)") is None and tool.parse("The answer is \\boxed{5}.") is None
+
+
+def test_a_scripted_episode_calls_the_tool_then_answers(tool):
+    env = ToolEnv(make_env("math:arithmetic"), [tool])
+    question, info = env.reset(seed=3)
+    assert "<python>" in question and env.stop == ["</python>"]
+    answer = info["answer"]
+    obs, reward, terminated, truncated, info = env.step("I will compute it.\n<python>\nprint(2 ** 10)\n</python>")
+    assert obs == "<output>\n1024\n</output>" and reward == 0.0 and not terminated and not truncated
+    assert info["tool"] == "python" and info["exit_code"] == 0 and info["tool_calls"] == 1 and not info["tool_error"]
+    obs, reward, terminated, truncated, info = env.step("<python>\n1 / 0\n</python>")
+    assert "ZeroDivisionError" in obs and "[exit code 1]" in obs and info["tool_error"] and info["tool_errors"] == 1
+    obs, reward, terminated, truncated, info = env.step("<python>\nwhile True: pass\n</python>")
+    assert "[timed out" in obs or "[killed by" in obs
+    obs, reward, terminated, truncated, info = env.step(f"The answer is \\boxed{{{answer}}}.")
+    assert terminated and reward == 1.0 and info["success"]
+    assert info["tool_calls"] == 3 and info["tool_errors"] == 2
+
+
+def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure(tool, monkeypatch):
+    monkeypatch.setattr(tool.sandbox, "run", lambda code, stdin="": SandboxResult("", "", None, infra_error="boom"))
+    env = ToolEnv(make_env("math:arithmetic"), [tool])
+    env.reset(seed=0)
+    with pytest.raises(ToolInfraError, match="boom"):
+        env.step("<python>print(1)</python>")
+
+
+def test_the_agent_stops_sampling_at_the_end_of_a_tool_call_and_reads_its_output(tool, tokenizer):
+    """A scripted model through the real ChatAgent: sampling stops at `</python>` (the environment's stop
+    string reaches the LLM call), the tool's output is the next observation, prompts chain token-exactly."""
+    import asyncio
+
+    from agents.agent import AgentConfig, ChatAgent
+    from agents.chat import ChatTokens
+    from tapes.tape import EnvObservation, LLMCall, SamplingParams, Tape
+
+    env = ToolEnv(make_env("math:arithmetic"), [tool])
+    answer = env.env._problem_at(5).answer
+    texts = [("Let me compute.\n<python>print(6 * 7)</python>", False), (f"So \\boxed{{{answer}}}", True)]
+    seen = []
+
+    class LLM:
+        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+            seen.append(sampling.stop)
+            text, eos = texts[len(seen) - 1]
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
+                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
+                           sampling=sampling)
+
+    agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
+    tape = asyncio.run(agent.run_episode(env, 5, LLM(), Tape()))
+    assert seen == [["</python>"], ["</python>"]]
+    observations = [s for s in tape.steps if isinstance(s, EnvObservation)]
+    assert observations[1].text == "<output>\n42\n</output>" and observations[1].info["tool"] == "python"
+    assert tape.metadata.success and tape.metadata.turns == 2
+    assert tape.llm_calls[1].extends_previous is True
