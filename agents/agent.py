@@ -121,7 +121,9 @@ class ChatAgent:
                     info={"reason": "truncated: output cut by max_tokens", "success": False},
                 ))  # fmt: skip
                 break
-            observation, reward, terminated, truncated, info = env.step(call.output_text)
+            astep = getattr(env, "astep", None)  # an environment whose step blocks (a tool run) offers astep
+            observation, reward, terminated, truncated, info = (
+                await astep(call.output_text) if astep is not None else env.step(call.output_text))
             info = jsonable(info)
             if turn == self.config.max_turns and not (terminated or truncated):
                 truncated = True

@@ -100,5 +100,11 @@ class ToolEnv:
         info.update(tool_calls=self.tool_calls, tool_errors=self.tool_errors)
         return observation, reward, terminated, truncated, info
 
+    async def astep(self, action: str):
+        """step() in a worker thread: a tool run blocks, the other episodes' rollouts go on meanwhile."""
+        import asyncio
+
+        return await asyncio.to_thread(self.step, action)
+
     def __getattr__(self, name):  # test_size and the like come from the wrapped environment
         return getattr(self.env, name)

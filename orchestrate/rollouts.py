@@ -95,6 +95,18 @@ class TimedEnv:
     def step(self, action):
         return self._timed(self.env.step, action)
 
+    def __getattr__(self, name):
+        if name == "astep" and hasattr(self.env, "astep"):  # a blocking environment's step, timed too
+            async def astep(action):
+                start = time.perf_counter()
+                try:
+                    return await self.env.astep(action)
+                finally:
+                    self.timer["env_s"] = self.timer.get("env_s", 0.0) + time.perf_counter() - start
+
+            return astep
+        raise AttributeError(name)
+
     @property
     def stop(self) -> list[str]:
         """The wrapped environment's stop strings (its tools'), if any."""

@@ -79,3 +79,25 @@ def test_the_agent_stops_sampling_at_the_end_of_a_tool_call_and_reads_its_output
     assert observations[1].text == "<output>\n42\n</output>" and observations[1].info["tool"] == "python"
     assert tape.metadata.success and tape.metadata.turns == 2
     assert tape.llm_calls[1].extends_previous is True
+
+
+def test_tool_runs_do_not_block_other_episodes(tool):
+    """Two episodes whose tool calls each take ~1 s run side by side: astep leaves the event loop free."""
+    import asyncio
+    import time
+
+    from orchestrate.rollouts import TimedEnv
+
+    async def both():
+        timer = {}
+        envs = [TimedEnv(ToolEnv(make_env("math:arithmetic"), [tool]), timer) for _ in range(2)]
+        for env in envs:
+            env.reset(seed=0)
+        start = time.monotonic()
+        results = await asyncio.gather(*(env.astep("<python>import time; time.sleep(1); print('done')</python>")
+                                         for env in envs))
+        return time.monotonic() - start, results, timer
+
+    seconds, results, timer = asyncio.run(both())
+    assert all(r[0] == "<output>\ndone\n</output>" for r in results)
+    assert seconds < 1.8 and timer["env_s"] >= 2.0  # overlapped, and each one's time counted
