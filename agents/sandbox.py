@@ -103,7 +103,12 @@ class SandboxResult:
 
 
 class SandboxUnavailable(RuntimeError):
-    """The configured isolation cannot run on this machine (checked before anything starts)."""
+    """The configured isolation cannot run on this machine (checked before anything starts); `field` names
+    the SandboxConfig field to change."""
+
+    def __init__(self, message: str, field: str = "isolation"):
+        super().__init__(message)
+        self.field = field
 
 
 def _tail(text: str, limit: int) -> str:
@@ -120,17 +125,17 @@ def _signal_name(number: int) -> str | None:
 def check_isolation(config: SandboxConfig) -> None:
     """Raise SandboxUnavailable, with one line saying what to do, when `config` cannot run here."""
     if not os.path.isfile(config.python) or not os.access(config.python, os.X_OK):
-        raise SandboxUnavailable(f"sandbox python {config.python} is not an executable file")
-    if not shutil.which("prlimit"):
-        raise SandboxUnavailable("prlimit (util-linux) is not installed: the sandbox's resource limits need it")
+        raise SandboxUnavailable(f"{config.python} is not an executable file", "python")
     if config.isolation == "bwrap":
         if not shutil.which("bwrap"):
             raise SandboxUnavailable(
                 "bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` (Debian / Ubuntu), or opt into "
                 "the weaker isolation = unsafe_subprocess (the code then sees this machine's files and network)")
         if not config.python.startswith("/usr/"):
-            raise SandboxUnavailable(f"sandbox python {config.python}: under bwrap only /usr is visible; use a "
-                                     "Python installed under /usr (e.g. /usr/bin/python3)")
+            raise SandboxUnavailable(f"{config.python}: under bwrap only /usr is visible; use a Python installed "
+                                     "under /usr (e.g. /usr/bin/python3)", "python")
+    if not shutil.which("prlimit"):
+        raise SandboxUnavailable("prlimit (util-linux) is not installed: the sandbox's resource limits need it")
 
 
 class Sandbox:
@@ -139,6 +144,8 @@ class Sandbox:
     def __init__(self, config: SandboxConfig | None = None, slots: int = 16):
         self.config = config or SandboxConfig()
         check_isolation(self.config)
+        self.prlimit = shutil.which("prlimit")  # absolute paths: the child's PATH is a minimal one
+        self.bwrap = shutil.which("bwrap") if self.config.isolation == "bwrap" else None
         self._free = list(range(slots))
         self._cond = threading.Condition()
         self.root = os.geteuid() == 0
@@ -150,7 +157,7 @@ class Sandbox:
         nproc = c.processes
         if not self.root:  # the limit counts every process of this user: leave room for those already running
             nproc += _tasks_of_uid(os.getuid())
-        return ["prlimit", f"--as={c.memory_mb * 2**20}", f"--cpu={c.cpu_s}", f"--nproc={nproc}",
+        return [self.prlimit, f"--as={c.memory_mb * 2**20}", f"--cpu={c.cpu_s}", f"--nproc={nproc}",
                 f"--fsize={c.file_size_mb * 2**20}", f"--nofile={c.open_files}", "--core=0", "--"]
 
     def _command(self, code_fd: int, info_fd: int) -> list[str]:
@@ -159,7 +166,7 @@ class Sandbox:
         if c.isolation == "unsafe_subprocess":
             return [*self._limits(), *run]
         return [
-            *self._limits(), "bwrap",
+            *self._limits(), self.bwrap,
             "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns",
             "--info-fd", str(info_fd),  # bwrap writes here once the program has started
             "--ro-bind", "/usr", "/usr",

@@ -20,10 +20,11 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
+from agents.sandbox import SandboxConfig
 from finetune.config import TrainConfig
 from orchestrate.vllm_server import ServerConfig
 
@@ -45,6 +46,16 @@ class EnvSection(BaseModel):
         default_factory=dict, description="the environment's options, each as --env.options.NAME VALUE "
         "(or all at once as a JSON object)"
     )
+    tools: list[Literal["python"]] = Field(
+        default_factory=list, description="tools the agent may call, comma-separated: python (<python>code"
+        "</python>, run in the sandbox, its output as the next observation)"
+    )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="where tools run model-written code")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        return [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _known_with_valid_options(self) -> EnvSection:

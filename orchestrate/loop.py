@@ -76,7 +76,7 @@ def eval_size(config: RLConfig) -> int:
     """Held-out episodes per evaluation: eval.tasks, else the environment's whole test set (500 if unbounded)."""
     if config.eval.tasks is not None:
         return config.eval.tasks
-    size = getattr(EnvSpec(config.env.id, config.env.options, "test", config.run.seed).make(), "test_size", None)
+    size = getattr(EnvSpec.from_config(config, "test").make(), "test_size", None)
     return int(size) if size else 500
 
 
@@ -103,8 +103,8 @@ class Loop:
         self.policy_dir = resolve_model(c.model.policy)
         self.reference_dir = resolve_model(c.model.reference) if c.model.reference else self.policy_dir
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-        self.train_env = EnvSpec(c.env.id, c.env.options, "train", c.run.seed)
-        self.test_env = EnvSpec(c.env.id, c.env.options, "test", c.run.seed)
+        self.train_env = EnvSpec.from_config(c, "train")
+        self.test_env = EnvSpec.from_config(c, "test")
         self.eval_episodes = eval_size(c)
         self.agent = build_agent(c, self.tokenizer)
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)

@@ -126,11 +126,18 @@ def check_environment(config) -> None:
     from orchestrate.loop import eval_size
     from orchestrate.rollouts import EnvSpec
 
+    if config.env.tools:
+        from agents.sandbox import SandboxUnavailable, check_isolation
+
+        try:
+            check_isolation(config.env.sandbox)
+        except SandboxUnavailable as exc:
+            raise PreflightError(f"--env.sandbox.{exc.field}: {exc}") from None
     try:
-        EnvSpec(config.env.id, config.env.options, "train", config.run.seed).make().reset(0)
+        EnvSpec.from_config(config, "train").make().reset(0)
         if config.eval.every:
             n = eval_size(config)
-            EnvSpec(config.env.id, config.env.options, "test", config.run.seed).make().reset(n - 1)
+            EnvSpec.from_config(config, "test").make().reset(n - 1)
     except Exception as exc:  # noqa: BLE001 - whatever the environment raises, said in one line
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise PreflightError(f"--env.id {config.env.id}: the environment does not start: {text}") from None

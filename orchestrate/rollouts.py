@@ -24,24 +24,51 @@ from tapes.tape import SamplingParams, Tape, TapeMetadata
 
 
 class EnvSpec:
-    """Which environment, for which split of which run: enough to build it again for a replay."""
+    """Which environment (and tools), for which split of which run: enough to build it again for a replay."""
 
-    def __init__(self, env_id: str, options: dict[str, Any] | None, split: str, run_seed: int):
+    def __init__(self, env_id: str, options: dict[str, Any] | None, split: str, run_seed: int,
+                 tools: list[str] | None = None, sandbox: dict[str, Any] | None = None):
         self.env_id, self.options, self.split, self.run_seed = env_id, dict(options or {}), split, run_seed
+        self.tools = list(tools or [])
+        self.sandbox_options = dict(sandbox or {})
+        self._sandbox = None  # one per spec: its slots bound the concurrent tool runs
+
+    @classmethod
+    def from_config(cls, config, split: str) -> EnvSpec:
+        """The run's environment for `split` (an RLConfig)."""
+        e = config.env
+        return cls(e.id, e.options, split, config.run.seed, e.tools, e.sandbox.model_dump(exclude_defaults=True))
 
     def context(self, seed: int) -> dict[str, Any]:
-        return {"env": {"id": self.env_id, "options": self.options, "split": self.split,
-                        "run_seed": self.run_seed, "seed": seed}}  # fmt: skip
+        env = {"id": self.env_id, "options": self.options, "split": self.split, "run_seed": self.run_seed,
+               "seed": seed}
+        if self.tools:
+            env.update(tools=self.tools, sandbox=self.sandbox_options)
+        return {"env": env}
 
     def make(self):
-        return make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed)
+        env = make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed)
+        if not self.tools:
+            return env
+        from agents.sandbox import Sandbox, SandboxConfig
+        from agents.tools import PythonTool, ToolEnv
+
+        if self._sandbox is None:
+            self._sandbox = Sandbox(SandboxConfig(**self.sandbox_options))
+        known = {"python": lambda: PythonTool(self._sandbox)}
+        unknown = [t for t in self.tools if t not in known]
+        if unknown:
+            raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")
+        return ToolEnv(env, [known[t]() for t in self.tools])
 
     @classmethod
     def of(cls, tape: Tape) -> tuple[EnvSpec, int]:
         """The spec and episode seed a tape was played with."""
         try:
             env = tape.context["env"]
-            return cls(env["id"], env.get("options"), env["split"], env["run_seed"]), int(env["seed"])
+            spec = cls(env["id"], env.get("options"), env["split"], env["run_seed"], env.get("tools"),
+                       env.get("sandbox"))
+            return spec, int(env["seed"])
         except (TypeError, KeyError) as exc:
             raise ValueError(f"tape {tape.metadata.id} has no context.env.{exc}: not an environment episode") from None
 

@@ -101,3 +101,36 @@ def test_tool_runs_do_not_block_other_episodes(tool):
     seconds, results, timer = asyncio.run(both())
     assert all(r[0] == "<output>\ndone\n</output>" for r in results)
     assert seconds < 1.8 and timer["env_s"] >= 2.0  # overlapped, and each one's time counted
+
+
+def test_tools_from_the_command_line(tmp_path):
+    """--env.tools python wraps the environment (and is recorded on the tape's context for replay); a sandbox
+    that cannot run here is refused before anything starts, naming the option."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from orchestrate.config import resolve
+    from orchestrate.rollouts import EnvSpec
+    from tapes.tape import Tape
+
+    config = resolve("embedded", {"env.tools": "python", "env.sandbox.timeout_s": "3"})
+    spec = EnvSpec.from_config(config, "train")
+    env = spec.make()
+    assert isinstance(env, ToolEnv) and env.tools[0].sandbox.config.timeout_s == 3
+    context = spec.context(4)["env"]
+    assert context["tools"] == ["python"] and context["sandbox"] == {"timeout_s": 3.0}
+    again, seed = EnvSpec.of(Tape(context={"env": context}))
+    assert seed == 4 and isinstance(again.make(), ToolEnv) and again.sandbox_options == {"timeout_s": 3.0}
+    assert "tools" not in EnvSpec.from_config(resolve("embedded", {}), "train").context(0)["env"]
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "orchestrate.rl", "--env.tools", "python", "--env.sandbox.python",
+                          "/usr/bin/no-python", "--run-dir", str(tmp_path / "run")], cwd=root, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        "error: --env.sandbox.python: /usr/bin/no-python is not an executable file")
+    assert not (tmp_path / "run").exists()
+    out = subprocess.run([sys.executable, "-m", "orchestrate.rl", "--env.tools", "perl"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--env.tools" in out.stderr
