@@ -27,7 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agents.chat import ChatTokens
 from agents.envs.base import Env, jsonable
-from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
+from tapes.tape import (
+    EnvAction,
+    EnvObservation,
+    LLMCall,
+    SamplingParams,
+    Tape,
+    ToolCallAction,
+    ToolResultObservation,
+)
 
 
 class TokenLLM(Protocol):
@@ -114,7 +122,11 @@ class ChatAgent:
             if previous is not None:
                 ids = call.prompt_token_ids
                 call.extends_previous = len(ids) > len(previous) and ids[: len(previous)] == previous
-            self._record(tape, EnvAction(text=call.output_text, turn=turn), call)
+            tool_call = getattr(env, "tool_call", None)  # an environment with tools reads the call it will run
+            parsed = tool_call(call.output_text) if tool_call is not None else None
+            action = (EnvAction(text=call.output_text, turn=turn) if parsed is None else
+                      ToolCallAction(text=call.output_text, turn=turn, tool=parsed.tool, call=parsed.text))
+            self._record(tape, action, call)
             if call.finish_reason == "length":
                 self._record(tape, EnvObservation(
                     text="", turn=turn, reward=self.config.truncation_reward, truncated=True,
@@ -128,8 +140,10 @@ class ChatAgent:
             if turn == self.config.max_turns and not (terminated or truncated):
                 truncated = True
                 info.setdefault("reason", f"turn limit ({self.config.max_turns}) reached")
-            self._record(tape, EnvObservation(text=str(observation), turn=turn, reward=float(reward),
-                                              terminated=bool(terminated), truncated=bool(truncated), info=info))
+            fields = dict(text=str(observation), turn=turn, reward=float(reward), terminated=bool(terminated),
+                          truncated=bool(truncated), info=info)
+            tool = info.get("tool") if parsed is not None else None
+            self._record(tape, EnvObservation(**fields) if tool is None else ToolResultObservation(**fields, tool=tool))
             if terminated or truncated:
                 break
             previous = call.prompt_token_ids + call.output_token_ids

@@ -100,6 +100,14 @@ class ToolEnv:
         info.update(tool_calls=self.tool_calls, tool_errors=self.tool_errors)
         return observation, reward, terminated, truncated, info
 
+    def tool_call(self, action: str) -> ToolCall | None:
+        """The tool call an action holds (what step() will run), or None."""
+        for tool in self.tools:
+            call = tool.parse(action)
+            if call is not None:
+                return call
+        return None
+
     async def astep(self, action: str):
         """step() in a worker thread: a tool run blocks, the other episodes' rollouts go on meanwhile."""
         import asyncio

@@ -123,6 +123,8 @@ class TimedEnv:
         return self._timed(self.env.step, action)
 
     def __getattr__(self, name):
+        if name == "tool_call" and hasattr(self.env, "tool_call"):
+            return self.env.tool_call
         if name == "astep" and hasattr(self.env, "astep"):  # a blocking environment's step, timed too
             async def astep(action):
                 start = time.perf_counter()

@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, urlparse
 from finetune.rundir import advantages_file, read_advantages
 from tapes.kl import k3
 from tapes.store import read_tape_at
-from tapes.tape import Tape
+from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
 PAGE = Path(__file__).with_name("browse.html")
 TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
@@ -99,22 +99,24 @@ def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
         if number not in turns:
             turns[number] = {"turn": number, "call": None, "action": None, "steps": [], "reward": None,
                              "observation": None, "info": {}, "terminated": False, "truncated": False,
-                             "format_error": False, "learner": None}  # fmt: skip
+                             "format_error": False, "learner": None, "tool": None, "tool_call": None}  # fmt: skip
         return turns[number]
 
-    legacy = not any(step.kind in ("env_observation", "env_action") for step in tape.steps)
+    legacy = not any(isinstance(step, (EnvObservation, EnvAction)) for step in tape.steps)
     for step in tape.steps:
         kind = step.kind
-        if kind == "env_observation" and step.turn == 0 and first is None:
+        if isinstance(step, EnvObservation) and step.turn == 0 and first is None:
             first = {"text": step.text, "info": step.info}
-        elif kind == "env_observation":
+        elif isinstance(step, EnvObservation):  # a tool's result included
             t = turn_of(max(1, step.turn))
             t.update(observation=step.text, reward=step.reward, info=step.info, terminated=step.terminated,
                      truncated=step.truncated, format_error=bool(step.info.get("format_error")))  # fmt: skip
-        elif kind == "env_action":
+        elif isinstance(step, EnvAction):
             t = turn_of(step.turn)
             t["action"] = step.text
             t["call"] = call_index.get(step.metadata.prompt_id)
+            if isinstance(step, ToolCallAction):  # the turn called a tool: which, and with what
+                t["tool"], t["tool_call"] = step.tool, step.call
         elif kind == "task" and first is None:
             first = {"text": step.text, "info": {}}
         else:  # an older or custom step: shown within the turn of the call that made it

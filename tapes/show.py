@@ -93,7 +93,7 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
             lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
     for turn in episode["turns"]:
         call = tape.llm_calls[turn["call"]] if turn["call"] is not None else None
-        head = c(BOLD, f"\n[agent] turn {turn['turn']}")
+        head = c(BOLD, f"\n[agent] turn {turn['turn']}" + (f" ({turn['tool']} call)" if turn.get("tool") else ""))
         if call is not None:
             head += c(DIM, f"  call {turn['call'] + 1}: {call.model}  T={call.sampling.temperature}  "
                       f"finish {call.finish_reason}  {len(call.prompt_token_ids)} prompt + "
@@ -127,7 +127,13 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
         lines.append(credit_line)
         if turn["observation"] is not None:
             flag = "  " + c(RED, "format error") if turn["format_error"] else ""
-            lines.append(c(BOLD, f"[environment] answer to turn {turn['turn']}") + flag)
+            info = turn.get("info") or {}
+            if turn.get("tool"):
+                flag += "  " + c(RED, "timed out" if info.get("timed_out") else "tool error") if (
+                    info.get("timed_out") or info.get("tool_error")) else ""
+                lines.append(c(BOLD, f"[{turn['tool']} tool] result of turn {turn['turn']}") + flag)
+            else:
+                lines.append(c(BOLD, f"[environment] answer to turn {turn['turn']}") + flag)
             lines.append("   " + turn["observation"].replace("\n", "\n   "))
     if end["terminated"] or end["truncated"]:
         lines.append(c(BOLD, f"\nend: {end_text}") + (f" ({end['reason']})" if end["reason"] else "")

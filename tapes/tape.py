@@ -172,6 +172,22 @@ class EnvAction(Action):
     turn: int = 1
 
 
+class ToolCallAction(EnvAction):
+    """An agent turn that called a tool: its whole output (`text`) and the call read from it."""
+
+    kind: Literal["tool_call"] = "tool_call"  # type: ignore[assignment]
+    tool: str = Field(description="the tool called: python, search")
+    call: str = Field(description="what the tool was given: the code, the query")
+
+
+class ToolResultObservation(EnvObservation):
+    """A tool's answer to the call of `turn`: `text` is what the agent reads next; `info` holds the details
+    (stdout, stderr, exit code, timed out, output cut)."""
+
+    kind: Literal["tool_result"] = "tool_result"  # type: ignore[assignment]
+    tool: str = Field(description="the tool that answered")
+
+
 class TapeMetadata(BaseModel):
     """TapeAgents' tape metadata, plus what RL needs on every tape."""
 

@@ -134,3 +134,53 @@ def test_tools_from_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "orchestrate.rl", "--env.tools", "perl"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--env.tools" in out.stderr
+
+
+def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer, tmp_path):
+    """A tool call is a ToolCallAction (tool, code) and its answer a ToolResultObservation; the tape
+    round-trips through JSON, tapes.show names the tool and the browser's episode view carries it."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from agents.agent import AgentConfig, ChatAgent
+    from agents.chat import ChatTokens
+    from tapes.browse import episode_view
+    from tapes.store import read_tapes, write_tapes
+    from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape, ToolCallAction, ToolResultObservation
+
+    env = ToolEnv(make_env("math:arithmetic"), [tool])
+    texts = ["<python>print(6 * 7)</python>", "<python>1 / 0</python>", "\\boxed{42}"]
+    n = []
+
+    class LLM:
+        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+            n.append(1)
+            text = texts[len(n) - 1]
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
+                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
+                           sampling=sampling)
+
+    agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
+    tape = asyncio.run(agent.run_episode(env, 1, LLM(), Tape(context={"env": {"id": "math:arithmetic"}})))
+    kinds = [s.kind for s in tape.steps]
+    assert kinds == ["env_observation", "tool_call", "tool_result", "tool_call", "tool_result", "env_action",
+                     "env_observation"]
+    call, result = tape.steps[1], tape.steps[2]
+    assert isinstance(call, ToolCallAction) and isinstance(call, EnvAction) and call.call == "print(6 * 7)"
+    assert isinstance(result, ToolResultObservation) and isinstance(result, EnvObservation)
+    assert result.tool == "python" and result.info["stdout"] == "42\n" and result.reward == 0.0
+    path = tmp_path / "iter_000001.jsonl"
+    write_tapes(path, [tape])
+    (again,) = read_tapes(path)
+    assert [s.kind for s in again.steps] == kinds and again.steps[1].call == "print(6 * 7)"
+
+    turns = episode_view(again, None)["turns"]
+    assert [(t["tool"], t["tool_call"]) for t in turns] == [("python", "print(6 * 7)"), ("python", "1 / 0"),
+                                                            (None, None)]
+    out = subprocess.run([sys.executable, "-m", "tapes.show", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "[agent] turn 1 (python call)" in text and "[python tool] result of turn 1" in text
+    assert "[python tool] result of turn 2  tool error" in text and "[environment] answer to turn 3" in text
