@@ -61,8 +61,7 @@ class PythonTool:
             "tool": self.name, "code": call.text, "stdout": result.stdout, "stderr": result.stderr,
             "exit_code": result.exit_code, "timed_out": result.timed_out,
             "output_truncated": result.output_truncated, "tool_error": not result.ok,
-            "seconds": round(result.seconds, 4),
-        }  # fmt: skip
+        }  # fmt: skip (no run time here: the tape holds what replays the same)
 
 
 class ToolEnv:

@@ -27,7 +27,7 @@ from agents.llm import LLMError, ReplayLLM
 from orchestrate.rollouts import EnvSpec
 from tapes.diff import TapeDiff, diff_tapes
 from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
-from tapes.tape import Tape, TapeMetadata
+from tapes.tape import Tape, TapeMetadata, ToolCallAction
 
 
 async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
@@ -61,6 +61,12 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
                          f"{recorded.extends_previous}, replayed {replayed.turn} {replayed.extends_previous}")
     diff = diff_tapes(tape, fresh)
     diff.notes = [p for _, p in llm.mismatches] + notes + diff.notes
+    reruns: dict[str, int] = {}
+    for step in fresh.steps:
+        if isinstance(step, ToolCallAction):
+            reruns[step.tool] = reruns.get(step.tool, 0) + 1
+    diff.how = [f"re-ran {n} {tool} tool call{'s' if n > 1 else ''} (deterministic, in the sandbox)"
+                for tool, n in sorted(reruns.items())]
     return fresh, diff
 
 

@@ -25,6 +25,7 @@ class TapeDiff(BaseModel):
     reward: tuple[float | None, float | None] | None = None
     reward_reason: tuple[str, str] | None = None
     notes: list[str] = Field(default_factory=list, description="other differences (prompts, errors)")
+    how: list[str] = Field(default_factory=list, description="how the replay got its results (tools re-run, ...)")
 
     @property
     def identical(self) -> bool:
@@ -36,9 +37,10 @@ class TapeDiff(BaseModel):
 
     def report(self) -> str:
         """Human-readable, one difference per line block, the first differing step first."""
+        how = f" ({'; '.join(self.how)})" if self.how else ""
         if self.identical:
-            return f"tape {self.tape_id}: identical"
-        lines = [f"tape {self.tape_id}: differs"]
+            return f"tape {self.tape_id}: identical{how}"
+        lines = [f"tape {self.tape_id}: differs{how}"]
         for d in self.steps:
             kind = (d.recorded or d.replayed or {}).get("kind", "?")
             if d.recorded is None:

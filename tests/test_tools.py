@@ -184,3 +184,38 @@ def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer
     text = out.stdout
     assert "[agent] turn 1 (python call)" in text and "[python tool] result of turn 1" in text
     assert "[python tool] result of turn 2  tool error" in text and "[environment] answer to turn 3" in text
+
+
+def test_replay_reruns_the_code_and_says_so(tool, tokenizer):
+    """An episode with tool calls replays identically from its tape: the code runs again in the sandbox (the
+    tape's context names the tools), and the report says so."""
+    import asyncio
+
+    from agents.agent import AgentConfig, ChatAgent
+    from agents.chat import ChatTokens
+    from orchestrate.replay import replay_tape
+    from orchestrate.rollouts import EnvSpec
+    from tapes.tape import LLMCall, SamplingParams, Tape
+
+    spec = EnvSpec("math:arithmetic", {}, "train", 0, ["python"], {"timeout_s": 5})
+    answer = spec.make().env._problem_at(2).answer
+    texts = ["<python>print(sum(range(10)))</python>", "<python>import sys; sys.exit(3)</python>",
+             f"\\boxed{{{answer}}}"]
+    n = []
+
+    class LLM:
+        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+            n.append(1)
+            text = texts[len(n) - 1]
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
+                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
+                           sampling=sampling)
+
+    agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
+    tape = asyncio.run(agent.run_episode(spec.make(), 2, LLM(), Tape(context=spec.context(2))))
+    assert tape.metadata.success and tape.steps[2].text == "<output>\n45\n</output>"
+    replayed, diff = asyncio.run(replay_tape(tape, agent))
+    assert diff.identical, diff.report()
+    assert diff.how == ["re-ran 2 python tool calls (deterministic, in the sandbox)"]
+    assert "identical (re-ran 2 python tool calls" in diff.report()
