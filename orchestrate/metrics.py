@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tapes.kl import k3
-from tapes.tape import EnvObservation, Tape
+from tapes.tape import EnvObservation, Tape, ToolCallAction, ToolResultObservation
 
 # Where an iteration's time goes; "other" is the rest of its wall time.
 PHASES = ("generate", "reward", "reference", "train", "weight_sync", "eval")
@@ -46,6 +46,13 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
         "tapes": len(tapes),
         "infra_errors": len(tapes) - len(ok),
     }
+    tool_calls = [sum(isinstance(s, ToolCallAction) for s in t.steps) for t in ok]
+    if any(tool_calls):  # an environment with tools: how much the agent uses them, and how often they fail
+        results = [s for t in ok for s in t.steps if isinstance(s, ToolResultObservation)]
+        out["tool_calls_mean"] = statistics.fmean(tool_calls)
+        out["tool_episode_rate"] = sum(n > 0 for n in tool_calls) / len(ok)
+        # share of tool calls whose run failed (exception, non-zero exit, timeout, limit)
+        out["tool_error_rate"] = sum(bool(s.info.get("tool_error")) for s in results) / max(1, len(results))
     with_ref = [c for c in calls if c.ref_logprobs]
     if with_ref:  # k3 estimate of KL(policy || reference) on the sampled tokens
         kls = [k3(p, r) for c in with_ref for p, r in zip(c.logprobs, c.ref_logprobs)]
@@ -102,6 +109,12 @@ def plot_metrics(records: list[dict[str, Any]], out: str | os.PathLike) -> Path 
     ax.set_title("success")
     ax.set_ylim(-0.02, 1.02)
     _legend(ax)
+    if any(r.get("tool_calls_mean") is not None for r in records):  # an environment with tools
+        ax2 = ax.twinx()
+        curve(ax2, "tool_calls_mean", "tool calls per episode", color="tab:olive", linestyle="--")
+        curve(ax2, "tool_error_rate", "tool errors (share of calls)", color="tab:red", linestyle="--")
+        ax2.set_ylim(bottom=0)
+        _legend(ax2, loc="lower right")
 
     ax = axes[0][1]
     curve(ax, "reward_mean", "reward mean")

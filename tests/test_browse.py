@@ -40,6 +40,8 @@ from tapes.tape import (
     Tape,
     TapeMetadata,
     TaskStep,
+    ToolCallAction,
+    ToolResultObservation,
 )
 
 CHROMIUM = "/usr/bin/chromium"
@@ -620,6 +622,68 @@ def test_page_shows_an_episode_as_a_conversation(tmp_path, page):
             page.wait_for_function(f"document.querySelector('#tape-head').innerText.includes({json.dumps(file)})")
             assert page.locator("#tape-credit").inner_text().startswith("not trained on")
             assert page.locator(".t-advantage").count() == 0 and page.locator(".t-reward").count() == 1
+    finally:
+        server.shutdown()
+
+
+def tool_episode() -> Tape:
+    """A python-tool episode by hand: a call that prints, a call that fails, then the boxed answer."""
+    question = "What is 123 * 456?\nYou may run Python: write <python>code</python>."
+    tape = Tape(metadata=TapeMetadata(task_id="math:arithmetic/train/5", group_id="1:train:5", iteration=1),
+                context={"env": {"id": "math:arithmetic", "options": {}, "split": "train", "run_seed": 0, "seed": 5,
+                                 "tools": ["python"], "sandbox": {}}})  # fmt: skip
+    tape.append(EnvObservation(text=question, turn=0))
+    turns = [
+        ("<python>\nprint(123 * 456)\n</python>", "print(123 * 456)", "<output>\n56088\n</output>",
+         {"tool": "python", "stdout": "56088\n", "stderr": "", "exit_code": 0, "tool_error": False}),
+        ("<python>\n1 / 0\n</python>", "1 / 0", "<output>\nZeroDivisionError: division by zero\n[exit code 1]\n</output>",
+         {"tool": "python", "stdout": "", "stderr": "ZeroDivisionError", "exit_code": 1, "tool_error": True}),
+    ]
+    prompt = [1, 2, 3]
+    for turn, (output, code, result, info) in enumerate(turns, start=1):
+        call = LLMCall(model="hand", prompt_token_ids=prompt, output_text=output, output_token_ids=[7, 8, 9],
+                       logprobs=[-0.1, -0.2, -0.3], finish_reason="stop", turn=turn,
+                       extends_previous=None if turn == 1 else True)  # fmt: skip
+        tape.append(ToolCallAction(text=output, turn=turn, tool="python", call=code), llm_call=call)
+        tape.append(ToolResultObservation(text=result, turn=turn, tool="python", reward=0.0, info=info))
+        prompt = prompt + [7, 8, 9, 4]
+    call = LLMCall(model="hand", prompt_token_ids=prompt, output_text="The answer is \\boxed{56088}.",
+                   output_token_ids=[5, 6], logprobs=[-0.1, -0.1], finish_reason="stop", turn=3, extends_previous=True)
+    tape.append(EnvAction(text="The answer is \\boxed{56088}.", turn=3), llm_call=call)
+    tape.append(EnvObservation(text="", turn=3, reward=1.0, terminated=True, info={"success": True}))
+    return summarize(tape)
+
+
+def test_page_shows_a_tool_episode(tmp_path, page):
+    """Tool calls and tool results are named as such: which tool, what it was given, its output as text (markup
+    in it is not HTML), a failed run flagged."""
+    run = tmp_path / "run"
+    tape = tool_episode()
+    write_tapes(run / "tapes" / "iter_000001.jsonl", [tape])
+    (run / "config.json").write_text(json.dumps({"env": {"id": "math:arithmetic", "tools": ["python"]}}))
+    server, url = start_server(run)
+    try:
+        open_page(page, url)
+        act(page, lambda: page.locator("a.file-link", has_text="iter_000001.jsonl").click())
+        wait_rows(page, 1)
+        assert column(page, "turns") == ["3"] and column(page, "success") == ["yes"]
+        rows(page).nth(0).click()
+        page.locator("#conversation").wait_for()
+        calls = page.locator("#conversation .bubble.assistant .badge.tool-call")
+        assert [b.inner_text() for b in calls.all()] == ["python call", "python call"]  # not on the answer
+        assert page.locator(".bubble.assistant[data-turn='3'] .badge.tool-call").count() == 0
+        results = page.locator("#conversation .bubble.user.tool-result")
+        assert results.count() == 2
+        assert [r.locator(".who").inner_text().split("\n")[0].startswith(f"python tool · result of turn {i}")
+                for i, r in enumerate(results.all(), start=1)] == [True, True]
+        assert results.nth(0).locator(".observation").inner_text() == "<output>\n56088\n</output>"
+        assert results.nth(0).locator(".observation output").count() == 0  # shown as text, not parsed
+        assert results.nth(0).locator(".badge.tool-error").count() == 0
+        assert results.nth(1).locator(".badge.tool-error").inner_text() == "tool error"
+        assert "ZeroDivisionError" in results.nth(1).locator(".observation").inner_text()
+        # the environment's answer to the last turn is an ordinary environment bubble with the reward
+        assert "environment · answer to turn 3" in page.locator(".bubble.user[data-turn='3'] .who").inner_text()
+        assert "success" in page.locator("#episode-end").inner_text()
     finally:
         server.shutdown()
 

@@ -1,7 +1,7 @@
 import math
 
 from orchestrate.metrics import append_metrics, plot_metrics, read_metrics, rollout_metrics
-from tapes.tape import EnvAction, EnvObservation, LLMCall, Tape, TapeMetadata
+from tapes.tape import EnvAction, EnvObservation, LLMCall, Tape, TapeMetadata, ToolCallAction, ToolResultObservation
 
 
 def tape(rewards, n_tokens, finish="stop", ref=None, success=None, format_error=False, error=None, chain_ok=True):
@@ -39,11 +39,33 @@ def test_rollout_metrics():
     assert rollout_metrics([broken])["prompt_mismatches"] == 1
 
 
+def tool_tape(errors: list[bool]) -> Tape:
+    """An episode that calls the python tool once per entry of `errors` (True: that run failed), then answers."""
+    t = Tape(metadata=TapeMetadata(reward=1.0, turns=len(errors) + 1, success=True))
+    t.append(EnvObservation(text="What is 123 * 456?"))
+    for turn, failed in enumerate(errors, start=1):
+        t.append(ToolCallAction(text="<python>x</python>", turn=turn, tool="python", call="x"))
+        t.append(ToolResultObservation(text="<output></output>", turn=turn, tool="python", reward=0.0,
+                                       info={"tool_error": failed}))
+    t.append(EnvAction(text="\\boxed{56088}", turn=len(errors) + 1))
+    t.append(EnvObservation(text="", turn=len(errors) + 1, reward=1.0, terminated=True, info={"success": True}))
+    return t
+
+
+def test_tool_metrics_count_calls_per_episode_and_failed_runs():
+    tapes = [tool_tape([True, False]), tool_tape([False]), tool_tape([])]
+    m = rollout_metrics(tapes, prefix="eval_")
+    assert m["eval_tool_calls_mean"] == 1.0  # 3 calls over 3 episodes
+    assert abs(m["eval_tool_episode_rate"] - 2 / 3) < 1e-12 and abs(m["eval_tool_error_rate"] - 1 / 3) < 1e-12
+    assert "tool_calls_mean" not in rollout_metrics([tape([1.0], 3)])  # no tools, no tool metrics
+
+
 def test_metrics_file_survives_a_torn_line_and_plots(tmp_path):
     path = tmp_path / "metrics.jsonl"
     for i in range(3):
         append_metrics(path, {"iteration": i, "success_rate": 0.1 * i, "eval_success_rate": 0.2 if i == 2 else None,
-                              "time_generate": 3.0, "time_train": 2.0, "time_other": 0.5})
+                              "time_generate": 3.0, "time_train": 2.0, "time_other": 0.5,
+                              "tool_calls_mean": 0.5 * i, "tool_error_rate": 0.1})
     with open(path, "a") as f:
         f.write('{"iteration": 3, "succ')  # killed mid-write
     records = read_metrics(path)
