@@ -1,7 +1,9 @@
 """Environments by id, GEM-style: `--env.id math:arithmetic`, `--env.id countdown`, `--env.id gem:game:GuessTheNumber-v0`.
 
 Built-in ids are registered with an options model (Pydantic): `--env.options.NAME VALUE`
-sets one, and a bad one is refused with one line naming it before anything starts.
+sets one, and a bad one is refused with one line naming it before anything starts. An
+environment that runs model-written code (`code`) is registered with `sandbox=True` and
+built with the caller's Sandbox (EnvSpec's, from `--env.sandbox.*`).
 Families by prefix:
 - `rg:NAME`      any reasoning-gym data set (procedural, offline), scored by its own verifier;
 - `gem:ID`       any GEM environment (the optional `gem` extra: `uv sync --extra gem`);
