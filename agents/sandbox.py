@@ -102,6 +102,11 @@ class SandboxResult:
         return "\n".join(parts) if parts else "[no output]"
 
 
+class SandboxInfraError(RuntimeError):
+    """The sandbox could not run the code (`SandboxResult.infra_error`): the episode is an infrastructure
+    failure, flagged on its tape and left out of training, never scored as a wrong answer."""
+
+
 class SandboxUnavailable(RuntimeError):
     """The configured isolation cannot run on this machine (checked before anything starts); `field` names
     the SandboxConfig field to change."""

@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from agents.sandbox import Sandbox, SandboxConfig, SandboxResult
+from agents.sandbox import Sandbox, SandboxConfig, SandboxInfraError, SandboxResult
 
 
-class ToolInfraError(RuntimeError):
+class ToolInfraError(SandboxInfraError):
     """The tool itself failed (not the agent's code): an infrastructure failure of the episode."""
 
 

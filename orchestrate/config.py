@@ -50,7 +50,8 @@ class EnvSection(BaseModel):
         default_factory=list, description="tools the agent may call, comma-separated: python (<python>code"
         "</python>, run in the sandbox, its output as the next observation)"
     )
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="where tools run model-written code")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="where model-written code runs "
+                                   "(tools, code environments)")
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -126,7 +126,7 @@ def check_environment(config) -> None:
     from orchestrate.loop import eval_size
     from orchestrate.rollouts import EnvSpec
 
-    if config.env.tools:
+    if EnvSpec.from_config(config, "train").uses_sandbox:  # tools, or an environment that runs code
         from agents.sandbox import SandboxUnavailable, check_isolation
 
         try:

@@ -18,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from agents.agent import ChatAgent, TokenLLM, summarize
-from agents.envs import make_env
+from agents.envs import entry, make_env
 from agents.llm import LLMError
 from tapes.tape import SamplingParams, Tape, TapeMetadata
 
@@ -31,7 +31,7 @@ class EnvSpec:
         self.env_id, self.options, self.split, self.run_seed = env_id, dict(options or {}), split, run_seed
         self.tools = list(tools or [])
         self.sandbox_options = dict(sandbox or {})
-        self._sandbox = None  # one per spec: its slots bound the concurrent tool runs
+        self._sandbox = None  # one per spec: its slots bound the concurrent runs of model-written code
 
     @classmethod
     def from_config(cls, config, split: str) -> EnvSpec:
@@ -39,23 +39,36 @@ class EnvSpec:
         e = config.env
         return cls(e.id, e.options, split, config.run.seed, e.tools, e.sandbox.model_dump(exclude_defaults=True))
 
+    @property
+    def uses_sandbox(self) -> bool:
+        """Model-written code runs here: through a tool, or in the environment itself (e.g. `code`)."""
+        return bool(self.tools) or entry(self.env_id).sandbox
+
+    def sandbox(self):
+        """The spec's one Sandbox, built from its sandbox options (`--env.sandbox.*`) on first use."""
+        if self._sandbox is None:
+            from agents.sandbox import Sandbox, SandboxConfig
+
+            self._sandbox = Sandbox(SandboxConfig(**self.sandbox_options))
+        return self._sandbox
+
     def context(self, seed: int) -> dict[str, Any]:
         env = {"id": self.env_id, "options": self.options, "split": self.split, "run_seed": self.run_seed,
                "seed": seed}
         if self.tools:
-            env.update(tools=self.tools, sandbox=self.sandbox_options)
+            env["tools"] = self.tools
+        if self.uses_sandbox:
+            env["sandbox"] = self.sandbox_options
         return {"env": env}
 
     def make(self):
-        env = make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed)
+        sandbox = self.sandbox() if entry(self.env_id).sandbox else None
+        env = make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed, sandbox=sandbox)
         if not self.tools:
             return env
-        from agents.sandbox import Sandbox, SandboxConfig
         from agents.tools import PythonTool, ToolEnv
 
-        if self._sandbox is None:
-            self._sandbox = Sandbox(SandboxConfig(**self.sandbox_options))
-        known = {"python": lambda: PythonTool(self._sandbox)}
+        known = {"python": lambda: PythonTool(self.sandbox())}
         unknown = [t for t in self.tools if t not in known]
         if unknown:
             raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")

@@ -1,7 +1,9 @@
 """Environments by id, GEM-style: `--env.id math:arithmetic`, `--env.id countdown`, `--env.id gem:game:GuessTheNumber-v0`.
 
 Built-in ids are registered with an options model (Pydantic): `--env.options.NAME VALUE`
-sets one, and a bad one is refused with one line naming it before anything starts.
+sets one, and a bad one is refused with one line naming it before anything starts. An
+environment that runs model-written code (`code`) is registered with `sandbox=True` and
+built with the caller's Sandbox (EnvSpec's, from `--env.sandbox.*`).
 Families by prefix:
 - `rg:NAME`      any reasoning-gym data set (procedural, offline), scored by its own verifier;
 - `gem:ID`       any GEM environment (the optional `gem` extra: `uv sync --extra gem`);
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agents.envs.base import Env, EnvError
 
-Factory = Callable[[Any, str, int], Env]  # (validated options, split, run_seed) -> Env
+Factory = Callable[..., Env]  # (validated options, split, run_seed[, sandbox=]) -> Env
 
 
 @dataclass
@@ -30,17 +32,19 @@ class EnvEntry:
     options: type[BaseModel]
     factory: Factory
     description: str
+    sandbox: bool = False  # it runs model-written code: the factory takes `sandbox=` (one Sandbox per EnvSpec)
 
 
 _REGISTRY: dict[str, EnvEntry] = {}
 _PREFIXES: dict[str, Callable[[str], EnvEntry]] = {}
 
 
-def register(env_id: str, options: type[BaseModel], description: str):
-    """Decorator: register `factory(options, split, run_seed) -> Env` under `env_id`."""
+def register(env_id: str, options: type[BaseModel], description: str, *, sandbox: bool = False):
+    """Decorator: register `factory(options, split, run_seed) -> Env` under `env_id`; with `sandbox`, the
+    environment runs model-written code and its factory also takes `sandbox=` (an agents.sandbox.Sandbox)."""
 
     def wrap(factory: Factory) -> Factory:
-        _REGISTRY[env_id] = EnvEntry(env_id, options, factory, description)
+        _REGISTRY[env_id] = EnvEntry(env_id, options, factory, description, sandbox)
         return factory
 
     return wrap
@@ -53,7 +57,7 @@ def register_prefix(prefix: str, resolver: Callable[[str], EnvEntry]) -> None:
 
 def _load_builtins() -> None:
     # Importing a module registers its environments; each is light (no model, no data).
-    for name in ("math", "countdown", "guess_the_number", "reasoning_gym", "gem", "custom"):
+    for name in ("math", "countdown", "guess_the_number", "code", "reasoning_gym", "gem", "custom"):
         try:
             importlib.import_module(f"agents.envs.{name}")
         except ModuleNotFoundError as exc:
@@ -97,12 +101,22 @@ def check_options(env_id: str, options: dict[str, Any] | None) -> BaseModel:
         raise EnvError(f"{name}: {err['msg'].removeprefix('Value error, ')}{got}") from None
 
 
-def make_env(env_id: str, options: dict[str, Any] | None = None, *, split: str = "train", run_seed: int = 0) -> Env:
-    """A fresh environment `env_id` for `split` ("train" or "test") of the run seeded `run_seed`."""
+def make_env(env_id: str, options: dict[str, Any] | None = None, *, split: str = "train", run_seed: int = 0,
+             sandbox=None) -> Env:
+    """A fresh environment `env_id` for `split` ("train" or "test") of the run seeded `run_seed`. An
+    environment that runs code gets `sandbox` (an agents.sandbox.Sandbox; default: one with default limits);
+    the others ignore it."""
     if split not in ("train", "test"):
         raise EnvError(f"split must be 'train' or 'test', not {split!r}")
     e = entry(env_id)
-    return e.factory(check_options(env_id, options), split, run_seed)
+    options = check_options(env_id, options)
+    if not e.sandbox:
+        return e.factory(options, split, run_seed)
+    if sandbox is None:
+        from agents.sandbox import Sandbox
+
+        sandbox = Sandbox()
+    return e.factory(options, split, run_seed, sandbox=sandbox)
 
 
 # -- module:Class ---------------------------------------------------------------
