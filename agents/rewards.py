@@ -1,4 +1,5 @@
-"""Rewards for math answers: +1 correct, 0 wrong, -1 unparsable or truncated.
+"""Rewards for math answers (+1 correct, 0 wrong, -1 unparsable or truncated) and scores of short
+answers to questions (exact match and token F1, HotpotQA's / SQuAD's normalisation).
 
 The answer is the content of the last `\\boxed{...}` in the output. It is
 compared to the gold answer with math-verify (the field's answer checker), so
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import re
+import string
 import threading
+from collections import Counter
 
 from pydantic import BaseModel
 
@@ -76,3 +79,34 @@ def math_reward(output: str, gold: str, finish_reason: str | None = None) -> Rew
     if answers_match(answer, gold):
         return Reward(value=CORRECT, reason="correct")
     return Reward(value=WRONG, reason=f"wrong: {answer!r} != {gold!r}")
+
+
+# -- short answers to questions -------------------------------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """HotpotQA's (and SQuAD's) normalisation: lower case, no punctuation, no articles (a, an, the), single
+    spaces."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """F1 of the normalised words of `prediction` against those of `gold` (each word counted as often as it
+    occurs in both)."""
+    predicted, wanted = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not predicted or not wanted:  # e.g. an answer that is only an article: no words to weigh
+        return float(predicted == wanted)
+    common = sum((Counter(predicted) & Counter(wanted)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(wanted)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_scores(prediction: str, answers: list[str]) -> tuple[float, float]:
+    """(exact match, token F1) of a prediction: the best of each over the accepted answers."""
+    em = max(float(normalize_answer(prediction) == normalize_answer(gold)) for gold in answers)
+    return em, max(token_f1(prediction, gold) for gold in answers)

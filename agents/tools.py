@@ -5,6 +5,14 @@ closing tag (kept in the output), the code runs in the sandbox (agents.sandbox) 
 back as the next observation, `<output>...</output>`; the agent goes on until it answers without a
 tool call (e.g. `\\boxed{42}`), which the wrapped environment scores, or reaches its turn limit.
 
+The search tool (GEM's search_tool, Search-R1's format): `<search>query</search>` is answered with the
+best passages of a local corpus (agents.search, BM25), `<information>Doc 1 (Title: ...) text
+Doc 2 ...</information>`. It runs in-process: the query is only text to look up.
+
+A replay re-runs the python tool (the sandbox is deterministic given the code) but answers searches from
+the results the tape recorded (`RecordedTool`): the corpus may have changed or be elsewhere, and a tape
+must replay the same.
+
 A tool call costs a turn and earns reward 0. A timeout, a crash or a limit reached is part of the
 observation. A sandbox that could not start raises ToolInfraError: the episode is then an
 infrastructure failure (flagged on its tape, left out of training and of group statistics).
@@ -14,9 +22,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agents.sandbox import Sandbox, SandboxConfig, SandboxInfraError, SandboxResult
+from agents.search import Retriever, SearchConfig
+
+if TYPE_CHECKING:
+    from tapes.tape import Tape
 
 
 class ToolInfraError(SandboxInfraError):
@@ -29,7 +41,26 @@ class ToolCall:
     text: str  # what the agent asked: the code, the query
 
 
-_PYTHON = re.compile(r"<python>(.*?)</python>", re.S)
+class Tool(Protocol):
+    """What ToolEnv needs of a tool."""
+
+    name: str
+    stop: str  # where sampling stops: the end of a call (kept in the output)
+
+    def instruction(self) -> str: ...
+
+    def parse(self, action: str) -> ToolCall | None: ...
+
+    def execute(self, call: ToolCall) -> tuple[str, dict[str, Any]]: ...
+
+    # and, for a tool that a replay runs (PythonTool, RecordedTool): replay_note(calls) -> how it answered them
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+_PYTHON = re.compile(r"<python>(.*?)</python>", re.DOTALL)
 
 
 class PythonTool:
@@ -63,12 +94,91 @@ class PythonTool:
             "output_truncated": result.output_truncated, "tool_error": not result.ok,
         }  # fmt: skip (no run time here: the tape holds what replays the same)
 
+    def replay_note(self, calls: int) -> str:
+        return f"re-ran {_plural(calls, 'python tool call')} (deterministic, in the sandbox)"
+
+
+_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+_EMPTY_QUERY = "[empty query: write what to look up between <search> and </search>]"
+
+
+class SearchTool:
+    """Answers the first complete `<search>query</search>` of an action with the best passages of a corpus."""
+
+    name = "search"
+    stop = "</search>"
+    answered_from_tape = True  # on replay: see RecordedTool
+
+    def __init__(self, retriever: Retriever | None, config: SearchConfig | None = None):
+        self.retriever = retriever  # None: parse only (a replay answers from the tape)
+        self.config = config or SearchConfig()
+
+    def instruction(self) -> str:
+        return ("You may search a knowledge source: write <search>query</search> and you will get the best "
+                "passages back as <information>...</information>.")
+
+    def parse(self, action: str) -> ToolCall | None:
+        match = _SEARCH.search(action)
+        return ToolCall(self.name, match.group(1).strip()) if match else None
+
+    def execute(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
+        """(observation, info) for one query; an empty query is an error observation for the agent."""
+        info: dict[str, Any] = {"tool": self.name, "query": call.text, "ids": [], "scores": [],
+                                "output_truncated": False, "tool_error": False}  # fmt: skip
+        if not call.text:
+            info["tool_error"] = True
+            return f"<information>{_EMPTY_QUERY}</information>", info
+        if self.retriever is None:
+            raise ToolInfraError("search tool: no corpus loaded")
+        hits = self.retriever.search(call.text, self.config.top_k)
+        info.update(ids=[p.id for p, _ in hits], scores=[s for _, s in hits])
+        body = "\n".join(f"Doc {i} (Title: {p.title}) {p.text}" if p.title else f"Doc {i} {p.text}"
+                         for i, (p, _) in enumerate(hits, start=1)) or "[no passage matches the query]"
+        if len(body) > self.config.observation_chars:
+            body, info["output_truncated"] = body[: self.config.observation_chars] + " [... cut]", True
+        return f"<information>{body}</information>", info
+
+
+class RecordedTool:
+    """A tool whose calls are answered from the results a tape recorded, in order (a replay of tools that are
+    not re-run, e.g. search). A call that is not the one recorded raises ToolInfraError: the replay differs."""
+
+    def __init__(self, tool: Tool, tape: Tape):
+        from tapes.tape import ToolCallAction, ToolResultObservation
+
+        self.tool, self.name, self.stop = tool, tool.name, tool.stop
+        calls = {s.turn: s.call for s in tape.steps if isinstance(s, ToolCallAction) and s.tool == tool.name}
+        self.results = [(calls[s.turn], s.text, s.info) for s in tape.steps
+                        if isinstance(s, ToolResultObservation) and s.tool == tool.name and s.turn in calls]
+        self.position = 0
+
+    def instruction(self) -> str:
+        return self.tool.instruction()
+
+    def parse(self, action: str) -> ToolCall | None:
+        return self.tool.parse(action)
+
+    def execute(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
+        if self.position >= len(self.results):
+            raise ToolInfraError(f"replay: {self.name} call {self.position + 1} ({call.text!r}) is not on the tape, "
+                                 f"which recorded {len(self.results)}")  # fmt: skip
+        recorded, observation, info = self.results[self.position]
+        if recorded != call.text:
+            raise ToolInfraError(f"replay: {self.name} call {self.position + 1} asks {call.text!r}; the tape "
+                                 f"recorded {recorded!r}")  # fmt: skip
+        self.position += 1
+        info = {k: v for k, v in info.items() if k not in ("tool_calls", "tool_errors")}  # ToolEnv counts anew
+        return observation, info
+
+    def replay_note(self, calls: int) -> str:
+        return f"answered {_plural(calls, self.name + ' call')} from the recorded results"
+
 
 class ToolEnv:
     """An environment with tools: an action holding a tool call is answered by the tool (reward 0, the
     episode goes on); any other action goes to the wrapped environment. GEM's reset / step protocol."""
 
-    def __init__(self, env, tools: list[PythonTool]):
+    def __init__(self, env, tools: list[Tool]):
         self.env = env
         self.tools = tools
         self.tool_calls = 0

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
+from agents.search import SearchConfig
 from finetune.config import TrainConfig
 from orchestrate.vllm_server import ServerConfig
 
@@ -46,12 +47,14 @@ class EnvSection(BaseModel):
         default_factory=dict, description="the environment's options, each as --env.options.NAME VALUE "
         "(or all at once as a JSON object)"
     )
-    tools: list[Literal["python"]] = Field(
+    tools: list[Literal["python", "search"]] = Field(
         default_factory=list, description="tools the agent may call, comma-separated: python (<python>code"
-        "</python>, run in the sandbox, its output as the next observation)"
+        "</python>, run in the sandbox, its output as the next observation), search (<search>query</search>, "
+        "the best passages of --env.search.corpus as the next observation)"
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="where model-written code runs "
-                                   "(tools, code environments)")
+                                   "(the python tool, code environments)")
+    search: SearchConfig = Field(default_factory=SearchConfig, description="what the search tool searches")
 
     @field_validator("tools", mode="before")
     @classmethod

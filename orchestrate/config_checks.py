@@ -146,6 +146,9 @@ def check_config(config) -> None:
         raise _error(f"--rollouts.top_p: {r.top_p} is refused for training rollouts: the trainer computes log-probs "
                      "of the whole distribution (top_p = 1), so tokens sampled from a truncated one would get wrong "
                      "importance ratios and KL; leave it at 1")  # fmt: skip
+    if "search" in config.env.tools and not config.env.search.corpus:
+        raise _error("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
+                     "line with 'text' (and optional 'title', 'id')")  # fmt: skip
     accelerate = config.train.accelerate_config
     if accelerate and not Path(accelerate).expanduser().is_file():
         raise _error(f"--train.accelerate_config: {accelerate} does not exist; give an accelerate config file "

@@ -3,7 +3,8 @@
 `orchestrate.rl` refuses, with one line naming what is wrong and exit status
 2, a run directory that is a file, under a file or not writable; a model that
 cannot be had or a folder that holds no model; task data that is missing, of
-an unknown kind, unreadable or without the fields it needs. Only then does
+an unknown kind, unreadable or without the fields it needs (GSM8K files, the
+qa environment's questions, the search tool's corpus). Only then does
 it create the run directory, take its lock and save config.json: a refused
 run leaves nothing behind that would make the corrected command look like a
 changed resume.
@@ -106,14 +107,43 @@ def check_gsm8k_source(value: str, split: str, option: str) -> int:
     return len(tasks)
 
 
+def check_qa_questions(path: str, option: str) -> int:
+    """Read a qa questions file as the environment will; the number of questions."""
+    from agents.envs.base import EnvError
+    from agents.envs.qa import read_questions
+
+    try:
+        return len(read_questions(path))
+    except EnvError as exc:
+        raise PreflightError(f"{option}: {exc}") from None
+
+
+def check_search_corpus(search, option: str = "--env.search.corpus") -> int:
+    """Load the search tool's corpus and index (a SearchConfig) as the run will; the number of passages.
+    The index built here is the one the run uses (cached beside the corpus, and in this process)."""
+    from agents.search import CorpusError, load_retriever
+
+    if not search.corpus:
+        raise PreflightError(f"{option}: --env.tools search needs a corpus (JSON lines of passages)")
+    try:
+        return len(load_retriever(search.corpus, search.cache_dir).passages)
+    except CorpusError as exc:
+        raise PreflightError(f"{option}: {exc}") from None
+
+
 def preflight(config) -> None:
     """Check task data, then models, of an RLConfig: PreflightError names the first problem."""
-    if config.env.id == "math:gsm8k":
+    if config.env.id in ("math:gsm8k", "qa"):
         from agents.envs import check_options
 
         options = check_options(config.env.id, config.env.options)
-        check_gsm8k_source(options.train, "train", "--env.options.train")
-        check_gsm8k_source(options.test, "test", "--env.options.test")
+        if config.env.id == "qa":
+            check_qa_questions(options.questions, "--env.options.questions")
+        else:
+            check_gsm8k_source(options.train, "train", "--env.options.train")
+            check_gsm8k_source(options.test, "test", "--env.options.test")
+    if "search" in config.env.tools:
+        check_search_corpus(config.env.search)
     check_environment(config)
     check_model(config.model.policy, "--model.policy")
     if config.model.reference:
@@ -126,7 +156,7 @@ def check_environment(config) -> None:
     from orchestrate.loop import eval_size
     from orchestrate.rollouts import EnvSpec
 
-    if EnvSpec.from_config(config, "train").uses_sandbox:  # tools, or an environment that runs code
+    if EnvSpec.from_config(config, "train").uses_sandbox:  # the python tool, or an environment that runs code
         from agents.sandbox import SandboxUnavailable, check_isolation
 
         try:

@@ -5,8 +5,11 @@ options, split, run seed, episode seed) by the run's agent, with an LLM that
 answers from the calls the tape recorded (`agents.llm.ReplayLLM`): the
 environment computes its observations and rewards anew, the agent renders
 its prompts anew, and the result is compared with the recorded tape step by
-step (`tapes.diff`) and prompt by prompt (token ids). This is how a change
-to an agent, its prompts or an environment is checked against old tapes.
+step (`tapes.diff`) and prompt by prompt (token ids). Tool calls: the python
+tool runs the code again in the sandbox; searches are answered from the
+results the tape recorded (the corpus may have changed or be elsewhere), and
+the report says which (`TapeDiff.how`). This is how a change to an agent,
+its prompts or an environment is checked against old tapes.
 Exit status 0 when every tape came back the same, 1 when one differs, 2 for
 bad input.
 
@@ -45,8 +48,10 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
     llm = ReplayLLM(tape, strict=False)
     sampling = tape.llm_calls[0].sampling if tape.llm_calls else None  # the run's sampling (rollout or eval)
     notes = []
+    env = None
     try:
-        await agent.run_episode(spec.make(), seed, llm, fresh, sampling)
+        env = spec.make(recorded=tape)  # tools that are not run again (search) answer from this tape
+        await agent.run_episode(env, seed, llm, fresh, sampling)
     except LLMError as exc:
         notes.append(str(exc))
         summarize(fresh)
@@ -61,12 +66,13 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
                          f"{recorded.extends_previous}, replayed {replayed.turn} {replayed.extends_previous}")
     diff = diff_tapes(tape, fresh)
     diff.notes = [p for _, p in llm.mismatches] + notes + diff.notes
-    reruns: dict[str, int] = {}
+    calls: dict[str, int] = {}
     for step in fresh.steps:
         if isinstance(step, ToolCallAction):
-            reruns[step.tool] = reruns.get(step.tool, 0) + 1
-    diff.how = [f"re-ran {n} {tool} tool call{'s' if n > 1 else ''} (deterministic, in the sandbox)"
-                for tool, n in sorted(reruns.items())]
+            calls[step.tool] = calls.get(step.tool, 0) + 1
+    tools = {t.name: t for t in getattr(env, "tools", [])}
+    diff.how = [tools[name].replay_note(n) for name, n in sorted(calls.items())
+                if hasattr(tools.get(name), "replay_note")]
     return fresh, diff
 
 

@@ -27,22 +27,26 @@ class EnvSpec:
     """Which environment (and tools), for which split of which run: enough to build it again for a replay."""
 
     def __init__(self, env_id: str, options: dict[str, Any] | None, split: str, run_seed: int,
-                 tools: list[str] | None = None, sandbox: dict[str, Any] | None = None):
+                 tools: list[str] | None = None, sandbox: dict[str, Any] | None = None,
+                 search: dict[str, Any] | None = None):
         self.env_id, self.options, self.split, self.run_seed = env_id, dict(options or {}), split, run_seed
         self.tools = list(tools or [])
         self.sandbox_options = dict(sandbox or {})
+        self.search_options = dict(search or {})
         self._sandbox = None  # one per spec: its slots bound the concurrent runs of model-written code
+        self._retriever = None  # one per spec (and per process for an unchanged corpus: agents.search)
 
     @classmethod
     def from_config(cls, config, split: str) -> EnvSpec:
         """The run's environment for `split` (an RLConfig)."""
         e = config.env
-        return cls(e.id, e.options, split, config.run.seed, e.tools, e.sandbox.model_dump(exclude_defaults=True))
+        return cls(e.id, e.options, split, config.run.seed, e.tools, e.sandbox.model_dump(exclude_defaults=True),
+                   e.search.model_dump(exclude_defaults=True))
 
     @property
     def uses_sandbox(self) -> bool:
-        """Model-written code runs here: through a tool, or in the environment itself (e.g. `code`)."""
-        return bool(self.tools) or entry(self.env_id).sandbox
+        """Model-written code runs here: through the python tool, or in the environment itself (e.g. `code`)."""
+        return "python" in self.tools or entry(self.env_id).sandbox
 
     def sandbox(self):
         """The spec's one Sandbox, built from its sandbox options (`--env.sandbox.*`) on first use."""
@@ -59,20 +63,38 @@ class EnvSpec:
             env["tools"] = self.tools
         if self.uses_sandbox:
             env["sandbox"] = self.sandbox_options
+        if "search" in self.tools:
+            env["search"] = self.search_options
         return {"env": env}
 
-    def make(self):
+    def make(self, recorded: Tape | None = None):
+        """A fresh environment, wrapped with its tools; with `recorded`, the tools that a replay does not run
+        again (search) answer from that tape's results."""
         sandbox = self.sandbox() if entry(self.env_id).sandbox else None
         env = make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed, sandbox=sandbox)
         if not self.tools:
             return env
-        from agents.tools import PythonTool, ToolEnv
+        from agents.tools import PythonTool, RecordedTool, ToolEnv
 
-        known = {"python": lambda: PythonTool(self.sandbox())}
+        known = {"python": lambda: PythonTool(self.sandbox()), "search": lambda: self._search_tool(load=recorded is None)}
         unknown = [t for t in self.tools if t not in known]
         if unknown:
             raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")
-        return ToolEnv(env, [known[t]() for t in self.tools])
+        tools = [known[t]() for t in self.tools]
+        if recorded is not None:
+            tools = [RecordedTool(t, recorded) if getattr(t, "answered_from_tape", False) else t for t in tools]
+        return ToolEnv(env, tools)
+
+    def _search_tool(self, load: bool):
+        from agents.search import SearchConfig, load_retriever
+        from agents.tools import SearchTool
+
+        config = SearchConfig(**self.search_options)
+        if load and self._retriever is None:
+            if not config.corpus:
+                raise ValueError("the search tool needs a corpus: set --env.search.corpus")
+            self._retriever = load_retriever(config.corpus, config.cache_dir)
+        return SearchTool(self._retriever if load else None, config)
 
     @classmethod
     def of(cls, tape: Tape) -> tuple[EnvSpec, int]:
@@ -80,7 +102,7 @@ class EnvSpec:
         try:
             env = tape.context["env"]
             spec = cls(env["id"], env.get("options"), env["split"], env["run_seed"], env.get("tools"),
-                       env.get("sandbox"))
+                       env.get("sandbox"), env.get("search"))
             return spec, int(env["seed"])
         except (TypeError, KeyError) as exc:
             raise ValueError(f"tape {tape.metadata.id} has no context.env.{exc}: not an environment episode") from None
@@ -93,7 +115,7 @@ def rescore_episode(tape: Tape) -> Tape:
     from tapes.tape import EnvAction, EnvObservation
 
     spec, seed = EnvSpec.of(tape)
-    env = spec.make()
+    env = spec.make(recorded=tape)
     env.reset(seed=seed)
     answers = {s.turn: s for s in tape.steps if isinstance(s, EnvObservation) and s.turn > 0}
     for action in [s for s in tape.steps if isinstance(s, EnvAction)]:

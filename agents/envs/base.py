@@ -31,6 +31,8 @@ and left out of training and of group statistics, never scored as wrong.
 from __future__ import annotations
 
 import hashlib
+import random
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -49,6 +51,22 @@ def episode_seed(run_seed: int, split: str, seed: int, salt: str = "") -> int:
     """One 31-bit seed from (run seed, split, episode number): stable across runs and Python versions."""
     digest = hashlib.sha256(f"{salt}|{run_seed}|{split}|{seed}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def shuffled_passes(size: int, run_seed: int) -> Callable[[int], int]:
+    """Train episode number -> item index for a data set of `size` items: one pass over all of them per
+    epoch, in a fresh order per epoch seeded by the run seed."""
+    orders: dict[int, list[int]] = {}
+
+    def index_at(position: int) -> int:
+        epoch, index = divmod(position, size)
+        if epoch not in orders:
+            order = list(range(size))
+            random.Random(f"{run_seed}-{epoch}").shuffle(order)
+            orders[epoch] = order
+        return orders[epoch][index]
+
+    return index_at
 
 
 def jsonable(value: Any) -> Any:

@@ -9,12 +9,12 @@ text for arithmetic, the data set's own splits for GSM8K).
 
 from __future__ import annotations
 
-import random
 from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agents.envs.base import shuffled_passes
 from agents.envs.registry import register
 from agents.rewards import math_reward
 from agents.tasks import Arithmetic, ArithmeticConfig, Task, load_gsm8k
@@ -98,14 +98,5 @@ def make_gsm8k(options: Gsm8kOptions, split: str, run_seed: int) -> MathEnv:
         tasks = _gsm8k(options.test, "test")
         return MathEnv(lambda i: tasks[i % len(tasks)], test_size=len(tasks))
     train = _gsm8k(options.train, "train")
-    orders: dict[int, list[int]] = {}
-
-    def problem_at(position: int) -> Task:  # a reshuffled pass over the train split per epoch
-        epoch, index = divmod(position, len(train))
-        if epoch not in orders:
-            order = list(range(len(train)))
-            random.Random(f"{run_seed}-{epoch}").shuffle(order)
-            orders[epoch] = order
-        return train[orders[epoch][index]]
-
-    return MathEnv(problem_at)
+    index_at = shuffled_passes(len(train), run_seed)  # a reshuffled pass over the train split per epoch
+    return MathEnv(lambda position: train[index_at(position)])
