@@ -38,7 +38,7 @@ from orchestrate.metrics import (
     rollout_metrics,
 )
 from orchestrate.reference import annotate_reference
-from orchestrate.rollouts import EnvSpec, run_rollouts
+from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
 from orchestrate.run_dir import RunDir
 from orchestrate.samples import write_samples
 from orchestrate.trainer import TrainerProcess
@@ -162,13 +162,13 @@ class Loop:
 
     async def _rollouts(self, spec, seeds, attempts, iteration, sampling, desc) -> tuple[list[Tape], float]:
         """Tapes, and the seconds spent inside the environment (its reset and step: the 'reward' phase)."""
-        timer = {"env_s": 0.0}
+        clock = EnvClock()
         async with self._client(self.policy_servers, policy_version=iteration - 1) as client:
             tapes = await run_rollouts(
                 self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=max(0, iteration - 1),
-                sampling=sampling, desc=desc, progress=self.progress, timer=timer,
+                sampling=sampling, desc=desc, progress=self.progress, clock=clock,
             )  # fmt: skip
-        return tapes, timer["env_s"]
+        return tapes, clock.wall_s
 
     def _reference(self, tapes: list[Tape]) -> None:
         for server in self.policy_servers:

@@ -12,6 +12,7 @@ stops the rollouts.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -138,18 +139,45 @@ def new_tape(spec: EnvSpec, seed: int, *, iteration: int, group_id: str, policy_
     )  # fmt: skip
 
 
-class TimedEnv:
-    """An environment whose reset and step time is added to timer["env_s"]."""
+class EnvClock:
+    """Seconds spent inside the environment (reset, step): `wall_s` counts the wall-clock time during which
+    at least one call runs, so calls that overlap (tool runs in worker threads, one per episode) count once
+    and the "reward" phase never exceeds the rollouts' wall time; `busy_s` sums every call's own time."""
 
-    def __init__(self, env, timer: dict[str, float]):
-        self.env, self.timer = env, timer
+    def __init__(self):
+        self.wall_s = self.busy_s = 0.0
+        self._active, self._since = 0, 0.0
+        self._lock = threading.Lock()
+
+    def enter(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            if self._active == 0:
+                self._since = now
+            self._active += 1
+        return now
+
+    def leave(self, entered: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.busy_s += now - entered
+            self._active -= 1
+            if self._active == 0:
+                self.wall_s += now - self._since
+
+
+class TimedEnv:
+    """An environment whose reset and step time goes to an EnvClock."""
+
+    def __init__(self, env, clock: EnvClock):
+        self.env, self.clock = env, clock
 
     def _timed(self, fn, *args, **kwargs):
-        start = time.perf_counter()
+        entered = self.clock.enter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.timer["env_s"] = self.timer.get("env_s", 0.0) + time.perf_counter() - start
+            self.clock.leave(entered)
 
     def reset(self, seed=None):
         return self._timed(self.env.reset, seed=seed)
@@ -162,11 +190,11 @@ class TimedEnv:
             return self.env.tool_call
         if name == "astep" and hasattr(self.env, "astep"):  # a blocking environment's step, timed too
             async def astep(action):
-                start = time.perf_counter()
+                entered = self.clock.enter()
                 try:
                     return await self.env.astep(action)
                 finally:
-                    self.timer["env_s"] = self.timer.get("env_s", 0.0) + time.perf_counter() - start
+                    self.clock.leave(entered)
 
             return astep
         raise AttributeError(name)
@@ -178,11 +206,11 @@ class TimedEnv:
 
 
 async def play(agent: ChatAgent, spec: EnvSpec, seed: int, llm: TokenLLM, tape: Tape,
-               sampling: SamplingParams | None = None, timer: dict[str, float] | None = None) -> Tape:
+               sampling: SamplingParams | None = None, clock: EnvClock | None = None) -> Tape:
     """One episode; an environment or agent failure is kept on the tape, a server failure raises."""
     try:
         env = spec.make()
-        await agent.run_episode(env if timer is None else TimedEnv(env, timer), seed, llm, tape, sampling)
+        await agent.run_episode(env if clock is None else TimedEnv(env, clock), seed, llm, tape, sampling)
     except LLMError:
         raise  # the servers are failing: stop the run, do not invent tapes
     except Exception as exc:  # infrastructure failure of this episode: flagged, left out of training
@@ -203,7 +231,7 @@ async def run_rollouts(
     sampling: SamplingParams | None = None,
     desc: str = "rollouts",
     progress: bool = True,
-    timer: dict[str, float] | None = None,
+    clock: EnvClock | None = None,
 ) -> list[Tape]:
     """Play `attempts` episodes per seed concurrently; returns the tapes grouped by seed, in order.
 
@@ -220,7 +248,7 @@ async def run_rollouts(
     bar = tqdm(total=len(tapes), desc=desc, unit="episode", disable=not progress, leave=False)
 
     async def one(tape: Tape) -> None:
-        await play(agent, spec, int(tape.context["env"]["seed"]), llm, tape, sampling, timer)
+        await play(agent, spec, int(tape.context["env"]["seed"]), llm, tape, sampling, clock)
         bar.update(1)
 
     try:

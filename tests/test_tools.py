@@ -86,21 +86,23 @@ def test_tool_runs_do_not_block_other_episodes(tool):
     import asyncio
     import time
 
-    from orchestrate.rollouts import TimedEnv
+    from orchestrate.rollouts import EnvClock, TimedEnv
 
     async def both():
-        timer = {}
-        envs = [TimedEnv(ToolEnv(make_env("math:arithmetic"), [tool]), timer) for _ in range(2)]
+        clock = EnvClock()
+        envs = [TimedEnv(ToolEnv(make_env("math:arithmetic"), [tool]), clock) for _ in range(2)]
         for env in envs:
             env.reset(seed=0)
         start = time.monotonic()
         results = await asyncio.gather(*(env.astep("<python>import time; time.sleep(1); print('done')</python>")
                                          for env in envs))
-        return time.monotonic() - start, results, timer
+        return time.monotonic() - start, results, clock
 
-    seconds, results, timer = asyncio.run(both())
+    seconds, results, clock = asyncio.run(both())
     assert all(r[0] == "<output>\ndone\n</output>" for r in results)
-    assert seconds < 1.8 and timer["env_s"] >= 2.0  # overlapped, and each one's time counted
+    assert seconds < 1.8 and clock.busy_s >= 2.0  # overlapped, and each one's time counted
+    # the wall time inside the environment counts the overlap once: never more than the rollouts' wall time
+    assert 1.0 <= clock.wall_s <= seconds + 0.3 < clock.busy_s
 
 
 def test_tools_from_the_command_line(tmp_path):
