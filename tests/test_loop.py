@@ -197,6 +197,44 @@ def test_game_preset_two_iterations_chain_every_call_and_replay(tmp_path):
     assert "turns_mean" in metrics[1] and metrics[1]["turns_mean"] > 1
 
 
+def test_python_tool_preset_two_iterations_with_tool_calls_on_its_tapes(tmp_path):
+    """`--preset python_tool` (the embedded model multiplies with a python tool run in the bwrap sandbox)
+    through real vLLM and the real trainer at reduced counts: the tapes hold typed tool calls and their
+    results (the sandbox's output, exit code), each call chains token-exactly, the iteration's metrics
+    count tool calls, and a tape with a tool call replays identically (the code re-run in the sandbox)."""
+    import asyncio
+
+    from orchestrate.replay import agent_from_run_config, replay_tape
+    from tapes.tape import ToolCallAction, ToolResultObservation
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "python_tool", "--run-dir", str(run), "--iterations",
+           "2", "--rollouts.tasks_per_iteration", "3", "--rollouts.attempts", "2", "--eval.every", "2",
+           "--eval.tasks", "4", "--server.kv_cache_gib", "1"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    tapes = [t for i in (1, 2) for t in read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl")]
+    assert len(tapes) == 12 and not any(t.metadata.error for t in tapes)
+    with_tool = [t for t in tapes if any(isinstance(s, ToolCallAction) for s in t.steps)]
+    assert with_tool, "no episode called the tool"
+    for tape in tapes:
+        assert tape.context["env"]["tools"] == ["python"]
+        for before, after in zip(tape.llm_calls, tape.llm_calls[1:]):
+            assert after.extends_previous is True
+        calls = [s for s in tape.steps if isinstance(s, ToolCallAction)]
+        results = [s for s in tape.steps if isinstance(s, ToolResultObservation)]
+        assert [c.turn for c in calls] == [r.turn for r in results]
+        for call, result in zip(calls, results):
+            assert call.tool == result.tool == "python" and call.text.endswith("</python>")
+            assert call.call in call.text and result.text.startswith("<output>")
+            assert isinstance(result.info["exit_code"], int) and result.reward == 0.0
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert any(m.get("tool_calls_mean", 0) > 0 for m in metrics[1:])
+    replayed, diff = asyncio.run(replay_tape(with_tool[0], agent_from_run_config(run / "config.json")))
+    assert diff.identical, diff.report()
+    assert any("python tool call" in line for line in diff.how)
+
+
 def test_ppo_two_iterations_through_the_real_loop(tiny_model_dir, tmp_path):
     """`--train.algorithm ppo` (a separate critic, KL in the reward) through real vLLM and the real trainer:
     the trainer reports the critic's metrics, writes the advantages it used with the critic's values, and
