@@ -12,7 +12,7 @@ system's Python in a child process that:
   sandbox with it);
 - runs under resource limits set by `prlimit` before bwrap starts: address
   space, CPU seconds, processes, file size, open files; as root, the sandbox
-  also runs as a user id of its own (one per concurrent slot), so the process
+  also runs as a user id of its own (a fresh one per run), so the process
   limit counts its processes only;
 - is in its own session and process group, killed whole on timeout;
 - has its output capped (stdout and stderr each): past the cap the rest is
@@ -46,7 +46,33 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Isolation = Literal["bwrap", "unsafe_subprocess"]
-SANDBOX_UID_BASE = 2_000_000_000  # as root: slot k runs as uid (and gid) BASE + k, ids no account uses
+SANDBOX_UID_BASE = 2_000_000_000  # as root: each run gets a uid (and gid) from BASE on, ids no account uses
+SANDBOX_UID_POOL = 1 << 20  # ids handed out in turn: one is used again only ~10^6 runs later
+_uid_lock = threading.Lock()
+_uid_next = (os.getpid() * 7919) % SANDBOX_UID_POOL  # two processes on one machine start apart
+_uids_in_use: set[int] = set()
+
+
+def _take_uid() -> int:
+    """A user id for one run, none in use by another run of this process.
+
+    Each run gets a fresh id rather than one per slot: the kernel releases a finished run's count
+    of processes for its id asynchronously (its user namespace is freed later; measured: ~30 quick
+    runs in a row on one id reach RLIMIT_NPROC 32, and it recovers within 2 s), so reusing ids at
+    once made bwrap fail with "Can't fork for pid 1"."""
+    global _uid_next
+    with _uid_lock:
+        while True:
+            uid = SANDBOX_UID_BASE + _uid_next
+            _uid_next = (_uid_next + 1) % SANDBOX_UID_POOL
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
+
+
+def _give_uid(uid: int) -> None:
+    with _uid_lock:
+        _uids_in_use.discard(uid)
 PATH_INSIDE = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -218,10 +244,11 @@ class Sandbox:
                     f.write(code)
                 env.update({"HOME": workdir, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"})
                 kwargs["cwd"] = workdir
-            if self.root:  # a user id of its own: RLIMIT_NPROC then counts this sandbox's processes only
-                kwargs.update(user=SANDBOX_UID_BASE + slot, group=SANDBOX_UID_BASE + slot, extra_groups=[])
+            uid = _take_uid() if self.root else None
+            if uid is not None:  # a user id of its own: RLIMIT_NPROC then counts this run's processes only
+                kwargs.update(user=uid, group=uid, extra_groups=[])
                 if workdir:
-                    os.chown(workdir, SANDBOX_UID_BASE + slot, SANDBOX_UID_BASE + slot)
+                    os.chown(workdir, uid, uid)
             info_r, info_w = os.pipe()
             try:
                 try:
@@ -241,6 +268,8 @@ class Sandbox:
                 started = c.isolation != "bwrap" or _read_all(info_r) != b""
             finally:
                 os.close(info_r)
+                if uid is not None:
+                    _give_uid(uid)
                 if workdir:
                     shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.monotonic() - start

@@ -206,3 +206,11 @@ def test_without_bwrap_it_refuses_unless_the_weaker_mode_is_chosen(monkeypatch):
     weak = Sandbox(SandboxConfig(isolation="unsafe_subprocess", timeout_s=5))
     r = weak.run("import os\nprint(6 * 7, sorted(os.environ))")
     assert r.ok and r.stdout.split()[0] == "42" and "HOME" in r.stdout
+
+
+def test_many_quick_runs_in_a_row_all_start(sandbox):
+    """The kernel frees a finished run's process count late: reusing one user id at once made bwrap fail
+    ("Can't fork for pid 1") after ~30 quick runs. Each run now has an id of its own."""
+    results = [sandbox.run("print(1)") for _ in range(80)]
+    failed = [r.stderr.strip() for r in results if not (r.ok and r.stdout == "1\n")]
+    assert not failed, f"{len(failed)} of 80 runs failed: {failed[0]}"
