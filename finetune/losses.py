@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from tapes.kl import k3
+from finetune.kl import k3
 
 Aggregation = Literal["token", "sequence"]
 

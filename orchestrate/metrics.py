@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tapes.kl import k3
+from finetune.kl import k3
 from tapes.tape import EnvObservation, Tape, ToolCallAction, ToolResultObservation
 
 # Where an iteration's time goes; "other" is the rest of its wall time.

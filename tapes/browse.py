@@ -39,7 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from finetune.rundir import advantages_file, read_advantages
-from tapes.kl import k3
+from finetune.kl import k3
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from finetune.rundir import advantages_file, read_advantages
 from tapes.browse import TAPE_FILE, credit_for, episode_view
-from tapes.kl import k3
+from finetune.kl import k3
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 

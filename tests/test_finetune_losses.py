@@ -28,7 +28,7 @@ import math
 import pytest
 import torch
 
-from tapes.kl import k3
+from finetune.kl import k3
 from finetune.losses import (
     LOSSES,
     LossInputs,
