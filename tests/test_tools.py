@@ -11,6 +11,23 @@ from agents.sandbox import Sandbox, SandboxConfig, SandboxResult
 from agents.tools import PythonTool, ToolEnv, ToolInfraError
 
 
+class ScriptedLLM:
+    """A model that answers each call with the next of `texts` (its token ids from `tokenizer`)."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer, self.texts, self.calls = tokenizer, texts, 0
+
+    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+        from tapes.tape import LLMCall
+
+        text = self.texts[self.calls]
+        self.calls += 1
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
+                       output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
+                       sampling=sampling)
+
+
 @pytest.fixture(scope="module")
 def tool():
     if shutil.which("bwrap") is None:
@@ -149,23 +166,13 @@ def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer
     from agents.chat import ChatTokens
     from tapes.browse import episode_view
     from tapes.store import read_tapes, write_tapes
-    from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape, ToolCallAction, ToolResultObservation
+    from tapes.tape import EnvAction, EnvObservation, SamplingParams, Tape, ToolCallAction, ToolResultObservation
 
     env = ToolEnv(make_env("math:arithmetic"), [tool])
     texts = ["<python>print(6 * 7)</python>", "<python>1 / 0</python>", "\\boxed{42}"]
-    n = []
-
-    class LLM:
-        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
-            n.append(1)
-            text = texts[len(n) - 1]
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                           sampling=sampling)
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
-    tape = asyncio.run(agent.run_episode(env, 1, LLM(), Tape(context={"env": {"id": "math:arithmetic"}})))
+    tape = asyncio.run(agent.run_episode(env, 1, ScriptedLLM(tokenizer, texts), Tape(context={"env": {"id": "math:arithmetic"}})))
     kinds = [s.kind for s in tape.steps]
     assert kinds == ["env_observation", "tool_call", "tool_result", "tool_call", "tool_result", "env_action",
                      "env_observation"]
@@ -197,25 +204,15 @@ def test_replay_reruns_the_code_and_says_so(tool, tokenizer):
     from agents.chat import ChatTokens
     from orchestrate.replay import replay_tape
     from orchestrate.rollouts import EnvSpec
-    from tapes.tape import LLMCall, SamplingParams, Tape
+    from tapes.tape import SamplingParams, Tape
 
     spec = EnvSpec("math:arithmetic", {}, "train", 0, ["python"], {"timeout_s": 5})
     answer = spec.make().env._problem_at(2).answer
     texts = ["<python>print(sum(range(10)))</python>", "<python>import sys; sys.exit(3)</python>",
              f"\\boxed{{{answer}}}"]
-    n = []
-
-    class LLM:
-        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
-            n.append(1)
-            text = texts[len(n) - 1]
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                           sampling=sampling)
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
-    tape = asyncio.run(agent.run_episode(spec.make(), 2, LLM(), Tape(context=spec.context(2))))
+    tape = asyncio.run(agent.run_episode(spec.make(), 2, ScriptedLLM(tokenizer, texts), Tape(context=spec.context(2))))
     assert tape.metadata.success and tape.steps[2].text == "<output>\n45\n</output>"
     replayed, diff = asyncio.run(replay_tape(tape, agent))
     assert diff.identical, diff.report()
