@@ -14,7 +14,7 @@
    (`--reference MODEL`), as the RL loop's reference pass does;
 4. keep those that pass `--filter` (`all`, or a reward condition such as
    `reward>0`);
-5. write them to OUT/tapes/iter_000001.jsonl (browsable with tapes.browse),
+5. write them to OUT/tapes/iter_000001.jsonl (browsable with orchestrate.browse),
    their training samples to OUT/batches/000001.jsonl, and run the same
    finetune process as the RL loop (accelerate launch -m finetune.train) on
    them: OUT/checkpoints/000001/ is the trained model, OUT/metrics.jsonl and

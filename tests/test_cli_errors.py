@@ -138,7 +138,7 @@ def bad_run(tmp_path):
 
 def test_show_on_binary_and_non_utf8(bad_run):
     for name in ("iter_000001.jsonl", "iter_000002.jsonl"):
-        one_line_error(run("tapes.show", bad_run / "tapes" / name), name, "UTF-8")
+        one_line_error(run("orchestrate.show", bad_run / "tapes" / name), name, "UTF-8")
 
 
 def test_replay_on_binary_missing_fields_and_empty(bad_run):
@@ -163,4 +163,4 @@ def test_offline_on_binary_missing_fields_and_odd_names(bad_run, tmp_path, folde
 
 @pytest.mark.parametrize("port", ["99999", "-1", "65536", "http"])
 def test_browse_port_out_of_range(bad_run, port):
-    one_line_error(run("tapes.browse", bad_run, "--port", port, timeout=60), "--port")
+    one_line_error(run("orchestrate.browse", bad_run, "--port", port, timeout=60), "--port")

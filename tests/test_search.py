@@ -281,7 +281,7 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     from agents.chat import ChatTokens
     from orchestrate.replay import replay_tape
     from orchestrate.rollouts import EnvSpec
-    from tapes.browse import episode_view
+    from orchestrate.browse import episode_view
     from tapes.store import read_tapes, write_tapes
     from tapes.tape import SamplingParams, Tape, ToolCallAction, ToolResultObservation
 
@@ -308,7 +308,7 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     turns = episode_view(saved, None)["turns"]
     assert [(t["tool"], t["tool_call"]) for t in turns] == [("search", question), ("search", "Ostric sea"),
                                                             (None, None)]  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "tapes.show", str(path)], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path)], capture_output=True, text=True, cwd=ROOT,
                          check=False)
     assert out.returncode == 0, out.stderr
     assert "[agent] turn 1 (search call)" in out.stdout and "[search tool] result of turn 1" in out.stdout

@@ -1,4 +1,4 @@
-"""Browse a run's tapes in a web page: `uv run -m tapes.browse RUN_DIR [--port 8765]`.
+"""Browse a run's tapes in a web page: `uv run -m orchestrate.browse RUN_DIR [--port 8765]`.
 
 A small JSON API over the run directory plus one static page (browse.html,
 no build step), served by the standard library on 127.0.0.1:
@@ -14,7 +14,9 @@ paged, and a tape is read from its offset when it is asked for. Only the
 layout of the run directory is known here (tapes/iter_*.jsonl,
 tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/, and the
 learner's advantages/NNNNNN.jsonl read with `finetune.rundir.read_advantages`),
-so this module imports nothing from agents or orchestrate.
+so this module imports nothing from agents or the rest of orchestrate. It lives
+here, not in tapes/, because it reads the learner's files (finetune owns them)
+and tapes, the bottom layer, imports nothing of ours.
 
 A tape is shown as the episode it records: the environment's observations and
 the agent's actions turn by turn, each turn with its reward and the return and
@@ -38,8 +40,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from finetune.rundir import advantages_file, read_advantages
 from finetune.kl import k3
+from finetune.rundir import advantages_file, read_advantages
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
@@ -627,7 +629,7 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tapes.browse", allow_abbrev=False, description="Browse a run's tapes in a web page.")
+    parser = argparse.ArgumentParser(prog="orchestrate.browse", allow_abbrev=False, description="Browse a run's tapes in a web page.")
     parser.add_argument("run_dir", help="run directory (holds tapes/, metrics.jsonl, config.json)")
     parser.add_argument("--port", type=_port, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [default: 127.0.0.1]")

@@ -1,4 +1,4 @@
-"""One tape in the terminal: `uv run -m tapes.show FILE [--index N] [--tokens]`.
+"""One tape in the terminal: `uv run -m orchestrate.show FILE [--index N] [--tokens]`.
 
 Prints the episode as a conversation: its metadata, the environment's first
 observation, then turn by turn the agent's action (from which LLM call), the
@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-from finetune.rundir import advantages_file, read_advantages
-from tapes.browse import TAPE_FILE, credit_for, episode_view
 from finetune.kl import k3
+from finetune.rundir import advantages_file, read_advantages
+from orchestrate.browse import TAPE_FILE, credit_for, episode_view
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 
@@ -168,7 +168,7 @@ def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tapes.show", allow_abbrev=False, description="Print one tape of a tape file.")
+    parser = argparse.ArgumentParser(prog="orchestrate.show", allow_abbrev=False, description="Print one tape of a tape file.")
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")
     parser.add_argument("--index", type=int, default=0, help="which tape of the file, from 0 [default: 0]")
     parser.add_argument("--tokens", action="store_true", help="list output tokens with their log-probs")
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = None
     if args.tokenizer:
-        from tapes.browse import _load_tokenizer
+        from orchestrate.browse import _load_tokenizer
 
         tokenizer = _load_tokenizer(Path(args.tokenizer))
         if tokenizer is None:
