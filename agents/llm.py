@@ -6,7 +6,10 @@ the tape are exactly what the model saw, and it keeps the output token ids vLLM
 sampled (never re-tokenized text) with their log-probs. Requests go to the
 least-busy server under a bounded concurrency; a failed request is retried
 with backoff, and a server that stops answering is handed to `on_failure`
-(the orchestrator restarts it) before the retry.
+(the orchestrator restarts it) before the retry. New weights arrive through
+`swap_weights` while episodes run (the asynchronous pipeline): new requests
+wait, those in flight finish, the servers reload, and every call records the
+one policy version that produced all of its tokens.
 
 `ReplayLLM` answers from the calls recorded on a tape: re-running an agent
 with it gives the same tape back, which is how a change to an agent is
@@ -87,6 +90,13 @@ class VLLMClient:
         )
         self.requests = 0
         self.retries = 0
+        # The weight-swap gate: closed while servers reload; `_idle` is set when no call is in flight.
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._active = 0
+        self.held_s = 0.0  # seconds calls were held back by weight swaps (drain + reload)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -96,6 +106,40 @@ class VLLMClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+    # -- weight swaps ------------------------------------------------------
+
+    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int) -> float:
+        """Drain, reload, go on: new calls wait, calls in flight finish, `reload()` runs, then calls go on
+        served by `version`. Returns the seconds calls were held back.
+
+        Draining (rather than reloading between engine steps) keeps one version per call, so a call's
+        log-probs are exactly its version's; its cost is the longest call in flight at the swap.
+        """
+        start = time.perf_counter()
+        self._gate.clear()
+        try:
+            await self._idle.wait()
+            await reload()
+            self.policy_version = version
+        finally:
+            self._gate.set()
+        held = time.perf_counter() - start
+        self.held_s += held
+        return held
+
+    async def _enter_call(self) -> int:
+        """Wait for an open gate and count the call in flight; returns the version that serves it."""
+        while not self._gate.is_set():
+            await self._gate.wait()
+        self._active += 1
+        self._idle.clear()
+        return self.policy_version
+
+    def _leave_call(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
 
     # -- requests --------------------------------------------------------
 
@@ -155,8 +199,12 @@ class VLLMClient:
             payload["stop"] = sampling.stop
             payload["include_stop_str_in_output"] = True
         payload.update(self.extra_body)
+        version = await self._enter_call()
         start = time.perf_counter()
-        body = await self._post(payload)
+        try:
+            body = await self._post(payload)
+        finally:
+            self._leave_call()
         choice = body["choices"][0]
         logprobs = choice.get("logprobs") or {}
         tokens = logprobs.get("tokens") or []
@@ -165,7 +213,7 @@ class VLLMClient:
             raise LLMError(f"vLLM returned {len(tokens)} tokens but {len(values)} log-probs")
         return LLMCall(
             model=self.model,
-            policy_version=self.policy_version,
+            policy_version=version,
             messages=list(messages or []),
             prompt_text=prompt_text,
             prompt_token_ids=prompt_ids,

@@ -63,6 +63,55 @@ def test_client_spreads_requests_and_keeps_ids():
     assert calls[0].prompt_token_ids == [1, 2, 3] and calls[0].messages == [{"role": "user", "content": "q"}]
 
 
+def test_weight_swap_drains_calls_in_flight_and_versions_every_call():
+    """swap_weights: calls in flight finish on the old weights, calls started meanwhile wait until the
+    reload is done, nothing reaches a server during the reload, and each call names its one version."""
+    events = []  # what the servers saw, in order
+    in_flight = 0
+    three_arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(request: httpx.Request):
+        nonlocal in_flight
+        in_flight += 1
+        events.append(("request", in_flight))
+        if in_flight == 3:
+            three_arrived.set()
+        if not release.is_set():
+            await release.wait()  # the first three stay in flight until the test lets them go
+        in_flight -= 1
+        return httpx.Response(200, json=completion("x"))
+
+    async def go():
+        client = VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler), policy_version=4)
+
+        def call():
+            return asyncio.create_task(client.complete_ids([1, 2], SamplingParams()))
+
+        first = [call() for _ in range(3)]
+        await three_arrived.wait()
+
+        async def reload():
+            events.append(("reload", in_flight))
+
+        swap = asyncio.create_task(client.swap_weights(reload, version=5))
+        await asyncio.sleep(0)  # the swap closes the gate
+        later = [call() for _ in range(2)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(events) == 3, "a call reached the server while the weights were being swapped"
+        release.set()
+        held = await swap
+        calls = await asyncio.gather(*first, *later)
+        await client.aclose()
+        return calls, held
+
+    calls, held = run(go())
+    assert events[3] == ("reload", 0)  # the reload ran with nothing in flight
+    assert [e[0] for e in events] == ["request"] * 3 + ["reload"] + ["request"] * 2
+    assert [c.policy_version for c in calls] == [4, 4, 4, 5, 5]
+    assert held > 0
+
+
 def test_client_retries_transient_failures_and_calls_on_failure():
     state = {"n": 0, "failures": 0}
 
