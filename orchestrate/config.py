@@ -116,6 +116,8 @@ class RunSection(BaseModel):
     iterations: int = Field(20, gt=0, description="RL iterations")
     seed: int = Field(0, description="seeds task order and sampling")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
+    async_level: int = Field(0, ge=0, description="policy versions generation may run ahead of training "
+                             "(0: synchronous; K: iteration i's batch comes from version >= i - 1 - K)")
     wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs `wandb` installed)")
     tensorboard: bool = Field(False, description="also log metrics to TensorBoard (needs `tensorboard` installed)")
 

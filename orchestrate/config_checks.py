@@ -33,6 +33,7 @@ LIMITS: dict[str, int] = {
     "eval.max_tokens": 1 << 20,
     "run.iterations": 1_000_000,
     "run.keep_checkpoints": 10_000,
+    "run.async_level": 1000,
     "server.max_model_len": 1 << 20,
     "server.policy_servers": 256,
     "server.max_restarts": 1000,

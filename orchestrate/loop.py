@@ -80,6 +80,19 @@ def eval_size(config: RLConfig) -> int:
     return int(size) if size else 500
 
 
+def busy_fractions(record: dict) -> dict[str, float]:
+    """Shares of an iteration's wall time the trainer spent training and the policy servers generating
+    (train and evaluation episodes). With async_level 0 the two add up to at most 1; overlap lifts both."""
+    wall = record.get("time_total") or 0.0
+    if wall <= 0:
+        return {}
+    generating = record.get("time_generate", 0.0) + record.get("time_eval", 0.0)
+    return {
+        "trainer_busy_frac": round(min(1.0, record.get("train_seconds", 0.0) / wall), 4),
+        "generator_busy_frac": round(min(1.0, generating / wall), 4),
+    }
+
+
 def save_tapes(path: Path, tapes: list[Tape]) -> None:
     with TapeWriter(path) as writer:
         for tape in tapes:
@@ -138,18 +151,38 @@ class Loop:
         if self.use_reference:
             self.reference_server.sleep()  # GPU: woken for the reference pass only
 
-        latest = self.latest_checkpoint()
-        if latest is not None:  # resuming: serve the newest trained weights
-            for server in self.policy_servers:
-                server.reload_weights(latest)
+        self.served = self.trainer.newest_checkpoint()  # resuming: serve the newest trained weights
+        if self.served:
+            self._reload(self.served)
         self._open_loggers()
         stack.callback(self._close_loggers)
 
-    def latest_checkpoint(self) -> Path | None:
-        done = self.run.load_state().completed_iteration
-        return self.run.checkpoint(done) if done > 0 else None
+    # -- weights -------------------------------------------------------------------
 
-    # -- one iteration -------------------------------------------------------------
+    def _reload(self, version: int) -> None:
+        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight)."""
+        c = self.config
+        # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
+        # weights as they were: then the reload cannot be checked by a change of log-probs.
+        credit = read_advantages(self.run.root, version)
+        idle = not c.train.kl_coef and not c.train.loss.critic and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
+        for server in self.policy_servers:
+            server.reload_weights(self.run.checkpoint(version), verify=not idle)
+        self.served = version
+
+    async def _follow_checkpoints(self, client: VLLMClient, stop: asyncio.Event) -> None:
+        """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
+        The client drains its calls in flight around the reload, so every call has one version."""
+        while not stop.is_set():
+            newest = self.trainer.newest_checkpoint()
+            if newest > self.served:
+                await client.swap_weights(lambda: asyncio.to_thread(self._reload, newest), newest)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+
+    # -- episodes --------------------------------------------------------------------
 
     async def _recover(self, endpoint, exc) -> None:
         await endpoint.recover(self.config.server.max_restarts)
@@ -160,15 +193,27 @@ class Loop:
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
         )  # fmt: skip
 
-    async def _rollouts(self, spec, seeds, attempts, iteration, sampling, desc) -> tuple[list[Tape], float]:
-        """Tapes, and the seconds spent inside the environment (its reset and step: the 'reward' phase)."""
+    async def _rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False) -> tuple[list[Tape], float, float]:
+        """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
+        seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
         clock = EnvClock()
-        async with self._client(self.policy_servers, policy_version=iteration - 1) as client:
-            tapes = await run_rollouts(
-                self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=max(0, iteration - 1),
-                sampling=sampling, desc=desc, progress=self.progress, clock=clock,
-            )  # fmt: skip
-        return tapes, clock.wall_s
+        async with self._client(self.policy_servers, policy_version=self.served) as client:
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(self._follow_checkpoints(client, stop)) if follow else None
+            try:
+                tapes = await run_rollouts(
+                    self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=self.served,
+                    sampling=sampling, desc=desc, progress=self.progress, clock=clock,
+                )  # fmt: skip
+            finally:
+                stop.set()
+                if watcher is not None:
+                    await watcher
+        for tape in tapes:  # a tape's version is its oldest call's: the one that bounds its lag
+            versions = [call.policy_version for call in tape.llm_calls]
+            if versions:
+                tape.metadata.policy_version = min(versions)
+        return tapes, clock.wall_s, client.held_s
 
     def _reference(self, tapes: list[Tape]) -> None:
         for server in self.policy_servers:
@@ -186,20 +231,25 @@ class Loop:
             for server in self.policy_servers:
                 server.wake_up()
 
-    def iteration(self, i: int) -> dict:
-        c, timer = self.config, Timer()
+    # -- one iteration: its batch, then (when its checkpoint is served) its record -----
+
+    def generate(self, i: int) -> None:
+        """Iteration i's tapes and training samples (batches/i); a resumed run reuses the files it has."""
+        c, timer = self.config, self.timer
         tape_file = self.run.iteration_tapes(i)
-        if tape_file.exists():  # resumed after the tapes were saved: reuse them
+        if tape_file.exists():  # resumed after the tapes were saved: reuse them (and the versions on them)
             tapes = list(read_tapes(tape_file))
         else:
             n = c.rollouts.tasks_per_iteration
             seeds = list(range((i - 1) * n, i * n))
             start = time.perf_counter()
-            tapes, reward_seconds = asyncio.run(
-                self._rollouts(self.train_env, seeds, c.rollouts.attempts, i, None, f"iteration {i} rollouts")
-            )
-            timer.add("generate", time.perf_counter() - start - reward_seconds)
+            tapes, reward_seconds, held_seconds = asyncio.run(self._rollouts(
+                self.train_env, seeds, c.rollouts.attempts, i, None, f"iteration {i} rollouts",
+                follow=c.run.async_level > 0,
+            ))  # fmt: skip
+            timer.add("generate", time.perf_counter() - start - reward_seconds - held_seconds)
             timer.add("reward", reward_seconds)
+            timer.add("weight_sync", held_seconds)
             if self.use_reference:
                 start = time.perf_counter()
                 self._reference(tapes)
@@ -207,28 +257,46 @@ class Loop:
             save_tapes(tape_file, tapes)
         if not self.run.batch(i).exists():
             write_samples(self.run.batch(i), tapes, require_ref=self.use_reference)
+        self.generated[i] = tapes
 
-        start = time.perf_counter()
-        checkpoint = self.trainer.wait_for_checkpoint(i, progress=self.progress, desc=f"iteration {i} train")
-        timer.add("train", time.perf_counter() - start)
-
-        start = time.perf_counter()
-        # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
-        # weights as they were: then the reload cannot be checked by a change of log-probs.
-        credit = read_advantages(self.run.root, i)
-        idle = not c.train.kl_coef and not c.train.loss.critic and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
-        for server in self.policy_servers:
-            server.reload_weights(checkpoint, verify=not idle)
-        timer.add("weight_sync", time.perf_counter() - start)
-
-        record = {"iteration": i, **rollout_metrics(tapes)}
-        record.update(self.trainer.iteration_metrics(i))
-        if c.eval.every and i % c.eval.every == 0:
+    def catch_up(self, until: int, generated: int) -> None:
+        """Complete iterations in order: through `until` (waiting for their checkpoints), then any later
+        one up to `generated` whose checkpoint is already there (never waiting)."""
+        state = self.run.load_state()
+        for j in range(state.completed_iteration + 1, generated + 1):
+            if j > until and self.trainer.newest_checkpoint() < j:
+                break
             start = time.perf_counter()
-            record.update(self.evaluate(i))
-            timer.add("eval", time.perf_counter() - start)
-        record.update(timer.record())
-        return record
+            self.trainer.wait_for_checkpoint(j, progress=self.progress, desc=f"iteration {j} train")
+            self.timer.add("train", time.perf_counter() - start)
+            newest = self.trainer.newest_checkpoint()
+            if newest > self.served:  # always the newest weights: with async_level 0 that is checkpoint j
+                start = time.perf_counter()
+                self._reload(newest)
+                self.timer.add("weight_sync", time.perf_counter() - start)
+            self.complete(j)
+
+    def complete(self, j: int) -> None:
+        """Iteration j's record (its checkpoint, or a newer one, is served): metrics line, evaluation when
+        due, plot, state.json. Its time is the wall time since the previous record."""
+        c = self.config
+        record = {"iteration": j, **rollout_metrics(self.generated.pop(j))}
+        record.update(self.trainer.iteration_metrics(j))
+        if c.eval.every and j % c.eval.every == 0:
+            start = time.perf_counter()
+            record.update(self.evaluate(j))
+            self.timer.add("eval", time.perf_counter() - start)
+        record.update(self.timer.record())
+        record.update(busy_fractions(record))
+        self.timer = Timer()
+        self._write_record(record)
+        state = self.run.load_state()
+        state.completed_iteration = j
+        if "eval_success_rate" in record:
+            state.evaluated.append(j)
+        self.run.save_state(state)  # the iteration is complete
+        self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(self.served)})
+        self._report(record)
 
     def evaluate(self, i: int) -> dict:
         path = self.run.eval_tapes(i)
@@ -236,11 +304,18 @@ class Loop:
             tapes = list(read_tapes(path))
         else:
             seeds = list(range(self.eval_episodes))
-            tapes, _ = asyncio.run(self._rollouts(self.test_env, seeds, 1, i, self.eval_sampling, f"eval after {i}"))
+            tapes, _, _ = asyncio.run(self._rollouts(self.test_env, seeds, 1, i, self.eval_sampling, f"eval after {i}"))
             save_tapes(path, tapes)
         return rollout_metrics(tapes, prefix="eval_")
 
     # -- the run -----------------------------------------------------------------------
+
+    def _write_record(self, record: dict) -> None:
+        now = time.time()  # when it was done: unix time, and seconds since this command started
+        record.update(wall_time=round(now, 3), elapsed_s=round(now - self.started, 3))
+        append_metrics(self.run.metrics_path, record)
+        if record["iteration"]:
+            plot_metrics(read_metrics(self.run.metrics_path), self.run.plots / "curves.png")
 
     def __call__(self) -> int:
         c = self.config
@@ -248,31 +323,26 @@ class Loop:
         if state.completed_iteration >= c.run.iterations:
             print(f"{self.run.root}: all {c.run.iterations} iterations are done (raise --iterations to go on).")
             return 0
-        started = time.time()
-
-        def stamp(record: dict) -> dict:  # when it was done: unix time, and seconds since this command started
-            return {**record, "wall_time": round(time.time(), 3), "elapsed_s": round(time.time() - started, 3)}
+        self.started = time.time()
+        self.generated: dict[int, list[Tape]] = {}  # iterations whose batch is written and record is not
 
         with ExitStack() as stack:
             _exit_on_sigterm()
             self._start(stack)
             if c.eval.every and state.completed_iteration == 0 and 0 not in state.evaluated:
                 start = time.perf_counter()
-                record = stamp({"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)})
-                append_metrics(self.run.metrics_path, record)
+                record = {"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)}
+                self._write_record(record)
                 state.evaluated.append(0)
                 self.run.save_state(state)
                 self._report(record)
+            # Iteration i's batch is generated by a policy version >= i - 1 - async_level: after writing
+            # batch i, wait for checkpoint i - async_level (async_level 0: checkpoint i, the synchronous loop).
+            self.timer = Timer()
             for i in range(state.completed_iteration + 1, c.run.iterations + 1):
-                record = stamp(self.iteration(i))
-                append_metrics(self.run.metrics_path, record)
-                plot_metrics(read_metrics(self.run.metrics_path), self.run.plots / "curves.png")
-                state.completed_iteration = i
-                if "eval_success_rate" in record:
-                    state.evaluated.append(i)
-                self.run.save_state(state)  # the iteration is complete
-                self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(i)})
-                self._report(record)
+                self.generate(i)
+                self.catch_up(until=i - c.run.async_level, generated=i)
+            self.catch_up(until=c.run.iterations, generated=c.run.iterations)
         return 0
 
     def _report(self, r: dict) -> None:
@@ -284,6 +354,8 @@ class Loop:
         ]:  # fmt: skip
             if r.get(key) is not None:
                 parts.append(f"{label} {fmt.format(r[key])}")
+        if r.get("trainer_busy_frac") is not None:
+            parts.append(f"busy: trainer {r['trainer_busy_frac']:.0%} gen {r['generator_busy_frac']:.0%}")
         times = " ".join(f"{p} {r[f'time_{p}']:.1f}s" for p in (*PHASES, "other") if r.get(f"time_{p}"))
         print("  ".join(parts) + (f"  | {times}" if times else ""), flush=True)
         for logger in self.loggers:

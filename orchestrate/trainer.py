@@ -90,6 +90,12 @@ class TrainerProcess:
         except (OSError, json.JSONDecodeError):
             return {}
 
+    def newest_checkpoint(self) -> int:
+        """The number of the newest checkpoint the trainer has published (0: none yet). Checkpoints appear
+        whole (built aside, then renamed) and in batch order."""
+        folders = [p for p in self.run.checkpoints.iterdir() if p.name.isdigit() and (p / "config.json").is_file()]
+        return max((int(p.name) for p in folders), default=0)
+
     def wait_for_checkpoint(self, iteration: int, progress: bool = False, desc: str | None = None) -> Path:
         """Block until checkpoints/<iteration> is complete; raise if the trainer dies or times out.
 
