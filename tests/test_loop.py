@@ -17,12 +17,12 @@ from tapes import read_tapes
 pytestmark = pytest.mark.vllm
 
 
-def command(model_dir, run_dir, iterations=2, *extra):
+def command(model_dir, run_dir, iterations=2, *extra, eval_every=2):
     return [
         sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run_dir), "--iterations", str(iterations),
         "--model.policy", str(model_dir),
         "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "4", "--rollouts.max_tokens", "12",
-        "--eval.every", "2", "--eval.tasks", "4", "--eval.max_tokens", "12",
+        "--eval.every", str(eval_every), "--eval.tasks", "4", "--eval.max_tokens", "12",
         "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
         "--train.kl_coef", "0.01", "--train.lr", "1e-3",
         *extra,
@@ -46,8 +46,10 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tiny_run):
             assert tape.metadata.reward in (-1.0, 0.0, 1.0)
             assert len(call.ref_logprobs) == len(call.output_token_ids) == len(call.logprobs) > 0
         assert (run / "batches" / f"{i:06d}.jsonl").exists()
-    assert len(list(read_tapes(run / "tapes" / "eval_000000.jsonl"))) == 4  # before training
-    assert len(list(read_tapes(run / "tapes" / "eval_000002.jsonl"))) == 4
+    for i in (0, 2):  # evaluation names the version served: 0 before training, checkpoint 2 after iteration 2
+        evals = list(read_tapes(run / "tapes" / f"eval_{i:06d}.jsonl"))
+        assert len(evals) == 4
+        assert {t.metadata.policy_version for t in evals} == {c.policy_version for t in evals for c in t.llm_calls} == {i}
     assert not list(run.rglob("*.partial")) and not list(run.rglob(".*.tmp"))
 
     checkpoint = run / "checkpoints" / "000002"
@@ -59,7 +61,8 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tiny_run):
     for m in metrics[1:]:
         for key in ("reward_mean", "success_rate", "parse_failure_rate", "truncation_rate", "completion_tokens_mean",
                     "kl_ref", "train_loss", "train_entropy", "time_generate", "time_reward", "time_reference",
-                    "time_train", "time_weight_sync", "time_other", "wall_time", "elapsed_s"):
+                    "time_train", "time_weight_sync", "time_other", "wall_time", "elapsed_s",
+                    "trainer_busy_frac", "generator_busy_frac"):
             assert key in m, key
     assert "eval_success_rate" in metrics[0] and "eval_success_rate" in metrics[2]
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
@@ -120,6 +123,57 @@ def test_sigkill_during_training_then_resume(tiny_model_dir, tmp_path):
     for batch in (1, 2):
         assert len([s for s in steps if s["batch"] == batch]) == 16
     assert not list(run.rglob("*.partial"))
+
+
+def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed(tiny_model_dir, tmp_path):
+    """--run.async_level 1: the orchestrator writes batch b+1 while the trainer trains batch b. SIGKILL it
+    right then; the resumed run trains every batch once, keeps the tapes (and versions) it had, and no
+    batch comes from a policy more than one version behind the trainer."""
+    run = tmp_path / "run"
+    argv = command(tiny_model_dir, run, 3, "--run.async_level", "1", "--train.steps_per_epoch", "8",
+                   "--train.epochs", "4", eval_every=3)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    caught = None
+    deadline = time.monotonic() + 600
+    while caught is None and time.monotonic() < deadline:
+        assert proc.poll() is None, "finished before an overlap was seen:\n" + proc.stdout.read().decode()[-3000:]
+        try:
+            state = json.loads((run / "trainer_state.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            state = {}
+        b = state.get("batch_in_progress") if state.get("status") == "training" else None
+        if b and (run / "batches" / f"{b + 1:06d}.jsonl").exists():
+            caught = b
+        time.sleep(0.02)
+    assert caught, "never saw batch b+1 written while batch b was training"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ahead = (run / "tapes" / f"iter_{caught + 1:06d}.jsonl").read_bytes()  # written, not yet trained on
+    deadline = time.monotonic() + 60
+    while children_of_run(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not children_of_run(run), "children outlived the orchestrator"
+
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (run / "tapes" / f"iter_{caught + 1:06d}.jsonl").read_bytes() == ahead
+    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 3
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
+    steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
+    for batch in (1, 2, 3):
+        assert len([s for s in steps if s["batch"] == batch]) == 32, f"batch {batch} not trained exactly once"
+    for i in (1, 2, 3):
+        tapes = list(read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl"))
+        for tape in tapes:
+            versions = [c.policy_version for c in tape.llm_calls]
+            assert versions and tape.metadata.policy_version == min(versions)
+            # the trainer trains batch i with version i - 1: at most async_level (1) versions ahead
+            assert i - 2 <= min(versions) and max(versions) <= i - 1
+    for m in metrics[1:]:
+        assert 0 <= m["trainer_busy_frac"] <= 1 and 0 <= m["generator_busy_frac"] <= 1
+    evals = list(read_tapes(run / "tapes" / "eval_000003.jsonl"))
+    assert {c.policy_version for t in evals for c in t.llm_calls} == {3}
 
 
 def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
