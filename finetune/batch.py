@@ -89,6 +89,10 @@ class Sample(BaseModel):
                                 "advantages are normalised within the group.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature the completion was drawn at.")
     sample_id: str | None = Field(default=None, description="Optional: where the sample came from (e.g. a tape id).")
+    policy_version: int | None = Field(
+        default=None, ge=0, description="Optional: the policy version (checkpoint number; 0 = initial) that "
+        "generated it, the oldest of its calls'. The learner's lag = its own version - this."
+    )
 
     @model_validator(mode="after")
     def _lengths_match(self) -> Sample:

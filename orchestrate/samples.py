@@ -69,6 +69,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "episode_id": tape.metadata.id,
             "temperature": segment[0].sampling.temperature,
             "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
+            "policy_version": min(call.policy_version for call in segment),
         })  # fmt: skip
     return samples
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
-from orchestrate.processes import spawn, stop
+from orchestrate.processes import parse_cpus, spawn, stop
 from orchestrate.vllm_server import cuda_available, log_tail
 from tapes.store import atomic_write_text
 
@@ -32,8 +32,14 @@ ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "acce
 # Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
 TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr",
               "tokens_per_s", "padding_frac",
+              # training-inference mismatch, measured in a batch's first step
+              "mismatch_abs_logp", "tis_ratio_mean", "tis_ratio_max",
               # PPO's critic (absent otherwise)
               "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance")
+
+
+# Per-batch figures of the samples' staleness (the learner's lag = its version - the generating one).
+BATCH_KEYS = ("lag_mean", "lag_max", "stale_dropped")
 
 
 class TrainerError(RuntimeError):
@@ -74,7 +80,11 @@ class TrainerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
-        self.process = spawn(self.command(), self.log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cpus = parse_cpus(self.config.cpus) if self.config.cpus else None
+        if cpus:  # torch's threads, one per core it may use
+            env["OMP_NUM_THREADS"] = str(len(cpus))
+        self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
 
     def _died(self) -> TrainerError:
         code = self.process.returncode if self.process else None
@@ -142,7 +152,11 @@ class TrainerProcess:
                 steps.append(record)
         if not steps:
             return {}
-        out = {"train_steps": len(steps), "train_seconds": sum(s.get("seconds", 0.0) for s in steps)}
+        out = {"train_steps": len([s for s in steps if "loss" in s]),
+               "train_seconds": sum(s.get("seconds", 0.0) for s in steps)}
+        for key in BATCH_KEYS:  # the same on every step of a batch
+            if isinstance(steps[0].get(key), (int, float)):
+                out[key] = steps[0][key]
         for key in TRAIN_KEYS:
             values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
             if values:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
-from orchestrate.processes import spawn, stop
+from orchestrate.processes import format_cpus, spawn, stop
 from orchestrate.server_auth import KEY_ENV, MIDDLEWARE, forbidden_server_arg
 
 
@@ -75,17 +75,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_list() -> str:
-    """This process's allowed CPUs as '0-1,4' (vLLM wants ids, not 'all')."""
-    ranges: list[list[int]] = []
-    for cpu in sorted(os.sched_getaffinity(0)):
-        if ranges and cpu == ranges[-1][1] + 1:
-            ranges[-1][1] = cpu
-        else:
-            ranges.append([cpu, cpu])
-    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
-
-
 def log_tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -109,6 +98,7 @@ class VLLMServer:
         name: str = "policy",
         config: ServerConfig | None = None,
         gpu_ids: list[int] | None = None,
+        cpus: list[int] | None = None,
         seed: int = 0,
     ):
         self.model = str(model)
@@ -116,6 +106,7 @@ class VLLMServer:
         self.served_model_name = name
         self.config = config or ServerConfig()
         self.gpu_ids = gpu_ids
+        self.cpus = cpus  # cores the server runs on (CPU: its OpenMP threads bind to them); none: ours
         self.seed = seed
         self.on_gpu = cuda_available()
         self.api_key = secrets.token_hex(16)
@@ -171,7 +162,10 @@ class VLLMServer:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.kv_cache_gib)
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list())
+            if self.cpus:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = format_cpus(self.cpus)
+            else:  # vLLM wants ids, not 'all'
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", format_cpus(os.sched_getaffinity(0)))
         return env
 
     def start(self, wait: bool = True) -> VLLMServer:
@@ -181,7 +175,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
-        self.process = spawn(self.command(), self.log_path, env=self.environment())
+        self.process = spawn(self.command(), self.log_path, env=self.environment(), cpus=self.cpus)
         if wait:
             self.wait_ready()
         return self

@@ -164,3 +164,20 @@ def test_offline_on_binary_missing_fields_and_odd_names(bad_run, tmp_path, folde
 @pytest.mark.parametrize("port", ["99999", "-1", "65536", "http"])
 def test_browse_port_out_of_range(bad_run, port):
     one_line_error(run("orchestrate.browse", bad_run, "--port", port, timeout=60), "--port")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--server.cpus", "0-", ], ["--server.cpus", "core list"]),
+    (["--train.cpus", "4096"], ["--train.cpus", "4096", "not among"]),
+    (["--server.cpus", "0", "--train.cpus", "0"], ["--train.cpus", "also in --server.cpus"]),
+    (["--run.async_level", "2", "--train.max_lag", "1"], ["--train.max_lag", "async_level"]),
+    (["--train.tis_cap", "0"], ["--train.tis_cap"]),
+    (["--train.tis_cap", "nan"], ["--train.tis_cap"]),
+])  # fmt: skip
+def test_placement_and_staleness_options_are_checked_before_anything_starts(tmp_path, rl_cli, folder_model, argv, words):
+    run_dir = tmp_path / "run"
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(folder_model), *argv])
+    assert code == 2, line
+    for word in words:
+        assert word in line, line
+    assert not run_dir.exists()

@@ -269,3 +269,69 @@ def test_shared_prefix_rows_stop_growing_when_attention_would_cost_more():
     long = [[1] * 140 for _ in range(16)]  # episodes: (300 + 140k)^2 <= k (440)^2 holds up to k = 4
     units = prefix_units([prompt] * 16, long, 4096)
     assert [len(u) for u in units] == [4] * 4
+
+
+# ---- staleness and off-policy correction (the asynchronous pipeline) -----------------------
+
+
+def test_lag_is_the_trainers_version_minus_the_generating_one_and_max_lag_drops(tiny):
+    """Batch 5 trains version 4: samples of versions 4, 3, 2 have lags 0, 1, 2; max_lag 1 drops the last."""
+    learner = Learner(tiny, TrainConfig(lr=1e-3, max_lag=1))
+    samples = group([GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])
+    samples = [s.model_copy(update={"policy_version": v}) for s, v in zip(samples, [4, 3, 2, None])]
+    metrics = learner.train_batch(with_behaviour(learner, samples), batch_index=5)
+    m = metrics[0]
+    assert m["lag_mean"] == pytest.approx((0 + 1 + 2) / 3) and m["lag_max"] == 2
+    assert m["stale_dropped"] == 1 and m["samples"] == 3  # the unknown version is kept
+    assert len(learner.credit) == 3
+
+
+def test_a_batch_that_is_all_stale_takes_no_step(tiny):
+    learner = Learner(tiny, TrainConfig(lr=1e-3, max_lag=0))
+    samples = [s.model_copy(update={"policy_version": 0}) for s in group([GOOD, BAD], [1.0, 0.0])]
+    before = params(learner)
+    metrics = learner.train_batch(with_behaviour(learner, samples), batch_index=3)
+    assert [m["stale_dropped"] for m in metrics] == [2] and "loss" not in metrics[0] and learner.step == 0
+    assert all(torch.equal(before[k], v) for k, v in params(learner).items())
+
+
+def test_tis_weight_is_the_capped_probability_ratio():
+    from finetune.losses import tis_weights
+
+    trainer = torch.log(torch.tensor([0.5, 0.2, 0.9, 0.3]))
+    vllm = torch.log(torch.tensor([0.25, 0.4, 0.3, 0.3]))
+    # p_trainer / p_vllm = 2, 0.5, 3, 1; capped at 2.5
+    assert torch.allclose(tis_weights(trainer, vllm, 2.5), torch.tensor([2.0, 0.5, 2.5, 1.0]))
+
+
+def test_mismatch_is_measured_on_the_first_step_over_lag_0_samples(tiny):
+    """Behaviour log-probs 0.1 below the trainer's on lag-0 samples: |gap| 0.1, ratio e^0.1. A lag-1 sample
+    with a wild gap is left out."""
+    learner = Learner(tiny, TrainConfig(lr=1e-3, steps_per_epoch=1))
+    samples = with_behaviour(learner, group([GOOD, BAD, [30, 31]], [1.0, 0.0, 1.0]))
+    shifted = [s.model_copy(update={"behaviour_logprobs": [x - 0.1 for x in s.behaviour_logprobs], "policy_version": 2})
+               for s in samples[:2]]
+    wild = samples[2].model_copy(update={"behaviour_logprobs": [x - 3 for x in samples[2].behaviour_logprobs],
+                                         "policy_version": 1})
+    m = learner.train_batch(shifted + [wild], batch_index=3)[0]
+    assert m["mismatch_abs_logp"] == pytest.approx(0.1, abs=1e-4)
+    assert m["tis_ratio_mean"] == pytest.approx(torch.e**0.1, abs=1e-4)
+    assert m["tis_ratio_max"] == pytest.approx(torch.e**0.1, abs=1e-4)
+
+
+def test_tis_with_equal_logprobs_is_the_plain_step_and_a_cap_bounds_a_large_ratio(tiny):
+    """Where vLLM and the trainer agree, every weight is 1: TIS changes nothing. Where vLLM gave the tokens
+    far lower probability (ratio e^3), the ratio is taken against the trainer (1 at the first step) and the
+    weight is the cap: the policy-gradient term is exactly twice the plain one."""
+    base = Learner(tiny, TrainConfig(lr=1e-3, seed=1))
+    tis = Learner(tiny, TrainConfig(lr=1e-3, seed=1, tis_cap=2.0))
+    samples = with_behaviour(base, group([GOOD, BAD], [1.0, 0.0]))
+    plain = base.train_batch(samples, 1)[0]
+    assert tis.train_batch(samples, 1)[0]["pg_loss"] == pytest.approx(plain["pg_loss"], abs=1e-6)
+    for k, v in params(base).items():
+        assert torch.allclose(v, params(tis)[k], atol=1e-6), k
+    far = [s.model_copy(update={"behaviour_logprobs": [x - 3 for x in s.behaviour_logprobs]}) for s in samples]
+    capped = Learner(tiny, TrainConfig(lr=1e-3, seed=1, tis_cap=2.0))
+    m = capped.train_batch(far, 1)[0]
+    assert m["tis_ratio_max"] == pytest.approx(torch.e**3, rel=1e-3)  # the measured ratio, before the cap
+    assert plain["pg_loss"] != 0 and m["pg_loss"] == pytest.approx(2.0 * plain["pg_loss"], rel=1e-4)

@@ -172,6 +172,8 @@ def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed
             assert i - 2 <= min(versions) and max(versions) <= i - 1
     for m in metrics[1:]:
         assert 0 <= m["trainer_busy_frac"] <= 1 and 0 <= m["generator_busy_frac"] <= 1
+        assert 0 <= m["lag_mean"] <= m["lag_max"] <= 1 and m["stale_dropped"] == 0  # the trainer's own count
+        assert m["train_mismatch_abs_logp"] >= 0 and m["train_tis_ratio_max"] > 0
     evals = list(read_tapes(run / "tapes" / "eval_000003.jsonl"))
     assert {c.policy_version for t in evals for c in t.llm_calls} == {3}
 

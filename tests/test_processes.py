@@ -76,3 +76,28 @@ def test_a_dead_command_leaves_nothing_behind(tmp_path):
     os.kill(command_pid, signal.SIGKILL)  # the server crashes
     assert proc.wait(timeout=20) != 0
     assert wait_for(lambda: not alive(grandchild))
+
+
+def test_spawn_pins_the_command_and_its_children_to_the_given_cores(tmp_path):
+    """--server.cpus / --train.cpus end here: the command (and what it starts) may run on those cores only."""
+    core = min(os.sched_getaffinity(0))
+    pids = tmp_path / "pids"
+    proc = spawn([sys.executable, "-c", TREE, str(pids)], tmp_path / "log", cpus=[core])
+    try:
+        assert wait_for(lambda: pids.exists() and pids.read_text().strip())
+        for pid in map(int, pids.read_text().split()):
+            assert os.sched_getaffinity(pid) == {core}
+    finally:
+        stop(proc)
+
+
+def test_core_lists_parse_and_print_back():
+    from orchestrate.processes import format_cpus, parse_cpus
+
+    assert parse_cpus("0-3,6, 8") == [0, 1, 2, 3, 6, 8] and format_cpus([0, 1, 2, 3, 6, 8]) == "0-3,6,8"
+    for bad in ("", "a", "3-1", "1-", "-2", "0,,1"):
+        try:
+            parse_cpus(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
