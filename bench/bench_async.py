@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--root", type=Path, default=Path("/tmp/bench_async"), help="run directories (replaced)")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "async_levels.png")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the server and the trainer to cores")
-    parser.add_argument("--extra", default="", help="more orchestrate.rl options, e.g. '--rollouts.tasks_per_iteration 8'")
+    parser.add_argument(
+        "--extra", default="", help="more orchestrate.rl options, e.g. '--rollouts.tasks_per_iteration 8'"
+    )
     args = parser.parse_args(argv)
     try:
         args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
@@ -91,8 +93,11 @@ def summarise(records: list[dict]) -> dict:
     t0 = next((r["elapsed_s"] for r in records if r["iteration"] == 0), 0.0)
     train = [r for r in records if r["iteration"] > 0]
     minutes = (train[-1]["elapsed_s"] - t0) / 60
-    evals = [((r["elapsed_s"] - t0) / 60 if r["iteration"] else 0.0, r["iteration"], r["eval_success_rate"])
-             for r in records if "eval_success_rate" in r]
+    evals = [
+        ((r["elapsed_s"] - t0) / 60 if r["iteration"] else 0.0, r["iteration"], r["eval_success_rate"])
+        for r in records
+        if "eval_success_rate" in r
+    ]
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in train)  # noqa: E731
     return {
         "iterations_per_hour": len(train) / minutes * 60, "minutes": minutes, "evals": evals,
@@ -111,8 +116,10 @@ def report(results: dict[int, dict]) -> None:
     print("\nlevel | iterations/hour | trainer busy | generator busy | held-out success (minutes)")
     for level, s in results.items():
         evals = ", ".join(f"it{i} {v:.3f} ({m:.1f})" for m, i, v in s["evals"])
-        print(f"{level:>5} | {s['iterations_per_hour']:15.1f} | {s['trainer_busy']:12.0%} | "
-              f"{s['generator_busy']:14.0%} | {evals}")
+        print(
+            f"{level:>5} | {s['iterations_per_hour']:15.1f} | {s['trainer_busy']:12.0%} | "
+            f"{s['generator_busy']:14.0%} | {evals}"
+        )
     levels = list(results)
     base = results[levels[0]]
     one = results.get(1)
@@ -121,21 +128,29 @@ def report(results: dict[int, dict]) -> None:
     speedup = one["iterations_per_hour"] / base["iterations_per_hour"]
     two_accel = (base["gen_s"] + base["train_s"]) / max(base["gen_s"], base["train_s"])
     print(f"\nlevel 1 / level {levels[0]} iterations per hour: x{speedup:.2f} (target >= 1.5)")
-    print(f"  level {levels[0]} per iteration: generation side {base['gen_s']:.1f} s, training {base['train_s']:.1f} s,"
-          f" wall {base['iteration_s']:.1f} s; bound with overlap: (G + T) / max(G, T) = x{two_accel:.2f}"
-          " on two accelerators")
-    print(f"level 1 trainer busy: {one['trainer_busy']:.0%} of wall time (target >= 80%); the trainer idles when "
-          f"generating a batch (G = {base['gen_s']:.1f} s) outlasts training one (T = {base['train_s']:.1f} s)")
+    print(
+        f"  level {levels[0]} per iteration: generation side {base['gen_s']:.1f} s, training {base['train_s']:.1f} s,"
+        f" wall {base['iteration_s']:.1f} s; bound with overlap: (G + T) / max(G, T) = x{two_accel:.2f}"
+        " on two accelerators"
+    )
+    print(
+        f"level 1 trainer busy: {one['trainer_busy']:.0%} of wall time (target >= 80%); the trainer idles when "
+        f"generating a batch (G = {base['gen_s']:.1f} s) outlasts training one (T = {base['train_s']:.1f} s)"
+    )
     target = base["evals"][-1][2] if base["evals"] else None
     if target is not None:
         base_min = base["evals"][-1][0]
         reach = minutes_to_reach(one["evals"], target)
         if reach is None:
-            print(f"level 1 never reached level {levels[0]}'s last held-out success {target:.3f} (target: within "
-                  f"0.75x of {base_min:.1f} min)")
+            print(
+                f"level 1 never reached level {levels[0]}'s last held-out success {target:.3f} (target: within "
+                f"0.75x of {base_min:.1f} min)"
+            )
         else:
-            print(f"level 1 reached level {levels[0]}'s last held-out success {target:.3f} in {reach:.1f} min against "
-                  f"{base_min:.1f} min: x{reach / base_min:.2f} (target <= 0.75)")
+            print(
+                f"level 1 reached level {levels[0]}'s last held-out success {target:.3f} in {reach:.1f} min against "
+                f"{base_min:.1f} min: x{reach / base_min:.2f} (target <= 0.75)"
+            )
 
 
 def plot(results: dict[int, dict], path: Path) -> None:
@@ -146,8 +161,12 @@ def plot(results: dict[int, dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for level, s in results.items():
-        ax.plot([m for m, _, _ in s["evals"]], [v for _, _, v in s["evals"]], marker="o",
-                label=f"async_level {level}: {s['iterations_per_hour']:.0f} it/h")
+        ax.plot(
+            [m for m, _, _ in s["evals"]],
+            [v for _, _, v in s["evals"]],
+            marker="o",
+            label=f"async_level {level}: {s['iterations_per_hour']:.0f} it/h",
+        )
     ax.set_xlabel("wall minutes (after the first evaluation)")
     ax.set_ylabel("held-out success")
     ax.set_title("embedded preset: async levels")

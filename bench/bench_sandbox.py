@@ -38,7 +38,7 @@ def main() -> int:
 
     latency: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(args.runs):
-        for m in (modes if i % 2 == 0 else modes[::-1]):
+        for m in modes if i % 2 == 0 else modes[::-1]:
             start = time.perf_counter()
             result = boxes[m].run("print(1)")
             latency[m].append(time.perf_counter() - start)
@@ -56,7 +56,7 @@ def main() -> int:
         tool = PythonTool(boxes[m])
         start = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            results = list(pool.map(lambda _: tool.execute(ToolCall("python", WORK)), range(2 * args.runs)))
+            results = list(pool.map(lambda _, tool=tool: tool.execute(ToolCall("python", WORK)), range(2 * args.runs)))
         seconds = time.perf_counter() - start
         assert all(not info["tool_error"] for _, info in results)
         rates[m] = 2 * args.runs / seconds

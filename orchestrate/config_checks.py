@@ -132,13 +132,17 @@ def check_placement(config) -> None:
         cores = set(parse_cpus(text))
         missing = cores - ours
         if missing:
-            raise _error(f"--{dotted}: core(s) {format_cpus(missing)} are not among this machine's (or this "
-                         f"process's) cores {format_cpus(ours)}")
+            raise _error(
+                f"--{dotted}: core(s) {format_cpus(missing)} are not among this machine's (or this "
+                f"process's) cores {format_cpus(ours)}"
+            )
         chosen[dotted] = cores
     if len(chosen) == 2 and chosen["server.cpus"] & chosen["train.cpus"]:
         shared = format_cpus(chosen["server.cpus"] & chosen["train.cpus"])
-        raise _error(f"--train.cpus: core(s) {shared} are also in --server.cpus; give the servers and the trainer "
-                     "disjoint cores (as separate accelerators), or leave one out")
+        raise _error(
+            f"--train.cpus: core(s) {shared} are also in --server.cpus; give the servers and the trainer "
+            "disjoint cores (as separate accelerators), or leave one out"
+        )
 
 
 def check_config(config) -> None:

@@ -30,7 +30,6 @@ from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
 from finetune.rundir import read_advantages
 from orchestrate.config import RLConfig
-from orchestrate.processes import parse_cpus
 from orchestrate.metrics import (
     PHASES,
     append_metrics,
@@ -38,6 +37,7 @@ from orchestrate.metrics import (
     read_metrics,
     rollout_metrics,
 )
+from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
 from orchestrate.run_dir import RunDir
@@ -125,7 +125,11 @@ class Loop:
 
         # The trainer first: it loads its model while the servers start.
         # With async_level K the trainer trains nothing generated more than K versions before it.
-        train = c.train.model_copy(update={"max_lag": c.run.async_level}) if c.run.async_level and c.train.max_lag is None else c.train
+        train = (
+            c.train.model_copy(update={"max_lag": c.run.async_level})
+            if c.run.async_level and c.train.max_lag is None
+            else c.train
+        )
         self.trainer = TrainerProcess(self.run, self.policy_dir, train)
         self.trainer.start()
         stack.callback(self.trainer.stop)
@@ -144,7 +148,10 @@ class Loop:
         servers = list(self.policy_servers)
         if self.use_reference:
             self.reference_server = VLLMServer(
-                self.reference_dir, log_path=self.run.logs / "reference.log", name="reference", config=c.server,
+                self.reference_dir,
+                log_path=self.run.logs / "reference.log",
+                name="reference",
+                config=c.server,
                 cpus=cpus,
             )
             servers.append(self.reference_server)
@@ -170,7 +177,11 @@ class Loop:
         # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
         # weights as they were: then the reload cannot be checked by a change of log-probs.
         credit = read_advantages(self.run.root, version)
-        idle = not c.train.kl_coef and not c.train.loss.critic and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
+        idle = (
+            not c.train.kl_coef
+            and not c.train.loss.critic
+            and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
+        )
         for server in self.policy_servers:
             server.reload_weights(self.run.checkpoint(version), verify=not idle)
         self.served = version
@@ -181,7 +192,7 @@ class Loop:
         while not stop.is_set():
             newest = self.trainer.newest_checkpoint()
             if newest > self.served:
-                await client.swap_weights(lambda: asyncio.to_thread(self._reload, newest), newest)
+                await client.swap_weights(lambda v=newest: asyncio.to_thread(self._reload, v), newest)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except TimeoutError:
@@ -198,7 +209,9 @@ class Loop:
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
         )  # fmt: skip
 
-    async def _rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False) -> tuple[list[Tape], float, float]:
+    async def _rollouts(
+        self, spec, seeds, attempts, iteration, sampling, desc, follow=False
+    ) -> tuple[list[Tape], float, float]:
         """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
         seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
         clock = EnvClock()

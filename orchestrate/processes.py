@@ -54,7 +54,9 @@ def format_cpus(cores) -> str:
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
 
 
-def spawn(command: list[str], log_path, env: dict[str, str] | None = None, cpus: list[int] | None = None) -> subprocess.Popen:
+def spawn(
+    command: list[str], log_path, env: dict[str, str] | None = None, cpus: list[int] | None = None
+) -> subprocess.Popen:
     """Start `command` under a guard, its output appended to `log_path`, on the cores `cpus` (default: this
     process's); its children inherit them. Call from the main thread (the parent-death signal follows the
     thread that forks)."""

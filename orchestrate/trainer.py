@@ -21,8 +21,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from orchestrate.config import TrainerSection
-from orchestrate.run_dir import RunDir
 from orchestrate.processes import parse_cpus, spawn, stop
+from orchestrate.run_dir import RunDir
 from orchestrate.vllm_server import cuda_available, log_tail
 from tapes.store import atomic_write_text
 
@@ -30,12 +30,29 @@ ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "acce
 
 
 # Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
-TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr",
-              "tokens_per_s", "padding_frac",
-              # training-inference mismatch, measured in a batch's first step
-              "mismatch_abs_logp", "tis_ratio_mean", "tis_ratio_max",
-              # PPO's critic (absent otherwise)
-              "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance")
+TRAIN_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "ratio_mean",
+    "ratio_max",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "padding_frac",
+    # training-inference mismatch, measured in a batch's first step
+    "mismatch_abs_logp",
+    "tis_ratio_mean",
+    "tis_ratio_max",
+    # PPO's critic (absent otherwise)
+    "value_loss",
+    "vf_clip_frac",
+    "value_mean",
+    "returns_mean",
+    "explained_variance",
+)
 
 
 # Per-batch figures of the samples' staleness (the learner's lag = its version - the generating one).
@@ -113,8 +130,14 @@ class TrainerProcess:
         """
         folder = self.run.checkpoint(iteration)
         deadline = time.monotonic() + self.config.timeout_s
-        with tqdm(desc=desc or f"iteration {iteration} train", total=None, unit="tok", disable=not progress,
-                  leave=False, dynamic_ncols=True) as bar:
+        with tqdm(
+            desc=desc or f"iteration {iteration} train",
+            total=None,
+            unit="tok",
+            disable=not progress,
+            leave=False,
+            dynamic_ncols=True,
+        ) as bar:
             self._wait(iteration, folder, deadline, bar)
         return folder
 
@@ -152,8 +175,10 @@ class TrainerProcess:
                 steps.append(record)
         if not steps:
             return {}
-        out = {"train_steps": len([s for s in steps if "loss" in s]),
-               "train_seconds": sum(s.get("seconds", 0.0) for s in steps)}
+        out = {
+            "train_steps": len([s for s in steps if "loss" in s]),
+            "train_seconds": sum(s.get("seconds", 0.0) for s in steps),
+        }
         for key in BATCH_KEYS:  # the same on every step of a batch
             if isinstance(steps[0].get(key), (int, float)):
                 out[key] = steps[0][key]
