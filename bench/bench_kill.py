@@ -40,8 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from finetune.durable import PARTIAL_SUFFIX  # noqa: E402
 from orchestrate.run_lock import RunDirInUse, RunLock  # noqa: E402
-from tapes.store import PARTIAL_SUFFIX, read_tapes  # noqa: E402
+from tapes.store import read_tapes  # noqa: E402
 
 TASKS, ATTEMPTS, EVAL_TASKS, EVAL_EVERY = 2, 4, 4, 2
 TINY_CHAT_TEMPLATE = (

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from finetune.durable import atomic_write_text
 
 BATCH_NAME = re.compile(r"^(\d+)\.jsonl$")
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -175,33 +176,8 @@ def write_batch(path: str | os.PathLike, samples: Iterable[Sample | dict]) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [(s if isinstance(s, Sample) else Sample.model_validate(s)).model_dump_json() for s in samples]
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a file so that readers see the old one or the whole new one: temp file, fsync, rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """The rename is durable once the folder is synced (else a power loss can undo it)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def batch_file(batches_dir: str | os.PathLike, index: int) -> Path:

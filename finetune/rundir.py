@@ -24,7 +24,8 @@ import shutil
 import time
 from pathlib import Path
 
-from finetune.batch import list_batches, write_text_atomic
+from finetune.batch import list_batches
+from finetune.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 ADVANTAGES_DIR = "advantages"
@@ -65,7 +66,7 @@ class RunDir:
     def write_advantages(self, index: int, credit: list[dict]) -> Path:
         path = advantages_file(self.root, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, "".join(json.dumps(c) + "\n" for c in credit))
+        atomic_write_text(path, "".join(json.dumps(c) + "\n" for c in credit))
         return path
 
     def next_batch(self, after: int | None) -> tuple[int, Path] | None:
@@ -121,7 +122,7 @@ class RunDir:
                 shutil.rmtree(p, ignore_errors=True)
 
     def write_state(self, **fields) -> None:
-        write_json_atomic(self.state, {**fields, "pid": os.getpid(), "updated": time.time()})
+        atomic_write_json(self.state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
 
     def read_state(self) -> dict | None:
         try:
@@ -130,31 +131,5 @@ class RunDir:
             return None
 
     def append_metrics(self, record: dict) -> None:
-        """One line per call, written with a single write so readers never see half a line mid-file."""
-        with open(self.metrics, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
-
-
-def fsync_tree(folder: Path) -> None:
-    for dirpath, _, filenames in os.walk(folder):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        """One whole line per call; a line torn by a kill mid-write is cut before the next (finetune.durable)."""
+        append_line(self.metrics, json.dumps(record))

@@ -1,10 +1,4 @@
-"""JSON-lines files that only grow and never tear: metrics.jsonl.
-
-`append_line` writes a record with one write and fsyncs it; if the write
-fails part-way (disk full, file-size limit) the file is cut back to where it
-was, so no torn half-line is left for the next record to be glued to. A torn
-tail left by a crash (power loss, kill -9 mid-write) is cut off before the
-next append.
+"""metrics.jsonl as state.json knows it, when a run resumes (the writes themselves: finetune.durable).
 
 `repair_jsonl` runs when a run resumes: it drops the torn tail and the
 records the state file does not count yet (a crash between the metrics
@@ -19,70 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tapes.store import atomic_write_bytes, fsync_dir
-
-
-def _cut_torn_tail(fd: int) -> int:
-    """Truncate an unterminated last line; the file's size after."""
-    size = os.fstat(fd).st_size
-    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
-        return size
-    # walk back to the last newline (records are small: read the tail in blocks)
-    end = size
-    while end > 0:
-        start = max(0, end - 65536)
-        block = os.pread(fd, end - start, start)
-        cut = block.rfind(b"\n")
-        if cut >= 0:
-            size = start + cut + 1
-            break
-        end = start
-    else:
-        size = 0
-    os.ftruncate(fd, size)
-    return size
-
-
-def append_line(path: str | os.PathLike, line: str) -> None:
-    """Append `line` (one JSON record, no newline) whole, or leave the file as it was."""
-    path = Path(path)
-    data = line.rstrip("\n").encode() + b"\n"
-    created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        size = _cut_torn_tail(fd)
-        try:
-            written = 0
-            while written < len(data):  # os.pwrite may write less than asked
-                n = os.pwrite(fd, data[written:], size + written)
-                if n <= 0:
-                    raise OSError(f"{path}: short write")
-                written += n
-            os.fsync(fd)
-        except BaseException:
-            os.ftruncate(fd, size)  # no torn half-record left behind
-            raise
-    finally:
-        os.close(fd)
-    if created:
-        fsync_dir(path.parent)
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Whole records of a JSON-lines file (a torn or garbled line is left out)."""
-    out = []
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return out
-    for raw in data.split(b"\n"):
-        try:
-            record = json.loads(raw)
-        except ValueError:  # torn, not UTF-8, not JSON
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+from finetune.durable import atomic_write_bytes
 
 
 def repair_jsonl(path: str | os.PathLike, keep: Callable[[dict], bool]) -> int:

@@ -22,7 +22,6 @@ import asyncio
 import signal
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 from agents.agent import ChatAgent
 from agents.chat import ChatTokens
@@ -40,11 +39,11 @@ from orchestrate.metrics import (
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
-from orchestrate.run_dir import RunDir
+from orchestrate.run_dir import RunDir, save_tapes
 from orchestrate.samples import write_samples
 from orchestrate.trainer import TrainerProcess
 from orchestrate.vllm_server import VLLMServer
-from tapes.store import TapeWriter, read_tapes
+from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 
 
@@ -92,12 +91,6 @@ def busy_fractions(record: dict) -> dict[str, float]:
         "trainer_busy_frac": round(min(1.0, record.get("train_seconds", 0.0) / wall), 4),
         "generator_busy_frac": round(min(1.0, generating / wall), 4),
     }
-
-
-def save_tapes(path: Path, tapes: list[Tape]) -> None:
-    with TapeWriter(path) as writer:
-        for tape in tapes:
-            writer.write(tape)
 
 
 class Loop:

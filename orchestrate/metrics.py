@@ -62,8 +62,8 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
 
 
 def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it: whole or not at all, a torn tail cut first (orchestrate/durable.py)."""
-    from orchestrate.durable import append_line
+    """Append one JSON line and fsync it: whole or not at all, a torn tail cut first (finetune/durable.py)."""
+    from finetune.durable import append_line
 
     append_line(path, json.dumps(record))
 

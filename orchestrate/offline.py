@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
 from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
-from tapes.store import TapeFileError, TapeWriter, read_tapes
+from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
 FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"--reference MODEL, or {what} 0\n")  # fmt: skip
 
     from orchestrate.preflight import PreflightError, check_run_dir_path
-    from orchestrate.run_dir import RunDir
+    from orchestrate.run_dir import RunDir, save_tapes
     from orchestrate.run_lock import RunDirInUse, RunLock
 
     try:  # one command per output directory: held until this process ends
@@ -387,9 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         if reference_dir is not None:
             trainer.start()  # it loads its model while the reference server starts and scores
             annotate(tapes, reference_dir, server, out, progress)
-        with TapeWriter(tape_path) as writer:
-            for tape in tapes:
-                writer.write(tape)
+        save_tapes(tape_path, tapes)
         try:
             write_samples(run.batch(1), tapes, require_ref=require_ref)
         except SampleError as exc:

@@ -19,12 +19,14 @@ written before that. Files of an unfinished iteration are either complete
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from tapes.store import atomic_write_json, atomic_write_text, fsync_dir
+from finetune.durable import AtomicFile, atomic_write_json, atomic_write_text, fsync_dir
+from tapes.store import TapeWriter
 
 
 class RunState(BaseModel):
@@ -101,6 +103,14 @@ class RunDir:
         for old in complete[:-keep] if keep > 0 else complete:
             if old not in protect:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def save_tapes(path: str | os.PathLike, tapes) -> Path:
+    """A tape file of the run: written under `.partial`, renamed when whole (finetune.durable.AtomicFile)."""
+    with AtomicFile(path) as f, TapeWriter(f) as writer:
+        for tape in tapes:
+            writer.write(tape)
+    return Path(path)
 
 
 def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from finetune.durable import atomic_write_text
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
 from orchestrate.run_dir import RunDir
 from orchestrate.vllm_server import cuda_available, log_tail
-from tapes.store import atomic_write_text
 
 ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "accelerate"
 

@@ -1,107 +1,61 @@
 """Tapes on disk: JSON lines, one tape per line, one file per iteration.
 
-A file is written once, append-only, under a `.partial` name and renamed when
-it is complete, so a crash never leaves a file that looks complete but is
-not. Reading streams line by line (a run's files can be large) and a bad line
+This module knows the format only: how a file is made durable is the
+writer's caller's choice (the run directory writes tape files with
+finetune.durable.AtomicFile: under a `.partial` name, renamed when whole, so a
+crash never leaves a file that looks complete but is not). Reading streams line by line (a run's files can be large) and a bad line
 is refused with an error naming the file and the line.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 from pydantic import ValidationError
 
 from tapes.tape import Tape
-
-PARTIAL_SUFFIX = ".partial"
 
 
 class TapeFileError(ValueError):
     """A tape file line that is not a valid tape."""
 
 
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """Make a rename or a new file in `folder` durable: without it, after a power loss the
-    directory may still list the old file (or none) while later files are there."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that the file is either the old one or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
 class TapeWriter:
-    """Appends tapes to `<path>.partial`; `close()` makes it `<path>`.
-
-    Each line is flushed as it is written, so the tapes of an interrupted
-    write can still be read from the `.partial` file.
+    """Writes tapes, one JSON line each, to a text file object: the caller chooses how the file is made
+    durable (the run directory passes finetune.durable.AtomicFile: written under `.partial`, renamed when
+    whole). With a path, a new plain file is written (for tools and tests; it must not exist).
     """
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if self.path.exists():
-            raise FileExistsError(f"{self.path} exists: tape files are written once")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
-        self._file = open(self.partial, "w", encoding="utf-8")
+    def __init__(self, target: str | os.PathLike | IO[str]):
+        if isinstance(target, (str, os.PathLike)):
+            self.path: Path | None = Path(target)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = open(self.path, "x", encoding="utf-8")  # tape files are written once
+            self._owned = True
+        else:
+            self.path = getattr(target, "path", None)
+            self._file = target
+            self._owned = False  # the caller closes (commits) it
         self.count = 0
 
     def write(self, tape: Tape) -> None:
         self._file.write(tape.model_dump_json() + "\n")
-        self._file.flush()
         self.count += 1
-
-    def close(self) -> Path:
-        if not self._file.closed:
-            os.fsync(self._file.fileno())
-            self._file.close()
-            os.replace(self.partial, self.path)
-            fsync_dir(self.path.parent)
-        return self.path
 
     def __enter__(self) -> TapeWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # keep the .partial for inspection; it never looks complete
+        if self._owned:
             self._file.close()
 
 
-def write_tapes(path: str | os.PathLike, tapes: Iterable[Tape]) -> Path:
-    with TapeWriter(path) as writer:
+def write_tapes(target: str | os.PathLike | IO[str], tapes: Iterable[Tape]) -> Path | None:
+    """Write `tapes` to a new file at a path (or to a file object); returns the path."""
+    with TapeWriter(target) as writer:
         for tape in tapes:
             writer.write(tape)
     return writer.path

@@ -110,9 +110,10 @@ def synced(monkeypatch):
 
 
 def test_directory_synced_after_every_rename(tmp_path, synced):
-    from finetune.batch import write_text_atomic
-    from orchestrate.run_dir import RunDir, RunState
-    from tapes.store import TapeWriter, atomic_write_text
+    from finetune.batch import write_batch
+    from finetune.durable import atomic_write_text
+    from finetune.rundir import RunDir as TrainerRunDir
+    from orchestrate.run_dir import RunDir, RunState, save_tapes
     from tests.test_tapes import make_tape
 
     run = RunDir(tmp_path / "run")
@@ -121,14 +122,18 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
         lambda: atomic_write_text(run.root / "x.json", "{}"),
         lambda: run.save_state(RunState(completed_iteration=1)),
         lambda: run.save_config({"a": 1}),
-        lambda: write_text_atomic(run.batch(1), "{}\n"),
+        lambda: write_batch(
+            run.batch(1),
+            [{"prompt_ids": [1], "completion_ids": [2], "behaviour_logprobs": [0.0], "reward": 1.0, "group_id": "g"}],
+        ),
+        lambda: TrainerRunDir(run.root).write_state(status="waiting"),
+        lambda: TrainerRunDir(run.root).write_advantages(1, []),
     ):
         synced.clear()
         write()
         assert synced and synced[-1][1], synced  # the last fsync is of a directory, after the rename
     synced.clear()
-    with TapeWriter(run.iteration_tapes(1)) as writer:
-        writer.write(make_tape())
+    save_tapes(run.iteration_tapes(1), [make_tape()])
     assert synced[-1] == (str(run.tapes), True), synced
     synced.clear()
     append_metrics(run.metrics_path, {"iteration": 1})  # a new file: its directory entry too
@@ -152,3 +157,23 @@ def test_train_config_is_written_atomically(tmp_path, monkeypatch):
     trainer_module.TrainerProcess(run, tmp_path, TrainerSection(lr=3e-5)).start()
     assert str(path) in renames  # written under a temp name and renamed into place
     assert os.stat(path).st_ino != before and json.loads(path.read_text())["lr"] == 3e-5
+
+
+def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
+    """train_metrics.jsonl torn by a kill mid-write: the reader skips the half line, a resumed trainer's next
+    record starts on a line of its own (the same append as metrics.jsonl: finetune.durable.append_line)."""
+    from finetune.rundir import RunDir as TrainerRunDir
+    from orchestrate.config import TrainerSection
+    from orchestrate.run_dir import RunDir
+    from orchestrate.trainer import TrainerProcess
+
+    run = TrainerRunDir(tmp_path)
+    run.append_metrics({"batch": 1, "loss": 0.5, "seconds": 1.0})
+    with open(run.metrics, "a") as f:
+        f.write('{"batch": 2, "loss": 0.2, "sec')  # killed here
+    trainer = TrainerProcess(RunDir(tmp_path), tmp_path, TrainerSection())
+    assert trainer.iteration_metrics(1)["train_loss"] == 0.5 and trainer.iteration_metrics(2) == {}
+    run.append_metrics({"batch": 2, "loss": 0.25, "seconds": 2.0})  # the resumed trainer redoes batch 2
+    lines = run.metrics.read_text().splitlines()
+    assert [json.loads(line)["batch"] for line in lines] == [1, 2]
+    assert trainer.iteration_metrics(2)["train_loss"] == 0.25

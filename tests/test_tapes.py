@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from finetune.durable import PARTIAL_SUFFIX, AtomicFile
 from tapes import (
     FinalAnswerAction,
     LLMCall,
@@ -16,7 +17,7 @@ from tapes import (
     read_tapes,
     write_tapes,
 )
-from tapes.store import PARTIAL_SUFFIX, line_offsets, read_tape_at
+from tapes.store import line_offsets, read_tape_at
 
 
 def make_tape(i: int = 0) -> Tape:
@@ -103,28 +104,30 @@ def test_missing_field_is_refused(tmp_path):
         list(read_tapes(path))
 
 
-def test_writer_is_atomic_and_append_only(tmp_path):
+def test_tape_files_of_a_run_are_atomic_and_written_once(tmp_path):
+    """The run writes tape files through finetune.durable.AtomicFile: readable while they grow under
+    .partial, complete only when renamed; a crash leaves no complete-looking file."""
     path = tmp_path / "iter.jsonl"
-    writer = TapeWriter(path)
+    f = AtomicFile(path)
+    writer = TapeWriter(f)
     writer.write(make_tape(0))
     writer.write(make_tape(1))
-    # not complete yet: only the .partial exists, and its finished lines are readable
     assert not path.exists()
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     assert [t.metadata.task_id for t in read_tapes(partial)] == ["t0", "t1"]
-    writer.close()
-    assert path.exists() and not partial.exists()
+    f.commit()
+    assert path.exists() and not partial.exists() and writer.count == 2
     with pytest.raises(FileExistsError):
-        TapeWriter(path)
+        AtomicFile(path)
+    with pytest.raises(FileExistsError):  # a plain tape file is written once too
+        write_tapes(path, [make_tape(2)])
 
-
-def test_writer_failure_leaves_no_complete_file(tmp_path):
-    path = tmp_path / "iter.jsonl"
+    crashed = tmp_path / "crashed.jsonl"
     with pytest.raises(RuntimeError):
-        with TapeWriter(path) as writer:
+        with AtomicFile(crashed) as f, TapeWriter(f) as writer:
             writer.write(make_tape(0))
             raise RuntimeError("crash")
-    assert not path.exists()
+    assert not crashed.exists()
 
 
 def test_random_access_by_offset(tmp_path):
