@@ -151,7 +151,15 @@ class Learner:
         samples, lag_stats = self._drop_stale(samples, batch_index)
         if not samples:  # every sample was too stale: no step, the weights stay as they were
             self.credit = []
-            m = {"batch": batch_index, "epoch": 0, "step_in_batch": 0, "step": self.step, "samples": 0, **lag_stats}
+            m = {
+                "batch": batch_index,
+                "epoch": 0,
+                "step_in_batch": 0,
+                "step": self.step,
+                "samples": 0,
+                "weights_changed": False,
+                **lag_stats,
+            }
             return [m]
         if cfg.needs_reference and any(s.ref_logprobs is None for s in samples):
             raise ValueError(
@@ -213,7 +221,10 @@ class Learner:
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
                 if len(part) == 0:
                     continue
+                before = self._fingerprint()
                 m = self._optimizer_step(samples, part.tolist(), advantages, rewards, critic)
+                # recorded for the orchestrator: an unchanged model cannot be told from a failed reload
+                m["weights_changed"] = not torch.equal(before, self._fingerprint())
                 self._fresh = False
                 m = {
                     "batch": batch_index,
@@ -227,6 +238,12 @@ class Learner:
                 if on_step is not None:
                     on_step(m)
         return metrics
+
+    @torch.no_grad()
+    def _fingerprint(self) -> torch.Tensor:
+        """Per-tensor sums of the policy's weights (float64): any update moves at least one of them."""
+        model = self.accelerator.unwrap_model(self.model)
+        return torch.stack([p.detach().double().sum().cpu() for p in model.parameters()])
 
     def _drop_stale(self, samples: list[Sample], batch_index: int) -> tuple[list[Sample], dict]:
         """Samples within max_lag of the version that trains them (batch b trains version b - 1), and the

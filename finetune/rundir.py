@@ -50,18 +50,36 @@ def read_advantages(root: str | os.PathLike, index: int) -> dict[str, list[dict]
 
 
 class RunDir:
+    """The one owner of the files the orchestrator and the learner share (the orchestrator's
+    orchestrate.run_dir.RunDir adds its own files to these)."""
+
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.batches = self.root / "batches"
         self.checkpoints = self.root / "checkpoints"
         self.advantages = self.root / ADVANTAGES_DIR
-        self.metrics = self.root / "train_metrics.jsonl"
-        self.state = self.root / "trainer_state.json"
-        self.log = self.root / "trainer.log"
-        self.stop = self.root / "trainer.stop"
+        self.train_metrics = self.root / "train_metrics.jsonl"
+        self.trainer_state = self.root / "trainer_state.json"
+        self.trainer_log = self.root / "trainer.log"
+        self.trainer_stop = self.root / "trainer.stop"
+        self.train_config = self.root / "train_config.json"  # the orchestrator's trainer options (--config)
+
+    def batch(self, index: int) -> Path:
+        return self.batches / f"{index:06d}.jsonl"
 
     def checkpoint(self, index: int) -> Path:
         return self.checkpoints / f"{index:06d}"
+
+    def checkpoint_done(self, index: int) -> bool:
+        """Whether checkpoint `index` is published (built aside, renamed whole: its config.json is there)."""
+        return (self.checkpoint(index) / "config.json").is_file()
+
+    def newest_checkpoint(self) -> int:
+        """The number of the newest published checkpoint (0: none yet); the learner publishes in batch order."""
+        if not self.checkpoints.is_dir():
+            return 0
+        found = [int(m.group(1)) for p in self.checkpoints.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
+        return max((i for i in found if self.checkpoint_done(i)), default=0)
 
     def write_advantages(self, index: int, credit: list[dict]) -> Path:
         path = advantages_file(self.root, index)
@@ -122,14 +140,14 @@ class RunDir:
                 shutil.rmtree(p, ignore_errors=True)
 
     def write_state(self, **fields) -> None:
-        atomic_write_json(self.state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
+        atomic_write_json(self.trainer_state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
 
     def read_state(self) -> dict | None:
         try:
-            return json.loads(self.state.read_text())
+            return json.loads(self.trainer_state.read_text())
         except FileNotFoundError:
             return None
 
     def append_metrics(self, record: dict) -> None:
         """One whole line per call; a line torn by a kill mid-write is cut before the next (finetune.durable)."""
-        append_line(self.metrics, json.dumps(record))
+        append_line(self.train_metrics, json.dumps(record))

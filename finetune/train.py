@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         run.batches.mkdir(exist_ok=True)
         run.checkpoints.mkdir(exist_ok=True)
     accelerator.wait_for_everyone()
-    _setup_logging(run.log if main_process else None, accelerator.process_index)
+    _setup_logging(run.trainer_log if main_process else None, accelerator.process_index)
     state = {
         "status": "loading",
         "last_batch": None,
@@ -326,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             decision = None  # ("train", index, path) or ("stop", reason); chosen by the main process
             if main_process:
-                if run.stop.exists():
-                    decision = ("stop", f"{run.stop.name} found")
+                if run.trainer_stop.exists():
+                    decision = ("stop", f"{run.trainer_stop.name} found")
                 elif (found := run.next_batch(last)) is not None:
                     decision = ("train", found[0], str(found[1]))
                 elif args.once:

@@ -42,6 +42,7 @@ from urllib.parse import parse_qs, urlparse
 
 from finetune.kl import k3
 from finetune.rundir import advantages_file, read_advantages
+from orchestrate.run_dir import RunDir
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
@@ -322,7 +323,7 @@ class RunIndex:
     # -- run-level files ----------------------------------------------------
 
     def config(self) -> dict | None:
-        path = self.root / "config.json"
+        path = RunDir(self.root).config_path
         if not inside(self.root, path):
             return None
         try:
@@ -332,7 +333,7 @@ class RunIndex:
         return config if isinstance(config, dict) else None
 
     def metrics(self) -> list[dict]:
-        path = self.root / "metrics.jsonl"
+        path = RunDir(self.root).metrics_path
         out = []
         if path.exists() and inside(self.root, path):
             for line in path.read_bytes().splitlines():
@@ -396,7 +397,7 @@ class RunIndex:
             if not self._tokenizer_loaded:
                 self._tokenizer_loaded = True
                 candidates = [Path(self._tokenizer_path)] if self._tokenizer_path else []
-                checkpoints = self.root / "checkpoints"
+                checkpoints = RunDir(self.root).checkpoints
                 if not candidates and checkpoints.is_dir():
                     candidates += sorted((p for p in checkpoints.iterdir() if p.name.isdigit() and inside(self.root, p)),
                                          reverse=True)  # fmt: skip

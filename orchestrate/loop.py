@@ -27,7 +27,6 @@ from agents.agent import ChatAgent
 from agents.chat import ChatTokens
 from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
-from finetune.rundir import read_advantages
 from orchestrate.config import RLConfig
 from orchestrate.metrics import (
     PHASES,
@@ -165,18 +164,11 @@ class Loop:
     # -- weights -------------------------------------------------------------------
 
     def _reload(self, version: int) -> None:
-        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight)."""
-        c = self.config
-        # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
-        # weights as they were: then the reload cannot be checked by a change of log-probs.
-        credit = read_advantages(self.run.root, version)
-        idle = (
-            not c.train.kl_coef
-            and not c.train.loss.critic
-            and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
-        )
+        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight). A reload
+        is checked by a change of log-probs, unless the learner recorded that the weights did not change."""
+        verify = self.trainer.weights_changed(version)
         for server in self.policy_servers:
-            server.reload_weights(self.run.checkpoint(version), verify=not idle)
+            server.reload_weights(self.run.checkpoint(version), verify=verify)
         self.served = version
 
     async def _follow_checkpoints(self, client: VLLMClient, stop: asyncio.Event) -> None:

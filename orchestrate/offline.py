@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
 from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
+from orchestrate.run_dir import RunDir
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
@@ -261,11 +262,11 @@ def resolve(args: argparse.Namespace):
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise OfflineError(f"--out: {out} is a file")
-    if (out / "checkpoints").is_dir() and any(p.name.isdigit() for p in (out / "checkpoints").iterdir()):
+    if RunDir(out).newest_checkpoint():
         raise OfflineError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
     run_config = {}
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
-    if len(runs) == 1 and (config_path := runs.pop() / "config.json").is_file():
+    if len(runs) == 1 and (config_path := RunDir(runs.pop()).config_path).is_file():
         try:
             run_config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"--reference MODEL, or {what} 0\n")  # fmt: skip
 
     from orchestrate.preflight import PreflightError, check_run_dir_path
-    from orchestrate.run_dir import RunDir, save_tapes
+    from orchestrate.run_dir import save_tapes
     from orchestrate.run_lock import RunDirInUse, RunLock
 
     try:  # one command per output directory: held until this process ends
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
               f"groups with differing rewards); training {model_dir.name} ...", flush=True)  # fmt: skip
         if trainer.process is None:
             trainer.start()
-        checkpoint = _wait(trainer, progress)
+        checkpoint = trainer.wait_for_checkpoint(1, progress=progress, desc="train")
     except TrainerError as exc:
         cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
         print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
@@ -421,27 +422,6 @@ def _missing_fields(tapes: list[Tape]) -> str | None:
         what = f"{no_steps} of {len(tapes)} tapes have no steps" if no_steps else "no tape holds a sampled LLM call"
         return f"{what}: these are not rollout tapes of tapeloop (RUN/tapes/iter_*.jsonl); nothing to train on"
     return None
-
-
-def _wait(trainer, progress: bool) -> Path:
-    """wait_for_checkpoint with a progress bar that shows the trainer's status."""
-    from orchestrate.trainer import TrainerError
-
-    folder = trainer.run.checkpoint(1)
-    state_path = trainer.run.root / "trainer_state.json"
-    deadline = time.monotonic() + trainer.config.timeout_s
-    with tqdm(desc="train: starting", bar_format="{desc} [{elapsed}]", disable=not progress, leave=False) as bar:
-        while not (folder / "config.json").is_file():
-            if trainer.process.poll() is not None and not (folder / "config.json").is_file():
-                raise trainer._died()
-            if time.monotonic() > deadline:
-                raise TrainerError(f"no checkpoint after {trainer.config.timeout_s:.0f} s (raise --train.timeout_s)")
-            try:
-                bar.set_description_str("train: " + json.loads(state_path.read_text()).get("status", "starting"))
-            except (OSError, json.JSONDecodeError):
-                pass
-            time.sleep(0.3)
-    return folder
 
 
 if __name__ == "__main__":

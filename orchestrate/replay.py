@@ -28,6 +28,7 @@ from pathlib import Path
 from agents.agent import ChatAgent, summarize
 from agents.llm import LLMError, ReplayLLM
 from orchestrate.rollouts import EnvSpec
+from orchestrate.run_dir import RunDir
 from tapes.diff import TapeDiff, diff_tapes
 from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata, ToolCallAction
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         if not path.is_file():
             parser.error(f"files: {path} is not a file")
-    config_path = Path(args.config) if args.config else paths[0].resolve().parent.parent / "config.json"
+    config_path = Path(args.config) if args.config else RunDir(paths[0].resolve().parent.parent).config_path
     if not config_path.is_file():
         parser.error(f"--config: {config_path} not found; pass the run's config.json")
     try:

@@ -8,6 +8,7 @@
     checkpoints/000003/      the policy after training on batch 3 (the newest K are kept)
     metrics.jsonl            one line per iteration
     train_metrics.jsonl      one line per optimizer step (written by the trainer)
+    trainer_state.json, advantages/, train_config.json ...: shared with the trainer (finetune/rundir.py)
     plots/curves.png         redrawn every iteration
     logs/                    vLLM server and trainer logs
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from finetune.durable import AtomicFile, atomic_write_json, atomic_write_text, fsync_dir
+from finetune.rundir import RunDir as SharedRunDir
 from tapes.store import TapeWriter
 
 
@@ -38,18 +40,18 @@ class RunDirError(ValueError):
     """A run directory file that cannot be read as what it should be; one line saying what to do."""
 
 
-class RunDir:
+class RunDir(SharedRunDir):
+    """The orchestrator's files, beside those it shares with the learner (finetune.rundir owns those)."""
+
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        super().__init__(root)
         self.tapes = self.root / "tapes"
-        self.batches = self.root / "batches"
-        self.checkpoints = self.root / "checkpoints"
         self.logs = self.root / "logs"
+        self.launcher_log = self.logs / "trainer.log"  # the trainer launcher's stdout/stderr (tracebacks)
         self.plots = self.root / "plots"
         self.config_path = self.root / "config.json"
         self.state_path = self.root / "state.json"
         self.metrics_path = self.root / "metrics.jsonl"
-        self.train_metrics_path = self.root / "train_metrics.jsonl"
 
     def create(self) -> None:
         for folder in (self.tapes, self.batches, self.checkpoints, self.logs, self.plots):
@@ -61,12 +63,6 @@ class RunDir:
 
     def eval_tapes(self, iteration: int) -> Path:
         return self.tapes / f"eval_{iteration:06d}.jsonl"
-
-    def batch(self, iteration: int) -> Path:
-        return self.batches / f"{iteration:06d}.jsonl"
-
-    def checkpoint(self, iteration: int) -> Path:
-        return self.checkpoints / f"{iteration:06d}"
 
     def load_state(self) -> RunState:
         if not self.state_path.exists():

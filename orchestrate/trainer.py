@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from finetune.durable import atomic_write_text
+from finetune.durable import atomic_write_text, read_jsonl
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
 from orchestrate.run_dir import RunDir
@@ -68,8 +68,8 @@ class TrainerProcess:
         self.run = run_dir
         self.model_dir = model_dir
         self.config = config
-        self.log_path = run_dir.logs / "trainer.log"  # the launcher's stdout/stderr, tracebacks included
-        self.config_path = run_dir.root / "train_config.json"
+        self.log_path = run_dir.launcher_log  # the launcher's stdout/stderr, tracebacks included
+        self.config_path = run_dir.train_config
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -93,7 +93,7 @@ class TrainerProcess:
 
         fields = {k: v for k, v in self.config.model_dump().items() if k in TrainConfig.model_fields}
         atomic_write_text(self.config_path, json.dumps(fields, indent=2) + "\n")
-        (self.run.root / "trainer.stop").unlink(missing_ok=True)
+        self.run.trainer_stop.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
@@ -113,66 +113,63 @@ class TrainerProcess:
     def status(self) -> dict:
         """The trainer's trainer_state.json ({} while there is none or it is being replaced)."""
         try:
-            return json.loads((self.run.root / "trainer_state.json").read_text())
+            return json.loads(self.run.trainer_state.read_text())
         except (OSError, json.JSONDecodeError):
             return {}
 
     def newest_checkpoint(self) -> int:
-        """The number of the newest checkpoint the trainer has published (0: none yet). Checkpoints appear
-        whole (built aside, then renamed) and in batch order."""
-        folders = [p for p in self.run.checkpoints.iterdir() if p.name.isdigit() and (p / "config.json").is_file()]
-        return max((int(p.name) for p in folders), default=0)
+        """The newest checkpoint the trainer has published (0: none yet)."""
+        return self.run.newest_checkpoint()
 
     def wait_for_checkpoint(self, iteration: int, progress: bool = False, desc: str | None = None) -> Path:
-        """Block until checkpoints/<iteration> is complete; raise if the trainer dies or times out.
+        """Block until checkpoints/<iteration> is published; raise if the trainer dies or times out. The one
+        wait for a checkpoint (the RL loop and offline training both use it).
 
-        With `progress`, a bar follows the trainer through the batch (completion tokens trained).
+        With `progress`, a bar follows the trainer: its status while it starts, then the completion tokens
+        of the batch trained.
         """
-        folder = self.run.checkpoint(iteration)
+        desc = desc or f"iteration {iteration} train"
         deadline = time.monotonic() + self.config.timeout_s
-        with tqdm(
-            desc=desc or f"iteration {iteration} train",
-            total=None,
-            unit="tok",
-            disable=not progress,
-            leave=False,
-            dynamic_ncols=True,
-        ) as bar:
-            self._wait(iteration, folder, deadline, bar)
-        return folder
+        bar_options = dict(total=None, unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
+        with tqdm(desc=desc, **bar_options) as bar:
+            while not self.run.checkpoint_done(iteration):
+                self._follow(iteration, bar, desc)
+                if self.process is None or self.process.poll() is not None:
+                    if self.run.checkpoint_done(iteration):
+                        break
+                    raise self._died()
+                if time.monotonic() > deadline:
+                    raise TrainerError(
+                        f"no checkpoint for iteration {iteration} after {self.config.timeout_s:.0f} s "
+                        f"(raise --train.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                    )
+                time.sleep(0.2)
+        return self.run.checkpoint(iteration)
 
-    def _wait(self, iteration: int, folder: Path, deadline: float, bar) -> None:
-        while not (folder / "config.json").is_file():
-            state = self.status()
-            done = state.get("progress") if state.get("batch_in_progress") == iteration else None
-            if done:
-                bar.total = done["total"]
-                bar.n = done["done"]
-                bar.refresh()
-            if self.process is None or self.process.poll() is not None:
-                if (folder / "config.json").is_file():
-                    break
-                raise self._died()
-            if time.monotonic() > deadline:
-                raise TrainerError(
-                    f"no checkpoint for iteration {iteration} after {self.config.timeout_s:.0f} s "
-                    f"(raise --train.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
-                )
-            time.sleep(0.2)
+    def _follow(self, iteration: int, bar, desc: str) -> None:
+        """The bar shows the trainer's status, and its progress through this batch once it trains it."""
+        state = self.status()
+        done = state.get("progress") if state.get("batch_in_progress") == iteration else None
+        if done:
+            bar.total, bar.n = done["total"], done["done"]
+            bar.set_description_str(desc, refresh=False)
+            bar.refresh()
+        elif state.get("status"):
+            bar.set_description_str(f"{desc}: {state['status']}")
+
+    def weights_changed(self, iteration: int) -> bool:
+        """What the learner recorded: whether training batch `iteration` changed the weights (True when it
+        did not say: a reload is then checked)."""
+        steps = self._steps(iteration)
+        return any(s.get("weights_changed", True) for s in steps) if steps else True
+
+    def _steps(self, iteration: int) -> list[dict]:
+        """The learner's per-step records of batch `iteration` (whole lines only)."""
+        return [r for r in read_jsonl(self.run.train_metrics) if r.get("batch") == iteration]
 
     def iteration_metrics(self, iteration: int) -> dict[str, float]:
         """Means of the trainer's per-step metrics for one batch, prefixed 'train_'."""
-        path = self.run.train_metrics_path
-        if not path.exists():
-            return {}
-        steps = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("batch") == iteration:
-                steps.append(record)
+        steps = self._steps(iteration)
         if not steps:
             return {}
         out = {
@@ -192,7 +189,7 @@ class TrainerProcess:
         """Ask the trainer to exit (it does between batches); past `timeout` (mid-batch), stop it: it resumes."""
         if self.process is None:
             return
-        (self.run.root / "trainer.stop").touch()  # the trainer exits between batches when it sees this
+        self.run.trainer_stop.touch()  # the trainer exits between batches when it sees this
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

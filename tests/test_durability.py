@@ -169,11 +169,11 @@ def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
 
     run = TrainerRunDir(tmp_path)
     run.append_metrics({"batch": 1, "loss": 0.5, "seconds": 1.0})
-    with open(run.metrics, "a") as f:
+    with open(run.train_metrics, "a") as f:
         f.write('{"batch": 2, "loss": 0.2, "sec')  # killed here
     trainer = TrainerProcess(RunDir(tmp_path), tmp_path, TrainerSection())
     assert trainer.iteration_metrics(1)["train_loss"] == 0.5 and trainer.iteration_metrics(2) == {}
     run.append_metrics({"batch": 2, "loss": 0.25, "seconds": 2.0})  # the resumed trainer redoes batch 2
-    lines = run.metrics.read_text().splitlines()
+    lines = run.train_metrics.read_text().splitlines()
     assert [json.loads(line)["batch"] for line in lines] == [1, 2]
     assert trainer.iteration_metrics(2)["train_loss"] == 0.25
