@@ -24,6 +24,10 @@ fields (`context`, `result`, `info`, `data`, `messages`, `other`) hold JSON
 values only (dicts with string keys, lists, strings, numbers, booleans,
 null): a tuple, set, bytes or object is refused when the model is built,
 naming the field, because it would not come back as what went in.
+
+Fields this version does not know, on the tape, its metadata, its LLM calls
+(and their sampling parameters) and the steps' metadata, are kept and written
+back (after the known ones); an unknown field of a step itself is refused.
 """
 
 from __future__ import annotations
@@ -47,7 +51,16 @@ class TapeModel(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="constants")
 
 
-class SamplingParams(TapeModel):
+class OpenTapeModel(TapeModel):
+    """A tape model that keeps the fields it does not know (written by a newer version, or by TapeAgents) and
+    writes them back after its own, so reading and rewriting a file loses nothing. Steps do not: an unknown
+    step field is refused, naming it."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # JSON values only, as the free-form fields
+
+
+class SamplingParams(OpenTapeModel):
     """How the completion was sampled."""
 
     temperature: float = 1.0
@@ -57,7 +70,7 @@ class SamplingParams(TapeModel):
     stop: list[str] = Field(default_factory=list)
 
 
-class LLMCall(TapeModel):
+class LLMCall(OpenTapeModel):
     """One LLM call, kept whole: what went in, what came out, how, and from which weights."""
 
     id: str = Field(default_factory=new_id, description="referenced by StepMetadata.prompt_id")
@@ -85,7 +98,7 @@ class LLMCall(TapeModel):
     )
 
 
-class StepMetadata(TapeModel):
+class StepMetadata(OpenTapeModel):
     """TapeAgents' step metadata: which node of which agent made the step, from which LLM call."""
 
     id: str = Field(default_factory=new_id)
@@ -208,7 +221,7 @@ class ToolResultObservation(EnvObservation):
     tool: str = Field(description="the tool that answered")
 
 
-class TapeMetadata(TapeModel):
+class TapeMetadata(OpenTapeModel):
     """TapeAgents' tape metadata, plus what RL needs on every tape."""
 
     id: str = Field(default_factory=new_id)
@@ -230,7 +243,7 @@ class TapeMetadata(TapeModel):
     truncated: bool = False
 
 
-class Tape(TapeModel):
+class Tape(OpenTapeModel):
     """A complete, replayable record of one attempt."""
 
     metadata: TapeMetadata = Field(default_factory=TapeMetadata)

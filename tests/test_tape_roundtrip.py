@@ -131,3 +131,63 @@ def test_a_value_that_would_not_come_back_is_refused_naming_the_field(bad):
     assert "context" in str(err.value)
     with pytest.raises(ValidationError, match="info"):
         EnvObservation(text="x", info={1: "int key would come back as '1'"})
+
+
+# -- fields this version does not know ------------------------------------------------------------------------
+
+def newer_line(where_extras: str) -> tuple[str, dict]:
+    """A tape line as a newer version might write it: unknown fields on the tape, its metadata, every LLM call
+    and its sampling parameters, and every step's metadata; at the end of each object or in the middle."""
+    tape = random_tape(random.Random(7))
+    data = json.loads(tape.model_dump_json())
+    unknown = {"added_later": {"nested": [1, 2.5, None, "ü"], "flag": True}, "score": float("nan"), "empty": ""}
+
+    def add(obj: dict) -> dict:
+        if where_extras == "end":
+            return {**obj, **unknown}
+        keys = list(obj)
+        return {**{k: obj[k] for k in keys[:1]}, **unknown, **{k: obj[k] for k in keys[1:]}}
+
+    for call in data["llm_calls"]:
+        call["sampling"] = add(call["sampling"])
+    data["llm_calls"] = [add(call) for call in data["llm_calls"]]
+    for step in data["steps"]:
+        step["metadata"] = add(step["metadata"])
+    data["metadata"] = add(data["metadata"])
+    data = add(data)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")), data
+
+
+@pytest.mark.parametrize("where_extras", ["end", "middle"])
+def test_unknown_fields_outside_the_steps_are_kept_and_written_back(tmp_path, where_extras):
+    line, data = newer_line(where_extras)
+    source = tmp_path / "newer.jsonl"
+    source.write_text(line + "\n", encoding="utf-8")
+    tape = next(read_tapes(source))
+    assert tape.model_extra["added_later"] == {"nested": [1, 2.5, None, "ü"], "flag": True}
+    assert math.isnan(tape.metadata.model_extra["score"]) and tape.llm_calls[0].sampling.model_extra["empty"] == ""
+    rewritten = write_tapes(tmp_path / "rewritten.jsonl", [tape]).read_text(encoding="utf-8")
+    # the same JSON: every key and value, NaN included (key order aside: unknown fields come after known ones)
+    assert json.dumps(json.loads(rewritten), sort_keys=True) == json.dumps(data, sort_keys=True)
+    if where_extras == "end":
+        assert rewritten == line + "\n"  # byte for byte
+
+
+def test_an_unknown_field_of_a_step_is_still_refused_naming_it(tmp_path):
+    data = json.loads(random_tape(random.Random(1)).model_dump_json())
+    data["steps"][0]["colour"] = "blue"
+    with pytest.raises(ValidationError, match="colour"):
+        Tape.model_validate_json(json.dumps(data))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_tape_read_back_is_identical_to_diff_tapes(tmp_path, seed):
+    """diff_tapes (replay's comparison) sees no difference in a tape read back, NaN rewards and infos included."""
+    from tapes.diff import diff_tapes
+
+    tape = random_tape(random.Random(seed))
+    tape.metadata.reward = float("nan")
+    back = next(read_tapes(write_tapes(tmp_path / "t.jsonl", [tape])))
+    assert diff_tapes(tape, back).identical, diff_tapes(tape, back).report()
+    back.metadata.reward = 1.0
+    assert diff_tapes(tape, back).reward is not None
