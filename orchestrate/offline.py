@@ -45,10 +45,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
-from tqdm.auto import tqdm
 
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
 from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
+from orchestrate.progress import progress_bar
 from tapes.store import TapeFileError, TapeWriter, read_tapes
 from tapes.tape import Tape
 
@@ -131,7 +131,7 @@ def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
     from orchestrate.rollouts import rescore_episode
     from tapes.tape import EnvObservation
 
-    for tape in tqdm(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
+    for tape in progress_bar(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
         if reward_fn is rescore_episode:
             rescore_episode(tape)
             continue
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tapes: list[Tape] = []
     try:
-        for path in tqdm(files, desc="read tapes", unit="file", disable=not progress, leave=False):
+        for path in progress_bar(files, desc="read tapes", unit="file", disable=not progress, leave=False):
             tapes += [t for t in read_tapes(path)
                       if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
     except TapeFileError as exc:
@@ -395,7 +395,7 @@ def _wait(trainer, progress: bool) -> Path:
     folder = trainer.run.checkpoint(1)
     state_path = trainer.run.root / "trainer_state.json"
     deadline = time.monotonic() + trainer.config.timeout_s
-    with tqdm(desc="train: starting", bar_format="{desc} [{elapsed}]", disable=not progress, leave=False) as bar:
+    with progress_bar(desc="train: starting", bar_format="{desc} [{elapsed}]", disable=not progress, leave=False) as bar:
         while not (folder / "config.json").is_file():
             if trainer.process.poll() is not None and not (folder / "config.json").is_file():
                 raise trainer._died()

@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
 from orchestrate.processes import spawn, stop
+from orchestrate.progress import progress_bar
 from orchestrate.vllm_server import cuda_available, log_tail
 from tapes.store import atomic_write_text
 
@@ -103,7 +102,7 @@ class TrainerProcess:
         """
         folder = self.run.checkpoint(iteration)
         deadline = time.monotonic() + self.config.timeout_s
-        with tqdm(desc=desc or f"iteration {iteration} train", total=None, unit="tok", disable=not progress,
+        with progress_bar(desc=desc or f"iteration {iteration} train", total=None, unit="tok", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
             self._wait(iteration, folder, deadline, bar)
         return folder
