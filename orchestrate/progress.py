@@ -21,8 +21,17 @@ from typing import IO, Any
 EVERY_S = 30.0
 
 
-def progress_bar(iterable: Iterable | None = None, *, desc: str = "", total: float | None = None, unit: str = "it",
-                 disable: bool = False, file: IO[str] | None = None, every_s: float = EVERY_S, **tqdm_kwargs: Any):
+def progress_bar(
+    iterable: Iterable | None = None,
+    *,
+    desc: str = "",
+    total: float | None = None,
+    unit: str = "it",
+    disable: bool = False,
+    file: IO[str] | None = None,
+    every_s: float = EVERY_S,
+    **tqdm_kwargs: Any,
+):
     """A tqdm bar if `file` (default: stderr) is a terminal, else a LineProgress; both are used alike (update,
     refresh, set_description_str, n and total, close, `with`, iteration)."""
     file = sys.stderr if file is None else file
@@ -47,7 +56,14 @@ class LineProgress:
     def __init__(self, iterable: Iterable | None = None, *, desc: str = "", total: float | None = None,
                  unit: str = "it", file: IO[str], every_s: float = EVERY_S,
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
-        self.iterable, self.desc, self.unit, self.file, self.every_s, self.clock = iterable, desc, unit, file, every_s, clock
+        self.iterable, self.desc, self.unit, self.file, self.every_s, self.clock = (
+            iterable,
+            desc,
+            unit,
+            file,
+            every_s,
+            clock,
+        )
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)
         self.total, self.n = total, 0

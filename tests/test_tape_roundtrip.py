@@ -112,8 +112,10 @@ def test_every_step_kind_with_extreme_values_reads_back_identical(tmp_path, seed
 
 
 def test_the_constants_cover_every_non_finite_float_and_finite_json_is_unchanged():
-    tape = Tape(metadata=TapeMetadata(reward=float("nan")),
-                llm_calls=[LLMCall(logprobs=[float("-inf"), -0.5], ref_logprobs=[float("inf"), -0.0])])
+    tape = Tape(
+        metadata=TapeMetadata(reward=float("nan")),
+        llm_calls=[LLMCall(logprobs=[float("-inf"), -0.5], ref_logprobs=[float("inf"), -0.0])],
+    )
     line = tape.model_dump_json()
     assert '"reward":NaN' in line and '"logprobs":[-Infinity,-0.5]' in line and '"ref_logprobs":[Infinity,-0.0]' in line
     assert "null" not in json.dumps(json.loads(line)["llm_calls"][0]["logprobs"])
@@ -134,6 +136,7 @@ def test_a_value_that_would_not_come_back_is_refused_naming_the_field(bad):
 
 
 # -- fields this version does not know ------------------------------------------------------------------------
+
 
 def newer_line(where_extras: str) -> tuple[str, dict]:
     """A tape line as a newer version might write it: unknown fields on the tape, its metadata, every LLM call
