@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import threading
@@ -544,6 +545,18 @@ def _keep(s: dict, q: dict[str, str]) -> bool:
     return True
 
 
+def _finite(value: Any) -> Any:
+    """`value` with NaN and +-inf as the strings "NaN", "Infinity", "-Infinity": tapes may hold them (a
+    log-prob of -inf), JSON.parse refuses the bare constants, and the page shows a string as it is."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 class Handler(BaseHTTPRequestHandler):
     index: RunIndex  # set on the subclass made by `serve`
 
@@ -559,7 +572,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _json(self, obj: Any, status: int = 200) -> None:
-        self._send(status, json.dumps(obj, default=str).encode(), "application/json")
+        self._send(status, json.dumps(_finite(obj), default=str, allow_nan=False).encode(), "application/json")
 
     allowed_hosts: frozenset[str] = frozenset()  # set by `serve`: Host headers naming this server
 

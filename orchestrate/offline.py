@@ -45,10 +45,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
-from tqdm.auto import tqdm
 
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
 from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
+from orchestrate.progress import progress_bar
 from orchestrate.run_dir import RunDir
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
@@ -132,7 +132,7 @@ def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
     from orchestrate.rollouts import rescore_episode
     from tapes.tape import EnvObservation
 
-    for tape in tqdm(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
+    for tape in progress_bar(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
         if reward_fn is rescore_episode:
             rescore_episode(tape)
             continue
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tapes: list[Tape] = []
     try:
-        for path in tqdm(files, desc="read tapes", unit="file", disable=not progress, leave=False):
+        for path in progress_bar(files, desc="read tapes", unit="file", disable=not progress, leave=False):
             tapes += [t for t in read_tapes(path)
                       if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
     except TapeFileError as exc:

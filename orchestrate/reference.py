@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tqdm.auto import tqdm
-
 from agents.llm import VLLMClient
+from orchestrate.progress import progress_bar
 from tapes.tape import Tape, call_chains
 
 
@@ -23,7 +22,7 @@ async def annotate_reference(tapes: list[Tape], reference: VLLMClient, progress:
     earlier turn, so the reference model reads each token once instead of once per later turn.
     """
     chains = [chain for tape in tapes for chain in call_chains([c for c in tape.llm_calls if c.output_token_ids])]
-    bar = tqdm(total=sum(map(len, chains)), desc="reference", unit="call", disable=not progress, leave=False)
+    bar = progress_bar(total=sum(map(len, chains)), desc="reference", unit="call", disable=not progress, leave=False)
 
     async def one(chain) -> None:
         last, first = chain[-1], chain[0]

@@ -16,11 +16,10 @@ import threading
 import time
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from agents.agent import ChatAgent, TokenLLM, summarize
 from agents.envs import entry, make_env
 from agents.llm import LLMError
+from orchestrate.progress import progress_bar
 from tapes.tape import SamplingParams, Tape, TapeMetadata
 
 
@@ -276,7 +275,7 @@ async def run_rollouts(
         for seed in seeds
         for _ in range(attempts)
     ]  # fmt: skip
-    bar = tqdm(total=len(tapes), desc=desc, unit="episode", disable=not progress, leave=False)
+    bar = progress_bar(total=len(tapes), desc=desc, unit="episode", disable=not progress, leave=False)
 
     async def one(tape: Tape) -> None:
         await play(agent, spec, int(tape.context["env"]["seed"]), llm, tape, sampling, clock)

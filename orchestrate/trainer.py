@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from finetune.durable import atomic_write_text, read_jsonl
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
+from orchestrate.progress import progress_bar
 from orchestrate.run_dir import RunDir
 from orchestrate.vllm_server import cuda_available, log_tail
 
@@ -131,7 +130,7 @@ class TrainerProcess:
         desc = desc or f"iteration {iteration} train"
         deadline = time.monotonic() + self.config.timeout_s
         bar_options = dict(total=None, unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
-        with tqdm(desc=desc, **bar_options) as bar:
+        with progress_bar(desc=desc, **bar_options) as bar:
             while not self.run.checkpoint_done(iteration):
                 self._follow(iteration, bar, desc)
                 if self.process is None or self.process.poll() is not None:

@@ -7,6 +7,8 @@ LLM call it came from). Then the reward and its reason.
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, Field
 
 from tapes.tape import Step, Tape
@@ -59,6 +61,11 @@ class TapeDiff(BaseModel):
         return "\n".join(lines)
 
 
+def _same(a, b) -> bool:
+    """Equal, a NaN equal to a NaN (a NaN reward recorded and replayed is no difference)."""
+    return a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def _comparable(step: Step) -> dict:
     data = step.model_dump(mode="json")
     data["metadata"].pop("id", None)
@@ -79,11 +86,11 @@ def diff_tapes(recorded: Tape, replayed: Tape) -> TapeDiff:
     for i in range(n):
         a = _comparable(recorded.steps[i]) if i < len(recorded.steps) else None
         b = _comparable(replayed.steps[i]) if i < len(replayed.steps) else None
-        if a == b:
+        if _same(a, b):
             continue
-        fields = sorted(k for k in set(a or {}) | set(b or {}) if (a or {}).get(k) != (b or {}).get(k))
+        fields = sorted(k for k in set(a or {}) | set(b or {}) if not _same((a or {}).get(k), (b or {}).get(k)))
         out.steps.append(StepDifference(index=i, recorded=a, replayed=b, fields=fields))
-    if recorded.metadata.reward != replayed.metadata.reward:
+    if not _same(recorded.metadata.reward, replayed.metadata.reward):
         out.reward = (recorded.metadata.reward, replayed.metadata.reward)
     if recorded.metadata.reward_reason != replayed.metadata.reward_reason:
         out.reward_reason = (recorded.metadata.reward_reason, replayed.metadata.reward_reason)

@@ -5,6 +5,9 @@ writer's caller's choice (the run directory writes tape files with
 finetune.durable.AtomicFile: under a `.partial` name, renamed when whole, so a
 crash never leaves a file that looks complete but is not). Reading streams line by line (a run's files can be large) and a bad line
 is refused with an error naming the file and the line.
+
+Floats read back exactly as written, NaN and +-inf included: they are the
+bare constants NaN, Infinity and -Infinity on the line (see tapes.tape).
 """
 
 from __future__ import annotations

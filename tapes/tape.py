@@ -12,6 +12,22 @@ Step kinds are open: subclass `Step` (or `Observation` / `Thought` /
 `Action`) with a `kind: Literal["..."]` field and the class registers itself;
 `Tape.model_validate` turns each step dict back into its class by `kind` and
 refuses a kind it does not know.
+
+Every float is written back as it was read. JSON has no NaN or infinity, yet
+a log-prob of -inf is legitimate vLLM output and a reward may be NaN, so
+non-finite floats are written as the bare constants `NaN`, `Infinity` and
+`-Infinity` (what Python's `json` module writes and reads, and what pydantic
+reads); finite values keep the plain TapeAgents JSON. Strict JSON parsers
+(JavaScript's `JSON.parse`, some `jq` builds) refuse those constants: read
+tape files with Python's `json` or `Tape.model_validate_json`. Free-form
+fields (`context`, `result`, `info`, `data`, `messages`, `other`) hold JSON
+values only (dicts with string keys, lists, strings, numbers, booleans,
+null): a tuple, set, bytes or object is refused when the model is built,
+naming the field, because it would not come back as what went in.
+
+Fields this version does not know, on the tape, its metadata, its LLM calls
+(and their sampling parameters) and the steps' metadata, are kept and written
+back (after the known ones); an unknown field of a step itself is refused.
 """
 
 from __future__ import annotations
@@ -20,14 +36,31 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny, field_validator
 
 
 def new_id() -> str:
     return uuid.uuid4().hex
 
 
-class SamplingParams(BaseModel):
+class TapeModel(BaseModel):
+    """Base of every model written on a tape: NaN and +-inf are written as JSON's NaN/Infinity constants
+    (not null), so they read back identical. A model nested in a tape must derive from it (pydantic applies
+    this setting per model class)."""
+
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
+
+class OpenTapeModel(TapeModel):
+    """A tape model that keeps the fields it does not know (written by a newer version, or by TapeAgents) and
+    writes them back after its own, so reading and rewriting a file loses nothing. Steps do not: an unknown
+    step field is refused, naming it."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # JSON values only, as the free-form fields
+
+
+class SamplingParams(OpenTapeModel):
     """How the completion was sampled."""
 
     temperature: float = 1.0
@@ -37,13 +70,13 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
 
 
-class LLMCall(BaseModel):
+class LLMCall(OpenTapeModel):
     """One LLM call, kept whole: what went in, what came out, how, and from which weights."""
 
     id: str = Field(default_factory=new_id, description="referenced by StepMetadata.prompt_id")
     model: str = Field("", description="model name or folder that served the call")
     policy_version: int = Field(0, description="training iteration whose weights served the call (0 = initial)")
-    messages: list[dict[str, Any]] = Field(default_factory=list, description="chat messages of the prompt")
+    messages: list[dict[str, JsonValue]] = Field(default_factory=list, description="chat messages of the prompt")
     prompt_text: str = Field("", description="the prompt after the chat template")
     prompt_token_ids: list[int] = Field(default_factory=list)
     output_text: str = ""
@@ -66,17 +99,17 @@ class LLMCall(BaseModel):
     )
 
 
-class StepMetadata(BaseModel):
+class StepMetadata(OpenTapeModel):
     """TapeAgents' step metadata: which node of which agent made the step, from which LLM call."""
 
     id: str = Field(default_factory=new_id)
     prompt_id: str = Field("", description="id of the LLMCall that produced this step; '' if none")
     node: str = ""
     agent: str = ""
-    other: dict[str, Any] = Field(default_factory=dict)
+    other: dict[str, JsonValue] = Field(default_factory=dict)
 
 
-class Step(BaseModel):
+class Step(TapeModel):
     """A step of a tape. Subclasses set `kind` as a Literal and are registered by it."""
 
     model_config = ConfigDict(extra="forbid")
@@ -127,7 +160,7 @@ class TaskStep(Observation):
 
     kind: Literal["task"] = "task"
     text: str
-    data: dict[str, Any] = Field(default_factory=dict, description="task fields the agent may use")
+    data: dict[str, JsonValue] = Field(default_factory=dict, description="task fields the agent may use")
 
 
 class ReasoningThought(Thought):
@@ -164,7 +197,7 @@ class EnvObservation(Observation):
     truncated: bool = Field(
         False, description="the episode was cut: turn limit, output cut by max_tokens, context full"
     )
-    info: dict[str, Any] = Field(default_factory=dict, description="the environment's info, JSON-safe")
+    info: dict[str, JsonValue] = Field(default_factory=dict, description="the environment's info, JSON-safe")
 
 
 class EnvAction(Action):
@@ -191,7 +224,7 @@ class ToolResultObservation(EnvObservation):
     tool: str = Field(description="the tool that answered")
 
 
-class TapeMetadata(BaseModel):
+class TapeMetadata(OpenTapeModel):
     """TapeAgents' tape metadata, plus what RL needs on every tape."""
 
     id: str = Field(default_factory=new_id)
@@ -200,7 +233,7 @@ class TapeMetadata(BaseModel):
     author_tape_id: str | None = None
     n_added_steps: int = 0
     error: str | None = Field(None, description="why the agent failed, if it did")
-    result: Any = Field(default_factory=dict)
+    result: JsonValue = Field(default_factory=dict)
     task_id: str = ""
     group_id: str = Field("", description="attempts at the same task in one iteration share it (a GRPO group)")
     iteration: int = 0
@@ -213,11 +246,11 @@ class TapeMetadata(BaseModel):
     truncated: bool = False
 
 
-class Tape(BaseModel):
+class Tape(OpenTapeModel):
     """A complete, replayable record of one attempt."""
 
     metadata: TapeMetadata = Field(default_factory=TapeMetadata)
-    context: Any = None
+    context: JsonValue = None
     steps: list[SerializeAsAny[Step]] = Field(default_factory=list)
     llm_calls: list[LLMCall] = Field(default_factory=list)
 

@@ -839,3 +839,52 @@ def test_a_ppo_learners_values_show_beside_its_advantages(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "turn 1: reward +0  return +0.91  advantage +0.123456  value +0.375" in out.stdout
     assert solved.metadata.turns == 3
+
+
+def strict_json(text: str):
+    """JSON as a browser's JSON.parse reads it: NaN and Infinity are not JSON."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"the API sent the bare constant {c}"))
+
+
+def test_non_finite_numbers_show_in_the_api_the_page_and_show(tmp_path, page):
+    """A log-prob of -inf (legitimate vLLM output), a NaN reward and an infinite metric: the tape file keeps them,
+    the API sends them as the strings "-Infinity"/"NaN" (JSON.parse refuses the bare constants), the page shows
+    them without a script error, orchestrate.show prints them."""
+    run = tmp_path / "run"
+    tape = episode(11, [("5", "higher", float("nan")), ("7", "correct!", 1.0)], last={"terminated": True})
+    tape.llm_calls[0].logprobs[1] = float("-inf")
+    tape.llm_calls[0].ref_logprobs[0] = float("nan")
+    tape.metadata.reward = float("nan")
+    tape.steps[2].info["score"] = float("inf")
+    write_tapes(run / "tapes" / "iter_000001.jsonl", [tape])
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "reward_mean": float("nan"), "kl_ref": 0.5}) + "\n")
+    (run / "config.json").write_text("{}")
+    server, url = start_server(run)
+    try:
+        summaries = strict_json(httpx.get(url + "api/tapes", params={"kind": "all"}).text)["items"]
+        assert summaries[0]["reward"] == "NaN" and not summaries[0].get("bad_line")
+        body = strict_json(httpx.get(url + "api/tape", params={"file": "iter_000001.jsonl", "index": 0}).text)
+        tokens = body["calls"][0]["tokens"]
+        assert [t["logprob"] for t in tokens] == [-0.25, "-Infinity", -0.01]
+        assert tokens[0]["ref_logprob"] == "NaN" and tokens[0]["kl"] == "NaN"
+        assert body["metadata"]["reward"] == "NaN" and body["episode"]["turns"][0]["reward"] == "NaN"
+        assert body["steps"][2]["info"]["score"] == "Infinity"
+        assert strict_json(httpx.get(url + "api/run").text)["metrics"][0]["reward_mean"] == "NaN"
+
+        open_page(page, url)  # the fixture fails the test on any script error
+        act(page, lambda: page.locator("a.file-link", has_text="iter_000001.jsonl").click())
+        wait_rows(page, 1)
+        assert column(page, "reward") == ["NaN"]
+        rows(page).nth(0).click()
+        page.locator("#conversation").wait_for()
+        first = page.locator("#conversation .bubble.assistant").nth(0).locator(".tok")
+        assert first.nth(1).get_attribute("title").startswith("token 201: log-prob -Infinity")
+        assert "rgba(239, 108, 0, 1.000)" in first.nth(1).get_attribute("style")  # the darkest: least likely
+        page.locator("input[name='colour'][value='kl']").check()
+        assert "transparent" in first.nth(0).get_attribute("style")  # a NaN KL is not coloured
+    finally:
+        server.shutdown()
+    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(run / "tapes" / "iter_000001.jsonl"),
+                          "--tokens"], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "-inf" in out.stdout and "nan" in out.stdout
