@@ -32,7 +32,7 @@ def slug(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose(page.read_text()), re.M)}
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose(page.read_text()), re.MULTILINE)}
 
 
 def links(page: Path) -> list[str]:
@@ -69,9 +69,9 @@ def test_relative_links_point_to_existing_files_and_headings(page):
 def readme_commands() -> list[str]:
     """The commands of the block under the README's 'two commands' heading, comments dropped."""
     text = README.read_text()
-    section = re.search(r"^## [^\n]*two commands\n(.*?)(?=^## )", text, re.M | re.S | re.I)
+    section = re.search(r"^## [^\n]*two commands\n(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL | re.IGNORECASE)
     assert section, "README.md has no '## ... two commands' section"
-    block = re.search(r"((?:^    \S.*\n)+)", section.group(1), re.M)
+    block = re.search(r"((?:^    \S.*\n)+)", section.group(1), re.MULTILINE)
     assert block, "the two-commands section of README.md has no command block"
     return [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
 
@@ -90,17 +90,17 @@ def test_readme_test_command_is_the_one_ci_runs():
 @pytest.fixture(scope="module")
 def rl_options() -> set[str]:
     """The dotted options `orchestrate.rl --help` lists (the README's first command, without uv)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestrate.rl", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, "-m", "orchestrate.rl", "--help"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
-    return set(re.findall(r"^\s+(--[a-z_]+\.[a-z_.]+)", out.stdout, re.M))
+    return set(re.findall(r"^\s+(--[a-z_]+\.[a-z_.]+)", out.stdout, re.MULTILINE))
 
 
 def test_config_page_lists_every_option(rl_options):
     listed = set(re.findall(r"`(--[a-z_]+\.[a-z_.]+)`", (ROOT / "docs/config.md").read_text()))
-    assert rl_options - listed == set(), f"options docs/config.md does not list: {sorted(rl_options - listed)}"
-    assert listed - rl_options == set(), f"docs/config.md lists options that do not exist: {sorted(listed - rl_options)}"
+    missing, stale = sorted(rl_options - listed), sorted(listed - rl_options)
+    assert not missing, f"options docs/config.md does not list (add them to its table): {missing}"
+    assert not stale, f"docs/config.md lists options that do not exist: {stale}"
 
 
 # dotted names in the docs that are examples or placeholders, not options of orchestrate.rl
