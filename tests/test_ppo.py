@@ -278,7 +278,7 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
 
 
 def test_a_new_loss_is_one_function_and_one_options_class():
-    """The README's example, registered before the config is built (as a loss in finetune/losses.py is):
+    """docs/training.md's example, registered before the config is built (as a loss in finetune/losses.py is):
     the config takes its section and the learner's metrics take its terms."""
     import subprocess
     import sys

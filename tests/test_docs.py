@@ -1,0 +1,117 @@
+"""The guide keeps its promises: README.md stays short, every relative link of README.md and docs/ leads
+somewhere, the README's test command is the one CI runs, and the options the docs name exist."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """The text without code: fenced blocks, indented blocks and inline code spans hold no links."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and not line.startswith("    "):
+            lines.append(line)
+    return re.sub(r"`[^`\n]*`", "", "\n".join(lines))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose(page.read_text()), re.MULTILINE)}
+
+
+def links(page: Path) -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", prose(page.read_text()))
+
+
+def test_readme_is_guide_sized():
+    size = len(README.read_bytes())
+    assert size <= 20_000, f"README.md is {size} bytes; move reference material to a page under docs/"
+
+
+def test_docs_exist_and_are_linked_from_the_readme():
+    assert len(PAGES) > 1, "no docs/*.md"
+    linked = {(README.parent / link.split("#")[0]).resolve() for link in links(README)}
+    unlinked = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_existing_files_and_headings(page):
+    broken = []
+    for link in links(page):
+        if re.match(r"[a-z]+:", link):  # http:, https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no file {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            broken.append(f"{link}: no heading #{anchor} in {target.name}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def readme_commands() -> list[str]:
+    """The commands of the block under the README's 'two commands' heading, comments dropped."""
+    text = README.read_text()
+    section = re.search(r"^## [^\n]*two commands\n(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL | re.IGNORECASE)
+    assert section, "README.md has no '## ... two commands' section"
+    block = re.search(r"((?:^    \S.*\n)+)", section.group(1), re.MULTILINE)
+    assert block, "the two-commands section of README.md has no command block"
+    return [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    ci_tests = [line for line in ci if line.startswith("uv run") and "pytest" in line]
+    assert len(ci_tests) == 1, f".ci/run should run one pytest command, found {ci_tests}"
+    commands = readme_commands()
+    assert len(commands) == 2, f"README's set-up block should hold two commands, found {commands}"
+    setup, tests = commands
+    assert tests == ci_tests[0], f"README's test command {tests!r} is not .ci/run's {ci_tests[0]!r}"
+    assert re.fullmatch(r"uv run -m orchestrate\.rl( --help)?", setup), f"README's first command: {setup!r}"
+
+
+@pytest.fixture(scope="module")
+def rl_options() -> set[str]:
+    """The dotted options `orchestrate.rl --help` lists (the README's first command, without uv)."""
+    command = [sys.executable, "-m", "orchestrate.rl", "--help"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(re.findall(r"^\s+(--[a-z_]+\.[a-z_.]+)", out.stdout, re.MULTILINE))
+
+
+def test_config_page_lists_every_option(rl_options):
+    listed = set(re.findall(r"`(--[a-z_]+\.[a-z_.]+)`", (ROOT / "docs/config.md").read_text()))
+    missing, stale = sorted(rl_options - listed), sorted(listed - rl_options)
+    assert not missing, f"options docs/config.md does not list (add them to its table): {missing}"
+    assert not stale, f"docs/config.md lists options that do not exist: {stale}"
+
+
+# dotted names in the docs that are examples or placeholders, not options of orchestrate.rl
+NOT_OPTIONS = ("--env.options.", "--train.mine.", "--section.option", "--SECTION.OPTION")
+
+
+def test_options_named_in_the_docs_exist(rl_options):
+    unknown = set()
+    for page in PAGES:
+        for name, wildcard in re.findall(r"(--[A-Za-z_]+\.[A-Za-z_.]*[A-Za-z_])(\.\*)?", page.read_text()):
+            known = any(o.startswith(name + ".") for o in rl_options) if wildcard else name in rl_options
+            if not name.startswith(NOT_OPTIONS) and not known:
+                unknown.add(f"{page.relative_to(ROOT)}: {name}{wildcard}")
+    assert not unknown, f"options named in the docs that orchestrate.rl does not have: {sorted(unknown)}"
