@@ -10,11 +10,25 @@ system's Python in a child process that:
   secrets or API keys), no further user namespaces, and it dies with its
   parent (`--die-with-parent`: bwrap's PID 1 takes every process of the
   sandbox with it);
+- cannot make the system calls that reach outside it or let it outlive its
+  caller (`DENIED_SYSCALLS`: ptrace, process_vm_*, bpf, keyctl, mount,
+  unshare, setns, ...): a seccomp filter built with libseccomp, installed by
+  bwrap (`--seccomp`);
+- writes only to its /tmp: the root, /usr and a minimal /dev are read-only,
+  and /dev/shm is /tmp, so one size cap (`tmp_mb`) covers every writable place;
 - runs under resource limits set by `prlimit` before bwrap starts: address
   space, CPU seconds, processes, file size, open files; as root, the sandbox
   also runs as a user id of its own (a fresh one per run), so the process
   limit counts its processes only;
-- is in its own session and process group, killed whole on timeout;
+- has its memory and process count bounded for the whole run, not per
+  process, by a cgroup of its own (`memory_mode` says which: cgroup v2
+  memory.max + pids.max, else v1 memory.limit_in_bytes + pids.max) where this
+  machine lets us create one; else only per process (RLIMIT_AS,
+  RLIMIT_NPROC): a run may then hold up to `processes` x `memory_mb`;
+- is ended whole on timeout and when its caller dies: the sandbox's PID 1
+  (from bwrap's `--info-fd`; its death kills the PID namespace), bwrap's
+  process group, and the run's cgroup are killed; `--die-with-parent` does
+  the same when the caller is killed, and ptrace cannot undo it;
 - has its output capped (stdout and stderr each): past the cap the rest is
   dropped and the program stopped.
 
@@ -26,8 +40,10 @@ episode instead of scoring it.
 
 Without bwrap the sandbox refuses to be built (`SandboxUnavailable`), unless
 the configuration opts into `isolation = "unsafe_subprocess"`: the same
-limits, session and environment, but no namespaces: the code sees the host's
-files and network. The name says what it is.
+limits, cgroup, session and environment, but no namespaces and no seccomp
+filter: the code sees the host's files and network, and what it leaves
+running may outlive a caller that is killed (a timeout still ends it when a
+cgroup holds the run). The name says what it is.
 """
 
 from __future__ import annotations
@@ -125,8 +141,10 @@ class SandboxConfig(BaseModel):
         "the same limits without isolation (the code sees this machine's files and network)")
     timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock seconds before the whole sandbox is killed")
     cpu_s: int = Field(10, ge=1, description="CPU seconds per process (RLIMIT_CPU)")
-    memory_mb: int = Field(1024, ge=64, description="address space per process, MiB (RLIMIT_AS)")
-    processes: int = Field(32, ge=4, description="processes and threads at once (RLIMIT_NPROC)")
+    memory_mb: int = Field(1024, ge=64, description="memory of the whole run, MiB (cgroup memory.max; without "
+                           "cgroups only per process: address space, RLIMIT_AS), and the address space of each process")
+    processes: int = Field(32, ge=4, description="processes and threads of the run at once (cgroup pids.max and "
+                           "RLIMIT_NPROC)")
     file_size_mb: int = Field(16, ge=1, description="largest file the code may write, MiB (RLIMIT_FSIZE)")
     tmp_mb: int = Field(64, ge=1, description="size of the sandbox's /tmp (its working directory), MiB")
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
@@ -525,11 +543,13 @@ class _Cgroups:
         self.prefix = f"tapeloop-sandbox-{os.getpid()}-"
         for parent in parents:  # runs of earlier processes that died before removing their cgroups
             for name in os.listdir(parent):
-                if name.startswith("tapeloop-sandbox-") and not _alive(name.split("-")[2]):
-                    try:
-                        os.rmdir(os.path.join(parent, name))
-                    except OSError:
-                        pass
+                path = os.path.join(parent, name)
+                try:  # a minute old: not one another PID namespace's process has just made
+                    if (name.startswith("tapeloop-sandbox-") and not _alive(name.split("-")[2])
+                            and time.time() - os.stat(path).st_mtime > 60):
+                        os.rmdir(path)  # fails while processes are in it
+                except OSError:
+                    pass
 
     @classmethod
     def find(cls) -> tuple[_Cgroups | None, str]:
@@ -558,8 +578,7 @@ class _Cgroups:
                 enabled = open(os.path.join(parent, "cgroup.subtree_control")).read().split()
                 if not {"memory", "pids"} <= set(enabled):
                     _write(parent, "cgroup.subtree_control", "+memory +pids")
-                cls._probe([parent])
-                return cls([parent], 2), f"cgroup2 ({parent}: memory.max, pids.max per run)"
+                return cls._probe([parent], 2), f"cgroup2 ({parent}: memory.max, pids.max per run)"
             except OSError as exc:
                 reasons.append(f"cgroup v2 at {parent}: {exc}")
         else:
@@ -568,20 +587,19 @@ class _Cgroups:
         if "memory" in mounts and "pids" in mounts and "memory" in paths and "pids" in paths:
             parents = [mounts["memory"] + paths["memory"], mounts["pids"] + paths["pids"]]
             try:
-                cls._probe(parents)
-                return cls(parents, 1), f"cgroup1 ({parents[0]}: memory.limit_in_bytes, pids.max per run)"
+                return cls._probe(parents, 1), f"cgroup1 ({parents[0]}: memory.limit_in_bytes, pids.max per run)"
             except OSError as exc:
                 reasons.append(f"cgroup v1: {exc}")
         else:
             reasons.append("no cgroup v1 memory and pids hierarchies")
         return None, "; ".join(reasons)
 
-    @staticmethod
-    def _probe(parents: list[str]) -> None:
-        for parent in parents:
-            probe = os.path.join(parent, f"tapeloop-probe-{os.getpid()}-{threading.get_ident()}")
-            os.mkdir(probe)
-            os.rmdir(probe)
+    @classmethod
+    def _probe(cls, parents: list[str], version: int) -> _Cgroups:
+        """These cgroups, once one run's cgroup was created with its limits and removed (OSError if not)."""
+        cgroups = cls(parents, version)
+        cgroups.create(SandboxConfig()).remove()
+        return cgroups
 
     def create(self, c: SandboxConfig) -> _Cgroup:
         with self._lock:
