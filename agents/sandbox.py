@@ -490,7 +490,7 @@ class _Cgroup:
         found = set()
         for d in self.dirs:
             try:
-                found.update(int(x) for x in open(os.path.join(d, "cgroup.procs")).read().split())
+                found.update(int(x) for x in _read(d, "cgroup.procs").split())
             except OSError:
                 pass
         return sorted(found)
@@ -554,12 +554,14 @@ class _Cgroups:
     @classmethod
     def find(cls) -> tuple[_Cgroups | None, str]:
         """(cgroups, the mode in words); (None, why not) when runs can only be limited per process."""
+        if not os.access("/bin/bash", os.X_OK):  # the gate that holds a run until it is in its cgroup
+            return None, "no /bin/bash to start runs inside a cgroup"
         mine = {}  # hierarchy ("" for v2, else its controllers) -> this process's path in it
-        for line in open("/proc/self/cgroup").read().splitlines():
+        for line in _read("/proc/self", "cgroup").splitlines():
             _, controllers, path = line.split(":", 2)
             mine[controllers] = path
         mounts = {}  # "" (v2) or controller -> mount point
-        for line in open("/proc/self/mountinfo").read().splitlines():
+        for line in _read("/proc/self", "mountinfo").splitlines():
             fields = line.split(" - ", 1)
             point = fields[0].split()[4]
             fstype, _, options = fields[1].split()[:3]
@@ -572,10 +574,10 @@ class _Cgroups:
         if "" in mounts and "" in mine:
             parent = mounts[""] + mine[""]
             try:
-                available = open(os.path.join(parent, "cgroup.controllers")).read().split()
+                available = _read(parent, "cgroup.controllers").split()
                 if not {"memory", "pids"} <= set(available):
                     raise OSError(f"its controllers are {available or 'none'}, without memory and pids")
-                enabled = open(os.path.join(parent, "cgroup.subtree_control")).read().split()
+                enabled = _read(parent, "cgroup.subtree_control").split()
                 if not {"memory", "pids"} <= set(enabled):
                     _write(parent, "cgroup.subtree_control", "+memory +pids")
                 return cls._probe([parent], 2), f"cgroup2 ({parent}: memory.max, pids.max per run)"
@@ -632,6 +634,11 @@ class _Cgroups:
 def _write(directory: str, name: str, value: str) -> None:
     with open(os.path.join(directory, name), "w") as f:
         f.write(value)
+
+
+def _read(directory: str, name: str) -> str:
+    with open(os.path.join(directory, name)) as f:
+        return f.read()
 
 
 def _alive(pid: str) -> bool:
