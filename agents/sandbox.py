@@ -90,6 +90,8 @@ def _take_uid() -> int:
 def _give_uid(uid: int) -> None:
     with _uid_lock:
         _uids_in_use.discard(uid)
+
+
 PATH_INSIDE = "/usr/local/bin:/usr/bin:/bin"
 
 # System calls the program may not make (seccomp, EPERM): with these it could reach outside the sandbox or
@@ -98,12 +100,48 @@ PATH_INSIDE = "/usr/local/bin:/usr/bin:/bin"
 # its own namespaces and mounts. Built with libseccomp (a filter for this machine's architecture; a system
 # call through another ABI, e.g. 32-bit int 0x80, kills the process), never as a hand-written BPF program.
 DENIED_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    "personality", "keyctl", "add_key", "request_key", "bpf", "userfaultfd", "perf_event_open",
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "mount_setattr", "move_mount", "open_tree",
-    "fsopen", "fsconfig", "fsmount", "fspick", "open_by_handle_at", "name_to_handle_at",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon",
-    "swapoff", "acct", "quotactl", "syslog", "iopl", "ioperm", "lookup_dcookie", "io_uring_setup",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
+    "personality",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "userfaultfd",
+    "perf_event_open",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "mount_setattr",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "quotactl",
+    "syslog",
+    "iopl",
+    "ioperm",
+    "lookup_dcookie",
+    "io_uring_setup",
 )
 NAMESPACE_FLAGS = (0x10000000, 0x04000000, 0x08000000, 0x20000000, 0x40000000, 0x00020000, 0x02000000)
 # CLONE_NEWUSER NEWUTS NEWIPC NEWPID NEWNET NEWNS NEWCGROUP: clone() with any of them fails (EPERM)
@@ -119,6 +157,7 @@ def seccomp_filter() -> bytes:
     except ImportError:
         import pyseccomp as seccomp  # the same API over ctypes (PyPI: pyseccomp), needs libseccomp.so.2
     import errno
+
     filt = seccomp.SyscallFilter(seccomp.ALLOW)
     for name in DENIED_SYSCALLS:
         filt.add_rule(seccomp.ERRNO(errno.EPERM), name)
@@ -137,14 +176,21 @@ class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     isolation: Isolation = Field(
-        "bwrap", description="bwrap: namespaces, no network, only /usr visible (read-only); unsafe_subprocess: "
-        "the same limits without isolation (the code sees this machine's files and network)")
+        "bwrap",
+        description="bwrap: namespaces, no network, only /usr visible (read-only); unsafe_subprocess: "
+        "the same limits without isolation (the code sees this machine's files and network)",
+    )
     timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock seconds before the whole sandbox is killed")
     cpu_s: int = Field(10, ge=1, description="CPU seconds per process (RLIMIT_CPU)")
-    memory_mb: int = Field(1024, ge=64, description="memory of the whole run, MiB (cgroup memory.max; without "
-                           "cgroups only per process: address space, RLIMIT_AS), and the address space of each process")
-    processes: int = Field(32, ge=4, description="processes and threads of the run at once (cgroup pids.max and "
-                           "RLIMIT_NPROC)")
+    memory_mb: int = Field(
+        1024,
+        ge=64,
+        description="memory of the whole run, MiB (cgroup memory.max; without "
+        "cgroups only per process: address space, RLIMIT_AS), and the address space of each process",
+    )
+    processes: int = Field(
+        32, ge=4, description="processes and threads of the run at once (cgroup pids.max and RLIMIT_NPROC)"
+    )
     file_size_mb: int = Field(16, ge=1, description="largest file the code may write, MiB (RLIMIT_FSIZE)")
     tmp_mb: int = Field(64, ge=1, description="size of the sandbox's /tmp (its working directory), MiB")
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
@@ -218,16 +264,21 @@ def check_isolation(config: SandboxConfig) -> None:
         if not shutil.which("bwrap"):
             raise SandboxUnavailable(
                 "bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` (Debian / Ubuntu), or opt into "
-                "the weaker isolation = unsafe_subprocess (the code then sees this machine's files and network)")
+                "the weaker isolation = unsafe_subprocess (the code then sees this machine's files and network)"
+            )
         if not config.python.startswith("/usr/"):
-            raise SandboxUnavailable(f"{config.python}: under bwrap only /usr is visible; use a Python installed "
-                                     "under /usr (e.g. /usr/bin/python3)", "python")
+            raise SandboxUnavailable(
+                f"{config.python}: under bwrap only /usr is visible; use a Python installed "
+                "under /usr (e.g. /usr/bin/python3)",
+                "python",
+            )
         try:
             seccomp_filter()
         except Exception as exc:  # ImportError, or OSError / RuntimeError from a missing libseccomp.so.2
             raise SandboxUnavailable(
                 f"the sandbox's seccomp filter cannot be built ({type(exc).__name__}: {exc}): install the Python "
-                "package pyseccomp (`uv sync`) and libseccomp2 (`apt-get install libseccomp2`)") from exc
+                "package pyseccomp (`uv sync`) and libseccomp2 (`apt-get install libseccomp2`)"
+            ) from exc
     if not shutil.which("prlimit"):
         raise SandboxUnavailable("prlimit (util-linux) is not installed: the sandbox's resource limits need it")
 
@@ -257,8 +308,16 @@ class Sandbox:
         nproc = c.processes
         if not self.root:  # the limit counts every process of this user: leave room for those already running
             nproc += _tasks_of_uid(os.getuid())
-        return [self.prlimit, f"--as={c.memory_mb * 2**20}", f"--cpu={c.cpu_s}", f"--nproc={nproc}",
-                f"--fsize={c.file_size_mb * 2**20}", f"--nofile={c.open_files}", "--core=0", "--"]
+        return [
+            self.prlimit,
+            f"--as={c.memory_mb * 2**20}",
+            f"--cpu={c.cpu_s}",
+            f"--nproc={nproc}",
+            f"--fsize={c.file_size_mb * 2**20}",
+            f"--nofile={c.open_files}",
+            "--core=0",
+            "--",
+        ]
 
     def _command(self, code_fd: int, info_fd: int, seccomp_fd: int) -> list[str]:
         c = self.config
@@ -332,16 +391,28 @@ class Sandbox:
             gate_r, gate_w = os.pipe() if self.cgroups else (None, None)
             command = self._command(code_file.fileno(), info_w, seccomp_r)
             if gate_r is not None:  # wait until this process has put the child in the run's cgroup, then start
-                command = ["/bin/bash", "-c", f'read -r _ <&{gate_r} && exec {gate_r}<&- && exec "$@"', "gate", *command]
+                command = [
+                    "/bin/bash",
+                    "-c",
+                    f'read -r _ <&{gate_r} && exec {gate_r}<&- && exec "$@"',
+                    "gate",
+                    *command,
+                ]
             cgroup = None
             try:
                 try:
                     cgroup = self.cgroups.create(c) if self.cgroups else None
                     proc = subprocess.Popen(
-                        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, env=env, start_new_session=True, close_fds=True,
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        env=env,
+                        start_new_session=True,
+                        close_fds=True,
                         pass_fds=tuple(fd for fd in (code_file.fileno(), info_w, seccomp_r, gate_r) if fd is not None),
-                        **kwargs)
+                        **kwargs,
+                    )
                 except OSError as exc:
                     return SandboxResult("", "", None, infra_error=f"could not start: {exc}")
                 finally:
@@ -373,8 +444,14 @@ class Sandbox:
                 if workdir:
                     shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.monotonic() - start
-        result = SandboxResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), proc.returncode,
-                               timed_out=timed_out, output_truncated=truncated, seconds=seconds)
+        result = SandboxResult(
+            out.decode("utf-8", "replace"),
+            err.decode("utf-8", "replace"),
+            proc.returncode,
+            timed_out=timed_out,
+            output_truncated=truncated,
+            seconds=seconds,
+        )
         if not started:  # bwrap failed before the program started (what the program prints cannot fake this)
             result.infra_error = (result.stderr.strip().splitlines() or ["bwrap did not start"])[0]
         return result
@@ -419,7 +496,7 @@ class Sandbox:
                     continue
                 buf = buffers[key.fileobj]
                 room = cap - len(buf)
-                buf += chunk[:max(room, 0)]
+                buf += chunk[: max(room, 0)]
                 if len(chunk) > room:
                     truncated = True
             if truncated:
@@ -475,6 +552,7 @@ class _Running:
 
 
 # ---- the run's cgroup: memory and processes of the whole run ---------------------------------------------
+
 
 class _Cgroup:
     """One run's cgroup (v2: one directory; v1: one in the memory and one in the pids hierarchy)."""
@@ -545,8 +623,11 @@ class _Cgroups:
             for name in os.listdir(parent):
                 path = os.path.join(parent, name)
                 try:  # a minute old: not one another PID namespace's process has just made
-                    if (name.startswith("tapeloop-sandbox-") and not _alive(name.split("-")[2])
-                            and time.time() - os.stat(path).st_mtime > 60):
+                    if (
+                        name.startswith("tapeloop-sandbox-")
+                        and not _alive(name.split("-")[2])
+                        and time.time() - os.stat(path).st_mtime > 60
+                    ):
                         os.rmdir(path)  # fails while processes are in it
                 except OSError:
                     pass

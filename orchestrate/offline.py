@@ -184,27 +184,52 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
         "directory (RUN or files under RUN/tapes/), --model and --train.* default to that run's config.json.",
     )
-    parser.add_argument("--tapes", nargs="+", required=True, metavar="RUN_DIR|FILE",
-                        help="a run directory (its tapes/iter_*.jsonl) or tape files")
+    parser.add_argument(
+        "--tapes",
+        nargs="+",
+        required=True,
+        metavar="RUN_DIR|FILE",
+        help="a run directory (its tapes/iter_*.jsonl) or tape files",
+    )
     parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
     parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
     parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy)")
-    parser.add_argument("--rescore", action="store_true",
-                        help="re-score each episode: replay its actions against a fresh environment from its seed")
-    parser.add_argument("--reward", metavar="MODULE:FUNCTION",
-                        help="re-score with this function (tape -> agents.rewards.Reward or a number)")
-    parser.add_argument("--reference", metavar="MODEL",
-                        help="re-annotate reference log-probs with this model (served by vLLM)")
-    parser.add_argument("--filter", default="all",
-                        help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="re-score each episode: replay its actions against a fresh environment from its seed",
+    )
+    parser.add_argument(
+        "--reward",
+        metavar="MODULE:FUNCTION",
+        help="re-score with this function (tape -> agents.rewards.Reward or a number)",
+    )
+    parser.add_argument(
+        "--reference", metavar="MODEL", help="re-annotate reference log-probs with this model (served by vLLM)"
+    )
+    parser.add_argument(
+        "--filter",
+        default="all",
+        help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     for name, field in TrainerSection.model_fields.items():
-        parser.add_argument(f"--train.{name}", dest=f"train:{name}", default=argparse.SUPPRESS, metavar="VALUE",
-                            help=(field.description or "").replace("%", "%%"))
+        parser.add_argument(
+            f"--train.{name}",
+            dest=f"train:{name}",
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=(field.description or "").replace("%", "%%"),
+        )
     for name in ("max_model_len", "kv_cache_gib", "dtype"):
         field = ServerSection.model_fields[name]
-        parser.add_argument(f"--server.{name}", dest=f"server:{name}", default=argparse.SUPPRESS, metavar="VALUE",
-                            help=f"reference server: {(field.description or '').replace('%', '%%')}")
+        parser.add_argument(
+            f"--server.{name}",
+            dest=f"server:{name}",
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"reference server: {(field.description or '').replace('%', '%%')}",
+        )
     return parser
 
 
@@ -212,8 +237,10 @@ def _section(cls, base: dict, overrides: dict, prefix: str):
     data = {k: v for k, v in base.items() if k in cls.model_fields}
     data.update({k: _parse_value(v) for k, v in overrides.items()})
     try:
-        check_override_types({f"{prefix}.{k}": data[k] for k in overrides},
-                             {f"{prefix}.{k}": f.annotation for k, f in cls.model_fields.items()})
+        check_override_types(
+            {f"{prefix}.{k}": data[k] for k in overrides},
+            {f"{prefix}.{k}": f.annotation for k, f in cls.model_fields.items()},
+        )
         section = cls.model_validate(data)
         check_finite(section.model_dump(), f"{prefix}.")
         return section
@@ -244,10 +271,18 @@ def resolve(args: argparse.Namespace):
         except (OSError, json.JSONDecodeError) as exc:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = vars(args)
-    train = _section(TrainerSection, run_config.get("train", {}),
-                     {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")}, "train")
-    server = _section(ServerSection, run_config.get("server", {}),
-                      {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("server:")}, "server")
+    train = _section(
+        TrainerSection,
+        run_config.get("train", {}),
+        {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")},
+        "train",
+    )
+    server = _section(
+        ServerSection,
+        run_config.get("server", {}),
+        {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("server:")},
+        "server",
+    )
     if train.accelerate_config and not Path(train.accelerate_config).is_file():
         raise OfflineError(f"--train.accelerate_config: {train.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
@@ -373,8 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     record = {"iteration": 1, "tapes_read": read_count, **rollout_metrics(tapes), **trainer.iteration_metrics(1),
               "time_total": round(time.perf_counter() - start, 3)}  # fmt: skip
     append_metrics(run.metrics_path, record)
-    print(f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
-          f"{record.get('train_steps', 0)} optimizer steps)")
+    print(
+        f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
+        f"{record.get('train_steps', 0)} optimizer steps)"
+    )
     return 0
 
 

@@ -16,7 +16,6 @@ import pytest
 from agents.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxConfig, SandboxUnavailable, check_isolation
 
 
-
 @pytest.fixture(scope="module")
 def sandbox():
     if shutil.which("bwrap") is None:
@@ -61,8 +60,10 @@ def gone(find, timeout: float = 5.0) -> list[int]:
 
 
 def test_a_plain_program_runs_with_nothing_of_the_host(sandbox):
-    r = sandbox.run("import os, sys\nprint(6 * 7)\nprint(sorted(os.listdir('/')))\nprint(sorted(os.environ))\n"
-                    "print(input())", stdin="from stdin")
+    r = sandbox.run(
+        "import os, sys\nprint(6 * 7)\nprint(sorted(os.listdir('/')))\nprint(sorted(os.environ))\nprint(input())",
+        stdin="from stdin",
+    )
     assert r.ok and r.infra_error is None, r
     lines = r.stdout.splitlines()
     assert lines[0] == "42"
@@ -109,10 +110,12 @@ def test_writes_outside_its_tmp_fail_and_leave_nothing(sandbox, tmp_path):
     run_dir.mkdir()
     name = f"sandbox-{uuid.uuid4().hex}"
     home = Path.home()
-    code = (f"import os\nfor path in ['/etc/{name}', '{home}/{name}', '{run_dir}/{name}', '/usr/{name}', '/{name}']:\n"
-            "    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
-            "    except OSError as exc:\n        print('refused', path, type(exc).__name__)\n"
-            "open('/tmp/ok', 'w').write('fine'); print('tmp ok')")
+    code = (
+        f"import os\nfor path in ['/etc/{name}', '{home}/{name}', '{run_dir}/{name}', '/usr/{name}', '/{name}']:\n"
+        "    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
+        "    except OSError as exc:\n        print('refused', path, type(exc).__name__)\n"
+        "open('/tmp/ok', 'w').write('fine'); print('tmp ok')"
+    )
     r = sandbox.run(code)
     assert "WROTE" not in r.stdout and r.stdout.count("refused") == 5 and "tmp ok" in r.stdout, r
     for folder in (Path("/etc"), home, run_dir, Path("/usr"), Path("/")):
@@ -124,9 +127,11 @@ def test_the_run_directory_and_the_cache_are_not_visible(sandbox, tmp_path):
     secret.parent.mkdir()
     secret.write_text("API_KEY=hunter2")
     cache = Path.home() / ".cache"
-    r = sandbox.run(f"import os\nfor p in ['{secret}', '{cache}', '{Path.home()}']:\n"
-                    "    print(p, os.path.exists(p))\n"
-                    f"try:\n    print(open('{secret}').read())\nexcept OSError as exc:\n    print(type(exc).__name__)")
+    r = sandbox.run(
+        f"import os\nfor p in ['{secret}', '{cache}', '{Path.home()}']:\n"
+        "    print(p, os.path.exists(p))\n"
+        f"try:\n    print(open('{secret}').read())\nexcept OSError as exc:\n    print(type(exc).__name__)"
+    )
     assert "hunter2" not in r.stdout and r.stdout.count(" False") == 3 and "FileNotFoundError" in r.stdout, r
 
 
@@ -146,8 +151,10 @@ def test_no_network_not_even_the_hosts_loopback(sandbox):
 
     thread = threading.Thread(target=accept)
     thread.start()
-    r = sandbox.run(f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
-                    "    print('CONNECTED')\nexcept OSError as exc:\n    print('refused', type(exc).__name__)")
+    r = sandbox.run(
+        f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
+        "    print('CONNECTED')\nexcept OSError as exc:\n    print('refused', type(exc).__name__)"
+    )
     thread.join()
     server.close()
     assert "CONNECTED" not in r.stdout and "refused" in r.stdout and accepted == []
@@ -163,17 +170,21 @@ def test_100_mb_of_output_is_capped(sandbox):
 
 def test_children_left_sleeping_do_not_survive(sandbox):
     marker = f"sleeper-{uuid.uuid4().hex}"
-    r = sandbox.run(f"import os, subprocess\nfor _ in range(3):\n"
-                    f"    subprocess.Popen(['/bin/sh', '-c', 'sleep 300; : {marker}'], start_new_session=True)\n"
-                    f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n"
-                    "print('left them')")
+    r = sandbox.run(
+        f"import os, subprocess\nfor _ in range(3):\n"
+        f"    subprocess.Popen(['/bin/sh', '-c', 'sleep 300; : {marker}'], start_new_session=True)\n"
+        f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n"
+        "print('left them')"
+    )
     assert r.ok and "left them" in r.stdout, r
     assert gone(lambda: processes_with(marker) + sandbox_processes()) == []
 
 
 def test_a_signal_to_the_parents_pid_does_not_reach_it(sandbox):
-    r = sandbox.run(f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\n    print('sent')\n"
-                    "except OSError as exc:\n    print(type(exc).__name__)\nos.kill(os.getppid(), signal.SIGKILL)")
+    r = sandbox.run(
+        f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\n    print('sent')\n"
+        "except OSError as exc:\n    print(type(exc).__name__)\nos.kill(os.getppid(), signal.SIGKILL)"
+    )
     assert "ProcessLookupError" in r.stdout  # its PID namespace holds no such process
     assert r.infra_error is None
 
@@ -181,8 +192,9 @@ def test_a_signal_to_the_parents_pid_does_not_reach_it(sandbox):
 def test_concurrent_programs_each_get_a_slot(sandbox):
     sandbox = Sandbox(SandboxConfig(timeout_s=10), slots=4)
     results = [None] * 8
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, sandbox.run(f"print({i} * 2)")))
-               for i in range(8)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, sandbox.run(f"print({i} * 2)"))) for i in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -228,8 +240,10 @@ libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0 for itself
 
 def double_fork_sleeper(marker: str) -> str:
     """Code that leaves a grandchild in a session of its own, sleeping with `marker` on its command line."""
-    return (f"if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            f"        os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n    os._exit(0)\n")
+    return (
+        f"if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n    os._exit(0)\n"
+    )
 
 
 def test_ptrace_and_its_relatives_fail_with_eperm(sandbox):
@@ -280,9 +294,13 @@ def test_killing_the_caller_ends_every_process_of_the_sandbox(tmp_path):
 
     marker = f"orphan-{uuid.uuid4().hex}"
     script = tmp_path / "caller.py"
-    script.write_text("from agents.sandbox import Sandbox, SandboxConfig\n"
-                      f"Sandbox(SandboxConfig(timeout_s=120, cpu_s=120)).run({HOSTILE_PREFIX + double_fork_sleeper(marker) + 'import time; time.sleep(300)'!r})\n")
-    caller = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    script.write_text(
+        "from agents.sandbox import Sandbox, SandboxConfig\n"
+        f"Sandbox(SandboxConfig(timeout_s=120, cpu_s=120)).run({HOSTILE_PREFIX + double_fork_sleeper(marker) + 'import time; time.sleep(300)'!r})\n"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
     try:
         deadline = time.monotonic() + 30
         while not processes_with(marker) and time.monotonic() < deadline and caller.poll() is None:
@@ -294,21 +312,24 @@ def test_killing_the_caller_ends_every_process_of_the_sandbox(tmp_path):
     assert gone(lambda: processes_with(marker), timeout=1.0) == []  # within a second of the caller's death
     cgroups = Sandbox(SandboxConfig()).cgroups
     for parent in cgroups.parents if cgroups else []:  # the caller could not remove its run's cgroup: empty, so
-        for name in os.listdir(parent):                # removable (a later Sandbox removes such after a minute)
+        for name in os.listdir(parent):  # removable (a later Sandbox removes such after a minute)
             if name.startswith(f"tapeloop-sandbox-{caller.pid}-"):
                 os.rmdir(os.path.join(parent, name))
 
 
 # ---- every writable place is bounded
 
+
 def test_every_writable_mount_is_read_only_or_sized_within_the_temp_cap(sandbox):
-    code = ("import os, stat\nfor line in open('/proc/self/mountinfo'):\n"
-            "    left, right = line.split(' - ')\n    point, options = left.split()[4], left.split()[5]\n"
-            "    fstype, _, super_options = right.split()\n"
-            "    if 'rw' not in options.split(','):\n        continue\n"
-            "    if fstype == 'proc' or stat.S_ISCHR(os.stat(point).st_mode):\n        continue  # no storage\n"
-            "    size = [o for o in super_options.split(',') if o.startswith('size=')]\n"
-            "    print('WRITABLE', point, fstype, size[0] if size else 'no-size')\n")
+    code = (
+        "import os, stat\nfor line in open('/proc/self/mountinfo'):\n"
+        "    left, right = line.split(' - ')\n    point, options = left.split()[4], left.split()[5]\n"
+        "    fstype, _, super_options = right.split()\n"
+        "    if 'rw' not in options.split(','):\n        continue\n"
+        "    if fstype == 'proc' or stat.S_ISCHR(os.stat(point).st_mode):\n        continue  # no storage\n"
+        "    size = [o for o in super_options.split(',') if o.startswith('size=')]\n"
+        "    print('WRITABLE', point, fstype, size[0] if size else 'no-size')\n"
+    )
     r = sandbox.run(code)
     assert r.ok, r
     writable = [line.split() for line in r.stdout.splitlines()]
@@ -317,12 +338,14 @@ def test_every_writable_mount_is_read_only_or_sized_within_the_temp_cap(sandbox)
 
 def test_writing_past_the_temp_cap_fails_in_dev_shm_and_dev():
     sandbox = Sandbox(SandboxConfig(tmp_mb=8, file_size_mb=64, timeout_s=10))
-    code = ("import os\nchunk = b'x' * 2**20\n"
-            "for path in ['/dev/a', '/dev/shm/a', '/tmp/a', '/dev/shm/b', '/tmp/c']:\n"
-            "    written = 0\n    try:\n        with open(path, 'wb') as f:\n"
-            "            for _ in range(16):\n                f.write(chunk); f.flush(); written += 1\n"
-            "    except OSError as exc:\n        pass\n    print(path, written)\n"
-            "    if path.endswith('a'):\n        try:\n            os.unlink(path)\n        except OSError:\n            pass\n")
+    code = (
+        "import os\nchunk = b'x' * 2**20\n"
+        "for path in ['/dev/a', '/dev/shm/a', '/tmp/a', '/dev/shm/b', '/tmp/c']:\n"
+        "    written = 0\n    try:\n        with open(path, 'wb') as f:\n"
+        "            for _ in range(16):\n                f.write(chunk); f.flush(); written += 1\n"
+        "    except OSError as exc:\n        pass\n    print(path, written)\n"
+        "    if path.endswith('a'):\n        try:\n            os.unlink(path)\n        except OSError:\n            pass\n"
+    )
     r = sandbox.run(code)
     written = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines()}
     assert written["/dev/a"] == 0, r  # /dev is read-only
@@ -366,6 +389,8 @@ def test_the_fallback_bounds_each_process(monkeypatch):
     assert r.stdout.split()[0] == "3", r  # the stated bound: per process, so three of 40 % are all held
     r = fallback.run("x = b'1' * (300 * 2**20)\nprint('allocated')")
     assert "allocated" not in r.stdout and "MemoryError" in r.stderr, r  # one process past memory_mb fails
-    r = fallback.run("import os\nn = 0\ntry:\n    for _ in range(20):\n        if os.fork() == 0:\n"
-                     "            import time; time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)")
+    r = fallback.run(
+        "import os\nn = 0\ntry:\n    for _ in range(20):\n        if os.fork() == 0:\n"
+        "            import time; time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    )
     assert int(r.stdout.split()[-1]) < 8, r  # RLIMIT_NPROC: at most `processes` at once

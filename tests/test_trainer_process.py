@@ -31,8 +31,11 @@ def test_trainer_metrics_are_averaged_per_iteration(tmp_path, tiny_model_dir):
 
     run = RunDir(tmp_path / "run")
     run.create()
-    lines = [{"batch": 1, "loss": 1.0, "kl": 0.5, "seconds": 2.0}, {"batch": 1, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
-             {"batch": 2, "loss": 9.0, "seconds": 5.0}]
+    lines = [
+        {"batch": 1, "loss": 1.0, "kl": 0.5, "seconds": 2.0},
+        {"batch": 1, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
+        {"batch": 2, "loss": 9.0, "seconds": 5.0},
+    ]
     run.train_metrics_path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
     m = TrainerProcess(run, tiny_model_dir, TrainerSection()).iteration_metrics(1)
     assert m["train_loss"] == 2.0 and m["train_kl"] == 0.375 and m["train_steps"] == 2 and m["train_seconds"] == 3.0
