@@ -10,11 +10,25 @@ system's Python in a child process that:
   secrets or API keys), no further user namespaces, and it dies with its
   parent (`--die-with-parent`: bwrap's PID 1 takes every process of the
   sandbox with it);
+- cannot make the system calls that reach outside it or let it outlive its
+  caller (`DENIED_SYSCALLS`: ptrace, process_vm_*, bpf, keyctl, mount,
+  unshare, setns, ...): a seccomp filter built with libseccomp, installed by
+  bwrap (`--seccomp`);
+- writes only to its /tmp: the root, /usr and a minimal /dev are read-only,
+  and /dev/shm is /tmp, so one size cap (`tmp_mb`) covers every writable place;
 - runs under resource limits set by `prlimit` before bwrap starts: address
   space, CPU seconds, processes, file size, open files; as root, the sandbox
   also runs as a user id of its own (a fresh one per run), so the process
   limit counts its processes only;
-- is in its own session and process group, killed whole on timeout;
+- has its memory and process count bounded for the whole run, not per
+  process, by a cgroup of its own (`memory_mode` says which: cgroup v2
+  memory.max + pids.max, else v1 memory.limit_in_bytes + pids.max) where this
+  machine lets us create one; else only per process (RLIMIT_AS,
+  RLIMIT_NPROC): a run may then hold up to `processes` x `memory_mb`;
+- is ended whole on timeout and when its caller dies: the sandbox's PID 1
+  (from bwrap's `--info-fd`; its death kills the PID namespace), bwrap's
+  process group, and the run's cgroup are killed; `--die-with-parent` does
+  the same when the caller is killed, and ptrace cannot undo it;
 - has its output capped (stdout and stderr each): past the cap the rest is
   dropped and the program stopped.
 
@@ -26,12 +40,15 @@ episode instead of scoring it.
 
 Without bwrap the sandbox refuses to be built (`SandboxUnavailable`), unless
 the configuration opts into `isolation = "unsafe_subprocess"`: the same
-limits, session and environment, but no namespaces: the code sees the host's
-files and network. The name says what it is.
+limits, cgroup, session and environment, but no namespaces and no seccomp
+filter: the code sees the host's files and network, and what it leaves
+running may outlive a caller that is killed (a timeout still ends it when a
+cgroup holds the run). The name says what it is.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import shutil
@@ -77,6 +94,81 @@ def _give_uid(uid: int) -> None:
 
 PATH_INSIDE = "/usr/local/bin:/usr/bin:/bin"
 
+# System calls the program may not make (seccomp, EPERM): with these it could reach outside the sandbox or
+# outlive it (ptrace of the sandbox's PID 1 clears the parent-death signal that ends the sandbox with its
+# caller; process_vm_* read and write other processes), load code into the kernel (bpf, modules), or change
+# its own namespaces and mounts. Built with libseccomp (a filter for this machine's architecture; a system
+# call through another ABI, e.g. 32-bit int 0x80, kills the process), never as a hand-written BPF program.
+DENIED_SYSCALLS = (
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
+    "personality",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "userfaultfd",
+    "perf_event_open",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "mount_setattr",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "quotactl",
+    "syslog",
+    "iopl",
+    "ioperm",
+    "lookup_dcookie",
+    "io_uring_setup",
+)
+NAMESPACE_FLAGS = (0x10000000, 0x04000000, 0x08000000, 0x20000000, 0x40000000, 0x00020000, 0x02000000)
+# CLONE_NEWUSER NEWUTS NEWIPC NEWPID NEWNET NEWNS NEWCGROUP: clone() with any of them fails (EPERM)
+
+
+def seccomp_filter() -> bytes:
+    """The seccomp filter (BPF) bwrap installs before it starts the program (`--seccomp FD`).
+
+    clone3 answers ENOSYS (its flags live in memory a filter cannot read): the C library then falls back to
+    clone(), whose flags the filter checks."""
+    try:
+        import seccomp  # libseccomp's own binding (Debian: python3-seccomp), when this Python sees it
+    except ImportError:
+        import pyseccomp as seccomp  # the same API over ctypes (PyPI: pyseccomp), needs libseccomp.so.2
+    import errno
+
+    filt = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in DENIED_SYSCALLS:
+        filt.add_rule(seccomp.ERRNO(errno.EPERM), name)
+    for flag in NAMESPACE_FLAGS:
+        filt.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    filt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as f:
+        filt.export_bpf(f)
+        f.seek(0)
+        return f.read()
+
 
 class SandboxConfig(BaseModel):
     """How model-written code runs (see the module docstring)."""
@@ -90,8 +182,15 @@ class SandboxConfig(BaseModel):
     )
     timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock seconds before the whole sandbox is killed")
     cpu_s: int = Field(10, ge=1, description="CPU seconds per process (RLIMIT_CPU)")
-    memory_mb: int = Field(1024, ge=64, description="address space per process, MiB (RLIMIT_AS)")
-    processes: int = Field(32, ge=4, description="processes and threads at once (RLIMIT_NPROC)")
+    memory_mb: int = Field(
+        1024,
+        ge=64,
+        description="memory of the whole run, MiB (cgroup memory.max; without "
+        "cgroups only per process: address space, RLIMIT_AS), and the address space of each process",
+    )
+    processes: int = Field(
+        32, ge=4, description="processes and threads of the run at once (cgroup pids.max and RLIMIT_NPROC)"
+    )
     file_size_mb: int = Field(16, ge=1, description="largest file the code may write, MiB (RLIMIT_FSIZE)")
     tmp_mb: int = Field(64, ge=1, description="size of the sandbox's /tmp (its working directory), MiB")
     open_files: int = Field(64, ge=16, description="open file descriptors (RLIMIT_NOFILE)")
@@ -173,6 +272,13 @@ def check_isolation(config: SandboxConfig) -> None:
                 "under /usr (e.g. /usr/bin/python3)",
                 "python",
             )
+        try:
+            seccomp_filter()
+        except Exception as exc:  # ImportError, or OSError / RuntimeError from a missing libseccomp.so.2
+            raise SandboxUnavailable(
+                f"the sandbox's seccomp filter cannot be built ({type(exc).__name__}: {exc}): install the Python "
+                "package pyseccomp (`uv sync`) and libseccomp2 (`apt-get install libseccomp2`)"
+            ) from exc
     if not shutil.which("prlimit"):
         raise SandboxUnavailable("prlimit (util-linux) is not installed: the sandbox's resource limits need it")
 
@@ -185,9 +291,15 @@ class Sandbox:
         check_isolation(self.config)
         self.prlimit = shutil.which("prlimit")  # absolute paths: the child's PATH is a minimal one
         self.bwrap = shutil.which("bwrap") if self.config.isolation == "bwrap" else None
+        self.seccomp = seccomp_filter() if self.bwrap else b""
         self._free = list(range(slots))
         self._cond = threading.Condition()
         self.root = os.geteuid() == 0
+        # memory and processes of the whole run: a cgroup when this machine lets us create one, else only the
+        # per-process limits (a run may then hold up to processes x memory_mb)
+        self.cgroups, self.memory_mode = _Cgroups.find()
+        if self.cgroups is None:
+            self.memory_mode = f"rlimit (per process; {self.memory_mode})"
 
     # ---- the command ---------------------------------------------------------------------------
 
@@ -207,7 +319,7 @@ class Sandbox:
             "--",
         ]
 
-    def _command(self, code_fd: int, info_fd: int) -> list[str]:
+    def _command(self, code_fd: int, info_fd: int, seccomp_fd: int) -> list[str]:
         c = self.config
         run = [c.python, "-I", "-B", "main.py"]
         if c.isolation == "unsafe_subprocess":
@@ -219,8 +331,15 @@ class Sandbox:
             "--ro-bind", "/usr", "/usr",
             "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin", "/sbin",
-            "--proc", "/proc", "--dev", "/dev",
+            "--seccomp", str(seccomp_fd),
+            "--proc", "/proc",
+            # a minimal /dev on the read-only root, not bwrap's --dev (a writable tmpfs without a size): the
+            # usual devices, and /dev/shm (POSIX shared memory, semaphores) is /tmp, counted in its cap
+            *[arg for dev in ("null", "zero", "full", "random", "urandom") for arg in ("--dev-bind", f"/dev/{dev}", f"/dev/{dev}")],
+            "--symlink", "/proc/self/fd", "/dev/fd", "--symlink", "/proc/self/fd/0", "/dev/stdin",
+            "--symlink", "/proc/self/fd/1", "/dev/stdout", "--symlink", "/proc/self/fd/2", "/dev/stderr",
             "--size", str(c.tmp_mb * 2**20), "--tmpfs", "/tmp",
+            "--symlink", "/tmp", "/dev/shm",
             "--file", str(code_fd), "/tmp/main.py",
             "--remount-ro", "/",
             "--chdir", "/tmp",
@@ -266,31 +385,60 @@ class Sandbox:
                 if workdir:
                     os.chown(workdir, uid, uid)
             info_r, info_w = os.pipe()
+            seccomp_r, seccomp_w = os.pipe()
+            os.write(seccomp_w, self.seccomp)  # a few hundred bytes: fits the pipe's buffer, bwrap reads to EOF
+            os.close(seccomp_w)
+            gate_r, gate_w = os.pipe() if self.cgroups else (None, None)
+            command = self._command(code_file.fileno(), info_w, seccomp_r)
+            if gate_r is not None:  # wait until this process has put the child in the run's cgroup, then start
+                command = [
+                    "/bin/bash",
+                    "-c",
+                    f'read -r _ <&{gate_r} && exec {gate_r}<&- && exec "$@"',
+                    "gate",
+                    *command,
+                ]
+            cgroup = None
             try:
                 try:
+                    cgroup = self.cgroups.create(c) if self.cgroups else None
                     proc = subprocess.Popen(
-                        self._command(code_file.fileno(), info_w),
+                        command,
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         env=env,
                         start_new_session=True,
                         close_fds=True,
-                        pass_fds=(code_file.fileno(), info_w),
+                        pass_fds=tuple(fd for fd in (code_file.fileno(), info_w, seccomp_r, gate_r) if fd is not None),
                         **kwargs,
                     )
                 except OSError as exc:
                     return SandboxResult("", "", None, infra_error=f"could not start: {exc}")
                 finally:
-                    os.close(info_w)
+                    for fd in (info_w, seccomp_r, gate_r):
+                        if fd is not None:
+                            os.close(fd)
+                run = _Running(proc, info_r, cgroup)
                 try:
-                    out, err, truncated, timed_out = self._communicate(proc, stdin.encode("utf-8", "replace"))
+                    if cgroup is not None:
+                        try:
+                            cgroup.add(proc.pid)
+                        except OSError as exc:
+                            return SandboxResult("", "", None, infra_error=f"could not limit the run: {exc}")
+                        os.write(gate_w, b"go\n")
+                    out, err, truncated, timed_out = self._communicate(run, stdin.encode("utf-8", "replace"))
                 finally:
-                    _kill_group(proc)
+                    run.kill()
                     proc.wait()
-                started = c.isolation != "bwrap" or _read_all(info_r) != b""
+                    run.kill()  # what was left of the namespace or the cgroup, now that bwrap is gone
+                started = c.isolation != "bwrap" or run.info() != b""
             finally:
                 os.close(info_r)
+                if gate_w is not None:
+                    os.close(gate_w)
+                if cgroup is not None:
+                    cgroup.remove()
                 if uid is not None:
                     _give_uid(uid)
                 if workdir:
@@ -308,8 +456,9 @@ class Sandbox:
             result.infra_error = (result.stderr.strip().splitlines() or ["bwrap did not start"])[0]
         return result
 
-    def _communicate(self, proc: subprocess.Popen, data: bytes) -> tuple[bytes, bytes, bool, bool]:
+    def _communicate(self, run: _Running, data: bytes) -> tuple[bytes, bytes, bool, bool]:
         """Feed stdin, read stdout / stderr up to the cap, stop the program past the cap or the timeout."""
+        proc = run.proc
         cap = self.config.output_bytes
         deadline = time.monotonic() + self.config.timeout_s
         buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
@@ -354,29 +503,227 @@ class Sandbox:
                 break
         sel.close()
         if truncated or timed_out:
-            _kill_group(proc)
+            run.kill()
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()) + 2.0)
         except subprocess.TimeoutExpired:  # closed its output but kept running
             timed_out = True
-            _kill_group(proc)
+            run.kill()
         return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), truncated, timed_out
 
 
-def _read_all(fd: int) -> bytes:
-    """What is in a pipe whose writers are all gone."""
-    chunks = []
-    while chunk := os.read(fd, 65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
+class _Running:
+    """One started run, and how to end all of it: bwrap's process group, the sandbox's PID 1 (its PID on this
+    machine comes from bwrap's --info-fd; killing a PID namespace's init kills every process in it, whatever
+    session or parent they have), and the run's cgroup when there is one."""
+
+    def __init__(self, proc: subprocess.Popen, info_r: int, cgroup: _Cgroup | None):
+        self.proc, self.info_r, self.cgroup = proc, info_r, cgroup
+        self._info = b""
+        os.set_blocking(info_r, False)
+
+    def info(self) -> bytes:
+        """What bwrap wrote on --info-fd so far ({"child-pid": N} once the program has started)."""
+        try:
+            while chunk := os.read(self.info_r, 65536):
+                self._info += chunk
+        except BlockingIOError:
+            pass
+        return self._info
+
+    def kill(self) -> None:
+        # the init first, while bwrap (its parent) is unreaped: its PID cannot have been reused yet
+        if self.proc.returncode is None and self.proc.poll() is None:
+            try:
+                child = int(json.loads(self.info()).get("child-pid", 0))
+            except (ValueError, AttributeError):  # nothing written yet: the namespace does not exist
+                child = 0
+            if child > 1:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.cgroup is not None:
+            self.cgroup.kill()
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the sandbox's process group (bwrap's PID 1 then takes the whole PID namespace with it)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+# ---- the run's cgroup: memory and processes of the whole run ---------------------------------------------
+
+
+class _Cgroup:
+    """One run's cgroup (v2: one directory; v1: one in the memory and one in the pids hierarchy)."""
+
+    def __init__(self, dirs: list[str], version: int):
+        self.dirs, self.version = dirs, version
+
+    def add(self, pid: int) -> None:
+        for d in self.dirs:
+            _write(d, "cgroup.procs", str(pid))
+
+    def pids(self) -> list[int]:
+        found = set()
+        for d in self.dirs:
+            try:
+                found.update(int(x) for x in _read(d, "cgroup.procs").split())
+            except OSError:
+                pass
+        return sorted(found)
+
+    def kill(self) -> None:
+        if self.version == 2 and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+            try:
+                _write(self.dirs[0], "cgroup.kill", "1")  # the kernel kills all of it, forks in flight included
+                return
+            except OSError:
+                pass
+        for _ in range(100):  # v1: one at a time; pids.max bounds how many can appear meanwhile
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def remove(self) -> None:
+        """Kill what is left and remove the directories (a cgroup goes once its last process is reaped)."""
+        deadline = time.monotonic() + 5.0
+        for d in self.dirs:
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY: processes still exiting
+                    if time.monotonic() > deadline:
+                        break
+                    self.kill()
+                    time.sleep(0.01)
+
+
+class _Cgroups:
+    """Where this process may create the runs' cgroups, found once (`Sandbox.memory_mode` says which).
+
+    cgroup v2 (memory.max, memory.swap.max 0, pids.max, memory.oom.group: an out-of-memory run is stopped
+    whole) under this process's own cgroup, when its memory and pids controllers can be handed to children;
+    else cgroup v1's memory and pids hierarchies (memory.limit_in_bytes, memsw, pids.max) where writable."""
+
+    def __init__(self, parents: list[str], version: int):
+        self.parents, self.version = parents, version
+        self._n = 0
+        self._lock = threading.Lock()
+        self.prefix = f"tapeloop-sandbox-{os.getpid()}-"
+        for parent in parents:  # runs of earlier processes that died before removing their cgroups
+            for name in os.listdir(parent):
+                path = os.path.join(parent, name)
+                try:  # a minute old: not one another PID namespace's process has just made
+                    if (
+                        name.startswith("tapeloop-sandbox-")
+                        and not _alive(name.split("-")[2])
+                        and time.time() - os.stat(path).st_mtime > 60
+                    ):
+                        os.rmdir(path)  # fails while processes are in it
+                except OSError:
+                    pass
+
+    @classmethod
+    def find(cls) -> tuple[_Cgroups | None, str]:
+        """(cgroups, the mode in words); (None, why not) when runs can only be limited per process."""
+        if not os.access("/bin/bash", os.X_OK):  # the gate that holds a run until it is in its cgroup
+            return None, "no /bin/bash to start runs inside a cgroup"
+        mine = {}  # hierarchy ("" for v2, else its controllers) -> this process's path in it
+        for line in _read("/proc/self", "cgroup").splitlines():
+            _, controllers, path = line.split(":", 2)
+            mine[controllers] = path
+        mounts = {}  # "" (v2) or controller -> mount point
+        for line in _read("/proc/self", "mountinfo").splitlines():
+            fields = line.split(" - ", 1)
+            point = fields[0].split()[4]
+            fstype, _, options = fields[1].split()[:3]
+            if fstype == "cgroup2":
+                mounts.setdefault("", point)
+            elif fstype == "cgroup":
+                for option in options.split(","):
+                    mounts.setdefault(option, point)
+        reasons = []
+        if "" in mounts and "" in mine:
+            parent = mounts[""] + mine[""]
+            try:
+                available = _read(parent, "cgroup.controllers").split()
+                if not {"memory", "pids"} <= set(available):
+                    raise OSError(f"its controllers are {available or 'none'}, without memory and pids")
+                enabled = _read(parent, "cgroup.subtree_control").split()
+                if not {"memory", "pids"} <= set(enabled):
+                    _write(parent, "cgroup.subtree_control", "+memory +pids")
+                return cls._probe([parent], 2), f"cgroup2 ({parent}: memory.max, pids.max per run)"
+            except OSError as exc:
+                reasons.append(f"cgroup v2 at {parent}: {exc}")
+        else:
+            reasons.append("no cgroup v2 hierarchy")
+        paths = {c: p for k, p in mine.items() for c in k.split(",") if c}
+        if "memory" in mounts and "pids" in mounts and "memory" in paths and "pids" in paths:
+            parents = [mounts["memory"] + paths["memory"], mounts["pids"] + paths["pids"]]
+            try:
+                return cls._probe(parents, 1), f"cgroup1 ({parents[0]}: memory.limit_in_bytes, pids.max per run)"
+            except OSError as exc:
+                reasons.append(f"cgroup v1: {exc}")
+        else:
+            reasons.append("no cgroup v1 memory and pids hierarchies")
+        return None, "; ".join(reasons)
+
+    @classmethod
+    def _probe(cls, parents: list[str], version: int) -> _Cgroups:
+        """These cgroups, once one run's cgroup was created with its limits and removed (OSError if not)."""
+        cgroups = cls(parents, version)
+        cgroups.create(SandboxConfig()).remove()
+        return cgroups
+
+    def create(self, c: SandboxConfig) -> _Cgroup:
+        with self._lock:
+            self._n += 1
+            name = f"{self.prefix}{self._n}"
+        dirs = [os.path.join(parent, name) for parent in self.parents]
+        cgroup = _Cgroup([], self.version)
+        memory = str(c.memory_mb * 2**20)
+        try:
+            for d in dirs:
+                os.mkdir(d)
+                cgroup.dirs.append(d)
+            if self.version == 2:
+                _write(dirs[0], "memory.max", memory)
+                _write(dirs[0], "pids.max", str(c.processes))
+                _write(dirs[0], "memory.oom.group", "1")
+                if os.path.exists(os.path.join(dirs[0], "memory.swap.max")):
+                    _write(dirs[0], "memory.swap.max", "0")
+            else:
+                _write(dirs[0], "memory.limit_in_bytes", memory)
+                if os.path.exists(os.path.join(dirs[0], "memory.memsw.limit_in_bytes")):
+                    _write(dirs[0], "memory.memsw.limit_in_bytes", memory)  # no escape into swap
+                _write(dirs[1], "pids.max", str(c.processes))
+        except OSError:
+            cgroup.remove()
+            raise
+        return cgroup
+
+
+def _write(directory: str, name: str, value: str) -> None:
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(value)
+
+
+def _read(directory: str, name: str) -> str:
+    with open(os.path.join(directory, name)) as f:
+        return f.read()
+
+
+def _alive(pid: str) -> bool:
+    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
 def _tasks_of_uid(uid: int) -> int:

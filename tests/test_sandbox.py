@@ -226,3 +226,171 @@ def test_many_quick_runs_in_a_row_all_start(sandbox):
     results = [sandbox.run("print(1)") for _ in range(80)]
     failed = [r.stderr.strip() for r in results if not (r.ok and r.stdout == "1\n")]
     assert not failed, f"{len(failed)} of 80 runs failed: {failed[0]}"
+
+
+# ---- outliving the sandbox: ptrace and relatives are refused; the timeout and the caller's death end all of it
+
+HOSTILE_PREFIX = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+libc.ptrace(16, 1, None, None)  # PTRACE_ATTACH to the sandbox's init, to clear its parent-death signal
+libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0 for itself
+"""
+
+
+def double_fork_sleeper(marker: str) -> str:
+    """Code that leaves a grandchild in a session of its own, sleeping with `marker` on its command line."""
+    return (
+        f"if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n    os._exit(0)\n"
+    )
+
+
+def test_ptrace_and_its_relatives_fail_with_eperm(sandbox):
+    code = """import ctypes, errno, os, threading, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(name, *args):
+    ctypes.set_errno(0)
+    result = libc.syscall(*args)
+    print(name, result, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
+call('ptrace_attach', 101, 16, 1, 0, 0)           # PTRACE_ATTACH, PID 1 (bwrap's init)
+call('ptrace_seize', 101, 0x4206, 1, 0, 0)        # PTRACE_SEIZE
+call('ptrace_traceme', 101, 0, 0, 0, 0)
+call('process_vm_readv', 310, 1, 0, 0, 0, 0, 0)
+call('process_vm_writev', 311, 1, 0, 0, 0, 0, 0)
+call('personality', 135, 0x0040000)               # ADDR_NO_RANDOMIZE
+call('keyctl', 250, 0, 0, 0, 0, 0)
+call('bpf', 321, 0, 0, 0)
+call('userfaultfd', 323, 0)
+call('perf_event_open', 298, 0, 0, -1, -1, 0)
+call('mount', 165, 0, 0, 0, 0, 0)
+call('unshare', 272, 0x00020000)                  # CLONE_NEWNS
+call('setns', 308, 0, 0)
+call('clone_newuser', 56, 0x10000000 | 17, 0, 0, 0, 0)  # clone(CLONE_NEWUSER | SIGCHLD)
+t = threading.Thread(target=lambda: print('thread ok')); t.start(); t.join()   # clone3 falls back to clone
+print(subprocess.run(['/bin/echo', 'child ok'], capture_output=True, text=True).stdout.strip())
+"""
+    r = sandbox.run(code)
+    assert r.ok, r
+    lines = r.stdout.splitlines()
+    calls = [line.split() for line in lines if line.split()[0] not in ("thread", "child")]
+    assert len(calls) == 14 and all(result == "-1" and err == "EPERM" for _, result, err in calls), r.stdout
+    assert "thread ok" in lines and "child ok" in lines
+
+
+def test_the_timeout_ends_every_process_of_the_sandbox():
+    sandbox = Sandbox(SandboxConfig(timeout_s=2, cpu_s=30))
+    marker = f"outlive-{uuid.uuid4().hex}"
+    r = sandbox.run(HOSTILE_PREFIX + double_fork_sleeper(marker) + "while True:\n    pass\n")
+    assert r.timed_out, r
+    assert gone(lambda: processes_with(marker), timeout=1.0) == []  # within a second of the timeout
+
+
+def test_killing_the_caller_ends_every_process_of_the_sandbox(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    marker = f"orphan-{uuid.uuid4().hex}"
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "from agents.sandbox import Sandbox, SandboxConfig\n"
+        f"Sandbox(SandboxConfig(timeout_s=120, cpu_s=120)).run({HOSTILE_PREFIX + double_fork_sleeper(marker) + 'import time; time.sleep(300)'!r})\n"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not processes_with(marker) and time.monotonic() < deadline and caller.poll() is None:
+            time.sleep(0.05)  # waiting for the sleeper to exist, not for time to pass
+        assert processes_with(marker), "the sandboxed program never started its sleeper"
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    assert gone(lambda: processes_with(marker), timeout=1.0) == []  # within a second of the caller's death
+    cgroups = Sandbox(SandboxConfig()).cgroups
+    for parent in cgroups.parents if cgroups else []:  # the caller could not remove its run's cgroup: empty, so
+        for name in os.listdir(parent):  # removable (a later Sandbox removes such after a minute)
+            if name.startswith(f"tapeloop-sandbox-{caller.pid}-"):
+                os.rmdir(os.path.join(parent, name))
+
+
+# ---- every writable place is bounded
+
+
+def test_every_writable_mount_is_read_only_or_sized_within_the_temp_cap(sandbox):
+    code = (
+        "import os, stat\nfor line in open('/proc/self/mountinfo'):\n"
+        "    left, right = line.split(' - ')\n    point, options = left.split()[4], left.split()[5]\n"
+        "    fstype, _, super_options = right.split()\n"
+        "    if 'rw' not in options.split(','):\n        continue\n"
+        "    if fstype == 'proc' or stat.S_ISCHR(os.stat(point).st_mode):\n        continue  # no storage\n"
+        "    size = [o for o in super_options.split(',') if o.startswith('size=')]\n"
+        "    print('WRITABLE', point, fstype, size[0] if size else 'no-size')\n"
+    )
+    r = sandbox.run(code)
+    assert r.ok, r
+    writable = [line.split() for line in r.stdout.splitlines()]
+    assert writable == [["WRITABLE", "/tmp", "tmpfs", f"size={sandbox.config.tmp_mb * 1024}k"]], r.stdout
+
+
+def test_writing_past_the_temp_cap_fails_in_dev_shm_and_dev():
+    sandbox = Sandbox(SandboxConfig(tmp_mb=8, file_size_mb=64, timeout_s=10))
+    code = (
+        "import os\nchunk = b'x' * 2**20\n"
+        "for path in ['/dev/a', '/dev/shm/a', '/tmp/a', '/dev/shm/b', '/tmp/c']:\n"
+        "    written = 0\n    try:\n        with open(path, 'wb') as f:\n"
+        "            for _ in range(16):\n                f.write(chunk); f.flush(); written += 1\n"
+        "    except OSError as exc:\n        pass\n    print(path, written)\n"
+        "    if path.endswith('a'):\n        try:\n            os.unlink(path)\n        except OSError:\n            pass\n"
+    )
+    r = sandbox.run(code)
+    written = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines()}
+    assert written["/dev/a"] == 0, r  # /dev is read-only
+    for path in ("/dev/shm/a", "/tmp/a"):
+        assert written[path] < 8, r  # 16 MiB asked, the cap is 8 MiB
+    assert written["/dev/shm/b"] + written["/tmp/c"] < 8, r  # /dev/shm and /tmp share one cap
+
+
+# ---- memory and processes per run, not per process
+
+ALLOCATORS = """import subprocess, sys
+n = int(0.4 * {memory_mb} * 2**20)
+kids = [subprocess.Popen([sys.executable, '-c', f'x = b"\\\\1" * {{n}}; print("held", flush=True); input()'],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+held = [k.stdout.readline().strip() for k in kids]  # each holds its 40 % until all three answered
+for k in kids:
+    try:
+        k.stdin.close()
+    except OSError:
+        pass
+print(held.count("held"), [k.wait() for k in kids])
+"""
+
+
+def test_three_processes_of_40_percent_each_exceed_the_runs_memory(sandbox):
+    print("sandbox memory mode:", sandbox.memory_mode)
+    if sandbox.cgroups is None:
+        pytest.skip(f"no cgroup can be created here, so memory is bounded per process only: {sandbox.memory_mode}")
+    r = sandbox.run(ALLOCATORS.format(memory_mb=sandbox.config.memory_mb))
+    held = int(r.stdout.split()[0]) if r.stdout else 0
+    assert held < 3, (sandbox.memory_mode, r)  # 120 % of the cap never held at once
+
+
+def test_the_fallback_bounds_each_process(monkeypatch):
+    from agents import sandbox as module
+
+    monkeypatch.setattr(module._Cgroups, "find", classmethod(lambda cls: (None, "forced by the test")))
+    fallback = Sandbox(SandboxConfig(memory_mb=256, processes=8, timeout_s=10))
+    assert fallback.cgroups is None and fallback.memory_mode.startswith("rlimit")
+    r = fallback.run(ALLOCATORS.format(memory_mb=256))
+    assert r.stdout.split()[0] == "3", r  # the stated bound: per process, so three of 40 % are all held
+    r = fallback.run("x = b'1' * (300 * 2**20)\nprint('allocated')")
+    assert "allocated" not in r.stdout and "MemoryError" in r.stderr, r  # one process past memory_mb fails
+    r = fallback.run(
+        "import os\nn = 0\ntry:\n    for _ in range(20):\n        if os.fork() == 0:\n"
+        "            import time; time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    )
+    assert int(r.stdout.split()[-1]) < 8, r  # RLIMIT_NPROC: at most `processes` at once
