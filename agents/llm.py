@@ -128,6 +128,11 @@ class VLLMClient:
         self.held_s += held
         return held
 
+    @property
+    def in_flight(self) -> int:
+        """Calls sent and not yet answered."""
+        return self._active
+
     async def _enter_call(self) -> int:
         """Wait for an open gate and count the call in flight; returns the version that serves it."""
         while not self._gate.is_set():

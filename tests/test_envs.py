@@ -103,10 +103,12 @@ def test_import_is_refused_unevaluated():
     assert refused("__import__('os').system('echo hacked')").format_error
 
 
-def test_huge_power_is_refused_at_once():
+def test_huge_power_is_refused_unevaluated():
+    """9**9**9 would take longer than the universe's age to evaluate: refused without evaluating it. The
+    bound is behaviour (it finished at all), not speed, so a busy machine does not fail it."""
     start = time.monotonic()
     assert refused("9**9**9", [9, 9, 9], 1).format_error
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 30
 
 
 def test_power_is_refused():

@@ -143,7 +143,8 @@ def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
                     progress=False,
                 )
             )
-            await asyncio.sleep(1.5)  # requests are in flight
+            while client.in_flight == 0:  # wait until requests are in flight (an event, not a guess)
+                await asyncio.sleep(0.01)
             os.killpg(policy_server.process.pid, signal.SIGKILL)
             return await task
 
