@@ -80,15 +80,19 @@ def eval_size(config: RLConfig) -> int:
 
 
 def busy_fractions(record: dict) -> dict[str, float]:
-    """Shares of an iteration's wall time the trainer spent training and the policy servers generating
-    (train and evaluation episodes). With async_level 0 the two add up to at most 1; overlap lifts both."""
+    """How an iteration's wall time was spent by the trainer (training, else waiting for a batch) and by the
+    policy servers (generating train and evaluation episodes, else idle). With async_level 0 the two busy
+    fractions add up to at most 1; overlap lifts both."""
     wall = record.get("time_total") or 0.0
     if wall <= 0:
         return {}
-    generating = record.get("time_generate", 0.0) + record.get("time_eval", 0.0)
+    training = min(wall, record.get("train_seconds", 0.0))
+    generating = min(wall, record.get("time_generate", 0.0) + record.get("time_eval", 0.0))
     return {
-        "trainer_busy_frac": round(min(1.0, record.get("train_seconds", 0.0) / wall), 4),
-        "generator_busy_frac": round(min(1.0, generating / wall), 4),
+        "trainer_busy_frac": round(training / wall, 4),
+        "generator_busy_frac": round(generating / wall, 4),
+        "trainer_wait_s": round(wall - training, 3),
+        "generator_idle_s": round(wall - generating, 3),
     }
 
 
