@@ -94,3 +94,14 @@ def test_metrics_file_survives_a_torn_line_and_plots(tmp_path):
     assert [r["iteration"] for r in records] == [0, 1, 2]
     png = plot_metrics(records, tmp_path / "plots" / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_busy_fractions_split_an_iterations_wall_time():
+    from orchestrate.loop import busy_fractions
+
+    record = {"time_total": 100.0, "train_seconds": 80.0, "time_generate": 30.0, "time_eval": 10.0}
+    assert busy_fractions(record) == {"trainer_busy_frac": 0.8, "generator_busy_frac": 0.4,
+                                      "trainer_wait_s": 20.0, "generator_idle_s": 60.0}  # fmt: skip
+    # the trainer's seconds of a batch can exceed a short record's window (it trained during the previous one)
+    assert busy_fractions({"time_total": 10.0, "train_seconds": 15.0})["trainer_busy_frac"] == 1.0
+    assert busy_fractions({"time_total": 0.0}) == {}
