@@ -47,8 +47,9 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
-from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
+from finetune.cli import StrictParser, add_options, check_bools, check_finite, error_line, given, nest, parse_value
+from finetune.cli import refuse_repeated
+from orchestrate.config import ConfigError, ServerSection, TrainerSection
 from tapes.store import TapeFileError, TapeWriter, read_tapes
 from tapes.tape import Tape
 
@@ -176,9 +177,8 @@ def groups_with_signal(tapes: list[Tape]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="uv run -m orchestrate.offline",
-        allow_abbrev=False,
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
@@ -198,32 +198,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--filter", default="all",
                         help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    for name, field in TrainerSection.model_fields.items():
-        parser.add_argument(f"--train.{name}", dest=f"train:{name}", default=argparse.SUPPRESS, metavar="VALUE",
-                            help=(field.description or "").replace("%", "%%"))
-    for name in ("max_model_len", "kv_cache_gib", "dtype"):
-        field = ServerSection.model_fields[name]
-        parser.add_argument(f"--server.{name}", dest=f"server:{name}", default=argparse.SUPPRESS, metavar="VALUE",
-                            help=f"reference server: {(field.description or '').replace('%', '%%')}")
+    add_options(parser, TrainerSection, "train.", defaults=False)
+    add_options(parser, ServerSection, "server.", defaults=False, only=("max_model_len", "kv_cache_gib", "dtype"),
+                note="reference server: ")
     return parser
 
 
 def _section(cls, base: dict, overrides: dict, prefix: str):
+    """The run's section `prefix` (from its config.json) with the command line's overrides, checked."""
     data = {k: v for k, v in base.items() if k in cls.model_fields}
-    data.update({k: _parse_value(v) for k, v in overrides.items()})
+    values = {dotted: parse_value(text) for dotted, text in overrides.items()}
     try:
-        check_override_types({f"{prefix}.{k}": data[k] for k in overrides},
-                             {f"{prefix}.{k}": f.annotation for k, f in cls.model_fields.items()})
+        check_bools(values, cls, f"{prefix}.")
+        nest({dotted.removeprefix(f"{prefix}."): value for dotted, value in values.items()}, data)
         section = cls.model_validate(data)
         check_finite(section.model_dump(), f"{prefix}.")
         return section
     except ConfigError as exc:
         raise OfflineError(str(exc)) from None
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        raise OfflineError(f"--{prefix}.{where}: {err['msg'].removeprefix('Value error, ')}{got}") from None
+        raise OfflineError(error_line(exc, f"{prefix}.")) from None
 
 
 def resolve(args: argparse.Namespace):
@@ -243,11 +237,11 @@ def resolve(args: argparse.Namespace):
             run_config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
-    overrides = vars(args)
+    overrides = given(args)
     train = _section(TrainerSection, run_config.get("train", {}),
-                     {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")}, "train")
+                     {k: v for k, v in overrides.items() if k.startswith("train.")}, "train")
     server = _section(ServerSection, run_config.get("server", {}),
-                      {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("server:")}, "server")
+                      {k: v for k, v in overrides.items() if k.startswith("server.")}, "server")
     if train.accelerate_config and not Path(train.accelerate_config).is_file():
         raise OfflineError(f"--train.accelerate_config: {train.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
@@ -272,7 +266,7 @@ def resolve(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        refuse_repeated_options(sys.argv[1:] if argv is None else argv)
+        refuse_repeated(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)
