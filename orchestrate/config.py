@@ -99,8 +99,10 @@ class ServerSection(ServerConfig):
     max_restarts: int = Field(3, ge=0, description="restarts of a dead server before the run stops")
 
 
-class TrainerSection(TrainConfig):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class TrainerSection(BaseModel):
+    """How the orchestrator runs the finetune process; what it trains with is the train section (TrainConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     accelerate_config: str | None = Field(
         None, description="accelerate config file for the trainer; default: finetune/accelerate/cpu.yaml on CPU"
@@ -132,7 +134,8 @@ class RLConfig(BaseModel):
     rollouts: RolloutSection = Field(default_factory=RolloutSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     server: ServerSection = Field(default_factory=ServerSection)
-    train: TrainerSection = Field(default_factory=TrainerSection)
+    train: TrainConfig = Field(default_factory=TrainConfig)  # the learner's own config, written for it whole
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     run: RunSection = Field(default_factory=RunSection)
 
 
@@ -231,6 +234,22 @@ def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             rest.append(arg)
         i += 1
     return rest, found
+
+
+# Options of the finetune process that were train.* before the trainer section (config.json of older runs).
+MOVED_TO_TRAINER = ("accelerate_config", "num_processes", "timeout_s")
+
+
+def upgrade_saved(saved: dict) -> dict:
+    """A run's saved config.json in today's shape: train.accelerate_config, train.num_processes and
+    train.timeout_s of runs started before the trainer section become trainer.*, so such a run resumes."""
+    train = saved.get("train")
+    if not isinstance(train, dict) or not any(k in train for k in MOVED_TO_TRAINER):
+        return saved
+    moved = {k: train[k] for k in MOVED_TO_TRAINER if k in train}
+    trainer = saved.get("trainer") if isinstance(saved.get("trainer"), dict) else {}
+    return {**saved, "train": {k: v for k, v in train.items() if k not in MOVED_TO_TRAINER},
+            "trainer": {**moved, **trainer}}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:

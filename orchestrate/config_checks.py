@@ -39,7 +39,7 @@ LIMITS: dict[str, int] = {
     "server.max_model_len": 1 << 20,
     "server.policy_servers": 256,
     "server.max_restarts": 1000,
-    "train.num_processes": 4096,
+    "trainer.num_processes": 4096,
     "train.epochs": 10_000,
     "train.steps_per_epoch": 1_000_000,
     "train.token_budget": 1 << 24,
@@ -85,7 +85,7 @@ def check_config(config) -> None:
     if "search" in config.env.tools and not config.env.search.corpus:
         raise ConfigError("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
                           "line with 'text' (and optional 'title', 'id')")  # fmt: skip
-    accelerate = config.train.accelerate_config
+    accelerate = config.trainer.accelerate_config
     if accelerate and not Path(accelerate).expanduser().is_file():
-        raise ConfigError(f"--train.accelerate_config: {accelerate} does not exist; give an accelerate config file "
+        raise ConfigError(f"--trainer.accelerate_config: {accelerate} does not exist; give an accelerate config file "
                           "(see finetune/accelerate/) or leave it out for the default")  # fmt: skip

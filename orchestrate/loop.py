@@ -123,7 +123,7 @@ class Loop:
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
         # The trainer first: it loads its model while the servers start.
-        self.trainer = TrainerProcess(self.run, self.policy_dir, c.train)
+        self.trainer = TrainerProcess(self.run, self.policy_dir, c.train, c.trainer)
         self.trainer.start()
         stack.callback(self.trainer.stop)
 

@@ -49,7 +49,8 @@ from tqdm.auto import tqdm
 
 from finetune.cli import StrictParser, add_options, check_bools, check_finite, error_line, given, nest, parse_value
 from finetune.cli import refuse_repeated
-from orchestrate.config import ConfigError, ServerSection, TrainerSection
+from finetune.config import TrainConfig
+from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from tapes.store import TapeFileError, TapeWriter, read_tapes
 from tapes.tape import Tape
 
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
-        "directory (RUN or files under RUN/tapes/), --model and --train.* default to that run's config.json.",
+        "directory (RUN or files under RUN/tapes/), --model, --train.* and --trainer.* default to that run's config.json.",
     )
     parser.add_argument("--tapes", nargs="+", required=True, metavar="RUN_DIR|FILE",
                         help="a run directory (its tapes/iter_*.jsonl) or tape files")
@@ -198,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--filter", default="all",
                         help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_options(parser, TrainerSection, "train.", defaults=False)
+    add_options(parser, TrainConfig, "train.", defaults=False)
+    add_options(parser, TrainerSection, "trainer.", defaults=False)
     add_options(parser, ServerSection, "server.", defaults=False, only=("max_model_len", "kv_cache_gib", "dtype"),
                 note="reference server: ")
     return parser
@@ -234,16 +236,18 @@ def resolve(args: argparse.Namespace):
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
     if len(runs) == 1 and (config_path := runs.pop() / "config.json").is_file():
         try:
-            run_config = json.loads(config_path.read_text())
+            run_config = upgrade_saved(json.loads(config_path.read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
-    train = _section(TrainerSection, run_config.get("train", {}),
+    train = _section(TrainConfig, run_config.get("train", {}),
                      {k: v for k, v in overrides.items() if k.startswith("train.")}, "train")
+    trainer = _section(TrainerSection, run_config.get("trainer", {}),
+                       {k: v for k, v in overrides.items() if k.startswith("trainer.")}, "trainer")
     server = _section(ServerSection, run_config.get("server", {}),
                       {k: v for k, v in overrides.items() if k.startswith("server.")}, "server")
-    if train.accelerate_config and not Path(train.accelerate_config).is_file():
-        raise OfflineError(f"--train.accelerate_config: {train.accelerate_config} does not exist")
+    if trainer.accelerate_config and not Path(trainer.accelerate_config).is_file():
+        raise OfflineError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
 
     model_name = args.model or (run_config.get("model") or {}).get("policy")
@@ -260,7 +264,7 @@ def resolve(args: argparse.Namespace):
         except ModelNotAvailable as exc:
             raise OfflineError(f"--reference: {exc}") from None
     reward_fn = load_reward(args.reward, args.rescore)
-    return files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations
+    return files, keep, out, train, trainer, server, model_dir, reference_dir, reward_fn, iterations
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)
     try:
-        files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
+        files, keep, out, train, launch, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
     except OfflineError as exc:
         parser.exit(2, f"error: {exc}\n")
     progress = not args.no_progress
@@ -337,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         "tapes": [str(f) for f in files], "iterations": args.iterations, "filter": args.filter,
         "rescore": args.rescore, "reward": args.reward, "reference": str(reference_dir) if reference_dir else None,
         "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
+        "trainer": launch.model_dump(mode="json"),
     })  # fmt: skip
     tape_path = run.iteration_tapes(1)
     for stale in (tape_path, run.batch(1)):  # of an earlier attempt that never trained
         stale.unlink(missing_ok=True)
-    trainer = TrainerProcess(run, model_dir, train)
+    trainer = TrainerProcess(run, model_dir, train, launch)
     try:
         if reference_dir is not None:
             trainer.start()  # it loads its model while the reference server starts and scores
@@ -388,13 +393,13 @@ def _wait(trainer, progress: bool) -> Path:
 
     folder = trainer.run.checkpoint(1)
     state_path = trainer.run.root / "trainer_state.json"
-    deadline = time.monotonic() + trainer.config.timeout_s
+    deadline = time.monotonic() + trainer.launch.timeout_s
     with tqdm(desc="train: starting", bar_format="{desc} [{elapsed}]", disable=not progress, leave=False) as bar:
         while not (folder / "config.json").is_file():
             if trainer.process.poll() is not None and not (folder / "config.json").is_file():
                 raise trainer._died()
             if time.monotonic() > deadline:
-                raise TrainerError(f"no checkpoint after {trainer.config.timeout_s:.0f} s (raise --train.timeout_s)")
+                raise TrainerError(f"no checkpoint after {trainer.launch.timeout_s:.0f} s (raise --trainer.timeout_s)")
             try:
                 bar.set_description_str("train: " + json.loads(state_path.read_text()).get("status", "starting"))
             except (OSError, json.JSONDecodeError):

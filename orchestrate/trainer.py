@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from finetune.config import TrainConfig
 from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
 from orchestrate.processes import spawn, stop
@@ -41,16 +42,17 @@ class TrainerError(RuntimeError):
 
 
 class TrainerProcess:
-    def __init__(self, run_dir: RunDir, model_dir: Path, config: TrainerSection):
+    def __init__(self, run_dir: RunDir, model_dir: Path, train: TrainConfig, launch: TrainerSection | None = None):
         self.run = run_dir
         self.model_dir = model_dir
-        self.config = config
+        self.train = train  # the learner's config, written whole for it
+        self.launch = launch or TrainerSection()  # how it is launched and waited for
         self.log_path = run_dir.logs / "trainer.log"  # the launcher's stdout/stderr, tracebacks included
         self.config_path = run_dir.root / "train_config.json"
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        c = self.config
+        c = self.launch
         accelerate_config = c.accelerate_config or str(
             ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda_available() else "cpu.yaml")
         )
@@ -66,10 +68,7 @@ class TrainerProcess:
         ]  # fmt: skip
 
     def start(self) -> None:
-        from finetune.config import TrainConfig
-
-        fields = {k: v for k, v in self.config.model_dump().items() if k in TrainConfig.model_fields}
-        atomic_write_text(self.config_path, json.dumps(fields, indent=2) + "\n")
+        atomic_write_text(self.config_path, self.train.model_dump_json(indent=2) + "\n")
         (self.run.root / "trainer.stop").unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -102,7 +101,7 @@ class TrainerProcess:
         With `progress`, a bar follows the trainer through the batch (completion tokens trained).
         """
         folder = self.run.checkpoint(iteration)
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + self.launch.timeout_s
         with tqdm(desc=desc or f"iteration {iteration} train", total=None, unit="tok", disable=not progress,
                   leave=False, dynamic_ncols=True) as bar:
             self._wait(iteration, folder, deadline, bar)
@@ -122,8 +121,8 @@ class TrainerProcess:
                 raise self._died()
             if time.monotonic() > deadline:
                 raise TrainerError(
-                    f"no checkpoint for iteration {iteration} after {self.config.timeout_s:.0f} s "
-                    f"(raise --train.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                    f"no checkpoint for iteration {iteration} after {self.launch.timeout_s:.0f} s "
+                    f"(raise --trainer.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
                 )
             time.sleep(0.2)
 

@@ -137,7 +137,7 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
 
 def test_train_config_is_written_atomically(tmp_path, monkeypatch):
     from orchestrate import trainer as trainer_module
-    from orchestrate.config import TrainerSection
+    from finetune.config import TrainConfig
     from orchestrate.run_dir import RunDir
 
     run = RunDir(tmp_path / "run")
@@ -149,6 +149,6 @@ def test_train_config_is_written_atomically(tmp_path, monkeypatch):
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: renames.append(str(b)) or real_replace(a, b))
     monkeypatch.setattr(trainer_module, "spawn", lambda *a, **k: None)
-    trainer_module.TrainerProcess(run, tmp_path, TrainerSection(lr=3e-5)).start()
+    trainer_module.TrainerProcess(run, tmp_path, TrainConfig(lr=3e-5)).start()
     assert str(path) in renames  # written under a temp name and renamed into place
     assert os.stat(path).st_ino != before and json.loads(path.read_text())["lr"] == 3e-5
