@@ -274,107 +274,145 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     try:
         files, keep, out, train, launch, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
+        tapes = read(files, iterations, progress=not args.no_progress)
+        read_count = len(tapes)
+        tapes = score_and_filter(tapes, reward_fn, keep, args.filter, train, progress=not args.no_progress)
+        require_ref = check_reference(tapes, train, reference_dir)
+        run = open_out(out)
     except OfflineError as exc:
         parser.exit(2, f"error: {exc}\n")
-    progress = not args.no_progress
-    start = time.perf_counter()
-
-    tapes: list[Tape] = []
-    try:
-        for path in tqdm(files, desc="read tapes", unit="file", disable=not progress, leave=False):
-            tapes += [t for t in read_tapes(path)
-                      if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
-    except TapeFileError as exc:
-        parser.exit(2, f"error: --tapes: {exc}\n")
-    if not tapes:
-        parser.exit(2, "error: --tapes: no tapes found in the given files\n")
-    if problem := _missing_fields(tapes):
-        parser.exit(2, f"error: --tapes: {problem}\n")
-    read_count = len(tapes)
-
-    if reward_fn is not None:
-        rescore(tapes, reward_fn, progress)
-    unscored = sum(t.metadata.reward is None for t in tapes)
-    if unscored:
-        parser.exit(2, f"error: --rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward\n")
-
-    greedy = sum(1 for t in tapes if any(c.sampling.temperature <= 0 for c in t.llm_calls))
-    if greedy:
-        parser.exit(2, f"error: --tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
-                       "log-probs are not of a distribution the learner can train against; leave them out\n")  # fmt: skip
-    tapes = [t for t in tapes if keep(t)]
-    if not tapes:
-        parser.exit(2, f"error: --filter: no tape of {read_count} passes {args.filter!r}\n")
-    if train.baseline == "group" and not groups_with_signal(tapes):
-        parser.exit(2, f"error: --filter: every group of the {len(tapes)} kept tapes has equal rewards, so every "
-                       "advantage is 0 and training would change nothing; keep the other attempts too "
-                       "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
-                       "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)\n")  # fmt: skip
-
-    require_ref = train.needs_reference
-    missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
-    if require_ref and missing_ref and reference_dir is None:
-        what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
-        parser.exit(2, f"error: {what}: {missing_ref} LLM calls have no reference log-probs; pass "
-                       f"--reference MODEL, or {what} 0\n")  # fmt: skip
-
-    from orchestrate.preflight import PreflightError, check_run_dir_path
-    from orchestrate.run_dir import RunDir
-    from orchestrate.run_lock import RunDirInUse, RunLock
-
-    try:  # one command per output directory: held until this process ends
-        check_run_dir_path(out, "--out")
-        out.mkdir(parents=True, exist_ok=True)
-        _lock = RunLock(out).acquire()  # noqa: F841 (released when the process exits)
-    except (PreflightError, RunDirInUse, OSError) as exc:
-        parser.exit(2, f"error: --out: {str(exc).removeprefix('--out: ')}\n")
-    run = RunDir(out)
-    run.create()
-
-    from orchestrate.metrics import append_metrics, rollout_metrics
-    from orchestrate.samples import SampleError, write_samples
-    from orchestrate.trainer import TrainerError, TrainerProcess
-
     run.save_config({
         "tapes": [str(f) for f in files], "iterations": args.iterations, "filter": args.filter,
         "rescore": args.rescore, "reward": args.reward, "reference": str(reference_dir) if reference_dir else None,
         "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
         "trainer": launch.model_dump(mode="json"),
     })  # fmt: skip
+    from orchestrate.trainer import TrainerError, TrainerProcess
+
+    trainer = TrainerProcess(run, model_dir, train, launch)
+    try:
+        checkpoint = train_once(trainer, tapes, require_ref, reference_dir, server,
+                                f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
+                                progress=not args.no_progress)  # fmt: skip
+    except OfflineError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    except TrainerError as exc:
+        cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
+        print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
+        return 1
+    record_metrics(run, trainer, tapes, read_count, start, checkpoint)
+    return 0
+
+
+def read(files: list[Path], iterations: tuple[int, int] | None, progress: bool) -> list[Tape]:
+    """The tapes of `files` within `iterations`; OfflineError when there are none or they are not rollout tapes."""
+    tapes: list[Tape] = []
+    try:
+        for path in tqdm(files, desc="read tapes", unit="file", disable=not progress, leave=False):
+            tapes += [t for t in read_tapes(path)
+                      if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
+    except TapeFileError as exc:
+        raise OfflineError(f"--tapes: {exc}") from None
+    if not tapes:
+        raise OfflineError("--tapes: no tapes found in the given files")
+    if problem := _missing_fields(tapes):
+        raise OfflineError(f"--tapes: {problem}")
+    return tapes
+
+
+def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train, progress: bool) -> list[Tape]:
+    """Re-score (when asked), refuse what cannot train (unscored, greedy), keep what passes --filter; refuse a
+    kept set in which no group has differing rewards under a group baseline (it would train nothing)."""
+    if reward_fn is not None:
+        rescore(tapes, reward_fn, progress)
+    if unscored := sum(t.metadata.reward is None for t in tapes):
+        raise OfflineError(f"--rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward")
+    if greedy := sum(1 for t in tapes if any(c.sampling.temperature <= 0 for c in t.llm_calls)):
+        raise OfflineError(f"--tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
+                           "log-probs are not of a distribution the learner can train against; leave them out")  # fmt: skip
+    kept = [t for t in tapes if keep(t)]
+    if not kept:
+        raise OfflineError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
+    if train.baseline == "group" and not groups_with_signal(kept):
+        raise OfflineError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
+                           "advantage is 0 and training would change nothing; keep the other attempts too "
+                           "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
+                           "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)")  # fmt: skip
+    return kept
+
+
+def check_reference(tapes: list[Tape], train, reference_dir: Path | None) -> bool:
+    """Whether training needs reference log-probs; OfflineError when the tapes lack them and none will be added."""
+    missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
+    if train.needs_reference and missing and reference_dir is None:
+        what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
+        raise OfflineError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL, or "
+                           f"{what} 0")  # fmt: skip
+    return train.needs_reference
+
+
+def open_out(out: Path):
+    """The output run directory, created and locked (one command per directory, until this process ends)."""
+    from orchestrate.preflight import PreflightError, check_run_dir_path
+    from orchestrate.run_dir import RunDir
+    from orchestrate.run_lock import RunDirInUse, RunLock
+
+    global _lock
+    try:
+        check_run_dir_path(out, "--out")
+        out.mkdir(parents=True, exist_ok=True)
+        _lock = RunLock(out).acquire()  # released when the process exits
+    except (PreflightError, RunDirInUse, OSError) as exc:
+        raise OfflineError(f"--out: {str(exc).removeprefix('--out: ')}") from None
+    run = RunDir(out)
+    run.create()
+    return run
+
+
+_lock = None
+
+
+def train_once(trainer, tapes: list[Tape], require_ref: bool, reference_dir: Path | None, server, summary: str,
+               progress: bool) -> Path:
+    """Annotate (with --reference), write the tapes and their samples as iteration 1, train, and return the
+    checkpoint. The trainer loads its model while the reference server starts and scores."""
+    from orchestrate.samples import SampleError, write_samples
+
+    run = trainer.run
     tape_path = run.iteration_tapes(1)
     for stale in (tape_path, run.batch(1)):  # of an earlier attempt that never trained
         stale.unlink(missing_ok=True)
-    trainer = TrainerProcess(run, model_dir, train, launch)
     try:
         if reference_dir is not None:
-            trainer.start()  # it loads its model while the reference server starts and scores
-            annotate(tapes, reference_dir, server, out, progress)
+            trainer.start()
+            annotate(tapes, reference_dir, server, run.root, progress)
         with TapeWriter(tape_path) as writer:
             for tape in tapes:
                 writer.write(tape)
         try:
             write_samples(run.batch(1), tapes, require_ref=require_ref)
         except SampleError as exc:
-            parser.exit(2, f"error: --tapes: {exc}\n")
-        print(f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r} ({groups_with_signal(tapes)} "
-              f"groups with differing rewards); training {model_dir.name} ...", flush=True)  # fmt: skip
+            raise OfflineError(f"--tapes: {exc}") from None
+        print(f"{summary} ({groups_with_signal(tapes)} groups with differing rewards); training "
+              f"{trainer.model_dir.name} ...", flush=True)  # fmt: skip
         if trainer.process is None:
             trainer.start()
-        checkpoint = _wait(trainer, progress)
-    except TrainerError as exc:
-        cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
-        print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
-        return 1
+        return _wait(trainer, progress)
     finally:
         trainer.stop()
+
+
+def record_metrics(run, trainer, tapes: list[Tape], read_count: int, start: float, checkpoint: Path) -> None:
+    from orchestrate.metrics import append_metrics, rollout_metrics
+
     record = {"iteration": 1, "tapes_read": read_count, **rollout_metrics(tapes), **trainer.iteration_metrics(1),
               "time_total": round(time.perf_counter() - start, 3)}  # fmt: skip
     append_metrics(run.metrics_path, record)
     print(f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
           f"{record.get('train_steps', 0)} optimizer steps)")
-    return 0
 
 
 def _missing_fields(tapes: list[Tape]) -> str | None:
