@@ -41,8 +41,14 @@ from tapes.tape import (
 class TokenLLM(Protocol):
     """What the agent needs of an LLM: complete a prompt given as token ids (VLLMClient, ReplayLLM)."""
 
-    async def complete_ids(self, prompt_ids: list[int], sampling: SamplingParams, *,
-                           messages: list[dict[str, Any]] | None = None, prompt_text: str = "") -> LLMCall: ...
+    async def complete_ids(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_text: str = "",
+    ) -> LLMCall: ...
 
 
 class Example(BaseModel):
@@ -60,14 +66,22 @@ class AgentConfig(BaseModel):
     system_prompt: str | None = Field(None, description="system message; none keeps the chat template's default")
     instruction: str = Field("", description="appended (on a new line) to the environment's first observation")
     examples: list[Example] = Field(
-        default_factory=list, description="worked examples as earlier chat turns (user, assistant, user, ...); "
-        "several in a row read as one multi-turn example"
+        default_factory=list,
+        description="worked examples as earlier chat turns (user, assistant, user, ...); "
+        "several in a row read as one multi-turn example",
     )
-    max_turns: int = Field(16, gt=0, le=1000, description="agent turns per episode at most (the environment may "
-                           "end it sooner); reaching it truncates the episode")
+    max_turns: int = Field(
+        16,
+        gt=0,
+        le=1000,
+        description="agent turns per episode at most (the environment may "
+        "end it sooner); reaching it truncates the episode",
+    )
     truncation_reward: float = Field(
-        -1.0, allow_inf_nan=False, description="reward of a turn whose output was cut by max_tokens; the episode "
-        "ends there, truncated, without asking the environment"
+        -1.0,
+        allow_inf_nan=False,
+        description="reward of a turn whose output was cut by max_tokens; the episode "
+        "ends there, truncated, without asking the environment",
     )
 
 
@@ -97,8 +111,9 @@ class ChatAgent:
         step.metadata.node = "act" if call is not None else "env"
         tape.append(step, llm_call=call)
 
-    async def run_episode(self, env: Env, seed: int, llm: TokenLLM, tape: Tape,
-                          sampling: SamplingParams | None = None) -> Tape:
+    async def run_episode(
+        self, env: Env, seed: int, llm: TokenLLM, tape: Tape, sampling: SamplingParams | None = None
+    ) -> Tape:
         """Play one episode of `env` from `seed`, extending `tape`; returns it."""
         sampling = sampling or self.sampling
         env_stop = [s for s in getattr(env, "stop", None) or [] if s not in sampling.stop]
@@ -114,8 +129,10 @@ class ChatAgent:
             if self.max_context and len(prompt_ids) + sampling.max_tokens > self.max_context:
                 last = tape.steps[-1]
                 last.truncated = True  # the conversation no longer fits the model's context
-                last.info["reason"] = f"context full: {len(prompt_ids)} prompt tokens + {sampling.max_tokens} new " \
-                                      f"> max_model_len {self.max_context}"
+                last.info["reason"] = (
+                    f"context full: {len(prompt_ids)} prompt tokens + {sampling.max_tokens} new "
+                    f"> max_model_len {self.max_context}"
+                )
                 break
             call = await llm.complete_ids(prompt_ids, sampling, messages=list(messages), prompt_text=prompt_text)
             call.turn = turn
@@ -124,8 +141,11 @@ class ChatAgent:
                 call.extends_previous = len(ids) > len(previous) and ids[: len(previous)] == previous
             tool_call = getattr(env, "tool_call", None)  # an environment with tools reads the call it will run
             parsed = tool_call(call.output_text) if tool_call is not None else None
-            action = (EnvAction(text=call.output_text, turn=turn) if parsed is None else
-                      ToolCallAction(text=call.output_text, turn=turn, tool=parsed.tool, call=parsed.text))
+            action = (
+                EnvAction(text=call.output_text, turn=turn)
+                if parsed is None
+                else ToolCallAction(text=call.output_text, turn=turn, tool=parsed.tool, call=parsed.text)
+            )
             self._record(tape, action, call)
             if call.finish_reason == "length":
                 self._record(tape, EnvObservation(
@@ -135,20 +155,30 @@ class ChatAgent:
                 break
             astep = getattr(env, "astep", None)  # an environment whose step blocks (a tool run) offers astep
             observation, reward, terminated, truncated, info = (
-                await astep(call.output_text) if astep is not None else env.step(call.output_text))
+                await astep(call.output_text) if astep is not None else env.step(call.output_text)
+            )
             info = jsonable(info)
             if turn == self.config.max_turns and not (terminated or truncated):
                 truncated = True
                 info.setdefault("reason", f"turn limit ({self.config.max_turns}) reached")
-            fields = dict(text=str(observation), turn=turn, reward=float(reward), terminated=bool(terminated),
-                          truncated=bool(truncated), info=info)
+            fields = dict(
+                text=str(observation),
+                turn=turn,
+                reward=float(reward),
+                terminated=bool(terminated),
+                truncated=bool(truncated),
+                info=info,
+            )
             tool = info.get("tool") if parsed is not None else None
             self._record(tape, EnvObservation(**fields) if tool is None else ToolResultObservation(**fields, tool=tool))
             if terminated or truncated:
                 break
             previous = call.prompt_token_ids + call.output_token_ids
             delta_text, delta_ids = self.chat.continuation(call.output_token_ids, str(observation))
-            messages += [{"role": "assistant", "content": call.output_text}, {"role": "user", "content": str(observation)}]
+            messages += [
+                {"role": "assistant", "content": call.output_text},
+                {"role": "user", "content": str(observation)},
+            ]
             prompt_text += self.chat.tokenizer.decode(call.output_token_ids, skip_special_tokens=False) + delta_text
             prompt_ids = previous + delta_ids
         summarize(tape)

@@ -55,16 +55,18 @@ class ChatTokens:
         at = text.rfind(_MARK)
         if at < 0:
             raise ValueError("the chat template does not render an assistant message's content")
-        return text[at + len(_MARK):]
+        return text[at + len(_MARK) :]
 
     def user_delta(self, content: str) -> str:
         """The template's text for one more user message and the generation prompt, after a closed assistant turn."""
         base = self._template(self._dummy, add_generation_prompt=False)
         full = self._template([*self._dummy, {"role": "user", "content": content}], add_generation_prompt=True)
         if not full.startswith(base):
-            raise ValueError("the chat template renders earlier turns differently once a message is added; "
-                             "a token-exact delta cannot be taken from it")
-        return full[len(base):]
+            raise ValueError(
+                "the chat template renders earlier turns differently once a message is added; "
+                "a token-exact delta cannot be taken from it"
+            )
+        return full[len(base) :]
 
     def continuation(self, output_ids: list[int], observation: str) -> tuple[str, list[int]]:
         """Text and ids to append after a turn's sampled `output_ids` so that the model reads `observation`
@@ -73,6 +75,6 @@ class ChatTokens:
         if output_ids and output_ids[-1] in set(self.tokenizer.all_special_ids):
             sampled = self.tokenizer.decode([output_ids[-1]], skip_special_tokens=False)
             if sampled and end.startswith(sampled):
-                end = end[len(sampled):]  # vLLM sampled the end-of-turn token itself
+                end = end[len(sampled) :]  # vLLM sampled the end-of-turn token itself
         text = end + self.user_delta(observation)
         return text, self.encode(text)

@@ -268,8 +268,14 @@ class ReplayLLM:
         self.strict = strict
         self.mismatches: list[tuple[int, str]] = []
 
-    async def complete_ids(self, prompt_ids: list[int], sampling: SamplingParams, *,
-                           messages: list[dict[str, Any]] | None = None, prompt_text: str = "") -> LLMCall:
+    async def complete_ids(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_text: str = "",
+    ) -> LLMCall:
         if self.position >= len(self.calls):
             raise LLMError(f"replay: the agent made call #{self.position + 1}; the tape recorded {len(self.calls)}")
         call = self.calls[self.position]
@@ -282,8 +288,13 @@ class ReplayLLM:
                 raise LLMError("replay: " + problem)
             self.mismatches.append((self.position, problem))
         if call.sampling != sampling:  # noted, never fatal: the recorded answer is what it is
-            self.mismatches.append((self.position, f"call #{self.position} sampling differs: recorded "
-                                    f"{call.sampling.model_dump()}, now {sampling.model_dump()}"))
+            self.mismatches.append(
+                (
+                    self.position,
+                    f"call #{self.position} sampling differs: recorded "
+                    f"{call.sampling.model_dump()}, now {sampling.model_dump()}",
+                )
+            )
         replayed = call.model_copy(deep=True)
         replayed.turn, replayed.extends_previous = 1, None  # the agent sets these again
         return replayed

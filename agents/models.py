@@ -154,7 +154,9 @@ def untied_copy(model_dir: str | os.PathLike) -> Path:
     src = Path(model_dir).resolve()
     if not ties_output_head(src):
         return src
-    stamp = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(src.iterdir()) if p.is_file())
+    stamp = "|".join(
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(src.iterdir()) if p.is_file()
+    )
     key = hashlib.sha1(f"{src}|{stamp}".encode()).hexdigest()[:12]
     return _build_once(cache_dir() / "untied" / f"{src.name}-{key}", lambda out: _write_untied(src, out))
 

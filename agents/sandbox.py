@@ -73,6 +73,8 @@ def _take_uid() -> int:
 def _give_uid(uid: int) -> None:
     with _uid_lock:
         _uids_in_use.discard(uid)
+
+
 PATH_INSIDE = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -82,8 +84,10 @@ class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     isolation: Isolation = Field(
-        "bwrap", description="bwrap: namespaces, no network, only /usr visible (read-only); unsafe_subprocess: "
-        "the same limits without isolation (the code sees this machine's files and network)")
+        "bwrap",
+        description="bwrap: namespaces, no network, only /usr visible (read-only); unsafe_subprocess: "
+        "the same limits without isolation (the code sees this machine's files and network)",
+    )
     timeout_s: float = Field(10.0, gt=0, le=3600, description="wall-clock seconds before the whole sandbox is killed")
     cpu_s: int = Field(10, ge=1, description="CPU seconds per process (RLIMIT_CPU)")
     memory_mb: int = Field(1024, ge=64, description="address space per process, MiB (RLIMIT_AS)")
@@ -161,10 +165,14 @@ def check_isolation(config: SandboxConfig) -> None:
         if not shutil.which("bwrap"):
             raise SandboxUnavailable(
                 "bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` (Debian / Ubuntu), or opt into "
-                "the weaker isolation = unsafe_subprocess (the code then sees this machine's files and network)")
+                "the weaker isolation = unsafe_subprocess (the code then sees this machine's files and network)"
+            )
         if not config.python.startswith("/usr/"):
-            raise SandboxUnavailable(f"{config.python}: under bwrap only /usr is visible; use a Python installed "
-                                     "under /usr (e.g. /usr/bin/python3)", "python")
+            raise SandboxUnavailable(
+                f"{config.python}: under bwrap only /usr is visible; use a Python installed "
+                "under /usr (e.g. /usr/bin/python3)",
+                "python",
+            )
     if not shutil.which("prlimit"):
         raise SandboxUnavailable("prlimit (util-linux) is not installed: the sandbox's resource limits need it")
 
@@ -188,8 +196,16 @@ class Sandbox:
         nproc = c.processes
         if not self.root:  # the limit counts every process of this user: leave room for those already running
             nproc += _tasks_of_uid(os.getuid())
-        return [self.prlimit, f"--as={c.memory_mb * 2**20}", f"--cpu={c.cpu_s}", f"--nproc={nproc}",
-                f"--fsize={c.file_size_mb * 2**20}", f"--nofile={c.open_files}", "--core=0", "--"]
+        return [
+            self.prlimit,
+            f"--as={c.memory_mb * 2**20}",
+            f"--cpu={c.cpu_s}",
+            f"--nproc={nproc}",
+            f"--fsize={c.file_size_mb * 2**20}",
+            f"--nofile={c.open_files}",
+            "--core=0",
+            "--",
+        ]
 
     def _command(self, code_fd: int, info_fd: int) -> list[str]:
         c = self.config
@@ -253,9 +269,16 @@ class Sandbox:
             try:
                 try:
                     proc = subprocess.Popen(
-                        self._command(code_file.fileno(), info_w), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, env=env, start_new_session=True, close_fds=True,
-                        pass_fds=(code_file.fileno(), info_w), **kwargs)
+                        self._command(code_file.fileno(), info_w),
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        env=env,
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=(code_file.fileno(), info_w),
+                        **kwargs,
+                    )
                 except OSError as exc:
                     return SandboxResult("", "", None, infra_error=f"could not start: {exc}")
                 finally:
@@ -273,8 +296,14 @@ class Sandbox:
                 if workdir:
                     shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.monotonic() - start
-        result = SandboxResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), proc.returncode,
-                               timed_out=timed_out, output_truncated=truncated, seconds=seconds)
+        result = SandboxResult(
+            out.decode("utf-8", "replace"),
+            err.decode("utf-8", "replace"),
+            proc.returncode,
+            timed_out=timed_out,
+            output_truncated=truncated,
+            seconds=seconds,
+        )
         if not started:  # bwrap failed before the program started (what the program prints cannot fake this)
             result.infra_error = (result.stderr.strip().splitlines() or ["bwrap did not start"])[0]
         return result
@@ -318,7 +347,7 @@ class Sandbox:
                     continue
                 buf = buffers[key.fileobj]
                 room = cap - len(buf)
-                buf += chunk[:max(room, 0)]
+                buf += chunk[: max(room, 0)]
                 if len(chunk) > room:
                     truncated = True
             if truncated:

@@ -128,8 +128,12 @@ class Retriever:
         try:
             _save(index, manifest, folder)
         except OSError as exc:
-            log.warning("search: cannot keep the BM25 index in %s (%s); it is built in memory on every load. "
-                        "Set --env.search.cache_dir to a writable folder to keep it.", folder, exc.strerror or exc)
+            log.warning(
+                "search: cannot keep the BM25 index in %s (%s); it is built in memory on every load. "
+                "Set --env.search.cache_dir to a writable folder to keep it.",
+                folder,
+                exc.strerror or exc,
+            )
         return cls(passages, index, built=True)
 
     def search(self, query: str, k: int) -> list[tuple[Passage, float]]:

@@ -75,7 +75,7 @@ class ArithmeticConfig(BaseModel):
     digits: int = Field(2, ge=1, le=9, description="digits per operand")
     operands: int = Field(2, ge=2, le=6, description="numbers per problem")
     operations: list[Literal["+", "-", "*"]] = Field(
-        default_factory=lambda: ["+"], min_length=1, description="operators to draw from, e.g. [\"+\", \"*\"]"
+        default_factory=lambda: ["+"], min_length=1, description='operators to draw from, e.g. ["+", "*"]'
     )
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test set")
 
@@ -108,8 +108,10 @@ class Arithmetic:
             task = self._draw(rng)
             fruitless += 1
             if split == "test" and fruitless > 20_000:  # every held-out problem of these options was drawn
-                raise TaskSourceError(f"these arithmetic options have only {len(seen)} distinct held-out "
-                                      f"problems; evaluate on at most that many (--eval.tasks {len(seen)})")
+                raise TaskSourceError(
+                    f"these arithmetic options have only {len(seen)} distinct held-out "
+                    f"problems; evaluate on at most that many (--eval.tasks {len(seen)})"
+                )
             if split == "test" and task.question in seen:
                 continue  # a test set of distinct problems; train may repeat
             if self._is_test(task.question) == (split == "test"):

@@ -74,8 +74,10 @@ class PythonTool:
         self.observation_chars = observation_chars
 
     def instruction(self) -> str:
-        return ("You may run Python: write <python>code</python> and you will get its output back as "
-                "<output>...</output>; print what you need.")
+        return (
+            "You may run Python: write <python>code</python> and you will get its output back as "
+            "<output>...</output>; print what you need."
+        )
 
     def parse(self, action: str) -> ToolCall | None:
         match = _PYTHON.search(action)
@@ -89,9 +91,14 @@ class PythonTool:
         text = result.observation(self.observation_chars).rstrip("\n")
         observation = f"<output>\n{text}\n</output>"
         return observation, {
-            "tool": self.name, "code": call.text, "stdout": result.stdout, "stderr": result.stderr,
-            "exit_code": result.exit_code, "timed_out": result.timed_out,
-            "output_truncated": result.output_truncated, "tool_error": not result.ok,
+            "tool": self.name,
+            "code": call.text,
+            "stdout": result.stdout,
+            "stderr": result.stderr,
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "output_truncated": result.output_truncated,
+            "tool_error": not result.ok,
         }  # fmt: skip (no run time here: the tape holds what replays the same)
 
     def replay_note(self, calls: int) -> str:
@@ -114,8 +121,10 @@ class SearchTool:
         self.config = config or SearchConfig()
 
     def instruction(self) -> str:
-        return ("You may search a knowledge source: write <search>query</search> and you will get the best "
-                "passages back as <information>...</information>.")
+        return (
+            "You may search a knowledge source: write <search>query</search> and you will get the best "
+            "passages back as <information>...</information>."
+        )
 
     def parse(self, action: str) -> ToolCall | None:
         match = _SEARCH.search(action)
@@ -132,8 +141,13 @@ class SearchTool:
             raise ToolInfraError("search tool: no corpus loaded")
         hits = self.retriever.search(call.text, self.config.top_k)
         info.update(ids=[p.id for p, _ in hits], scores=[s for _, s in hits])
-        body = "\n".join(f"Doc {i} (Title: {p.title}) {p.text}" if p.title else f"Doc {i} {p.text}"
-                         for i, (p, _) in enumerate(hits, start=1)) or "[no passage matches the query]"
+        body = (
+            "\n".join(
+                f"Doc {i} (Title: {p.title}) {p.text}" if p.title else f"Doc {i} {p.text}"
+                for i, (p, _) in enumerate(hits, start=1)
+            )
+            or "[no passage matches the query]"
+        )
         if len(body) > self.config.observation_chars:
             body, info["output_truncated"] = body[: self.config.observation_chars] + " [... cut]", True
         return f"<information>{body}</information>", info
@@ -148,8 +162,11 @@ class RecordedTool:
 
         self.tool, self.name, self.stop = tool, tool.name, tool.stop
         calls = {s.turn: s.call for s in tape.steps if isinstance(s, ToolCallAction) and s.tool == tool.name}
-        self.results = [(calls[s.turn], s.text, s.info) for s in tape.steps
-                        if isinstance(s, ToolResultObservation) and s.tool == tool.name and s.turn in calls]
+        self.results = [
+            (calls[s.turn], s.text, s.info)
+            for s in tape.steps
+            if isinstance(s, ToolResultObservation) and s.tool == tool.name and s.turn in calls
+        ]
         self.position = 0
 
     def instruction(self) -> str:

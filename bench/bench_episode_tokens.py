@@ -49,8 +49,13 @@ def per_call_samples(tapes) -> list[dict]:
 
 
 def slots(samples: list[Sample], budget: int, layout: str) -> tuple[int, int]:
-    mbs = micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples], budget, layout,
-                        trained=[s.trained_positions() for s in samples])
+    mbs = micro_batches(
+        [s.prompt_ids for s in samples],
+        [s.completion_ids for s in samples],
+        budget,
+        layout,
+        trained=[s.trained_positions() for s in samples],
+    )
     return sum(mb.n_tokens for mb in mbs), sum(mb.n_slots for mb in mbs)
 
 
@@ -74,8 +79,10 @@ def main() -> int:
     for name, batch in (("episode", episode), ("per-call", per_call)):
         tokens, total = slots(batch, train["token_budget"], train["layout"])
         results[name] = total
-        print(f"{name:8s}: {len(batch):4d} samples, {tokens:7d} tokens, {total:7d} slots ({train['layout']}, "
-              f"budget {train['token_budget']})")
+        print(
+            f"{name:8s}: {len(batch):4d} samples, {tokens:7d} tokens, {total:7d} slots ({train['layout']}, "
+            f"budget {train['token_budget']})"
+        )
     print(f"tokens computed, per-call / episode: {results['per-call'] / results['episode']:.2f}x")
     if args.time:
         from agents.models import resolve_model

@@ -36,8 +36,20 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {__import__('os').cpu_count()} CPUs")
     with tempfile.TemporaryDirectory(prefix="bench-iteration-") as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--iterations", str(args.iterations),
-               "--eval.every", "0", "--train.kl_coef", str(args.kl_coef), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "orchestrate.rl",
+            "--run-dir",
+            str(run),
+            "--iterations",
+            str(args.iterations),
+            "--eval.every",
+            "0",
+            "--train.kl_coef",
+            str(args.kl_coef),
+            *extra,
+        ]
         print("$", " ".join(cmd[1:]), flush=True)
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -48,8 +60,10 @@ def main() -> None:
     rows = [r for r in rows if r.get("iteration", 0) >= 1 and "time_total" in r]
     for r in rows:
         parts = " ".join(f"{p} {r.get('time_' + p, 0.0):6.1f}" for p in PHASES)
-        print(f"iteration {r['iteration']}: total {r['time_total']:6.1f} s | {parts} | "
-              f"{r.get('completion_tokens_mean', 0):.0f} tokens/completion, train {r.get('train_tokens_per_s', 0):.0f} tok/s")
+        print(
+            f"iteration {r['iteration']}: total {r['time_total']:6.1f} s | {parts} | "
+            f"{r.get('completion_tokens_mean', 0):.0f} tokens/completion, train {r.get('train_tokens_per_s', 0):.0f} tok/s"
+        )
     counted = rows[1:] if len(rows) > 1 else rows
     total = statistics.median(r["time_total"] for r in counted)
     print(f"\nwhole command: {wall:.0f} s for {len(rows)} iterations (start-up included)")
@@ -59,8 +73,10 @@ def main() -> None:
         print(f"  {p:12s} {x:7.1f} s  {100 * x / total:5.1f}%")
     print(f"  {'total':12s} {total:7.1f} s")
     shares = [(r.get("time_weight_sync", 0.0) + r.get("time_other", 0.0)) / r["time_total"] for r in counted]
-    print(f"overhead share (weight sync + other): {100 * statistics.median(shares):.1f}% "
-          f"(min {100 * min(shares):.1f}%, max {100 * max(shares):.1f}%; target < 10%)")
+    print(
+        f"overhead share (weight sync + other): {100 * statistics.median(shares):.1f}% "
+        f"(min {100 * min(shares):.1f}%, max {100 * max(shares):.1f}%; target < 10%)"
+    )
 
 
 if __name__ == "__main__":

@@ -155,14 +155,20 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-delay", type=float, default=5.0, help="seconds after a start, at least")
     parser.add_argument("--max-delay", type=float, default=90.0, help="seconds after a start, at most")
-    parser.add_argument("--kl-coef", type=float, default=0.01,
-                        help="> 0 (the default) adds the reference server; with 0 the tiny model's batches of equal "
-                        "rewards train nothing and the loop stops on an unchanged checkpoint")
+    parser.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.01,
+        help="> 0 (the default) adds the reference server; with 0 the tiny model's batches of equal "
+        "rewards train nothing and the loop stops on an unchanged checkpoint",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directory")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; {args.kills} kills, "
-          f"{args.iterations} iterations, delays U({args.min_delay:.0f}, {args.max_delay:.0f}) s, seed {args.seed}")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; {args.kills} kills, "
+        f"{args.iterations} iterations, delays U({args.min_delay:.0f}, {args.max_delay:.0f}) s, seed {args.seed}"
+    )
     tmp = Path(tempfile.mkdtemp(prefix="bench-kill-"))
     model = tiny_model(tmp / "model")
     run = tmp / "run"
@@ -227,9 +233,11 @@ def main() -> int:
     problems, facts = check_run(run, final=True)
     time.sleep(1)
     left = marked_processes(marker)
-    print(f"final run: exit {final.returncode} after {time.monotonic() - t0:.0f} s; iterations done "
-          f"{facts['completed']}/{args.iterations}; metrics records {facts['metrics_iterations']}; processes left "
-          f"{len(left)}; problems {len(problems)}")
+    print(
+        f"final run: exit {final.returncode} after {time.monotonic() - t0:.0f} s; iterations done "
+        f"{facts['completed']}/{args.iterations}; metrics records {facts['metrics_iterations']}; processes left "
+        f"{len(left)}; problems {len(problems)}"
+    )
     for p in problems:
         print(f"    {p}")
     all_problems += [f"final: {p}" for p in problems]
@@ -240,11 +248,13 @@ def main() -> int:
     if left:
         all_problems.append(f"final: processes left {left}")
     killed = [r for r in rows if r[2] == "killed"]
-    print(f"\nsummary: {len(killed)} SIGKILLs at {', '.join(f'{r[1]:.0f}' for r in killed)} s after a start; "
-          f"max seconds until no process was left: {max((r[7] for r in rows), default=0):.1f}; "
-          f"processes left 30 s after a kill: {sum(r[8] for r in rows)}; lock held after a kill: "
-          f"{sum(r[9] != 'free' for r in rows)}; files that looked complete but were not: "
-          f"{sum('looks complete' in p for p in all_problems)}; total {time.monotonic() - start_all:.0f} s")
+    print(
+        f"\nsummary: {len(killed)} SIGKILLs at {', '.join(f'{r[1]:.0f}' for r in killed)} s after a start; "
+        f"max seconds until no process was left: {max((r[7] for r in rows), default=0):.1f}; "
+        f"processes left 30 s after a kill: {sum(r[8] for r in rows)}; lock held after a kill: "
+        f"{sum(r[9] != 'free' for r in rows)}; files that looked complete but were not: "
+        f"{sum('looks complete' in p for p in all_problems)}; total {time.monotonic() - start_all:.0f} s"
+    )
     print("RESULT:", "PASS" if not all_problems else f"FAIL ({len(all_problems)} problems)")
     for p in all_problems:
         print("  -", p)

@@ -47,8 +47,11 @@ def one(config: dict, token_budget: int) -> dict:
     start = time.perf_counter()
     learner.train_batch(samples, 1)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)}
+    return {
+        "seconds": seconds,
+        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples),
+    }
 
 
 def main() -> int:
@@ -65,15 +68,28 @@ def main() -> int:
     for r in range(args.repeats):
         order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
         for name in order:
-            out = subprocess.run([sys.executable, __file__, "--token-budget", str(args.token_budget),
-                                  "--child", json.dumps(CONFIGS[name])], cwd=ROOT, capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--token-budget",
+                    str(args.token_budget),
+                    "--child",
+                    json.dumps(CONFIGS[name]),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
                 return 1
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             m = results[name][-1]
-            print(f"repeat {r + 1} {name:>21}: {m['seconds']:6.1f} s per step, peak RSS {m['peak_gib']:.2f} GiB",
-                  flush=True)
+            print(
+                f"repeat {r + 1} {name:>21}: {m['seconds']:6.1f} s per step, peak RSS {m['peak_gib']:.2f} GiB",
+                flush=True,
+            )
     tokens = results["grpo"][0]["tokens"]
     print(f"\none step over a batch of {tokens} tokens (prompt + completion), token budget {args.token_budget}:")
     base = statistics.median(m["seconds"] for m in results["grpo"])
@@ -81,9 +97,11 @@ def main() -> int:
     for name, ms in results.items():
         sec = statistics.median(m["seconds"] for m in ms)
         mem = max(m["peak_gib"] for m in ms)
-        print(f"{name:>21}: median {sec:6.1f} s per step ({min(m['seconds'] for m in ms):.1f}-"
-              f"{max(m['seconds'] for m in ms):.1f}), peak RSS {mem:.2f} GiB; "
-              f"x{sec / base:.2f} the time and x{mem / base_mem:.2f} the memory of grpo")
+        print(
+            f"{name:>21}: median {sec:6.1f} s per step ({min(m['seconds'] for m in ms):.1f}-"
+            f"{max(m['seconds'] for m in ms):.1f}), peak RSS {mem:.2f} GiB; "
+            f"x{sec / base:.2f} the time and x{mem / base_mem:.2f} the memory of grpo"
+        )
     return 0
 
 

@@ -52,8 +52,9 @@ def main() -> None:
             if f.is_file() and not (other / f.name).exists():
                 (other / f.name).write_bytes(f.read_bytes())
 
-        server = VLLMServer(base, log_path=Path(tmp) / "server.log", config=ServerConfig(max_model_len=1024,
-                                                                                         kv_cache_gib=1))
+        server = VLLMServer(
+            base, log_path=Path(tmp) / "server.log", config=ServerConfig(max_model_len=1024, kv_cache_gib=1)
+        )
         reload_s, restart_s = [], []
         try:
             t = time.perf_counter()

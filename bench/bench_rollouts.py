@@ -46,6 +46,7 @@ from orchestrate.vllm_server import ServerConfig, VLLMServer
 from tapes.store import write_tapes
 from tapes.tape import SamplingParams
 
+
 async def raw_run(server: VLLMServer, requests: list[dict], concurrency: int) -> int:
     """Each request once, concurrently; returns the output tokens."""
     limit = asyncio.Semaphore(concurrency)
@@ -68,9 +69,17 @@ async def raw_replay(server: VLLMServer, tapes, concurrency: int, temperature: f
         async def one(tape) -> int:
             tokens = 0
             for call in tape.llm_calls:
-                payload = {"model": "policy", "prompt": call.prompt_token_ids, "temperature": temperature,
-                           "max_tokens": len(call.output_token_ids), "ignore_eos": True, "top_p": 1.0,
-                           "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": True}
+                payload = {
+                    "model": "policy",
+                    "prompt": call.prompt_token_ids,
+                    "temperature": temperature,
+                    "max_tokens": len(call.output_token_ids),
+                    "ignore_eos": True,
+                    "top_p": 1.0,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                    "skip_special_tokens": True,
+                }
                 async with limit:
                     r = await http.post(server.base_url + "/v1/completions", json=payload, headers=server.headers)
                 r.raise_for_status()
@@ -96,10 +105,18 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=1,
-                        help="1: math:arithmetic (one turn); N > 1: guess the number for N turns per episode")
-    parser.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
-                        help="one turn: every completion runs to --max-tokens (ignore_eos)")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="1: math:arithmetic (one turn); N > 1: guess the number for N turns per episode",
+    )
+    parser.add_argument(
+        "--fixed-length",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one turn: every completion runs to --max-tokens (ignore_eos)",
+    )
     args = parser.parse_args()
     extra = {"ignore_eos": True} if args.fixed_length and args.turns == 1 else {}
 
@@ -109,11 +126,17 @@ def main() -> int:
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.turns == 1:
         spec = EnvSpec("math:arithmetic", {}, "train", 0)
-        config = AgentConfig(max_turns=1, examples=[Example(question="What is 3 + 4?", solution="3 + 4 = 7. \\boxed{7}")])
+        config = AgentConfig(
+            max_turns=1, examples=[Example(question="What is 3 + 4?", solution="3 + 4 = 7. \\boxed{7}")]
+        )
     else:  # the game preset's framing (short answers), a range where games rarely end before the last turn
         game = load_preset("game")
-        spec = EnvSpec("game:guess_the_number", {**game["env"]["options"], "low": 1, "high": 1000,
-                                                  "max_turns": args.turns, "invalid_ends_episode": False}, "train", 0)
+        spec = EnvSpec(
+            "game:guess_the_number",
+            {**game["env"]["options"], "low": 1, "high": 1000, "max_turns": args.turns, "invalid_ends_episode": False},
+            "train",
+            0,
+        )
         config = AgentConfig(max_turns=args.turns, examples=[Example(**e) for e in game["agent"]["examples"]])
     agent = ChatAgent(config, sampling, chat, max_context=4096)
     seeds = list(range(args.tasks))

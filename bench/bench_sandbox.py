@@ -38,7 +38,7 @@ def main() -> int:
 
     latency: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(args.runs):
-        for m in (modes if i % 2 == 0 else modes[::-1]):
+        for m in modes if i % 2 == 0 else modes[::-1]:
             start = time.perf_counter()
             result = boxes[m].run("print(1)")
             latency[m].append(time.perf_counter() - start)

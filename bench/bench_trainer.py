@@ -54,13 +54,22 @@ def preset_batch(tokenizer, seed: int = 0, prompts: int = 16, attempts: int = 4,
             {"role": "assistant", "content": EXAMPLE[1]},
             {"role": "user", "content": f"What is {a} + {b}? {INSTRUCTION}"},
         ]
-        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False))
+        prompt = list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         for k in range(attempts):
             n = rng.randint(16, max_tokens)
             completion = [rng.randrange(1000, 40000) for _ in range(n)]
-            samples.append(Sample(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=[-2.0] * n,
-                                  reward=float(rng.random() < 0.4), group_id=p, temperature=0.7))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    completion_ids=completion,
+                    behaviour_logprobs=[-2.0] * n,
+                    reward=float(rng.random() < 0.4),
+                    group_id=p,
+                    temperature=0.7,
+                )
+            )
     return samples
 
 
@@ -78,7 +87,7 @@ def plain_step(lm, optimizer, samples: list[Sample], n_micro: int, pad_id: int) 
             seq = s.prompt_ids + s.completion_ids
             ids[r, : len(seq)] = torch.tensor(seq)
             attention[r, : len(seq)] = 1
-            mask[r, len(s.prompt_ids) - 1: len(seq) - 1] = 1
+            mask[r, len(s.prompt_ids) - 1 : len(seq) - 1] = 1
         logits = lm(input_ids=ids, attention_mask=attention).logits[:, :-1] / 0.7
         logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(logp * mask * adv[part][:, None]).sum() / n_completion
@@ -98,11 +107,18 @@ def main() -> int:
     # 1024 rather than the default 2048: the plain loop, padded and with full logits, peaks at
     # ~10 GiB with 2048-token micro-batches; at 1024 both stay under ~6.5 GiB.
     parser.add_argument("--token-budget", type=int, default=1024)
-    parser.add_argument("--layouts", default="shared_prefix,padded",
-                        help="comma-separated finetune layouts to time; the first one is compared with plain")
+    parser.add_argument(
+        "--layouts",
+        default="shared_prefix,padded",
+        help="comma-separated finetune layouts to time; the first one is compared with plain",
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice). On a shared "
-                        "machine fewer threads than cores avoid the slowdown of descheduled OpenMP threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's choice). On a shared "
+        "machine fewer threads than cores avoid the slowdown of descheduled OpenMP threads",
+    )
     args = parser.parse_args()
 
     if args.threads:
@@ -112,12 +128,21 @@ def main() -> int:
     samples = preset_batch(tokenizer)
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     completion = sum(len(s.completion_ids) for s in samples)
-    print(f"batch: {len(samples)} samples, {tokens} tokens ({completion} completion), "
-          f"prompt {len(samples[0].prompt_ids)} tokens, torch threads {torch.get_num_threads()}")
+    print(
+        f"batch: {len(samples)} samples, {tokens} tokens ({completion} completion), "
+        f"prompt {len(samples[0].prompt_ids)} tokens, torch threads {torch.get_num_threads()}"
+    )
 
     layouts = args.layouts.split(",")
-    learner = Learner(model_dir, TrainConfig(lr=1e-6, token_budget=args.token_budget, layout=layouts[0],
-                                             gradient_checkpointing=args.gradient_checkpointing))
+    learner = Learner(
+        model_dir,
+        TrainConfig(
+            lr=1e-6,
+            token_budget=args.token_budget,
+            layout=layouts[0],
+            gradient_checkpointing=args.gradient_checkpointing,
+        ),
+    )
     lm = learner.accelerator.unwrap_model(learner.model).lm
     optimizer = learner.optimizer.optimizer  # the bare torch AdamW under accelerate's wrapper
     print(f"memory before any step: {peak_gb():.2f} GiB peak RSS")
@@ -135,11 +160,14 @@ def main() -> int:
 
     # Warm-up (first-call allocations), and the trainer's peak before the plain loop ever runs.
     n_first = run_finetune(layouts[0])
-    print(f"finetune step peak RSS: {peak_gb():.2f} GiB ({n_first} micro-batches of {layouts[0]} at token budget "
-          f"{args.token_budget})")
+    print(
+        f"finetune step peak RSS: {peak_gb():.2f} GiB ({n_first} micro-batches of {layouts[0]} at token budget "
+        f"{args.token_budget})"
+    )
     # The plain loop gets as many micro-batches as padded rows need at this budget (the same memory).
-    n_micro = len(micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
-                                args.token_budget, "padded"))
+    n_micro = len(
+        micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples], args.token_budget, "padded")
+    )
     for layout in layouts[1:]:
         run_finetune(layout)
     lm.train()
@@ -154,8 +182,10 @@ def main() -> int:
                 times[name].append(timed(plain_step, lm, optimizer, samples, n_micro, learner.pad_id))
             else:
                 times[name].append(timed(run_finetune, name))
-        print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f} s (cpu {v[-1][1]:.1f} s)"
-                                               for k, v in times.items()), flush=True)
+        print(
+            f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f} s (cpu {v[-1][1]:.1f} s)" for k, v in times.items()),
+            flush=True,
+        )
 
     medians = {}
     for name, values in times.items():
@@ -163,14 +193,18 @@ def main() -> int:
         cpu = [tokens / c for _, c in values]
         medians[name] = statistics.median(wall), statistics.median(cpu)
         label = f"finetune ({name})" if name != "plain" else "plain transformers"
-        print(f"{label:>22}: {medians[name][0]:7.1f} tokens/s (min {min(wall):.1f}, max {max(wall):.1f}); "
-              f"{medians[name][1]:.1f} tokens per CPU-second")
+        print(
+            f"{label:>22}: {medians[name][0]:7.1f} tokens/s (min {min(wall):.1f}, max {max(wall):.1f}); "
+            f"{medians[name][1]:.1f} tokens per CPU-second"
+        )
     # Each repeat times both sides back to back: the ratio within a repeat is the figure other jobs disturb least.
     pairs = [p[0] / f[0] for f, p in zip(times[layouts[0]], times["plain"])]
     cpu_pairs = [p[1] / f[1] for f, p in zip(times[layouts[0]], times["plain"])]
-    print(f"ratio finetune ({layouts[0]}) / plain, median of {len(pairs)} paired repeats: "
-          f"{statistics.median(pairs):.2f} wall clock (pairs {min(pairs):.2f}-{max(pairs):.2f}), "
-          f"{statistics.median(cpu_pairs):.2f} CPU time (pairs {min(cpu_pairs):.2f}-{max(cpu_pairs):.2f})")
+    print(
+        f"ratio finetune ({layouts[0]}) / plain, median of {len(pairs)} paired repeats: "
+        f"{statistics.median(pairs):.2f} wall clock (pairs {min(pairs):.2f}-{max(pairs):.2f}), "
+        f"{statistics.median(cpu_pairs):.2f} CPU time (pairs {min(cpu_pairs):.2f}-{max(cpu_pairs):.2f})"
+    )
     return 0
 
 

@@ -56,10 +56,29 @@ def spread(xs: list[float]) -> str:
 
 def tapeloop_steps(steps: int, beta: float, workdir: Path) -> list[float]:
     run = workdir / f"tapeloop-beta{beta}"
-    cmd = [sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--iterations", str(steps),
-           "--eval.every", "0", "--train.kl_coef", str(beta), "--rollouts.tasks_per_iteration", str(TASKS),
-           "--rollouts.attempts", str(ATTEMPTS), "--rollouts.max_tokens", str(MAX_TOKENS),
-           "--rollouts.temperature", str(TEMPERATURE), "--train.lr", str(LR)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrate.rl",
+        "--run-dir",
+        str(run),
+        "--iterations",
+        str(steps),
+        "--eval.every",
+        "0",
+        "--train.kl_coef",
+        str(beta),
+        "--rollouts.tasks_per_iteration",
+        str(TASKS),
+        "--rollouts.attempts",
+        str(ATTEMPTS),
+        "--rollouts.max_tokens",
+        str(MAX_TOKENS),
+        "--rollouts.temperature",
+        str(TEMPERATURE),
+        "--train.lr",
+        str(LR),
+    ]
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -69,8 +88,11 @@ def tapeloop_steps(steps: int, beta: float, workdir: Path) -> list[float]:
     for m in lines:
         if m.get("iteration", 0) >= 1 and "time_total" in m:
             parts = {k.removeprefix("time_"): v for k, v in m.items() if k.startswith("time_") and k != "time_total"}
-            print(f"  tapeloop beta={beta} iteration {m['iteration']}: {m['time_total']:.1f} s "
-                  + " ".join(f"{k} {v:.1f}" for k, v in parts.items()), flush=True)
+            print(
+                f"  tapeloop beta={beta} iteration {m['iteration']}: {m['time_total']:.1f} s "
+                + " ".join(f"{k} {v:.1f}" for k, v in parts.items()),
+                flush=True,
+            )
             out.append(m["time_total"])
     return out
 

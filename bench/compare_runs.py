@@ -42,17 +42,26 @@ def main() -> int:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for run, label in zip(args.runs, labels):
         records = read_metrics(Path(run) / "metrics.jsonl")
-        points = [(r["elapsed_s"] / 60, r["eval_success_rate"], r["iteration"]) for r in records
-                  if r.get("eval_success_rate") is not None and "elapsed_s" in r
-                  and (args.minutes is None or r["elapsed_s"] / 60 <= args.minutes)]
+        points = [
+            (r["elapsed_s"] / 60, r["eval_success_rate"], r["iteration"])
+            for r in records
+            if r.get("eval_success_rate") is not None
+            and "elapsed_s" in r
+            and (args.minutes is None or r["elapsed_s"] / 60 <= args.minutes)
+        ]
         train = [r["train_seconds"] for r in records if isinstance(r.get("train_seconds"), (int, float))]
-        total = [r["time_total"] for r in records if isinstance(r.get("time_total"), (int, float))
-                 and not r.get("time_eval")]
+        total = [
+            r["time_total"] for r in records if isinstance(r.get("time_total"), (int, float)) and not r.get("time_eval")
+        ]
         ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=label)
         print(f"{label}: " + ", ".join(f"it {i} {m:.1f} min {100 * s:.1f}%" for m, s, i in points))
         if train:
-            print(f"{label}: trainer {statistics.median(train):.1f} s per iteration (median of {len(train)}), "
-                  f"iteration {statistics.median(total):.1f} s without evaluation" if total else "")
+            print(
+                f"{label}: trainer {statistics.median(train):.1f} s per iteration (median of {len(train)}), "
+                f"iteration {statistics.median(total):.1f} s without evaluation"
+                if total
+                else ""
+            )
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
     ax.set_title(args.title)

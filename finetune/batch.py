@@ -60,10 +60,13 @@ class Sample(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_ids: list[int] = Field(min_length=1, description="Token ids the policy was conditioned on (whole chat prompt).")
+    prompt_ids: list[int] = Field(
+        min_length=1, description="Token ids the policy was conditioned on (whole chat prompt)."
+    )
     completion_ids: list[int] = Field(
-        min_length=1, description="Token ids after the prompt: what the policy sampled (trained on) and, in a "
-        "multi-turn episode, the environment's tokens between its outputs (not trained on)."
+        min_length=1,
+        description="Token ids after the prompt: what the policy sampled (trained on) and, in a "
+        "multi-turn episode, the environment's tokens between its outputs (not trained on).",
     )
     behaviour_logprobs: list[Finite] = Field(
         description="Log-prob of each completion token under the policy that sampled it, of the "
@@ -76,17 +79,23 @@ class Sample(BaseModel):
         description="Log-prob of each completion token under the reference model at temperature 1; "
         "null when no KL penalty is used.",
     )
-    reward: Finite = Field(description="Reward of the whole completion (of a multi-turn sample: the sum of its turns').")
+    reward: Finite = Field(
+        description="Reward of the whole completion (of a multi-turn sample: the sum of its turns')."
+    )
     turns: list[Turn] | None = Field(
-        default=None, description="The sampled outputs inside completion_ids, in order; none: one turn that is the "
-        "whole completion and earned `reward`."
+        default=None,
+        description="The sampled outputs inside completion_ids, in order; none: one turn that is the "
+        "whole completion and earned `reward`.",
     )
     episode_id: str | None = Field(
-        default=None, description="Samples of one episode share it (an episode cut where a prompt was "
-        "re-rendered); none: the sample is an episode of its own."
+        default=None,
+        description="Samples of one episode share it (an episode cut where a prompt was "
+        "re-rendered); none: the sample is an episode of its own.",
     )
-    group_id: str | int = Field(description="Samples sharing a group id are attempts at the same prompt; "
-                                "advantages are normalised within the group.")
+    group_id: str | int = Field(
+        description="Samples sharing a group id are attempts at the same prompt; "
+        "advantages are normalised within the group."
+    )
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature the completion was drawn at.")
     sample_id: str | None = Field(default=None, description="Optional: where the sample came from (e.g. a tape id).")
 
@@ -205,5 +214,3 @@ def list_batches(batches_dir: str | os.PathLike) -> dict[int, Path]:
         if m:
             found[int(m.group(1))] = entry
     return dict(sorted(found.items()))
-
-

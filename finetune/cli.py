@@ -71,7 +71,7 @@ def type_name(annotation: Any, none: str = "|none") -> str:
         return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return (args[0].__name__.upper() if not none else "|".join(type_name(a) for a in args) + none)
+        return args[0].__name__.upper() if not none else "|".join(type_name(a) for a in args) + none
     if origin in (list, dict):
         return "JSON"
     return getattr(annotation, "__name__", "VALUE").upper()
@@ -86,8 +86,17 @@ def dashed(dotted: str) -> str:
     return dotted.replace("_", "-")
 
 
-def add_options(group, model: type[BaseModel], prefix: str = "", *, dash: bool = False, nested: bool = True,
-                defaults: bool = True, only: typing.Collection[str] | None = None, note: str = "") -> None:
+def add_options(
+    group,
+    model: type[BaseModel],
+    prefix: str = "",
+    *,
+    dash: bool = False,
+    nested: bool = True,
+    defaults: bool = True,
+    only: typing.Collection[str] | None = None,
+    note: str = "",
+) -> None:
     """An option for each field of `model` (`--PREFIX.FIELD`), its --help from the field's description.
 
     dash: finetune's spelling (`--lr-schedule`, flags for booleans, choices for literals, `[default: x]`);

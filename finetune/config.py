@@ -21,13 +21,16 @@ class _TrainOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     algorithm: str = Field(
-        "grpo", description="the loss, by name: " + "; ".join(f"{n}: {spec.doc}" for n, spec in LOSSES.items())
-        + ". Its options are the section of the same name (--train.ppo.vf_coef 0.5)."
+        "grpo",
+        description="the loss, by name: "
+        + "; ".join(f"{n}: {spec.doc}" for n, spec in LOSSES.items())
+        + ". Its options are the section of the same name (--train.ppo.vf_coef 0.5).",
     )
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="After warm-up: constant, or linear / cosine decay to min_lr_ratio x lr "
-        "at total_steps (these two need total_steps)."
+        "constant",
+        description="After warm-up: constant, or linear / cosine decay to min_lr_ratio x lr "
+        "at total_steps (these two need total_steps).",
     )
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up from 0 to lr.")
     total_steps: int | None = Field(None, gt=0, description="Optimizer steps of the whole run, for decaying schedules.")
@@ -45,34 +48,44 @@ class _TrainOptions(BaseModel):
         0.0, ge=0, description="Weight of the k3 KL penalty to the reference log-probs; 0 needs no ref_logprobs."
     )
     aggregation: Literal["token", "sequence"] = Field(
-        "token", description="token: mean over all completion tokens of a step; sequence: mean over "
-        "sequences of each sequence's token mean."
+        "token",
+        description="token: mean over all completion tokens of a step; sequence: mean over "
+        "sequences of each sequence's token mean.",
     )
     baseline: Literal["group", "batch", "none"] = Field(
-        "group", description="group: an episode's return minus its group's mean, the same for all its turns (GRPO "
+        "group",
+        description="group: an episode's return minus its group's mean, the same for all its turns (GRPO "
         "/ REINFORCE with a group baseline; one member per episode however many turns); batch: each turn's return "
         "normalised over all turns of the batch (GEM's ReBN: per-turn rewards, gamma < 1); none: advantage = the "
-        "return itself (with reinforce on reward-filtered samples: rejection-sampling fine-tuning)."
+        "return itself (with reinforce on reward-filtered samples: rejection-sampling fine-tuning).",
     )
     gamma: float = Field(
-        1.0, ge=0, le=1, description="Discount over the turns of an episode: G_t = r_t + gamma * G_{t+1} "
-        "(GEM's games use 0.9). One-turn samples are unaffected."
+        1.0,
+        ge=0,
+        le=1,
+        description="Discount over the turns of an episode: G_t = r_t + gamma * G_{t+1} "
+        "(GEM's games use 0.9). One-turn samples are unaffected.",
     )
     normalize_std: bool = Field(True, description="Divide advantages by the group (or batch) std; false: Dr. GRPO.")
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
     token_budget: int = Field(
-        2048, ge=16, description="Tokens per micro-batch, padding included (rows x longest row). The main "
+        2048,
+        ge=16,
+        description="Tokens per micro-batch, padding included (rows x longest row). The main "
         "memory knob: SmolLM2-135M fp32 on CPU needs ~2 GB (weights, gradients, AdamW) + ~1.8 MB per token "
-        "of budget, so 2048 peaks at ~5.8 GB; gradient checkpointing cuts the per-token part."
+        "of budget, so 2048 peaks at ~5.8 GB; gradient checkpointing cuts the per-token part.",
     )
     layout: Literal["padded", "packed", "shared_prefix"] = Field(
-        "shared_prefix", description="shared_prefix: the completions of one prompt (a GRPO group) share one copy "
+        "shared_prefix",
+        description="shared_prefix: the completions of one prompt (a GRPO group) share one copy "
         "of it in a row, under a mask where each completion sees the prompt and itself (the prompt's forward and "
         "backward once per group; same result); padded: length-sorted rows, right-padded to the longest in the "
         "micro-batch; packed: sequences concatenated in one row with position ids restarting (for "
-        "flash-attention varlen kernels on GPU)."
+        "flash-attention varlen kernels on GPU).",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, ~30% slower.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: less memory, ~30% slower."
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Compute dtype. auto: float32 on CPU, bf16 autocast with fp32 weights on GPU."
     )
@@ -80,9 +93,10 @@ class _TrainOptions(BaseModel):
         "auto", description="dtype of checkpoint weights; auto: that of the starting model folder."
     )
     logprob_impl: Literal["auto", "fused", "full"] = Field(
-        "auto", description="fused: log-probs from the hidden states in chunks, logits never held whole "
+        "auto",
+        description="fused: log-probs from the hidden states in chunks, logits never held whole "
         "(less memory); full: the model's own forward with logits at completion positions. auto: fused, "
-        "except under FSDP / DeepSpeed ZeRO-3 where the head's weight is sharded."
+        "except under FSDP / DeepSpeed ZeRO-3 where the head's weight is sharded.",
     )
     logit_chunk_tokens: int = Field(1024, ge=1, description="fused: completion tokens per chunk of logits.")
     seed: int = Field(0, description="Seed of the mini-batch shuffling (with the batch number).")
@@ -99,8 +113,10 @@ class _TrainOptions(BaseModel):
         for name in LOSSES:
             section = getattr(self, name, None)
             if name != self.algorithm and section is not None and section != type(section)():
-                raise ValueError(f"{name}: options of algorithm {name!r} are changed, but the algorithm is "
-                                 f"{self.algorithm!r} (choose algorithm {name}, or leave them out)")
+                raise ValueError(
+                    f"{name}: options of algorithm {name!r} are changed, but the algorithm is "
+                    f"{self.algorithm!r} (choose algorithm {name}, or leave them out)"
+                )
         return self
 
     @property
@@ -148,6 +164,8 @@ TrainConfig = create_model(
     __module__=__name__,
     __doc__="Hyper-parameters of the learner and how to run them: the shared options, then one section per "
     "registered loss (finetune.losses.register_loss) holding that loss's own options.",
-    **{name: (spec.config, Field(default_factory=spec.config, description=f"options of algorithm {name}"))
-       for name, spec in LOSSES.items()},
+    **{
+        name: (spec.config, Field(default_factory=spec.config, description=f"options of algorithm {name}"))
+        for name, spec in LOSSES.items()
+    },
 )

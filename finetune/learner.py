@@ -39,8 +39,16 @@ from finetune.losses import LossInputs, explained_variance, gae, token_weights, 
 from finetune.microbatch import micro_batches
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,12 +98,17 @@ class Learner:
         policy = PolicyLogProbs(lm, impl, config.logit_chunk_tokens, value_head=head)
         policy.train()
         betas, eps = (config.adam_beta1, config.adam_beta2), config.adam_eps
-        groups = [{"params": [p for n, p in policy.named_parameters() if not n.startswith("value_head.")],
-                   "base_lr": config.lr}]
+        groups = [
+            {
+                "params": [p for n, p in policy.named_parameters() if not n.startswith("value_head.")],
+                "base_lr": config.lr,
+            }
+        ]
         if head:
             groups.append({"params": list(policy.value_head.parameters()), "base_lr": options.critic_lr})
-        optimizer = torch.optim.AdamW(groups, lr=config.lr_at(0), betas=betas, eps=eps,
-                                      weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(
+            groups, lr=config.lr_at(0), betas=betas, eps=eps, weight_decay=config.weight_decay
+        )
         critic = critic_optimizer = None
         if spec.critic and not head:
             # oat's choice: a separate value model, initialised from the policy's weights
@@ -107,14 +120,19 @@ class Learner:
             del body  # the critic keeps the body; the LM head goes
             critic.train()
             critic_optimizer = torch.optim.AdamW(
-                [{"params": list(critic.parameters()), "base_lr": options.critic_lr}], lr=options.critic_lr,
-                betas=betas, eps=eps, weight_decay=config.weight_decay)
+                [{"params": list(critic.parameters()), "base_lr": options.critic_lr}],
+                lr=options.critic_lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=config.weight_decay,
+            )
         if critic is None:
             self.model, self.optimizer = acc.prepare(policy, optimizer)
             self.critic = self.critic_optimizer = None
         else:
             self.model, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
-                policy, optimizer, critic, critic_optimizer)
+                policy, optimizer, critic, critic_optimizer
+            )
         self.has_critic = spec.critic
         self.step = 0  # optimizer steps taken so far, over the whole run
         self._progress = None  # [done, total, callback] of the batch being trained
@@ -128,8 +146,10 @@ class Learner:
         """
         cfg = self.config
         if cfg.needs_reference and any(s.ref_logprobs is None for s in samples):
-            raise ValueError("kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
-                             "them with the reference model, or set it to 0")
+            raise ValueError(
+                "kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
+                "them with the reference model, or set it to 0"
+            )
         returns, turn_adv = turn_advantages(
             [[(t.index, t.reward) for t in sample.all_turns] for sample in samples],
             [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
@@ -148,13 +168,14 @@ class Learner:
                 turn_adv.append([])
                 turn_values.append([])
                 for t in sample.all_turns:
-                    turn_adv[-1].append(float(adv[offset:offset + t.length].mean()))
+                    turn_adv[-1].append(float(adv[offset : offset + t.length].mean()))
                     turn_values[-1].append(float(old[offset]))
                     offset += t.length
         else:
             advantages = [
-                torch.tensor([a for t, a in zip(sample.all_turns, sample_adv) for _ in range(t.length)],
-                             dtype=torch.float32)
+                torch.tensor(
+                    [a for t, a in zip(sample.all_turns, sample_adv) for _ in range(t.length)], dtype=torch.float32
+                )
                 for sample, sample_adv in zip(samples, turn_adv)
             ]  # one per trained token
             turn_values = None
@@ -172,7 +193,9 @@ class Learner:
         metrics = []
         self._progress = [0, cfg.epochs * sum(s.n_trained for s in samples), on_progress]
         for epoch in range(cfg.epochs):
-            order = torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
+            order = (
+                torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
+            )
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
                 if len(part) == 0:
                     continue
@@ -198,8 +221,10 @@ class Learner:
                 offset += t.length
                 r[offset - 1] += t.reward
             if options.kl_in_reward:
-                r -= options.kl_in_reward * (torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
-                                             - torch.tensor(sample.ref_logprobs, dtype=torch.float64))
+                r -= options.kl_in_reward * (
+                    torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
+                    - torch.tensor(sample.ref_logprobs, dtype=torch.float64)
+                )
             rewards.append(r)
         # an episode's samples, in the order of their turns
         episodes: dict[str, list[int]] = {}
@@ -210,13 +235,18 @@ class Learner:
         for members in episodes.values():
             members.sort(key=lambda i: samples[i].all_turns[0].index)
             ends = [k == t.length - 1 for i in members for t in samples[i].all_turns for k in range(t.length)]
-            adv, ret = gae(torch.cat([rewards[i] for i in members]).tolist(),
-                           torch.cat([old_values[i] for i in members]).tolist(), ends, cfg.gamma, options.gae_lambda)
+            adv, ret = gae(
+                torch.cat([rewards[i] for i in members]).tolist(),
+                torch.cat([old_values[i] for i in members]).tolist(),
+                ends,
+                cfg.gamma,
+                options.gae_lambda,
+            )
             offset = 0
             for i in members:
                 n = samples[i].n_trained
-                advantages[i] = torch.tensor(adv[offset:offset + n], dtype=torch.float32)
-                targets[i] = torch.tensor(ret[offset:offset + n], dtype=torch.float32)
+                advantages[i] = torch.tensor(adv[offset : offset + n], dtype=torch.float32)
+                targets[i] = torch.tensor(ret[offset : offset + n], dtype=torch.float32)
                 offset += n
         flat_values, flat_returns = torch.cat(old_values), torch.cat(targets)
         stats = {
@@ -236,8 +266,14 @@ class Learner:
         """The critic's value before each trained token of each sample (no update)."""
         cfg, dev = self.config, self.accelerator.device
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
-                                cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in samples]):
+        for mb in micro_batches(
+            [s.prompt_ids for s in samples],
+            [s.completion_ids for s in samples],
+            cfg.token_budget,
+            cfg.layout,
+            self.pad_id,
+            [s.trained_positions() for s in samples],
+        ):
             values = self._forward_values(mb, samples)
             for i, part in zip(mb.indices, values.float().cpu().split(mb.completion_lengths)):
                 out[i] = part
@@ -245,8 +281,12 @@ class Learner:
 
     def _forward_values(self, mb, samples):
         dev = self.accelerator.device
-        args = (mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
-                mb.rows.to(dev), mb.cols.to(dev))
+        args = (
+            mb.input_ids.to(dev),
+            None if mb.position_ids is None else mb.position_ids.to(dev),
+            mb.rows.to(dev),
+            mb.cols.to(dev),
+        )
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
         if self.critic is not None:
             return self.critic(*args, attention_mask=mask)
@@ -269,8 +309,14 @@ class Learner:
         t0 = time.perf_counter()
         dev = acc.device
         sub = [samples[i] for i in idx]
-        mbs = micro_batches([s.prompt_ids for s in sub], [s.completion_ids for s in sub],
-                            cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in sub])
+        mbs = micro_batches(
+            [s.prompt_ids for s in sub],
+            [s.completion_ids for s in sub],
+            cfg.token_budget,
+            cfg.layout,
+            self.pad_id,
+            [s.trained_positions() for s in sub],
+        )
         n_completion = sum(s.n_trained for s in sub)
         world, rank = acc.num_processes, acc.process_index
         # Every process must run the same number of forward/backward passes
@@ -290,8 +336,11 @@ class Learner:
             weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(sub)) * scale
             adv = torch.cat([advantages[idx[i]] for i in mb.indices])
             behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
-            ref = torch.tensor([x for s in seqs for x in s.ref_logprobs]) if all(
-                s.ref_logprobs is not None for s in seqs) else None
+            ref = (
+                torch.tensor([x for s in seqs for x in s.ref_logprobs])
+                if all(s.ref_logprobs is not None for s in seqs)
+                else None
+            )
             inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in range(s.n_trained)])
             # The reference is scored at T = 1: the KL takes untempered log-probs.
             tempered = bool((inv_temp != 1).any())
@@ -301,13 +350,23 @@ class Learner:
                     for model in models:
                         stack.enter_context(acc.no_sync(model))
                 out = self.model(
-                    mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
-                    mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
-                    ref is not None and tempered, None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                    mb.input_ids.to(dev),
+                    None if mb.position_ids is None else mb.position_ids.to(dev),
+                    mb.rows.to(dev),
+                    mb.cols.to(dev),
+                    mb.targets.to(dev),
+                    inv_temp.to(dev),
+                    ref is not None and tempered,
+                    None if mb.attention_mask is None else mb.attention_mask.to(dev),
                 )
                 x = LossInputs(
-                    logp=out.logp, behaviour_logp=behaviour.to(dev), advantages=adv.to(dev), weights=weights.to(dev),
-                    ref_logp=None if ref is None else ref.to(dev), kl_logp=out.raw_logp, kl_coef=cfg.kl_coef,
+                    logp=out.logp,
+                    behaviour_logp=behaviour.to(dev),
+                    advantages=adv.to(dev),
+                    weights=weights.to(dev),
+                    ref_logp=None if ref is None else ref.to(dev),
+                    kl_logp=out.raw_logp,
+                    kl_coef=cfg.kl_coef,
                 )
                 if critic is not None:
                     old_values, targets = critic
@@ -319,8 +378,12 @@ class Learner:
                 # divide by the step's totals, so undo the average.
                 acc.backward(result.loss * world)
             if scale:
-                add = {"loss": result.loss.item(), "entropy": out.entropy.sum().item(),
-                       "tokens": mb.n_tokens, "slots": mb.n_slots}
+                add = {
+                    "loss": result.loss.item(),
+                    "entropy": out.entropy.sum().item(),
+                    "tokens": mb.n_tokens,
+                    "slots": mb.n_slots,
+                }
                 add.update({name: value.item() for name, value in result.terms.items()})
                 add.update({f"#{name}": value.sum().item() for name, value in result.token_means.items()})
                 for name, value in add.items():
@@ -365,24 +428,26 @@ class Learner:
                 m[name] = value
         for name, a, b in zip(extremes, hi.tolist(), lo.tolist()):
             m[f"{name}_max"], m[f"{name}_min"] = a, b
-        m.update({
-            "adv_mean": float(adv.mean()),
-            "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
-            "adv_min": float(adv.min()),
-            "adv_max": float(adv.max()),
-            "zero_adv_frac": float((adv == 0).double().mean()),
-            "reward_mean": float(rewards[idx].mean()),
-            "grad_norm": float(grad_norm),
-            **({} if critic_norm is None else {"critic_grad_norm": float(critic_norm)}),
-            "lr": lr,
-            "samples": len(idx),
-            "completion_tokens": n_completion,
-            "tokens": int(tokens),
-            "padding_frac": 1 - tokens / slots if slots else 0.0,
-            "micro_batches": len(mbs),
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-        })
+        m.update(
+            {
+                "adv_mean": float(adv.mean()),
+                "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
+                "adv_min": float(adv.min()),
+                "adv_max": float(adv.max()),
+                "zero_adv_frac": float((adv == 0).double().mean()),
+                "reward_mean": float(rewards[idx].mean()),
+                "grad_norm": float(grad_norm),
+                **({} if critic_norm is None else {"critic_grad_norm": float(critic_norm)}),
+                "lr": lr,
+                "samples": len(idx),
+                "completion_tokens": n_completion,
+                "tokens": int(tokens),
+                "padding_frac": 1 - tokens / slots if slots else 0.0,
+                "micro_batches": len(mbs),
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+            }
+        )
         return m
 
     @torch.no_grad()
@@ -390,13 +455,26 @@ class Learner:
         """Current log-probs of each sample's completion tokens (at its temperature), no update."""
         cfg, dev = self.config, self.accelerator.device
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in micro_batches([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
-                                cfg.token_budget, cfg.layout, self.pad_id, [s.trained_positions() for s in samples]):
-            inv_temp = torch.tensor([1.0 / samples[i].temperature for i in mb.indices for _ in range(samples[i].n_trained)])
+        for mb in micro_batches(
+            [s.prompt_ids for s in samples],
+            [s.completion_ids for s in samples],
+            cfg.token_budget,
+            cfg.layout,
+            self.pad_id,
+            [s.trained_positions() for s in samples],
+        ):
+            inv_temp = torch.tensor(
+                [1.0 / samples[i].temperature for i in mb.indices for _ in range(samples[i].n_trained)]
+            )
             logp = self.model(
-                mb.input_ids.to(dev), None if mb.position_ids is None else mb.position_ids.to(dev),
-                mb.rows.to(dev), mb.cols.to(dev), mb.targets.to(dev), inv_temp.to(dev),
-                False, None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                mb.input_ids.to(dev),
+                None if mb.position_ids is None else mb.position_ids.to(dev),
+                mb.rows.to(dev),
+                mb.cols.to(dev),
+                mb.targets.to(dev),
+                inv_temp.to(dev),
+                False,
+                None if mb.attention_mask is None else mb.attention_mask.to(dev),
             ).logp
             for i, part in zip(mb.indices, logp.float().cpu().split(mb.completion_lengths)):
                 out[i] = part
@@ -443,7 +521,8 @@ class Learner:
         acc.save_state(str(folder / "trainer_state"))
         if acc.is_main_process:
             (folder / "trainer_state" / "progress.json").write_text(
-                json.dumps({**progress, "optimizer_step": self.step}) + "\n")
+                json.dumps({**progress, "optimizer_step": self.step}) + "\n"
+            )
         acc.wait_for_everyone()
 
     def load_trainer_state(self, folder: str | os.PathLike) -> dict:

@@ -105,8 +105,9 @@ class _HeadLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def head_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int = 1024,
-                  with_raw: bool = False):
+def head_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int = 1024, with_raw: bool = False
+):
     """(logp, raw_logp, entropy) per row of `hidden` [n, d] for `targets` [n] under head `weight` [V, d].
 
     logp is at each row's temperature (1 / inv_temp); raw_logp at T = 1, or an
@@ -121,12 +122,15 @@ def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None
         return None
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if "flash" in impl:
-        raise ValueError(f"layout 'shared_prefix' needs a custom attention mask, which {impl} does not take: "
-                         "use layout 'packed' (or 'padded') with flash-attention")
+        raise ValueError(
+            f"layout 'shared_prefix' needs a custom attention mask, which {impl} does not take: "
+            "use layout 'packed' (or 'padded') with flash-attention"
+        )
     if impl == "eager":  # additive
         dtype = model.get_input_embeddings().weight.dtype
         return torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill_(
-            ~attention_mask, torch.finfo(dtype).min)
+            ~attention_mask, torch.finfo(dtype).min
+        )
     return attention_mask
 
 
@@ -163,8 +167,9 @@ class PolicyLogProbs(nn.Module):
     def _mask(self, attention_mask):
         return model_mask(self.lm, attention_mask)
 
-    def forward(self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False,
-                attention_mask=None):
+    def forward(
+        self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False, attention_mask=None
+    ):
         """Per completion token: PolicyOutput(logp, raw_logp, entropy, values), each [n].
 
         logp (with grad) is at each sequence's sampling temperature; raw_logp
@@ -174,17 +179,25 @@ class PolicyLogProbs(nn.Module):
         """
         mask = self._mask(attention_mask)
         if self.impl == "fused":
-            hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                           use_cache=False)
+            hidden = self.lm.get_decoder()(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+            )
             h = hidden.last_hidden_state[rows, cols]
             logp, raw_logp, entropy = head_logprobs(
-                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw)
+                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw
+            )
             values = None if self.value_head is None else self.value_head(h.float()).squeeze(-1)
             return PolicyOutput(logp, (raw_logp if with_raw else None), entropy, values)
         # full: the model's own forward, logits only from the first predicting column on.
         first = int(cols.min())
-        out = self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False,
-                      logits_to_keep=input_ids.shape[1] - first, output_hidden_states=self.value_head is not None)
+        out = self.lm(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=False,
+            logits_to_keep=input_ids.shape[1] - first,
+            output_hidden_states=self.value_head is not None,
+        )
         raw = out.logits[rows, cols - first].float()
         logps = torch.log_softmax(raw * inv_temp[:, None], dim=-1)
         logp = logps.gather(1, targets[:, None]).squeeze(1)

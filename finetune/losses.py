@@ -107,8 +107,9 @@ def turn_advantages(
         advantages = [list(r) for r in returns]
     elif baseline == "group":
         names = list(episodes)
-        first = torch.tensor([returns_of[e][min(returns_of[e])] if returns_of[e] else 0.0 for e in names],
-                             dtype=torch.float64)
+        first = torch.tensor(
+            [returns_of[e][min(returns_of[e])] if returns_of[e] else 0.0 for e in names], dtype=torch.float64
+        )
         group_index: dict[str | int, int] = {}
         gids = torch.tensor([group_index.setdefault(episode_group[e], len(group_index)) for e in names])
         adv = group_advantages(first, gids, normalize_std, eps).double().tolist()
@@ -259,8 +260,14 @@ def kl_term(x: LossInputs) -> tuple[Tensor, Tensor]:
     return kl, (x.weights * kl).sum().detach()
 
 
-def _policy_outputs(x: LossInputs, pg: Tensor, ratio: Tensor, clipped: Tensor, extra: Tensor | None = None,
-                    terms: dict[str, Tensor] | None = None) -> LossOutputs:
+def _policy_outputs(
+    x: LossInputs,
+    pg: Tensor,
+    ratio: Tensor,
+    clipped: Tensor,
+    extra: Tensor | None = None,
+    terms: dict[str, Tensor] | None = None,
+) -> LossOutputs:
     kl, kl_sum = kl_term(x)
     per_token = pg + x.kl_coef * kl if x.kl_coef else pg
     loss = (x.weights * per_token).sum()
@@ -301,18 +308,35 @@ def reinforce_loss(x: LossInputs, c: ReinforceConfig) -> LossOutputs:
 
 class PPOConfig(ClipConfig):
     critic: Literal["separate", "head"] = Field(
-        "separate", description="separate: a value model initialised from the policy, with its own optimizer "
+        "separate",
+        description="separate: a value model initialised from the policy, with its own optimizer "
         "(oat's choice; twice the weights in memory); head: a linear value head on the policy's last hidden "
-        "state, trained through the shared body with vf_coef")
-    critic_lr: float = Field(1e-5, gt=0, description="learning rate of the critic (the separate model or the value head)")
-    gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda over the tokens (1: Monte-Carlo "
-                              "returns minus the value; lower bootstraps more from the critic)")
+        "state, trained through the shared body with vf_coef",
+    )
+    critic_lr: float = Field(
+        1e-5, gt=0, description="learning rate of the critic (the separate model or the value head)"
+    )
+    gae_lambda: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="GAE lambda over the tokens (1: Monte-Carlo "
+        "returns minus the value; lower bootstraps more from the critic)",
+    )
     vf_coef: float = Field(0.5, ge=0, description="weight of the value loss")
-    value_clip: float = Field(0.2, ge=0, description="the value may move at most this far from its value when "
-                              "the batch arrived (clipped value loss, as in PPO2); 0: no clipping")
+    value_clip: float = Field(
+        0.2,
+        ge=0,
+        description="the value may move at most this far from its value when "
+        "the batch arrived (clipped value loss, as in PPO2); 0: no clipping",
+    )
     whiten_advantages: bool = Field(True, description="normalise the batch's token advantages to mean 0, std 1")
-    kl_in_reward: float = Field(0.0, ge=0, description="subtract this x (behaviour log-prob - reference "
-                                "log-prob) from each token's reward (needs the reference pass)")
+    kl_in_reward: float = Field(
+        0.0,
+        ge=0,
+        description="subtract this x (behaviour log-prob - reference "
+        "log-prob) from each token's reward (needs the reference pass)",
+    )
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
@@ -340,8 +364,9 @@ def ppo_loss(x: LossInputs, c: PPOConfig) -> LossOutputs:
     return out
 
 
-def gae(rewards: Sequence[float], values: Sequence[float], turn_ends: Sequence[bool], gamma: float,
-        lam: float) -> tuple[list[float], list[float]]:
+def gae(
+    rewards: Sequence[float], values: Sequence[float], turn_ends: Sequence[bool], gamma: float, lam: float
+) -> tuple[list[float], list[float]]:
     """Token-level GAE over the trained tokens of one episode: (advantages, returns), one per token.
 
     `values[k]` is the critic's V before token k; `rewards[k]` the reward given after token k (a turn's

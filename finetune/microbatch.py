@@ -157,8 +157,9 @@ def micro_batches(
     return [build(prompts, completions, g, layout, pad_id, trained) for g in plan(lengths, token_budget, layout)]
 
 
-def prefix_units(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                 token_budget: int) -> list[list[int]]:
+def prefix_units(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], token_budget: int
+) -> list[list[int]]:
     """Sequences with the same prompt, in rows of one prompt + several completions.
 
     A row grows while it stays within the token budget and while its attention area (width squared,
@@ -186,7 +187,9 @@ def prefix_units(prompts: Sequence[Sequence[int]], completions: Sequence[Sequenc
     return units
 
 
-def _shared_prefix_batches(prompts, completions, token_budget: int, pad_id: int, trained: Positions) -> list[MicroBatch]:
+def _shared_prefix_batches(
+    prompts, completions, token_budget: int, pad_id: int, trained: Positions
+) -> list[MicroBatch]:
     units = prefix_units(prompts, completions, token_budget)
     widths = [len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units]
     batches = []
@@ -212,9 +215,9 @@ def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: i
         for j, i in enumerate(unit, start=1):
             c = list(completions[i])
             n = len(c)
-            input_ids[r, offset: offset + n] = torch.tensor(c)
-            position_ids[r, offset: offset + n] = torch.arange(p, p + n)
-            segment[r, offset: offset + n] = j
+            input_ids[r, offset : offset + n] = torch.tensor(c)
+            position_ids[r, offset : offset + n] = torch.arange(p, p + n)
+            segment[r, offset : offset + n] = j
             # token 0 is predicted by the prompt's last position, token k by completion token k - 1
             k = torch.as_tensor(_positions(trained, completions, i), dtype=torch.long)
             predicted_at = torch.cat([torch.tensor([p - 1]), torch.arange(offset, offset + n - 1)])

@@ -55,7 +55,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from finetune.cli import OptionError, StrictParser, add_options, check_finite, dashed, error_line, given, nest, refuse_repeated
+from finetune.cli import (
+    OptionError,
+    StrictParser,
+    add_options,
+    check_finite,
+    dashed,
+    error_line,
+    given,
+    nest,
+    refuse_repeated,
+)
 from finetune.config import TrainConfig
 from finetune.losses import LOSSES
 
@@ -73,23 +83,47 @@ def build_parser() -> argparse.ArgumentParser:
         "`accelerate launch -m finetune.train ...`.",
     )
     run = parser.add_argument_group("process")
-    run.add_argument("--model", required=True, help="Hugging Face model folder to start from (config.json, "
-                     "safetensors, tokenizer). When the run folder has a checkpoint, training resumes from its "
-                     "weights and optimizer state; the architecture still comes from this folder.")
-    run.add_argument("--run-dir", required=True, help="Run folder: batches/ in, checkpoints/, "
-                     "train_metrics.jsonl, trainer_state.json, trainer.log out.")
-    run.add_argument("--config", help="JSON file of training options (the names below with underscores); "
-                     "command-line options override it.")
-    run.add_argument("--parent-pid", type=int, help="Exit as soon as this process is gone (the orchestrator's "
-                     "pid: under `accelerate launch` the direct parent is the launcher).")
-    run.add_argument("--once", action="store_true", help="Train every batch already there, then exit "
-                     "(offline training from saved samples).")
-    run.add_argument("--max-batches", type=int, default=0, help="Exit after training this many batches (0: no limit). [default: 0]")
-    run.add_argument("--poll-seconds", type=float, default=0.5, help="Seconds between looks for the next batch. [default: 0.5]")
-    run.add_argument("--print-config", action="store_true", help="Print the resolved training options as JSON "
-                     "and exit (checks them without loading a model).")
-    add_options(parser.add_argument_group("training (finetune.config.TrainConfig)"), TrainConfig, dash=True,
-                nested=False)
+    run.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model folder to start from (config.json, "
+        "safetensors, tokenizer). When the run folder has a checkpoint, training resumes from its "
+        "weights and optimizer state; the architecture still comes from this folder.",
+    )
+    run.add_argument(
+        "--run-dir",
+        required=True,
+        help="Run folder: batches/ in, checkpoints/, train_metrics.jsonl, trainer_state.json, trainer.log out.",
+    )
+    run.add_argument(
+        "--config",
+        help="JSON file of training options (the names below with underscores); command-line options override it.",
+    )
+    run.add_argument(
+        "--parent-pid",
+        type=int,
+        help="Exit as soon as this process is gone (the orchestrator's "
+        "pid: under `accelerate launch` the direct parent is the launcher).",
+    )
+    run.add_argument(
+        "--once",
+        action="store_true",
+        help="Train every batch already there, then exit (offline training from saved samples).",
+    )
+    run.add_argument(
+        "--max-batches", type=int, default=0, help="Exit after training this many batches (0: no limit). [default: 0]"
+    )
+    run.add_argument(
+        "--poll-seconds", type=float, default=0.5, help="Seconds between looks for the next batch. [default: 0.5]"
+    )
+    run.add_argument(
+        "--print-config",
+        action="store_true",
+        help="Print the resolved training options as JSON and exit (checks them without loading a model).",
+    )
+    add_options(
+        parser.add_argument_group("training (finetune.config.TrainConfig)"), TrainConfig, dash=True, nested=False
+    )
     for loss, spec in LOSSES.items():
         group = parser.add_argument_group(f"options of --algorithm {loss} (finetune.losses)")
         add_options(group, spec.config, f"{loss}.", dash=True)
@@ -183,8 +217,9 @@ def _setup_logging(path: Path | None, rank: int) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if path is not None:
         handlers.append(logging.FileHandler(path, encoding="utf-8"))
-    fmt = logging.Formatter(f"%(asctime)s %(levelname)s {f'[rank {rank}] ' if rank else ''}%(message)s",
-                            "%Y-%m-%d %H:%M:%S")
+    fmt = logging.Formatter(
+        f"%(asctime)s %(levelname)s {f'[rank {rank}] ' if rank else ''}%(message)s", "%Y-%m-%d %H:%M:%S"
+    )
     for h in handlers:
         h.setFormatter(fmt)
         log.addHandler(h)
@@ -193,10 +228,12 @@ def _setup_logging(path: Path | None, rank: int) -> None:
 
 
 def _step_line(m: dict) -> str:
-    return (f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): loss {m['loss']:.4f} pg {m['pg_loss']:.4f} "
-            f"kl {m['kl']:.4f} entropy {m['entropy']:.3f} clip {m['clip_frac']:.3f} ratio {m['ratio_mean']:.4f} "
-            f"[{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] grad_norm {m['grad_norm']:.3f} lr {m['lr']:.3g} "
-            f"{m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)")
+    return (
+        f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): loss {m['loss']:.4f} pg {m['pg_loss']:.4f} "
+        f"kl {m['kl']:.4f} entropy {m['entropy']:.3f} clip {m['clip_frac']:.3f} ratio {m['ratio_mean']:.4f} "
+        f"[{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] grad_norm {m['grad_norm']:.3f} lr {m['lr']:.3g} "
+        f"{m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         run.checkpoints.mkdir(exist_ok=True)
     accelerator.wait_for_everyone()
     _setup_logging(run.log if main_process else None, accelerator.process_index)
-    state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
-             "batch_in_progress": None}
+    state = {
+        "status": "loading",
+        "last_batch": None,
+        "checkpoint": None,
+        "optimizer_step": 0,
+        "batch_in_progress": None,
+    }
 
     def set_state(**fields):
         state.update(fields)
@@ -235,9 +277,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         set_state()
-        log.info("learner starting: %s processes, device %s, mixed precision %s, %d threads, config %s",
-                 accelerator.num_processes, accelerator.device, accelerator.mixed_precision,
-                 torch.get_num_threads(), config.model_dump_json())
+        log.info(
+            "learner starting: %s processes, device %s, mixed precision %s, %d threads, config %s",
+            accelerator.num_processes,
+            accelerator.device,
+            accelerator.mixed_precision,
+            torch.get_num_threads(),
+            config.model_dump_json(),
+        )
         if main_process:
             run.clean_temp()
         resume = run.latest_checkpoint()
@@ -286,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                     last_write[0] = time.monotonic()
                     set_state(progress={"done": done, "total": total, "unit": "tok"})
 
-            metrics = learner.train_batch(samples, index, on_step=lambda m: log.info(_step_line(m)),
-                                          on_progress=progress)
+            metrics = learner.train_batch(
+                samples, index, on_step=lambda m: log.info(_step_line(m)), on_progress=progress
+            )
             tmp = run.temp_checkpoint(index) if main_process else None
             accelerator.wait_for_everyone()
             tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
@@ -302,8 +350,13 @@ def main(argv: list[str] | None = None) -> int:
             accelerator.wait_for_everyone()
             last = index
             trained += 1
-            set_state(status="waiting", last_batch=index, checkpoint=str(run.checkpoint(index).relative_to(run.root)),
-                      optimizer_step=learner.step, batch_in_progress=None)
+            set_state(
+                status="waiting",
+                last_batch=index,
+                checkpoint=str(run.checkpoint(index).relative_to(run.root)),
+                optimizer_step=learner.step,
+                batch_in_progress=None,
+            )
             if args.max_batches and trained >= args.max_batches:
                 log.info("stopping: trained %d batches (--max-batches)", trained)
                 set_state(status="stopped", reason="--max-batches reached")

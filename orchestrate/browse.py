@@ -69,8 +69,9 @@ def episode_credit(advantages: dict[str, list[dict]], tape_id: str) -> list[dict
     return sorted(turns, key=lambda t: t.get("index", 0))
 
 
-def credit_for(kind: str, error: Any, tape_id: str, advantages: dict[str, list[dict]] | None,
-               source: str = "the advantages file") -> tuple[list[dict] | None, str]:
+def credit_for(
+    kind: str, error: Any, tape_id: str, advantages: dict[str, list[dict]] | None, source: str = "the advantages file"
+) -> tuple[list[dict] | None, str]:
     """(the learner's turns or None, a note saying whether and why not the tape was trained on).
 
     `advantages` is the iteration's advantages file (None: not written); `source` names it in the note."""
@@ -176,7 +177,8 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
     answer = next((s.get("answer") for s in reversed(steps) if s.get("kind") == "final_answer_action"), None)
     cut = any(c.get("finish_reason") == "length" for c in calls)
     format_error = any((s.get("info") or {}).get("format_error") for s in observations) or any(
-        s.get("kind") == "parse_failure" for s in steps)
+        s.get("kind") == "parse_failure" for s in steps
+    )
     terminated, truncated = bool(meta.get("terminated")), bool(meta.get("truncated")) or cut
     return {
         "file": file,
@@ -270,8 +272,12 @@ class IndexedFile:
         for s in self.summaries:
             turns, note = credit_for(self.kind, s["error"], s["id"], advantages, source)
             first = turns[0] if turns else {}
-            s.update(trained=turns is not None, credit=note, advantage=first.get("advantage"),
-                     **{"return": first.get("return")})
+            s.update(
+                trained=turns is not None,
+                credit=note,
+                advantage=first.get("advantage"),
+                **{"return": first.get("return")},
+            )
             self.credit.append(turns)
         self.credit_stamp = credit_stamp
 
@@ -433,7 +439,11 @@ class RunIndex:
         calls = []
         for call in tape.llm_calls:
             texts = self.token_texts(call.output_token_ids)
-            ref = call.ref_logprobs if call.ref_logprobs and len(call.ref_logprobs) == len(call.output_token_ids) else None
+            ref = (
+                call.ref_logprobs
+                if call.ref_logprobs and len(call.ref_logprobs) == len(call.output_token_ids)
+                else None
+            )
             tokens = []
             for i, (tid, text) in enumerate(zip(call.output_token_ids, texts)):
                 lp = call.logprobs[i] if i < len(call.logprobs) else None
@@ -442,9 +452,14 @@ class RunIndex:
                     entry["ref_logprob"] = ref[i]
                     entry["kl"] = k3(lp, ref[i])
                 tokens.append(entry)
-            calls.append({**call.model_dump(exclude={"output_token_ids", "logprobs", "ref_logprobs"}),
-                          "tokens": tokens, "has_ref": ref is not None,
-                          "n_prompt_tokens": len(call.prompt_token_ids)})
+            calls.append(
+                {
+                    **call.model_dump(exclude={"output_token_ids", "logprobs", "ref_logprobs"}),
+                    "tokens": tokens,
+                    "has_ref": ref is not None,
+                    "n_prompt_tokens": len(call.prompt_token_ids),
+                }
+            )
         key = summary["group_id"] or summary["id"]
         group = [s for s in f.summaries if (s["group_id"] or s["id"]) == key]
         return {
@@ -471,8 +486,13 @@ class RunIndex:
         items = []
         for s in members:
             tape = read_tape_at(f.path, f.offsets[s["index"]], s["index"] + 1)
-            items.append({**s, "outputs": [c.output_text for c in tape.llm_calls],
-                          "last_step": tape.steps[-1].model_dump() if tape.steps else None})
+            items.append(
+                {
+                    **s,
+                    "outputs": [c.output_text for c in tape.llm_calls],
+                    "last_step": tape.steps[-1].model_dump() if tape.steps else None,
+                }
+            )
         return {"file": file, "group_id": group_id, "items": items}
 
 
@@ -508,8 +528,13 @@ def _keep(s: dict, q: dict[str, str]) -> bool:
     task = (q.get("task") or "").strip().lower()
     if task and not any(task in s[key].lower() for key in ("task_id", "question", "env_id")):
         return False
-    for flag, key in (("format_error", "format_error"), ("parse_failure", "format_error"), ("truncated", "truncated"),
-                      ("success", "success"), ("trained", "trained")):  # parse_failure: the older name
+    for flag, key in (
+        ("format_error", "format_error"),
+        ("parse_failure", "format_error"),
+        ("truncated", "truncated"),
+        ("success", "success"),
+        ("trained", "trained"),
+    ):  # parse_failure: the older name
         want = q.get(flag) or ""
         if want in ("yes", "no") and bool(s[key]) != (want == "yes"):
             return False
@@ -576,8 +601,9 @@ class Handler(BaseHTTPRequestHandler):
             self._json({"error": f"{type(exc).__name__}: {exc}"}, HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
-def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765,
-          tokenizer: str | Path | None = None) -> ThreadingHTTPServer:
+def serve(
+    run_dir: str | Path, host: str = "127.0.0.1", port: int = 8765, tokenizer: str | Path | None = None
+) -> ThreadingHTTPServer:
     """A server (not yet serving: call serve_forever, or run it in a thread) for one run directory."""
     index = RunIndex(run_dir, tokenizer)
     handler = type("RunHandler", (Handler,), {"index": index})
@@ -629,12 +655,16 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.browse", allow_abbrev=False, description="Browse a run's tapes in a web page.")
+    parser = argparse.ArgumentParser(
+        prog="orchestrate.browse", allow_abbrev=False, description="Browse a run's tapes in a web page."
+    )
     parser.add_argument("run_dir", help="run directory (holds tapes/, metrics.jsonl, config.json)")
     parser.add_argument("--port", type=_port, default=8765, help="port on 127.0.0.1 (0: any free port) [default: 8765]")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [default: 127.0.0.1]")
-    parser.add_argument("--tokenizer", help="tokenizer folder for token texts (default: the run's newest "
-                        "checkpoint, else its policy folder)")
+    parser.add_argument(
+        "--tokenizer",
+        help="tokenizer folder for token texts (default: the run's newest checkpoint, else its policy folder)",
+    )
     args = parser.parse_args(argv)
     root = Path(args.run_dir)
     if not (root / "tapes").is_dir():

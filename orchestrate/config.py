@@ -23,7 +23,17 @@ from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
-from finetune.cli import StrictParser, add_options, check_bools, error_line, given, leaves, nest, parse_value, refuse_repeated
+from finetune.cli import (
+    StrictParser,
+    add_options,
+    check_bools,
+    error_line,
+    given,
+    leaves,
+    nest,
+    parse_value,
+    refuse_repeated,
+)
 from finetune.config import TrainConfig
 from orchestrate.config_checks import ConfigError, check_config
 from orchestrate.vllm_server import ServerConfig
@@ -43,16 +53,18 @@ class EnvSection(BaseModel):
 
     id: str = Field("math:arithmetic", description="the environment, GEM-style: " + ", ".join(known_ids()))
     options: dict[str, Any] = Field(
-        default_factory=dict, description="the environment's options, each as --env.options.NAME VALUE "
-        "(or all at once as a JSON object)"
+        default_factory=dict,
+        description="the environment's options, each as --env.options.NAME VALUE (or all at once as a JSON object)",
     )
     tools: list[Literal["python", "search"]] = Field(
-        default_factory=list, description="tools the agent may call, comma-separated: python (<python>code"
+        default_factory=list,
+        description="tools the agent may call, comma-separated: python (<python>code"
         "</python>, run in the sandbox, its output as the next observation), search (<search>query</search>, "
-        "the best passages of --env.search.corpus as the next observation)"
+        "the best passages of --env.search.corpus as the next observation)",
     )
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="where model-written code runs "
-                                   "(the python tool, code environments)")
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="where model-written code runs (the python tool, code environments)"
+    )
     search: SearchConfig = Field(default_factory=SearchConfig, description="what the search tool searches")
 
     @field_validator("tools", mode="before")
@@ -77,8 +89,12 @@ class RolloutSection(BaseModel):
     attempts: int = Field(4, gt=0, description="attempts per seed (a GRPO group)")
     temperature: float = Field(0.7, gt=0, description="sampling temperature of rollouts")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of rollouts")
-    max_tokens: int = Field(128, gt=0, description="new tokens per LLM call; longer output ends the episode, "
-                            "truncated (reward agent.truncation_reward)")
+    max_tokens: int = Field(
+        128,
+        gt=0,
+        description="new tokens per LLM call; longer output ends the episode, "
+        "truncated (reward agent.truncation_reward)",
+    )
     max_concurrency: int = Field(64, gt=0, description="requests in flight at once, across servers")
 
 
@@ -86,8 +102,9 @@ class EvalSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     every: int = Field(5, ge=0, description="evaluate every N iterations (0: never); also before the first")
-    tasks: int | None = Field(None, gt=0, description="held-out episodes per evaluation; none: the environment's "
-                              "whole test set")
+    tasks: int | None = Field(
+        None, gt=0, description="held-out episodes per evaluation; none: the environment's whole test set"
+    )
     temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0: greedy)")
     max_tokens: int = Field(128, gt=0, description="new tokens per LLM call in evaluation")
 
@@ -117,8 +134,12 @@ class RunSection(BaseModel):
     iterations: int = Field(20, gt=0, description="RL iterations")
     seed: int = Field(0, description="seeds task order and sampling")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
-    async_level: int = Field(0, ge=0, description="policy versions generation may run ahead of training "
-                             "(0: synchronous; K: iteration i's batch comes from version >= i - 1 - K)")
+    async_level: int = Field(
+        0,
+        ge=0,
+        description="policy versions generation may run ahead of training "
+        "(0: synchronous; K: iteration i's batch comes from version >= i - 1 - K)",
+    )
     wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs `wandb` installed)")
     tensorboard: bool = Field(False, description="also log metrics to TensorBoard (needs `tensorboard` installed)")
 
@@ -171,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Values are parsed as JSON where they can be (numbers, true/false, null, lists), else taken as text.",
     )
     parser.add_argument("--preset", default="embedded", help=f"config preset, one of: {', '.join(presets())}")
-    parser.add_argument("--run-dir", default=None, help="run directory; an existing one is resumed (default: runs/PRESET)")
+    parser.add_argument(
+        "--run-dir", default=None, help="run directory; an existing one is resumed (default: runs/PRESET)"
+    )
     parser.add_argument("--iterations", type=int, default=None, help="same as --run.iterations")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     for section, field in RLConfig.model_fields.items():
@@ -221,7 +244,7 @@ def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     while i < len(argv):
         arg = argv[i]
         if arg.startswith(ENV_OPTION):
-            name, eq, value = arg[len(ENV_OPTION):].partition("=")
+            name, eq, value = arg[len(ENV_OPTION) :].partition("=")
             if not eq:
                 if i + 1 >= len(argv):
                     raise ConfigError(f"{arg}: expected a value")
@@ -248,8 +271,11 @@ def upgrade_saved(saved: dict) -> dict:
         return saved
     moved = {k: train[k] for k in MOVED_TO_TRAINER if k in train}
     trainer = saved.get("trainer") if isinstance(saved.get("trainer"), dict) else {}
-    return {**saved, "train": {k: v for k, v in train.items() if k not in MOVED_TO_TRAINER},
-            "trainer": {**moved, **trainer}}
+    return {
+        **saved,
+        "train": {k: v for k, v in train.items() if k not in MOVED_TO_TRAINER},
+        "trainer": {**moved, **trainer},
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:

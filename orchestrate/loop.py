@@ -165,7 +165,11 @@ class Loop:
         # A batch whose every advantage is 0 (all attempts earned the same) with no KL term leaves the
         # weights as they were: then the reload cannot be checked by a change of log-probs.
         credit = read_advantages(self.run.root, version)
-        idle = not c.train.kl_coef and not c.train.loss.critic and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
+        idle = (
+            not c.train.kl_coef
+            and not c.train.loss.critic
+            and all(t["advantage"] == 0 for turns in credit.values() for t in turns)
+        )
         for server in self.policy_servers:
             server.reload_weights(self.run.checkpoint(version), verify=not idle)
         self.served = version
@@ -193,7 +197,9 @@ class Loop:
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
         )  # fmt: skip
 
-    async def _rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False) -> tuple[list[Tape], float, float]:
+    async def _rollouts(
+        self, spec, seeds, attempts, iteration, sampling, desc, follow=False
+    ) -> tuple[list[Tape], float, float]:
         """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
         seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
         clock = EnvClock()

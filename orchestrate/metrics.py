@@ -35,7 +35,8 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
         # share of episodes with an action the environment could not parse (no \boxed{}, ...)
         "parse_failure_rate": sum(
             any(isinstance(s, EnvObservation) and s.info.get("format_error") for s in t.steps) for t in ok
-        ) / max(1, len(ok)),
+        )
+        / max(1, len(ok)),
         "truncation_rate": sum(c.finish_reason == "length" for c in calls) / max(1, len(calls)),
         "episode_truncated_rate": sum(t.metadata.truncated for t in ok) / max(1, len(ok)),
         "completion_tokens_mean": statistics.fmean(lengths) if lengths else 0.0,

@@ -47,8 +47,17 @@ from pathlib import Path
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from finetune.cli import StrictParser, add_options, check_bools, check_finite, error_line, given, nest, parse_value
-from finetune.cli import refuse_repeated
+from finetune.cli import (
+    StrictParser,
+    add_options,
+    check_bools,
+    check_finite,
+    error_line,
+    given,
+    nest,
+    parse_value,
+    refuse_repeated,
+)
 from finetune.config import TrainConfig
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from tapes.store import TapeFileError, TapeWriter, read_tapes
@@ -185,24 +194,45 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
         "directory (RUN or files under RUN/tapes/), --model, --train.* and --trainer.* default to that run's config.json.",
     )
-    parser.add_argument("--tapes", nargs="+", required=True, metavar="RUN_DIR|FILE",
-                        help="a run directory (its tapes/iter_*.jsonl) or tape files")
+    parser.add_argument(
+        "--tapes",
+        nargs="+",
+        required=True,
+        metavar="RUN_DIR|FILE",
+        help="a run directory (its tapes/iter_*.jsonl) or tape files",
+    )
     parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
     parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
     parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy)")
-    parser.add_argument("--rescore", action="store_true",
-                        help="re-score each episode: replay its actions against a fresh environment from its seed")
-    parser.add_argument("--reward", metavar="MODULE:FUNCTION",
-                        help="re-score with this function (tape -> agents.rewards.Reward or a number)")
-    parser.add_argument("--reference", metavar="MODEL",
-                        help="re-annotate reference log-probs with this model (served by vLLM)")
-    parser.add_argument("--filter", default="all",
-                        help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="re-score each episode: replay its actions against a fresh environment from its seed",
+    )
+    parser.add_argument(
+        "--reward",
+        metavar="MODULE:FUNCTION",
+        help="re-score with this function (tape -> agents.rewards.Reward or a number)",
+    )
+    parser.add_argument(
+        "--reference", metavar="MODEL", help="re-annotate reference log-probs with this model (served by vLLM)"
+    )
+    parser.add_argument(
+        "--filter",
+        default="all",
+        help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_options(parser, TrainConfig, "train.", defaults=False)
     add_options(parser, TrainerSection, "trainer.", defaults=False)
-    add_options(parser, ServerSection, "server.", defaults=False, only=("max_model_len", "kv_cache_gib", "dtype"),
-                note="reference server: ")
+    add_options(
+        parser,
+        ServerSection,
+        "server.",
+        defaults=False,
+        only=("max_model_len", "kv_cache_gib", "dtype"),
+        note="reference server: ",
+    )
     return parser
 
 
@@ -240,12 +270,24 @@ def resolve(args: argparse.Namespace):
         except (OSError, json.JSONDecodeError) as exc:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
-    train = _section(TrainConfig, run_config.get("train", {}),
-                     {k: v for k, v in overrides.items() if k.startswith("train.")}, "train")
-    trainer = _section(TrainerSection, run_config.get("trainer", {}),
-                       {k: v for k, v in overrides.items() if k.startswith("trainer.")}, "trainer")
-    server = _section(ServerSection, run_config.get("server", {}),
-                      {k: v for k, v in overrides.items() if k.startswith("server.")}, "server")
+    train = _section(
+        TrainConfig,
+        run_config.get("train", {}),
+        {k: v for k, v in overrides.items() if k.startswith("train.")},
+        "train",
+    )
+    trainer = _section(
+        TrainerSection,
+        run_config.get("trainer", {}),
+        {k: v for k, v in overrides.items() if k.startswith("trainer.")},
+        "trainer",
+    )
+    server = _section(
+        ServerSection,
+        run_config.get("server", {}),
+        {k: v for k, v in overrides.items() if k.startswith("server.")},
+        "server",
+    )
     if trainer.accelerate_config and not Path(trainer.accelerate_config).is_file():
         raise OfflineError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
@@ -375,8 +417,9 @@ def open_out(out: Path):
 _lock = None
 
 
-def train_once(trainer, tapes: list[Tape], require_ref: bool, reference_dir: Path | None, server, summary: str,
-               progress: bool) -> Path:
+def train_once(
+    trainer, tapes: list[Tape], require_ref: bool, reference_dir: Path | None, server, summary: str, progress: bool
+) -> Path:
     """Annotate (with --reference), write the tapes and their samples as iteration 1, train, and return the
     checkpoint. The trainer loads its model while the reference server starts and scores."""
     from orchestrate.samples import SampleError, write_samples
@@ -411,8 +454,10 @@ def record_metrics(run, trainer, tapes: list[Tape], read_count: int, start: floa
     record = {"iteration": 1, "tapes_read": read_count, **rollout_metrics(tapes), **trainer.iteration_metrics(1),
               "time_total": round(time.perf_counter() - start, 3)}  # fmt: skip
     append_metrics(run.metrics_path, record)
-    print(f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
-          f"{record.get('train_steps', 0)} optimizer steps)")
+    print(
+        f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
+        f"{record.get('train_steps', 0)} optimizer steps)"
+    )
 
 
 def _missing_fields(tapes: list[Tape]) -> str | None:

@@ -32,9 +32,11 @@ async def annotate_reference(tapes: list[Tape], reference: VLLMClient, progress:
         offset = len(first.prompt_token_ids)
         for call in chain:
             start = len(call.prompt_token_ids) - offset
-            part = scores[start: start + len(call.output_token_ids)]
+            part = scores[start : start + len(call.output_token_ids)]
             if len(part) != len(call.output_token_ids):  # score() checks too; this is the contract
-                raise RuntimeError(f"call {call.id}: {len(part)} reference log-probs for {len(call.output_token_ids)} tokens")
+                raise RuntimeError(
+                    f"call {call.id}: {len(part)} reference log-probs for {len(call.output_token_ids)} tokens"
+                )
             call.ref_logprobs = part
         bar.update(len(chain))
 

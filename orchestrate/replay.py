@@ -62,8 +62,10 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
         notes.append(f"replay: the agent made {llm.position} calls; the tape recorded {len(llm.calls)}")
     for recorded, replayed in zip(tape.llm_calls, fresh.llm_calls):
         if (recorded.turn, recorded.extends_previous) != (replayed.turn, replayed.extends_previous):
-            notes.append(f"call {recorded.id}: recorded turn {recorded.turn} extends_previous "
-                         f"{recorded.extends_previous}, replayed {replayed.turn} {replayed.extends_previous}")
+            notes.append(
+                f"call {recorded.id}: recorded turn {recorded.turn} extends_previous "
+                f"{recorded.extends_previous}, replayed {replayed.turn} {replayed.extends_previous}"
+            )
     diff = diff_tapes(tape, fresh)
     diff.notes = [p for _, p in llm.mismatches] + notes + diff.notes
     calls: dict[str, int] = {}
@@ -71,8 +73,9 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
         if isinstance(step, ToolCallAction):
             calls[step.tool] = calls.get(step.tool, 0) + 1
     tools = {t.name: t for t in getattr(env, "tools", [])}
-    diff.how = [tools[name].replay_note(n) for name, n in sorted(calls.items())
-                if hasattr(tools.get(name), "replay_note")]
+    diff.how = [
+        tools[name].replay_note(n) for name, n in sorted(calls.items()) if hasattr(tools.get(name), "replay_note")
+    ]
     return fresh, diff
 
 
@@ -89,7 +92,9 @@ def agent_from_run_config(config_path: Path) -> ChatAgent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0])
+    parser = argparse.ArgumentParser(
+        prog="orchestrate.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0]
+    )
     parser.add_argument("files", nargs="+", help="tape files (JSON lines), e.g. RUN/tapes/iter_000001.jsonl")
     parser.add_argument("--index", type=int, help="replay only this tape of the file (from 0)")
     parser.add_argument("--config", help="the run's config.json (default: RUN/config.json beside the tapes/ folder)")

@@ -27,9 +27,16 @@ from tapes.tape import SamplingParams, Tape, TapeMetadata
 class EnvSpec:
     """Which environment (and tools), for which split of which run: enough to build it again for a replay."""
 
-    def __init__(self, env_id: str, options: dict[str, Any] | None, split: str, run_seed: int,
-                 tools: list[str] | None = None, sandbox: dict[str, Any] | None = None,
-                 search: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        env_id: str,
+        options: dict[str, Any] | None,
+        split: str,
+        run_seed: int,
+        tools: list[str] | None = None,
+        sandbox: dict[str, Any] | None = None,
+        search: dict[str, Any] | None = None,
+    ):
         self.env_id, self.options, self.split, self.run_seed = env_id, dict(options or {}), split, run_seed
         self.tools = list(tools or [])
         self.sandbox_options = dict(sandbox or {})
@@ -41,8 +48,15 @@ class EnvSpec:
     def from_config(cls, config, split: str) -> EnvSpec:
         """The run's environment for `split` (an RLConfig)."""
         e = config.env
-        return cls(e.id, e.options, split, config.run.seed, e.tools, e.sandbox.model_dump(exclude_defaults=True),
-                   e.search.model_dump(exclude_defaults=True))
+        return cls(
+            e.id,
+            e.options,
+            split,
+            config.run.seed,
+            e.tools,
+            e.sandbox.model_dump(exclude_defaults=True),
+            e.search.model_dump(exclude_defaults=True),
+        )
 
     @property
     def uses_sandbox(self) -> bool:
@@ -58,8 +72,7 @@ class EnvSpec:
         return self._sandbox
 
     def context(self, seed: int) -> dict[str, Any]:
-        env = {"id": self.env_id, "options": self.options, "split": self.split, "run_seed": self.run_seed,
-               "seed": seed}
+        env = {"id": self.env_id, "options": self.options, "split": self.split, "run_seed": self.run_seed, "seed": seed}
         if self.tools:
             env["tools"] = self.tools
         if self.uses_sandbox:
@@ -77,7 +90,10 @@ class EnvSpec:
             return env
         from agents.tools import PythonTool, RecordedTool, ToolEnv
 
-        known = {"python": lambda: PythonTool(self.sandbox()), "search": lambda: self._search_tool(load=recorded is None)}
+        known = {
+            "python": lambda: PythonTool(self.sandbox()),
+            "search": lambda: self._search_tool(load=recorded is None),
+        }
         unknown = [t for t in self.tools if t not in known]
         if unknown:
             raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")
@@ -102,8 +118,15 @@ class EnvSpec:
         """The spec and episode seed a tape was played with."""
         try:
             env = tape.context["env"]
-            spec = cls(env["id"], env.get("options"), env["split"], env["run_seed"], env.get("tools"),
-                       env.get("sandbox"), env.get("search"))
+            spec = cls(
+                env["id"],
+                env.get("options"),
+                env["split"],
+                env["run_seed"],
+                env.get("tools"),
+                env.get("sandbox"),
+                env.get("search"),
+            )
             return spec, int(env["seed"])
         except (TypeError, KeyError) as exc:
             raise ValueError(f"tape {tape.metadata.id} has no context.env.{exc}: not an environment episode") from None
@@ -189,6 +212,7 @@ class TimedEnv:
         if name == "tool_call" and hasattr(self.env, "tool_call"):
             return self.env.tool_call
         if name == "astep" and hasattr(self.env, "astep"):  # a blocking environment's step, timed too
+
             async def astep(action):
                 entered = self.clock.enter()
                 try:
@@ -205,8 +229,15 @@ class TimedEnv:
         return list(getattr(self.env, "stop", None) or [])
 
 
-async def play(agent: ChatAgent, spec: EnvSpec, seed: int, llm: TokenLLM, tape: Tape,
-               sampling: SamplingParams | None = None, clock: EnvClock | None = None) -> Tape:
+async def play(
+    agent: ChatAgent,
+    spec: EnvSpec,
+    seed: int,
+    llm: TokenLLM,
+    tape: Tape,
+    sampling: SamplingParams | None = None,
+    clock: EnvClock | None = None,
+) -> Tape:
     """One episode; an environment or agent failure is kept on the tape, a server failure raises."""
     try:
         env = spec.make()

@@ -40,8 +40,9 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                 "(run the reference pass, or set kl_coef to 0)"
             )
         if not 1 <= call.turn <= max(1, len(rewards)):
-            raise SampleError(f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's "
-                              f"{len(rewards)} turns")
+            raise SampleError(
+                f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's {len(rewards)} turns"
+            )
     if not rewards:  # a tape made before episodes: one turn with the tape's reward
         rewards = [float(tape.metadata.reward)]
     segments = call_chains(calls)
@@ -51,7 +52,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         completion: list[int] = []
         turns, behaviour, ref = [], [], []
         for call in segment:
-            completion += call.prompt_token_ids[len(prompt) + len(completion):]  # the environment's tokens
+            completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
             turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
                           "reward": rewards[call.turn - 1]})  # fmt: skip
             completion += call.output_token_ids

@@ -53,8 +53,16 @@ def _num(x) -> str:
     return "none" if x is None else f"{x:+g}" if isinstance(x, (int, float)) else str(x)
 
 
-def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=None, steps: bool = False,
-           credit: list[dict] | None = None, credit_note: str = "") -> str:
+def render(
+    tape: Tape,
+    *,
+    tokens: bool = False,
+    color: bool = False,
+    tokenizer=None,
+    steps: bool = False,
+    credit: list[dict] | None = None,
+    credit_note: str = "",
+) -> str:
     """The tape as text. `credit`: the learner's turns for this tape ({index, reward, return, advantage}, from
     the advantages file), None if it was not trained on (`credit_note` says why; empty: unknown)."""
 
@@ -74,9 +82,12 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
     n = len(episode["turns"])
     success = {True: "yes", False: "no"}.get(m.success, "unknown")
     lines = [
-        c(BOLD, f"tape {m.id}") + (f"  env {env.get('id')}" if isinstance(env, dict) and env.get("id") else "")
+        c(BOLD, f"tape {m.id}")
+        + (f"  env {env.get('id')}" if isinstance(env, dict) and env.get("id") else "")
         + f"  task {m.task_id}  group {m.group_id}  iteration {m.iteration}  policy version {m.policy_version}",
-        "reward " + signed(m.reward) + (f": {m.reward_reason}" if m.reward_reason else "")
+        "reward "
+        + signed(m.reward)
+        + (f": {m.reward_reason}" if m.reward_reason else "")
         + f"  ({n} turn{'' if n == 1 else 's'}, success {success}, {end_text})",
     ]
     if m.error:
@@ -104,7 +115,9 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
         if call is not None and (turn["call"] == 0 or call.extends_previous is False):
             lines.append(c(DIM, f"   prompt of call {turn['call'] + 1}:"))
             for message in call.messages:
-                lines.append(c(DIM, f"   [{message.get('role')}] ") + str(message.get("content", "")).replace("\n", "\n   "))
+                lines.append(
+                    c(DIM, f"   [{message.get('role')}] ") + str(message.get("content", "")).replace("\n", "\n   ")
+                )
             lines.append(c(DIM, "   output:"))
         text = call.output_text if call is not None else (turn["action"] or "")
         lines.append("   " + text.replace("\n", "\n   "))
@@ -129,15 +142,19 @@ def render(tape: Tape, *, tokens: bool = False, color: bool = False, tokenizer=N
             flag = "  " + c(RED, "format error") if turn["format_error"] else ""
             info = turn.get("info") or {}
             if turn.get("tool"):
-                flag += "  " + c(RED, "timed out" if info.get("timed_out") else "tool error") if (
-                    info.get("timed_out") or info.get("tool_error")) else ""
+                flag += (
+                    "  " + c(RED, "timed out" if info.get("timed_out") else "tool error")
+                    if (info.get("timed_out") or info.get("tool_error"))
+                    else ""
+                )
                 lines.append(c(BOLD, f"[{turn['tool']} tool] result of turn {turn['turn']}") + flag)
             else:
                 lines.append(c(BOLD, f"[environment] answer to turn {turn['turn']}") + flag)
             lines.append("   " + turn["observation"].replace("\n", "\n   "))
     if end["terminated"] or end["truncated"]:
-        lines.append(c(BOLD, f"\nend: {end_text}") + (f" ({end['reason']})" if end["reason"] else "")
-                     + f", success {success}")
+        lines.append(
+            c(BOLD, f"\nend: {end_text}") + (f" ({end['reason']})" if end["reason"] else "") + f", success {success}"
+        )
     if steps:
         call_number = {call.id: i + 1 for i, call in enumerate(tape.llm_calls)}
         lines.append(c(BOLD, "\nsteps"))
@@ -168,7 +185,9 @@ def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.show", allow_abbrev=False, description="Print one tape of a tape file.")
+    parser = argparse.ArgumentParser(
+        prog="orchestrate.show", allow_abbrev=False, description="Print one tape of a tape file."
+    )
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")
     parser.add_argument("--index", type=int, default=0, help="which tape of the file, from 0 [default: 0]")
     parser.add_argument("--tokens", action="store_true", help="list output tokens with their log-probs")
@@ -199,8 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             parser.error(f"--tokenizer {args.tokenizer}: no tokenizer.json or tokenizer_config.json there")
     color = sys.stdout.isatty() and not args.no_color
-    print(render(tape, tokens=args.tokens, color=color, tokenizer=tokenizer, steps=args.steps, credit=credit,
-                 credit_note=note))
+    print(
+        render(
+            tape,
+            tokens=args.tokens,
+            color=color,
+            tokenizer=tokenizer,
+            steps=args.steps,
+            credit=credit,
+            credit_note=note,
+        )
+    )
     return 0
 
 

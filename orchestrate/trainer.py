@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from finetune.config import TrainConfig
 from orchestrate.config import TrainerSection
-from orchestrate.run_dir import RunDir
 from orchestrate.processes import spawn, stop
+from orchestrate.run_dir import RunDir
 from orchestrate.vllm_server import cuda_available, log_tail
 from tapes.store import atomic_write_text
 
@@ -31,10 +31,25 @@ ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "acce
 
 
 # Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
-TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr",
-              "tokens_per_s", "padding_frac",
-              # PPO's critic (absent otherwise)
-              "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance")
+TRAIN_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "ratio_mean",
+    "ratio_max",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "padding_frac",
+    # PPO's critic (absent otherwise)
+    "value_loss",
+    "vf_clip_frac",
+    "value_mean",
+    "returns_mean",
+    "explained_variance",
+)
 
 
 class TrainerError(RuntimeError):
@@ -102,8 +117,14 @@ class TrainerProcess:
         """
         folder = self.run.checkpoint(iteration)
         deadline = time.monotonic() + self.launch.timeout_s
-        with tqdm(desc=desc or f"iteration {iteration} train", total=None, unit="tok", disable=not progress,
-                  leave=False, dynamic_ncols=True) as bar:
+        with tqdm(
+            desc=desc or f"iteration {iteration} train",
+            total=None,
+            unit="tok",
+            disable=not progress,
+            leave=False,
+            dynamic_ncols=True,
+        ) as bar:
             self._wait(iteration, folder, deadline, bar)
         return folder
 

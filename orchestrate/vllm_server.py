@@ -28,7 +28,6 @@ from pydantic import BaseModel, Field, field_validator
 from orchestrate.processes import spawn, stop
 from orchestrate.server_auth import KEY_ENV, MIDDLEWARE, forbidden_server_arg
 
-
 # Any ids in every tokenizer's range; used to check that a weight reload took.
 _PROBE_IDS = list(range(100, 132))
 
@@ -55,8 +54,10 @@ class ServerConfig(BaseModel):
     @classmethod
     def _keeps_our_address_and_key(cls, value: list[str]) -> list[str]:
         if bad := forbidden_server_arg(value):
-            raise ValueError(f"{bad!r}: host, port, API key, socket and middleware are set by tapeloop "
-                             "(127.0.0.1, a free port, a per-server key required on every route); leave them out")
+            raise ValueError(
+                f"{bad!r}: host, port, API key, socket and middleware are set by tapeloop "
+                "(127.0.0.1, a free port, a per-server key required on every route); leave them out"
+            )
         return value
 
 
@@ -97,8 +98,8 @@ def log_tail(path: Path, lines: int = 40) -> str:
 class VLLMServer:
     """One vLLM server process.
 
-        with VLLMServer(model_dir, log_path=run_dir / "logs" / "policy.log") as server:
-            httpx.post(server.base_url + "/v1/completions", headers=server.headers, ...)
+    with VLLMServer(model_dir, log_path=run_dir / "logs" / "policy.log") as server:
+        httpx.post(server.base_url + "/v1/completions", headers=server.headers, ...)
     """
 
     def __init__(

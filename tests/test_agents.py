@@ -12,7 +12,7 @@ from agents.llm import LLMError, ReplayLLM, RequestRejected, VLLMClient
 from agents.tasks import Arithmetic, ArithmeticConfig, gsm8k_gold, load_gsm8k
 from orchestrate.rollouts import EnvSpec, run_rollouts
 from orchestrate.samples import SampleError, tapes_to_samples, write_samples
-from tapes.tape import EnvObservation, LLMCall, SamplingParams, Tape
+from tapes.tape import LLMCall, SamplingParams, Tape
 
 
 class Endpoint:
@@ -28,8 +28,10 @@ def completion(text, n_tokens=3, finish="stop"):
             {
                 "text": text,
                 "finish_reason": finish,
-                "logprobs": {"tokens": [f"token_id:{i + 5}" for i in range(n_tokens)],
-                             "token_logprobs": [-0.5] * n_tokens},
+                "logprobs": {
+                    "tokens": [f"token_id:{i + 5}" for i in range(n_tokens)],
+                    "token_logprobs": [-0.5] * n_tokens,
+                },
             }
         ],
         "usage": {"completion_tokens": n_tokens},
@@ -52,8 +54,12 @@ def test_client_spreads_requests_and_keeps_ids():
 
     async def go():
         client = VLLMClient([Endpoint("a"), Endpoint("b")], transport=httpx.MockTransport(handler))
-        calls = await asyncio.gather(*(client.complete_ids([1, 2, 3], SamplingParams(), messages=[
-            {"role": "user", "content": "q"}]) for _ in range(20)))
+        calls = await asyncio.gather(
+            *(
+                client.complete_ids([1, 2, 3], SamplingParams(), messages=[{"role": "user", "content": "q"}])
+                for _ in range(20)
+            )
+        )
         await client.aclose()
         return calls
 
@@ -125,8 +131,7 @@ def test_client_retries_transient_failures_and_calls_on_failure():
         state["failures"] += 1
 
     async def go():
-        async with VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler),
-                              on_failure=on_failure) as client:
+        async with VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler), on_failure=on_failure) as client:
             return await client.complete_ids([1], SamplingParams())
 
     call = run(go())
@@ -175,14 +180,24 @@ class ScriptedLLM:
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
         text, finish = self.outputs.pop(0)
         ids = [1, 2] + ([self.eos] if finish == "stop" and self.eos is not None else [])
-        return LLMCall(messages=list(messages or []), output_text=text, output_token_ids=ids,
-                       logprobs=[-0.1] * len(ids), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                       finish_reason=finish, sampling=sampling)
+        return LLMCall(
+            messages=list(messages or []),
+            output_text=text,
+            output_token_ids=ids,
+            logprobs=[-0.1] * len(ids),
+            prompt_token_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            finish_reason=finish,
+            sampling=sampling,
+        )
 
 
 def agent(tokenizer):
-    config = AgentConfig(instruction="Put the answer in \\boxed{}.", max_turns=1,
-                         examples=[Example(question="1+1?", solution="\\boxed{2}")])
+    config = AgentConfig(
+        instruction="Put the answer in \\boxed{}.",
+        max_turns=1,
+        examples=[Example(question="1+1?", solution="\\boxed{2}")],
+    )
     return ChatAgent(config, SamplingParams(temperature=0.7, max_tokens=16), ChatTokens(tokenizer))
 
 
@@ -193,15 +208,26 @@ def arithmetic(split="train"):
 def test_math_environment_rewards_and_groups(tokenizer):
     spec = arithmetic()
     answers = [spec.make().reset(seed)[1]["answer"] for seed in (0, 1)]
-    llm = ScriptedLLM([(f"so \\boxed{{{answers[0]}}}", "stop"), ("\\boxed{-77}", "stop"), ("I think 4", "stop"),
-                       (f"= \\boxed{{{answers[1]}", "length")])
+    llm = ScriptedLLM(
+        [
+            (f"so \\boxed{{{answers[0]}}}", "stop"),
+            ("\\boxed{-77}", "stop"),
+            ("I think 4", "stop"),
+            (f"= \\boxed{{{answers[1]}", "length"),
+        ]
+    )
     tapes = run(run_rollouts(agent(tokenizer), spec, [0, 1], 2, llm, iteration=3, policy_version=2, progress=False))
     assert [t.metadata.reward for t in tapes] == [1.0, 0.0, -1.0, -1.0]
     assert [t.metadata.success for t in tapes] == [True, False, False, False]
     assert tapes[2].steps[-1].info["format_error"] and tapes[3].metadata.truncated
     assert tapes[0].metadata.group_id == tapes[1].metadata.group_id != tapes[2].metadata.group_id
-    assert tapes[0].context["env"] == {"id": "math:arithmetic", "options": {"digits": 1}, "split": "train",
-                                       "run_seed": 0, "seed": 0}
+    assert tapes[0].context["env"] == {
+        "id": "math:arithmetic",
+        "options": {"digits": 1},
+        "split": "train",
+        "run_seed": 0,
+        "seed": 0,
+    }
     # the prompt holds the worked example as an earlier turn, then the question with the instruction
     messages = tapes[0].llm_calls[0].messages
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
@@ -223,8 +249,11 @@ def test_environment_failure_is_flagged_not_scored(tokenizer):
 
     spec = arithmetic()
     spec.make = lambda: Broken()
-    (tape,) = run(run_rollouts(agent(tokenizer), spec, [0], 1, ScriptedLLM([("x", "stop")]), iteration=1,
-                               policy_version=0, progress=False))
+    (tape,) = run(
+        run_rollouts(
+            agent(tokenizer), spec, [0], 1, ScriptedLLM([("x", "stop")]), iteration=1, policy_version=0, progress=False
+        )
+    )
     assert tape.metadata.error == "RuntimeError: verifier crashed"
     assert tapes_to_samples([tape], require_ref=False) == []
 
@@ -234,8 +263,9 @@ def test_samples_round_trip_through_the_finetune_format(tmp_path, tokenizer):
 
     answer = arithmetic().make().reset(0)[1]["answer"]
     llm = ScriptedLLM([(f"\\boxed{{{answer}}}", "stop"), ("\\boxed{-1}", "stop")])
-    tapes = run(run_rollouts(agent(tokenizer), arithmetic(), [0], 2, llm, iteration=0, policy_version=0,
-                             progress=False))
+    tapes = run(
+        run_rollouts(agent(tokenizer), arithmetic(), [0], 2, llm, iteration=0, policy_version=0, progress=False)
+    )
     for tape in tapes:
         tape.llm_calls[0].ref_logprobs = [-0.3, -0.4]
     path = write_samples(tmp_path / "batches" / "000001.jsonl", tapes, require_ref=True)

@@ -166,10 +166,12 @@ def test_browse_a_real_run(tiny_run, page):
         wait_rows(page, 8)
         for flag, select in (("format_error", "#f-format"), ("truncated", "#f-trunc"), ("success", "#f-success")):
             expected = {
-                "format_error": sum(any(isinstance(s, EnvObservation) and s.info.get("format_error") for s in t.steps)
-                                    for t in tapes[2]),
-                "truncated": sum(t.metadata.truncated or any(c.finish_reason == "length" for c in t.llm_calls)
-                                 for t in tapes[2]),
+                "format_error": sum(
+                    any(isinstance(s, EnvObservation) and s.info.get("format_error") for s in t.steps) for t in tapes[2]
+                ),
+                "truncated": sum(
+                    t.metadata.truncated or any(c.finish_reason == "length" for c in t.llm_calls) for t in tapes[2]
+                ),
                 "success": sum(bool(t.metadata.success) for t in tapes[2]),
             }[flag]
             choose(page, select, "yes")
@@ -204,7 +206,9 @@ def test_browse_a_real_run(tiny_run, page):
         assert f"reward {tape.metadata.reward:.1f}" in head
         kinds = [k.text_content() for k in page.locator("#steps .kind").all()]
         assert kinds == [f"{i}. {s.kind}" for i, s in enumerate(tape.steps, start=1)]
-        assert page.locator("#conversation .bubble.user").first.locator(".observation").inner_text() == tape.steps[0].text
+        assert (
+            page.locator("#conversation .bubble.user").first.locator(".observation").inner_text() == tape.steps[0].text
+        )
         assert page.locator("#conversation .bubble.assistant").count() == tape.metadata.turns
         credit = episode_credit(read_advantages(tiny_run, 1), tape.metadata.id)
         shown = [float(b.get_attribute("data-value")) for b in page.locator(".t-advantage b").all()]
@@ -225,19 +229,25 @@ def test_browse_a_real_run(tiny_run, page):
         kl0 = math.exp(ref[0] - call.logprobs[0]) - (ref[0] - call.logprobs[0]) - 1
         first = page.locator(".call[data-call='1'] .tokens .tok").first
         assert f"KL {kl0:.4f}" in first.get_attribute("title")
-        by_kl = [t.evaluate("e => e.style.backgroundColor") for t in page.locator(".call[data-call='1'] .tokens .tok").all()]
+        by_kl = [
+            t.evaluate("e => e.style.backgroundColor") for t in page.locator(".call[data-call='1'] .tokens .tok").all()
+        ]
         assert by_kl != by_logprob
 
         # the address links to the tape: opened anew, the page shows it again
         assert page.url.endswith("#tape=iter_000001.jsonl:5")
         page.reload()
-        page.wait_for_function(f"document.querySelector('#tape-head')?.innerText.includes({json.dumps(tape.metadata.id)})")
+        page.wait_for_function(
+            f"document.querySelector('#tape-head')?.innerText.includes({json.dumps(tape.metadata.id)})"
+        )
 
         # its group, side by side, with the advantages the learner trained with
         attempts = page.locator("#group-body .attempt")
         group = [t for t in tapes[1] if t.metadata.group_id == tape.metadata.group_id]
         assert attempts.count() == len(group) == 4
-        page.wait_for_function("![...document.querySelectorAll('#group-body .output')].some(e => e.textContent === '…')")
+        page.wait_for_function(
+            "![...document.querySelectorAll('#group-body .output')].some(e => e.textContent === '…')"
+        )
         outputs = [a.locator(".output").inner_text() for a in attempts.all()]
         assert outputs == [t.llm_calls[0].output_text for t in group]
         advantages = read_advantages(tiny_run, 1)
@@ -349,7 +359,9 @@ def test_browse_stays_responsive_with_10000_tapes(tmp_path, page):
         assert page.locator("#page-info").inner_text() == "301–400 of 10000"
         start = time.perf_counter()
         rows(page).last.click()
-        page.wait_for_function("document.querySelector('#tape-head') && document.querySelector('#tape-head').innerText.includes('#399')")
+        page.wait_for_function(
+            "document.querySelector('#tape-head') && document.querySelector('#tape-head').innerText.includes('#399')"
+        )
         assert time.perf_counter() - start < 2
     finally:
         server.shutdown()
@@ -381,7 +393,9 @@ def test_browse_command_prints_its_address_and_refuses_a_non_run(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
-    out = subprocess.run([sys.executable, "-m", "orchestrate.browse", str(tmp_path / "nothing")], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrate.browse", str(tmp_path / "nothing")], capture_output=True, text=True
+    )
     assert out.returncode == 2 and "run_dir" in out.stderr and "no tapes/ folder" in out.stderr
 
 
@@ -394,13 +408,19 @@ def test_show_prints_one_tape(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "What is 1 + 1?" in text and "reward +0" in text
-    assert text.index("[environment] reset") < text.index("[agent] turn 1") < text.index("final_answer_action: answer 2")
+    assert (
+        text.index("[environment] reset") < text.index("[agent] turn 1") < text.index("final_answer_action: answer 2")
+    )
     assert "turn 1: reward +0" in text and "learner" not in text  # not in a run directory: nothing said
     assert text.index("1. task") < text.index("2. reasoning_thought") < text.index("3. final_answer_action")
     assert "logprob  -0.1000  ref  -0.2000" in text
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path), "--index", "0"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrate.show", str(path), "--index", "0"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "parse_failure: error no \\boxed{} answer" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path), "--index", "7"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrate.show", str(path), "--index", "7"], capture_output=True, text=True
+    )
     assert out.returncode == 2 and "--index 7" in out.stderr and "holds 3 tapes" in out.stderr
 
 
@@ -410,8 +430,15 @@ ENV = "game:guess_the_number"
 SECRET = "Guess my number <b>1..10</b> & win"  # markup in an observation is text, never HTML
 
 
-def episode(seed: int, actions: list[tuple[str, str, float]], *, iteration: int = 1, rerender_at: int | None = None,
-            last: dict | None = None, error: str | None = None) -> Tape:
+def episode(
+    seed: int,
+    actions: list[tuple[str, str, float]],
+    *,
+    iteration: int = 1,
+    rerender_at: int | None = None,
+    last: dict | None = None,
+    error: str | None = None,
+) -> Tape:
     """An episode played by hand: each action is (the model's output, the environment's answer, reward); the last
     answer ends it (`last`: its end flags and info). The call of turn `rerender_at` does not extend the previous
     prompt (a re-rendered conversation)."""
@@ -442,10 +469,17 @@ def handmade_run(root: Path) -> dict:
     """RUN/ with iteration 1 trained (two multi-turn episodes and an infrastructure failure, and the learner's
     advantages file with numbers no recomputation from the rewards gives), iteration 2 not trained yet, and an
     evaluation. Returns the tapes and the advantages written, by episode."""
-    solved = episode(11, [("5", "higher", 0.0), ("8", "lower", 0.0), ("7", "correct!", 1.0)],
-                     last={"terminated": True, "info": {"success": True, "reason": "guessed 7 in 3 turns"}})
-    lost = episode(12, [("???", "say a number", -0.25), ("3", "higher", 0.0)], rerender_at=2,
-                   last={"truncated": True, "info": {"success": False, "reason": "turn limit (2) reached"}})
+    solved = episode(
+        11,
+        [("5", "higher", 0.0), ("8", "lower", 0.0), ("7", "correct!", 1.0)],
+        last={"terminated": True, "info": {"success": True, "reason": "guessed 7 in 3 turns"}},
+    )
+    lost = episode(
+        12,
+        [("???", "say a number", -0.25), ("3", "higher", 0.0)],
+        rerender_at=2,
+        last={"truncated": True, "info": {"success": False, "reason": "turn limit (2) reached"}},
+    )
     crashed = episode(21, [("4", "", 0.0)], error="RuntimeError: env crashed")
     later = episode(31, [("6", "correct!", 1.0)], iteration=2, last={"terminated": True, "info": {"success": True}})
     held_out = episode(41, [("2", "correct!", 1.0)], iteration=2, last={"terminated": True, "info": {"success": True}})
@@ -453,8 +487,10 @@ def handmade_run(root: Path) -> dict:
     write_tapes(root / "tapes" / "iter_000002.jsonl", [later])
     write_tapes(root / "tapes" / "eval_000002.jsonl", [held_out])
     # what the learner would write, per sample: its ids and turn indexes as orchestrate.samples makes them
-    odd = {solved.metadata.id: [(0.91, 0.123456), (0.95, -0.5), (1.0, 2.75)],
-           lost.metadata.id: [(-0.125, -0.987), (0.0, 0.31415)]}  # (return, advantage) per turn
+    odd = {
+        solved.metadata.id: [(0.91, 0.123456), (0.95, -0.5), (1.0, 2.75)],
+        lost.metadata.id: [(-0.125, -0.987), (0.0, 0.31415)],
+    }  # (return, advantage) per turn
     credit, expected = [], {}
     for tape in (solved, lost):
         for sample in tape_samples(tape, require_ref=True):
@@ -465,12 +501,24 @@ def handmade_run(root: Path) -> dict:
     assert [c["sample_id"] for c in credit][1:] == [f"{lost.metadata.id}:0", f"{lost.metadata.id}:1"]  # cut in two
     assert tape_samples(crashed, require_ref=True) == []
     RunDir(root).write_advantages(1, credit)
-    (root / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (
-        {"iteration": 1, "reward_mean": 0.25, "success_rate": 0.5, "turns_mean": 2.5},
-        {"iteration": 2, "reward_mean": 1.0, "success_rate": 1.0, "turns_mean": 1.0, "eval_success_rate": 1.0})))
+    (root / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(m) + "\n"
+            for m in (
+                {"iteration": 1, "reward_mean": 0.25, "success_rate": 0.5, "turns_mean": 2.5},
+                {"iteration": 2, "reward_mean": 1.0, "success_rate": 1.0, "turns_mean": 1.0, "eval_success_rate": 1.0},
+            )
+        )
+    )
     (root / "config.json").write_text(json.dumps({"env": {"id": ENV}, "train": {"baseline": "none"}}))
-    return {"solved": solved, "lost": lost, "crashed": crashed, "later": later, "held_out": held_out,
-            "advantages": expected}
+    return {
+        "solved": solved,
+        "lost": lost,
+        "crashed": crashed,
+        "later": later,
+        "held_out": held_out,
+        "advantages": expected,
+    }
 
 
 def test_api_shows_the_learners_advantages_per_turn(tmp_path):
@@ -489,7 +537,13 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
     assert (s["trained"], s["credit"], s["return"], s["advantage"]) == (True, "trained", 0.91, 0.123456)
     assert s["question"] == SECRET and s["reward"] == 1.0
     s = first[lost.metadata.id]
-    assert (s["turns"], s["success"], s["end"], s["format_error"], s["truncated"]) == (2, False, "truncated", True, True)
+    assert (s["turns"], s["success"], s["end"], s["format_error"], s["truncated"]) == (
+        2,
+        False,
+        "truncated",
+        True,
+        True,
+    )
     assert (s["return"], s["advantage"]) == (-0.125, -0.987)  # its first turn's, from the sample "<id>:0"
     s = first[made["crashed"].metadata.id]
     assert (s["trained"], s["credit"], s["advantage"]) == (False, INFRA_FAILURE, None)
@@ -498,12 +552,20 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
     assert first[made["held_out"].metadata.id]["credit"] == "not trained on (evaluation)"
 
     # filters on the episode's flags; parse_failure is the older name of format_error
-    for query, ids in (({"format_error": "yes"}, [lost]), ({"parse_failure": "yes"}, [lost]),
-                       ({"success": "yes"}, [solved]), ({"truncated": "yes"}, [lost]),
-                       ({"trained": "no"}, [made["crashed"]]), ({"task": "guess_the"}, [solved, lost, made["crashed"]])):
+    for query, ids in (
+        ({"format_error": "yes"}, [lost]),
+        ({"parse_failure": "yes"}, [lost]),
+        ({"success": "yes"}, [solved]),
+        ({"truncated": "yes"}, [lost]),
+        ({"trained": "no"}, [made["crashed"]]),
+        ({"task": "guess_the"}, [solved, lost, made["crashed"]]),
+    ):
         assert [s["id"] for s in index.list({"iteration": "1", **query})["items"]] == [t.metadata.id for t in ids]
     assert [s["id"] for s in index.list({"iteration": "1", "sort": "-advantage"})["items"]] == [
-        solved.metadata.id, lost.metadata.id, made["crashed"].metadata.id]  # untrained last
+        solved.metadata.id,
+        lost.metadata.id,
+        made["crashed"].metadata.id,
+    ]  # untrained last
 
     # one episode over HTTP, as the page gets it: every turn with the file's numbers, exactly
     server, url = start_server(run)
@@ -524,8 +586,10 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
         assert [c["extends_previous"] for c in body["calls"]] == [None, False]
         assert body["calls"][0]["tokens"][0]["kl"] == pytest.approx(math.exp(-0.25) + 0.25 - 1)
         group = httpx.get(url + "api/group", params={"file": "iter_000001.jsonl", "group": "1:train:1"}).json()
-        assert [(g["turns"], g["return"], g["advantage"]) for g in group["items"]] == [(3, 0.91, 0.123456),
-                                                                                      (2, -0.125, -0.987)]
+        assert [(g["turns"], g["return"], g["advantage"]) for g in group["items"]] == [
+            (3, 0.91, 0.123456),
+            (2, -0.125, -0.987),
+        ]
         for file, index_, note in (("iter_000001.jsonl", 2, INFRA_FAILURE), ("eval_000002.jsonl", 0, "not trained on")):
             body = httpx.get(url + "api/tape", params={"file": file, "index": index_}).json()
             assert body["credit"]["trained"] is False and body["credit"]["note"].startswith(note)
@@ -533,8 +597,15 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
 
         # the learner writes iteration 2's file later: the browser picks it up
         later = made["later"]
-        RunDir(run).write_advantages(2, [{"sample_id": later.metadata.id,
-                                          "turns": [{"index": 0, "reward": 1.0, "return": 1.0, "advantage": -3.5}]}])
+        RunDir(run).write_advantages(
+            2,
+            [
+                {
+                    "sample_id": later.metadata.id,
+                    "turns": [{"index": 0, "reward": 1.0, "return": 1.0, "advantage": -3.5}],
+                }
+            ],
+        )
         body = httpx.get(url + "api/tape", params={"file": "iter_000002.jsonl", "index": 0}).json()
         assert body["episode"]["turns"][0]["learner"]["advantage"] == -3.5 and body["summary"]["trained"]
     finally:
@@ -595,7 +666,10 @@ def test_page_shows_an_episode_as_a_conversation(tmp_path, page):
         attempts = page.locator("#group-body .attempt")
         assert attempts.count() == 2
         assert [a.locator(".turns").inner_text() for a in attempts.all()] == ["3", "2"]
-        assert [float(a.locator(".advantage").get_attribute("data-value")) for a in attempts.all()] == [0.123456, -0.987]
+        assert [float(a.locator(".advantage").get_attribute("data-value")) for a in attempts.all()] == [
+            0.123456,
+            -0.987,
+        ]
         assert [float(a.locator(".return").get_attribute("data-value")) for a in attempts.all()] == [0.91, -0.125]
 
         # the other attempt: a format error, a re-rendered prompt (warned), truncated at the turn limit
@@ -634,10 +708,18 @@ def tool_episode() -> Tape:
                                  "tools": ["python"], "sandbox": {}}})  # fmt: skip
     tape.append(EnvObservation(text=question, turn=0))
     turns = [
-        ("<python>\nprint(123 * 456)\n</python>", "print(123 * 456)", "<output>\n56088\n</output>",
-         {"tool": "python", "stdout": "56088\n", "stderr": "", "exit_code": 0, "tool_error": False}),
-        ("<python>\n1 / 0\n</python>", "1 / 0", "<output>\nZeroDivisionError: division by zero\n[exit code 1]\n</output>",
-         {"tool": "python", "stdout": "", "stderr": "ZeroDivisionError", "exit_code": 1, "tool_error": True}),
+        (
+            "<python>\nprint(123 * 456)\n</python>",
+            "print(123 * 456)",
+            "<output>\n56088\n</output>",
+            {"tool": "python", "stdout": "56088\n", "stderr": "", "exit_code": 0, "tool_error": False},
+        ),
+        (
+            "<python>\n1 / 0\n</python>",
+            "1 / 0",
+            "<output>\nZeroDivisionError: division by zero\n[exit code 1]\n</output>",
+            {"tool": "python", "stdout": "", "stderr": "ZeroDivisionError", "exit_code": 1, "tool_error": True},
+        ),
     ]
     prompt = [1, 2, 3]
     for turn, (output, code, result, info) in enumerate(turns, start=1):
@@ -647,8 +729,16 @@ def tool_episode() -> Tape:
         tape.append(ToolCallAction(text=output, turn=turn, tool="python", call=code), llm_call=call)
         tape.append(ToolResultObservation(text=result, turn=turn, tool="python", reward=0.0, info=info))
         prompt = prompt + [7, 8, 9, 4]
-    call = LLMCall(model="hand", prompt_token_ids=prompt, output_text="The answer is \\boxed{56088}.",
-                   output_token_ids=[5, 6], logprobs=[-0.1, -0.1], finish_reason="stop", turn=3, extends_previous=True)
+    call = LLMCall(
+        model="hand",
+        prompt_token_ids=prompt,
+        output_text="The answer is \\boxed{56088}.",
+        output_token_ids=[5, 6],
+        logprobs=[-0.1, -0.1],
+        finish_reason="stop",
+        turn=3,
+        extends_previous=True,
+    )
     tape.append(EnvAction(text="The answer is \\boxed{56088}.", turn=3), llm_call=call)
     tape.append(EnvObservation(text="", turn=3, reward=1.0, terminated=True, info={"success": True}))
     return summarize(tape)
@@ -674,8 +764,10 @@ def test_page_shows_a_tool_episode(tmp_path, page):
         assert page.locator(".bubble.assistant[data-turn='3'] .badge.tool-call").count() == 0
         results = page.locator("#conversation .bubble.user.tool-result")
         assert results.count() == 2
-        assert [r.locator(".who").inner_text().split("\n")[0].startswith(f"python tool · result of turn {i}")
-                for i, r in enumerate(results.all(), start=1)] == [True, True]
+        assert [
+            r.locator(".who").inner_text().split("\n")[0].startswith(f"python tool · result of turn {i}")
+            for i, r in enumerate(results.all(), start=1)
+        ] == [True, True]
         assert results.nth(0).locator(".observation").inner_text() == "<output>\n56088\n</output>"
         assert results.nth(0).locator(".observation output").count() == 0  # shown as text, not parsed
         assert results.nth(0).locator(".badge.tool-error").count() == 0

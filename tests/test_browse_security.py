@@ -21,8 +21,21 @@ EVIL = '<img src=x onerror="window.pwned=1">'
 # Expressions interpolated into HTML that are numbers computed by the page itself, or whole HTML built
 # from escaped parts by the page's own functions.
 PAGE_OWN = {
-    "X(p[0])", "Y(p[1])", "W", "H", "H - 3", "line", "dots", "colourFor(t)", "renderTokens(c)", "stepBody(step)",
-    "c.tokens.length", "i + 1", "html", "from", "isEval ? \"eval\" : \"rollout\"",
+    "X(p[0])",
+    "Y(p[1])",
+    "W",
+    "H",
+    "H - 3",
+    "line",
+    "dots",
+    "colourFor(t)",
+    "renderTokens(c)",
+    "stepBody(step)",
+    "c.tokens.length",
+    "i + 1",
+    "html",
+    "from",
+    'isEval ? "eval" : "rollout"',
 }
 
 
@@ -50,19 +63,28 @@ def test_every_value_inserted_into_the_page_is_escaped():
             exprs += _interpolations(expr)
             expr = re.sub(r"`[^`]*`", '""', expr)
         # esc/fmt escape; signCls and yesNo return constant words; num() builds its markup with esc()
-        if expr.startswith(("esc(", "fmt(", "encodeURIComponent(", "CSS.escape(", "signCls(", "yesNo(", "num(")) \
-                or expr in PAGE_OWN:
+        if (
+            expr.startswith(("esc(", "fmt(", "encodeURIComponent(", "CSS.escape(", "signCls(", "yesNo(", "num("))
+            or expr in PAGE_OWN
+        ):
             continue
-        branch = r'(\"[^\"]*\"|(esc|fmt)\([^?:]*\))'
+        branch = r"(\"[^\"]*\"|(esc|fmt)\([^?:]*\))"
         if re.fullmatch(rf"[^?]*\?\s*{branch}\s*:\s*{branch}", expr, re.S):
             continue  # a choice between literals and escaped values
         if re.fullmatch(r"[^?]*\?\s*\"[^\"]*\"\s*:\s*(\"[^\"]*\"|[^?]*\?\s*\"[^\"]*\"\s*:\s*\"[^\"]*\")", expr, re.S):
             continue  # a choice between two literals
         if re.fullmatch(r"[\w.()\[\]]+\.toFixed\(\d\)", expr) or expr in (
-            "page.offset + 1", "last", "page.total", "it", "index", "members.length", 'c.messages.map((msg) => "").join("")',
+            "page.offset + 1",
+            "last",
+            "page.total",
+            "it",
+            "index",
+            "members.length",
+            'c.messages.map((msg) => "").join("")',
             "turn.call + 1",  # numbers
             'badges.join("")',  # badges built from constant markup and fmt()
-            "k", 'typeof v === "string" ? v : JSON.stringify(v)',  # inside an esc(...) of the whole note text
+            "k",
+            'typeof v === "string" ? v : JSON.stringify(v)',  # inside an esc(...) of the whole note text
         ):
             continue  # numbers, or text set with textContent / into a URL
         unescaped.append(expr)

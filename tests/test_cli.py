@@ -7,8 +7,18 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from finetune.cli import (OptionError, StrictParser, add_options, check_bools, check_finite, error_line, given,
-                          nest, parse_value, refuse_repeated)  # fmt: skip
+from finetune.cli import (
+    OptionError,
+    StrictParser,
+    add_options,
+    check_bools,
+    check_finite,
+    error_line,
+    given,
+    nest,  # fmt: skip
+    parse_value,
+    refuse_repeated,
+)
 
 
 class Inner(BaseModel):
@@ -83,7 +93,8 @@ def test_a_validation_error_is_one_line_naming_the_option():
         Outer.model_validate({"inner": {"clip_eps": -1}})
     assert error_line(exc.value, "train.") == "--train.inner.clip_eps: Input should be greater than 0 (got -1)"
     assert error_line(exc.value, spell=lambda d: d.replace("_", "-")) == (
-        "--inner.clip-eps: Input should be greater than 0 (got -1)")
+        "--inner.clip-eps: Input should be greater than 0 (got -1)"
+    )
     with pytest.raises(ValidationError) as exc:
         Outer.model_validate([])
     assert error_line(exc.value, whole="preset 'p'").startswith("preset 'p': ")
@@ -98,8 +109,12 @@ def test_nest_refuses_a_value_where_a_section_should_be():
 def test_finetune_train_is_strict_too(capsys, tmp_path):
     from finetune import train
 
-    for argv, named in [(["--lr", "inf"], "--lr"), (["--lr", "1e-5", "--lr", "2e-5"], "--lr"),
-                        (["--l", "1"], "--l"), (["--grpo.clip-eps-high", "-1"], "--grpo.clip-eps-high")]:
+    for argv, named in [
+        (["--lr", "inf"], "--lr"),
+        (["--lr", "1e-5", "--lr", "2e-5"], "--lr"),
+        (["--l", "1"], "--l"),
+        (["--grpo.clip-eps-high", "-1"], "--grpo.clip-eps-high"),
+    ]:
         with pytest.raises(SystemExit) as exc:
             train.parse_args(["--model", str(tmp_path), "--run-dir", str(tmp_path), "--print-config", *argv])
         assert exc.value.code == 2

@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from orchestrate import rl
-
 
 def one_line_error(out: subprocess.CompletedProcess, *words: str) -> str:
     assert out.returncode == 2, (out.returncode, out.stdout[-1500:], out.stderr[-1500:])
@@ -126,7 +124,9 @@ def bad_run(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "tapes").mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
-    (run_dir / "tapes" / "iter_000001.jsonl").write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)) + b"\n")  # a JPEG's head
+    (run_dir / "tapes" / "iter_000001.jsonl").write_bytes(
+        b"\xff\xd8\xff\xe0" + bytes(range(256)) + b"\n"
+    )  # a JPEG's head
     (run_dir / "tapes" / "iter_000002.jsonl").write_bytes('{"metadata": {"task_id": "caf\xe9"}}\n'.encode("latin-1"))
     (run_dir / "tapes" / "iter_000003.jsonl").write_text('{"metadata": {"reward": 1.0, "iteration": 3}, "steps": []}\n'
                                                          '{"metadata": {"reward": 0.0, "iteration": 3}, "steps": []}\n')  # fmt: skip

@@ -9,8 +9,6 @@ import json
 
 import pytest
 
-from orchestrate import rl
-
 
 @pytest.fixture
 def refused(rl_cli):
@@ -90,10 +88,16 @@ def test_strict_values_still_take_what_is_right():
     [
         (lambda d: d / "nothing-here", "--model.policy"),
         (lambda d: (d / "empty").mkdir() or d / "empty", "--model.policy"),  # no config.json
-        (lambda d: (d / "cfg").mkdir() or (d / "cfg" / "config.json").write_text('{"model_type": "llama"}')
-         and d / "cfg", "--model.policy"),  # config, no weights
-        (lambda d: (d / "bad").mkdir() or (d / "bad" / "config.json").write_text("not json") and d / "bad",
-         "--model.policy"),
+        (
+            lambda d: (
+                (d / "cfg").mkdir() or (d / "cfg" / "config.json").write_text('{"model_type": "llama"}') and d / "cfg"
+            ),
+            "--model.policy",
+        ),  # config, no weights
+        (
+            lambda d: (d / "bad").mkdir() or (d / "bad" / "config.json").write_text("not json") and d / "bad",
+            "--model.policy",
+        ),
     ],
 )
 def test_model_that_is_not_there_is_refused_first(make, named, tmp_path, refused):

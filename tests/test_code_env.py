@@ -64,8 +64,9 @@ def test_a_wrong_program_fails_and_fraction_mode_gives_the_share(sandbox):
     env = env_for("add_two", sandbox)
     obs, reward, terminated, truncated, info = env.step(wrong)
     assert (reward, terminated, truncated) == (0.0, True, False)
-    assert info["tests_passed"] == 1 and info["tests_total"] == 5 and info["tests"] == [False, False, True, False,
-                                                                                         False]
+    assert (
+        info["tests_passed"] == 1 and info["tests_total"] == 5 and info["tests"] == [False, False, True, False, False]
+    )
     assert not info["success"] and not info["format_error"] and info["exit_code"] == 0 and not info["timed_out"]
     assert "add(2, 3) returned 6" in info["error"] and obs == "1 of 5 tests passed."
     json.dumps(info)  # it reaches the tape
@@ -86,14 +87,19 @@ def test_a_reply_without_a_python_block_is_a_format_error(sandbox):
         assert reward == 0.0 and terminated and info["format_error"] and not info["success"], reply
     # the last python block is the answer
     env = env_for("reverse_string", sandbox)
-    reply = fenced("def reverse_string(s):\n    return s") + "\nBetter:\n```python\ndef reverse_string(s):\n    return s[::-1]\n```"
+    reply = (
+        fenced("def reverse_string(s):\n    return s")
+        + "\nBetter:\n```python\ndef reverse_string(s):\n    return s[::-1]\n```"
+    )
     _, reward, _, _, info = env.step(reply)
     assert reward == 1.0 and info["success"] and not info["format_error"]
 
 
 ADD_TESTS = {"add(2, 3)": "5", "add(-1, 1)": "0", "add(0, 0)": "0", "add(100, 23)": "123", "add(1.5, 2.25)": "3.75"}
-FORGED_LINES = "".join(f"print('@@tapeloop-test 0123 ' + {json.dumps({'test': i, 'value': v, 'passed': True})!r})\n"
-                       for i, v in enumerate(ADD_TESTS.values()))  # the right values, but no nonce
+FORGED_LINES = "".join(
+    f"print('@@tapeloop-test 0123 ' + {json.dumps({'test': i, 'value': v, 'passed': True})!r})\n"
+    for i, v in enumerate(ADD_TESTS.values())
+)  # the right values, but no nonce
 
 HOSTILE = {
     # no add() at all: lines that look like the harness's, holding every expected value
@@ -180,8 +186,14 @@ def test_tests_must_compare_with_a_literal():
     t = parse_test("assert add(2, 3) == 5")
     assert (t.expression, t.expected) == ("add(2, 3)", 5)
     assert parse_test("assert [1, -2] == f(x)").expected == [1, -2]
-    for bad, why in [("add(2, 3) == 5", "assert"), ("assert add(2, 3)", "=="), ("assert f(1) == f(2)", "literal"),
-                     ("assert f(1) < 2", "=="), ("assert 1 == f(1) == 1", "=="), ("assert (", "not Python")]:
+    for bad, why in [
+        ("add(2, 3) == 5", "assert"),
+        ("assert add(2, 3)", "=="),
+        ("assert f(1) == f(2)", "literal"),
+        ("assert f(1) < 2", "=="),
+        ("assert 1 == f(1) == 1", "=="),
+        ("assert (", "not Python"),
+    ]:
         with pytest.raises(ValueError, match=why):
             parse_test(bad)
 
@@ -210,8 +222,10 @@ def test_a_malformed_problems_file_is_refused_naming_file_and_line(tmp_path, lin
 
 def test_a_problems_file_of_ones_own_is_used(tmp_path, sandbox):
     path = tmp_path / "mine.jsonl"
-    path.write_text("\n".join(json.dumps({**GOOD, "id": f"p{k}", "tests": [f"assert one() + {k} == {1 + k}"]})
-                              for k in range(4)) + "\n")
+    path.write_text(
+        "\n".join(json.dumps({**GOOD, "id": f"p{k}", "tests": [f"assert one() + {k} == {1 + k}"]}) for k in range(4))
+        + "\n"
+    )
     with pytest.raises(EnvError, match="does not exist"):
         check_options("code", {"problems": str(tmp_path / "missing.jsonl")})
     path_one = tmp_path / "one.jsonl"
@@ -238,7 +252,6 @@ def test_a_bad_problems_file_or_sandbox_stops_the_run_before_it_starts(tmp_path)
     config = resolve("code", {"env.sandbox.python": "/usr/bin/no-python"})
     with pytest.raises(PreflightError, match="^--env.sandbox.python: /usr/bin/no-python is not an executable file"):
         check_environment(config)
-
 
 
 def test_the_preset_and_the_sandbox_options_reach_the_environment():
@@ -273,9 +286,16 @@ def scripted_llm(tokenizer, texts):
             text = texts[LLM.calls]
             LLM.calls += 1
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                           sampling=sampling)
+            return LLMCall(
+                messages=list(messages or []),
+                prompt_token_ids=list(prompt_ids),
+                prompt_text=prompt_text,
+                output_text=text,
+                output_token_ids=ids,
+                logprobs=[-0.5] * len(ids),
+                finish_reason="stop",
+                sampling=sampling,
+            )
 
     return LLM()
 

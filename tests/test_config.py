@@ -25,9 +25,17 @@ def test_presets_resolve():
 
 
 def test_dotted_overrides_are_typed():
-    config = resolve("gsm8k", {"rollouts.attempts": "8", "train.lr": "2e-6", "model.policy": "smollm2",
-                               "env.id": "math:arithmetic", "env.options.operations": '["+", "-"]',
-                               "eval.tasks": "null"})
+    config = resolve(
+        "gsm8k",
+        {
+            "rollouts.attempts": "8",
+            "train.lr": "2e-6",
+            "model.policy": "smollm2",
+            "env.id": "math:arithmetic",
+            "env.options.operations": '["+", "-"]',
+            "eval.tasks": "null",
+        },
+    )
     assert config.rollouts.attempts == 8 and config.train.lr == 2e-6 and config.model.policy == "smollm2"
     assert config.env.options == {"operations": ["+", "-"]} and config.eval.tasks is None  # the preset's were gsm8k's
 

@@ -136,8 +136,8 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
 
 
 def test_train_config_is_written_atomically(tmp_path, monkeypatch):
-    from orchestrate import trainer as trainer_module
     from finetune.config import TrainConfig
+    from orchestrate import trainer as trainer_module
     from orchestrate.run_dir import RunDir
 
     run = RunDir(tmp_path / "run")

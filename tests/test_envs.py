@@ -215,6 +215,7 @@ def test_same_seed_same_problem_and_splits_differ():
     train, again = make_env("countdown", split="train"), make_env("countdown", split="train")
     test, other_run = make_env("countdown", split="test"), make_env("countdown", split="train", run_seed=1)
     assert [train.reset(s) for s in range(30)] == [again.reset(s) for s in range(30)]
+
     def problem(env, seed):
         info = env.reset(seed)[1]
         return tuple(sorted(info["numbers"])), info["target"]
@@ -358,8 +359,10 @@ def test_range_feedback_says_where_the_number_still_is():
     assert steps[0][0] == "3 is too low. The number is between 4 and 20. 5 guesses left."
     assert steps[1][0] == "15 is too high. The number is between 4 and 14. 4 guesses left."
     # a guess outside the range, or one already ruled out, leaves the known range as it was
-    assert steps[2][0] == ("Your guess 25 is outside the range 1 to 20; it still counts as a guess. "
-                           "The number is between 4 and 14. 3 guesses left.")
+    assert steps[2][0] == (
+        "Your guess 25 is outside the range 1 to 20; it still counts as a guess. "
+        "The number is between 4 and 14. 3 guesses left."
+    )
     assert steps[3][0] == "1 is too low. The number is between 4 and 14. 2 guesses left."
     assert steps[4][2] and f"the number was {target}" in steps[4][0]  # unreadable: the game ends as with direction
     seed = next(s for s in range(100) if 2 <= env.reset(s)[1]["target"] <= 19)
@@ -456,8 +459,10 @@ def gem_installed():
     try:
         import gem  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"gem-llm is not installed ({exc}): run `uv sync --extra gem` "
-                    "(the tests run as `uv run --extra gem pytest`)")
+        pytest.fail(
+            f"gem-llm is not installed ({exc}): run `uv sync --extra gem` "
+            "(the tests run as `uv run --extra gem pytest`)"
+        )
 
 
 GTN = "gem:game:GuessTheNumber-v0-easy"

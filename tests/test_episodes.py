@@ -50,16 +50,27 @@ class ScriptedLLM:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.finish == "stop":
             ids = ids + [self.tokenizer.eos_token_id]
-        return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                       output_text=text,
-                       output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=self.finish, sampling=sampling)
+        return LLMCall(
+            messages=list(messages or []),
+            prompt_token_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            output_text=text,
+            output_token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason=self.finish,
+            sampling=sampling,
+        )
 
 
 def play(tokenizer, script, texts, max_turns=8, finish="stop", max_context=None, examples=()):
     env = ScriptedEnv(script)
     llm = ScriptedLLM(tokenizer, texts, finish)
-    agent = ChatAgent(AgentConfig(max_turns=max_turns, examples=list(examples)),
-                      SamplingParams(temperature=1.0, max_tokens=16), ChatTokens(tokenizer), max_context)
+    agent = ChatAgent(
+        AgentConfig(max_turns=max_turns, examples=list(examples)),
+        SamplingParams(temperature=1.0, max_tokens=16),
+        ChatTokens(tokenizer),
+        max_context,
+    )
     tape = asyncio.run(agent.run_episode(env, 7, llm, Tape()))
     return tape, env, llm
 
@@ -69,8 +80,15 @@ def test_episode_runs_until_terminated_and_records_every_turn(tokenizer):
     tape, env, llm = play(tokenizer, script, ["\\boxed{5}", "\\boxed{8}", "\\boxed{7}"])
     assert env.seed == 7 and env.actions == ["\\boxed{5}", "\\boxed{8}", "\\boxed{7}"]
     kinds = [type(s).__name__ for s in tape.steps]
-    assert kinds == ["EnvObservation", "EnvAction", "EnvObservation", "EnvAction", "EnvObservation", "EnvAction",
-                     "EnvObservation"]
+    assert kinds == [
+        "EnvObservation",
+        "EnvAction",
+        "EnvObservation",
+        "EnvAction",
+        "EnvObservation",
+        "EnvAction",
+        "EnvObservation",
+    ]
     assert [s.reward for s in tape.steps if isinstance(s, EnvObservation)] == [None, 0.0, 0.0, 1.0]
     assert tape.steps[-1].terminated and not tape.steps[-1].truncated
     m = tape.metadata
@@ -89,13 +107,20 @@ def test_prompts_chain_token_exactly_and_match_the_chat_template(tokenizer):
     calls = tape.llm_calls
     assert calls[0].extends_previous is None and all(c.extends_previous for c in calls[1:])
     for before, after in zip(calls, calls[1:]):
-        assert after.prompt_token_ids[: len(before.prompt_token_ids) + len(before.output_token_ids)] == \
-            before.prompt_token_ids + before.output_token_ids
+        assert (
+            after.prompt_token_ids[: len(before.prompt_token_ids) + len(before.output_token_ids)]
+            == before.prompt_token_ids + before.output_token_ids
+        )
     # For this (ChatML) template the chained ids are what the template gives for the whole conversation.
-    messages = [{"role": "user", "content": "Guess a number."}, {"role": "assistant", "content": "\\boxed{3}"},
-                {"role": "user", "content": "start 7"}, {"role": "assistant", "content": texts[0]},
-                {"role": "user", "content": "too low"}, {"role": "assistant", "content": texts[1]},
-                {"role": "user", "content": "too high"}]
+    messages = [
+        {"role": "user", "content": "Guess a number."},
+        {"role": "assistant", "content": "\\boxed{3}"},
+        {"role": "user", "content": "start 7"},
+        {"role": "assistant", "content": texts[0]},
+        {"role": "user", "content": "too low"},
+        {"role": "assistant", "content": texts[1]},
+        {"role": "user", "content": "too high"},
+    ]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert calls[2].prompt_token_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert calls[2].prompt_text == rendered
@@ -119,8 +144,9 @@ def test_turn_limit_and_full_context_truncate(tokenizer):
     tape, env, _ = play(tokenizer, [("again", 0.0, False)] * 5, ["\\boxed{1}"] * 5, max_turns=2)
     assert tape.metadata.turns == 2 and tape.metadata.truncated and not tape.metadata.terminated
     assert "turn limit" in tape.metadata.reward_reason
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "start 7"}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "start 7"}], add_generation_prompt=True, tokenize=False
+    )
     first = len(tokenizer(text, add_special_tokens=False)["input_ids"])
     tape, _, _ = play(tokenizer, [("again", 0.0, False)] * 5, ["\\boxed{1}"] * 5, max_context=first + 16 + 5)
     assert tape.metadata.turns == 1 and tape.metadata.truncated and "context full" in tape.metadata.reward_reason
@@ -172,8 +198,9 @@ def test_an_episode_is_one_sample_with_environment_tokens_masked(tokenizer):
     assert sample.behaviour_logprobs == first.logprobs + second.logprobs
     # the trainer predicts exactly the sampled tokens, from the right positions
     for layout in ("padded", "packed", "shared_prefix"):
-        (mb,) = micro_batches([sample.prompt_ids], [sample.completion_ids], 4096, layout,
-                              trained=[sample.trained_positions()])
+        (mb,) = micro_batches(
+            [sample.prompt_ids], [sample.completion_ids], 4096, layout, trained=[sample.trained_positions()]
+        )
         assert mb.targets.tolist() == trained
         flat = mb.input_ids[mb.rows, mb.cols + 1].tolist()  # the token after each predicting position
         assert flat == trained, layout
@@ -187,8 +214,13 @@ def test_a_re_rendered_prompt_cuts_the_episode_into_samples_of_one_episode(token
     second.prompt_token_ids = [9] + second.prompt_token_ids  # and a different start
     samples = tape_samples(tape, require_ref=False)
     assert len(samples) == 2 and {s["episode_id"] for s in samples} == {tape.metadata.id}
-    returns, adv = turn_advantages([[(t["index"], t["reward"]) for t in s["turns"]] for s in samples],
-                                   [s["episode_id"] for s in samples], ["g", "g"], "none", gamma=0.9)
+    returns, adv = turn_advantages(
+        [[(t["index"], t["reward"]) for t in s["turns"]] for s in samples],
+        [s["episode_id"] for s in samples],
+        ["g", "g"],
+        "none",
+        gamma=0.9,
+    )
     assert returns == [[pytest.approx(0.9)], [1.0]]  # one episode's returns across its two samples
 
 

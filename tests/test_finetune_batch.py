@@ -13,8 +13,15 @@ from finetune.microbatch import micro_batches, plan
 
 
 def sample(**overrides) -> dict:
-    s = dict(prompt_ids=[1, 2, 3], completion_ids=[4, 5], behaviour_logprobs=[-0.5, -1.5],
-             ref_logprobs=[-0.4, -1.6], reward=1.0, group_id="task-1", temperature=0.7)
+    s = dict(
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5],
+        behaviour_logprobs=[-0.5, -1.5],
+        ref_logprobs=[-0.4, -1.6],
+        reward=1.0,
+        group_id="task-1",
+        temperature=0.7,
+    )
     s.update(overrides)
     return s
 

@@ -28,13 +28,23 @@ def tiny(tmp_path_factory):
 
 def with_behaviour(learner: Learner, samples: list[Sample]) -> list[Sample]:
     """Behaviour log-probs as the sampling policy (the current weights) would report them."""
-    return [s.model_copy(update={"behaviour_logprobs": lp.tolist()})
-            for s, lp in zip(samples, learner.logprobs(samples))]
+    return [
+        s.model_copy(update={"behaviour_logprobs": lp.tolist()}) for s, lp in zip(samples, learner.logprobs(samples))
+    ]
 
 
 def group(completions, rewards, temperature=1.0, group_id="g") -> list[Sample]:
-    return [Sample(prompt_ids=PROMPT, completion_ids=c, behaviour_logprobs=[0.0] * len(c), reward=r,
-                   group_id=group_id, temperature=temperature) for c, r in zip(completions, rewards)]
+    return [
+        Sample(
+            prompt_ids=PROMPT,
+            completion_ids=c,
+            behaviour_logprobs=[0.0] * len(c),
+            reward=r,
+            group_id=group_id,
+            temperature=temperature,
+        )
+        for c, r in zip(completions, rewards)
+    ]
 
 
 def params(learner: Learner) -> dict[str, torch.Tensor]:
@@ -57,20 +67,32 @@ def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout)
     expected, expected_raw = [], []
     with torch.no_grad():
         for p, c, t in zip(prompts, completions, temps):
-            logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) - 1 + len(c)]
+            logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) - 1 + len(c)]
             expected.append(torch.log_softmax(logits / t, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
             expected_raw.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
     policy = PolicyLogProbs(lm, impl, chunk=3)  # chunks smaller than a micro-batch
     got, got_raw = {}, {}
     for mb in micro_batches(prompts, completions, 24, layout):
         inv_temp = torch.tensor([1 / temps[i] for i in mb.indices for _ in completions[i]])
-        logp, raw_logp, entropy, _ = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
-                                         with_raw=True, attention_mask=mb.attention_mask)
+        logp, raw_logp, entropy, _ = policy(
+            mb.input_ids,
+            mb.position_ids,
+            mb.rows,
+            mb.cols,
+            mb.targets,
+            inv_temp,
+            with_raw=True,
+            attention_mask=mb.attention_mask,
+        )
         assert (entropy > 0).all()
         got.update(zip(mb.indices, logp.split(mb.completion_lengths)))
         got_raw.update(zip(mb.indices, raw_logp.split(mb.completion_lengths)))
-        assert policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp,
-                      attention_mask=mb.attention_mask)[1] is None
+        assert (
+            policy(
+                mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets, inv_temp, attention_mask=mb.attention_mask
+            )[1]
+            is None
+        )
     assert len(got) == 7
     if layout == "shared_prefix":  # a shared prompt is computed once per row
         from finetune.microbatch import prefix_units
@@ -167,8 +189,9 @@ def test_micro_batching_does_not_change_the_step(tiny, aggregation):
         batch += group(completions, [rng.random() for _ in range(4)], temperature=0.7, group_id=g)
     results = []
     for budget, layout in ((16, "shared_prefix"), (4096, "shared_prefix"), (4096, "padded")):
-        learner = Learner(tiny, TrainConfig(lr=1e-3, token_budget=budget, aggregation=aggregation, kl_coef=0.0,
-                                            layout=layout))
+        learner = Learner(
+            tiny, TrainConfig(lr=1e-3, token_budget=budget, aggregation=aggregation, kl_coef=0.0, layout=layout)
+        )
         (m,) = learner.train_batch(with_behaviour(learner, batch))
         results.append((m, params(learner)))
     (small, w_small), (large, w_large), (padded, w_padded) = results
@@ -191,8 +214,20 @@ def test_step_metrics(tiny):
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["epoch"] for m in metrics] == [0, 0, 1, 1]
     assert [m["lr"] for m in metrics] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
-    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "adv_mean", "adv_std",
-                "grad_norm", "lr", "tokens_per_s"):
+    for key in (
+        "loss",
+        "pg_loss",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "ratio_mean",
+        "ratio_max",
+        "adv_mean",
+        "adv_std",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+    ):
         assert all(isinstance(m[key], float) for m in metrics), key
     assert all(m["batch"] == 7 and m["kl"] > 0 for m in metrics)
     assert metrics[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # nothing trained yet
@@ -234,17 +269,23 @@ def test_checkpoint_reloads_and_resumes_exactly(tiny, tmp_path):
     learner.save_checkpoint(tmp_path / "ck", {"batch": 0})
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
     # written untied (for vLLM's reload_weights), the same function as the tied model trained
-    assert reloaded.config.tie_word_embeddings is False and learner.accelerator.unwrap_model(learner.model).lm.config.tie_word_embeddings
+    assert (
+        reloaded.config.tie_word_embeddings is False
+        and learner.accelerator.unwrap_model(learner.model).lm.config.tie_word_embeddings
+    )
     assert reloaded.lm_head.weight.data_ptr() != reloaded.model.embed_tokens.weight.data_ptr()
     trained = params(learner)
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, trained[name]), name
-    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"],
-                           AutoModelForCausalLM.from_pretrained(tiny).state_dict()["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        trained["model.layers.0.mlp.up_proj.weight"],
+        AutoModelForCausalLM.from_pretrained(tiny).state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "ck").decode([104, 105]) == AutoTokenizer.from_pretrained(
-        tiny).decode([104, 105])
+        tiny
+    ).decode([104, 105])
 
     # A second step from the restored optimizer state equals a second step in memory.
     resumed = Learner(tiny, cfg)

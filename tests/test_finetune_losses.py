@@ -39,15 +39,41 @@ from finetune.losses import (
 )
 
 
-def policy_loss(algorithm, logp, behaviour, adv, weights, ref_logp=None, kl_coef=0.0, clip_eps_low=0.2,
-                clip_eps_high=0.2, kl_logp=None):
+def policy_loss(
+    algorithm,
+    logp,
+    behaviour,
+    adv,
+    weights,
+    ref_logp=None,
+    kl_coef=0.0,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    kl_logp=None,
+):
     """The registered loss through its typed inputs and outputs: (loss, its weighted terms)."""
     spec = LOSSES[algorithm]
-    options = spec.config(**({"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
-                             if "clip_eps_low" in spec.config.model_fields else {}))
-    out = spec.fn(LossInputs(logp=logp, behaviour_logp=behaviour, advantages=adv, weights=weights, ref_logp=ref_logp,
-                             kl_logp=kl_logp, kl_coef=kl_coef), options)
+    options = spec.config(
+        **(
+            {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
+            if "clip_eps_low" in spec.config.model_fields
+            else {}
+        )
+    )
+    out = spec.fn(
+        LossInputs(
+            logp=logp,
+            behaviour_logp=behaviour,
+            advantages=adv,
+            weights=weights,
+            ref_logp=ref_logp,
+            kl_logp=kl_logp,
+            kl_coef=kl_coef,
+        ),
+        options,
+    )
     return out.loss, out.terms
+
 
 REWARDS = [1.0, 0.0, 2.0, -1.0, -1.0]
 GROUPS = [0, 0, 1, 1, 1]
@@ -142,8 +168,9 @@ def test_kl_k3_by_hand():
 
     # In the GRPO loss: token mean of k3 = 0.314205 / 7 = 0.044886, weighted by kl_coef 0.1.
     w = token_weights(LENGTHS, "token").double()
-    loss, stats = policy_loss("grpo", logp, behaviour, adv, w, ref_logp=ref, kl_coef=0.1,
-                              clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
+    loss, stats = policy_loss(
+        "grpo", logp, behaviour, adv, w, ref_logp=ref, kl_coef=0.1, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH
+    )
     assert stats["kl"].item() == pytest.approx(0.314205 / 7, abs=1e-6)
     assert loss.item() == pytest.approx(-0.53987 / 7 + 0.1 * 0.314205 / 7, abs=1e-5)
     with pytest.raises(ValueError, match="reference"):
@@ -158,8 +185,18 @@ def test_kl_takes_the_untempered_logprobs_when_given():
     w = token_weights(LENGTHS, "token").double()
     kl_logp = ref.clone().requires_grad_(True)
     plain, _ = policy_loss("grpo", logp, behaviour, adv, w, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH)
-    loss, stats = policy_loss("grpo", logp, behaviour, adv, w, ref_logp=ref, kl_coef=0.1,
-                              clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, kl_logp=kl_logp)
+    loss, stats = policy_loss(
+        "grpo",
+        logp,
+        behaviour,
+        adv,
+        w,
+        ref_logp=ref,
+        kl_coef=0.1,
+        clip_eps_low=EPS_LOW,
+        clip_eps_high=EPS_HIGH,
+        kl_logp=kl_logp,
+    )
     assert stats["kl"].item() == 0.0
     assert loss.item() == pytest.approx(plain.item(), abs=1e-9)
     # d k3 / d kl_logp = 1 - exp(ref - kl_logp) = 0 here; shift kl_logp by -0.5: grad = 1 - e^0.5, times 0.1 / 7
@@ -177,7 +214,8 @@ def test_reinforce_by_hand():
     logp, behaviour, ref, adv = tensors()
     per_token = reinforce_token_loss(logp, adv)
     assert per_token.tolist() == pytest.approx(
-        [0.420403, 1.346819, -0.843683, 1.732051, -0.021729, -1.331001, -0.667807], abs=1e-5)
+        [0.420403, 1.346819, -0.843683, 1.732051, -0.021729, -1.331001, -0.667807], abs=1e-5
+    )
     w = token_weights(LENGTHS, "token").double()
     loss, stats = policy_loss("reinforce", logp, behaviour, adv, w)
     assert loss.item() == pytest.approx(0.635053 / 7, abs=1e-5)

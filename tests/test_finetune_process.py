@@ -45,19 +45,43 @@ def batches(tiny, tmp_path_factory):
             for k in range(4):
                 n = int(torch.randint(1, 10, (1,), generator=g))
                 completion = torch.randint(0, 256, (n,), generator=g).tolist()
-                samples.append(Sample(prompt_ids=prompt, completion_ids=completion, behaviour_logprobs=[0.0] * n,
-                                      reward=float(k == group % 4), group_id=f"{index}-{group}", temperature=0.7))
-        samples = [s.model_copy(update={"behaviour_logprobs": lp.tolist()})
-                   for s, lp in zip(samples, learner.logprobs(samples))]
+                samples.append(
+                    Sample(
+                        prompt_ids=prompt,
+                        completion_ids=completion,
+                        behaviour_logprobs=[0.0] * n,
+                        reward=float(k == group % 4),
+                        group_id=f"{index}-{group}",
+                        temperature=0.7,
+                    )
+                )
+        samples = [
+            s.model_copy(update={"behaviour_logprobs": lp.tolist()})
+            for s, lp in zip(samples, learner.logprobs(samples))
+        ]
         paths.append(write_batch(folder / f"{index:06d}.jsonl", samples))
     return paths
 
 
 def launch(model: Path, run: Path, *extra: str, options: list[str] = OPTIONS) -> subprocess.Popen:
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CPU),
-           "-m", "finetune.train", "--model", str(model), "--run-dir", str(run), "--poll-seconds", "0.2",
-           *options, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_CPU),
+        "-m",
+        "finetune.train",
+        "--model",
+        str(model),
+        "--run-dir",
+        str(run),
+        "--poll-seconds",
+        "0.2",
+        *options,
+        *extra,
+    ]
     out = open(run / "process.out", "ab")
     # Own process group, so the test can kill the launcher and the learner together.
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -67,7 +91,9 @@ def wait_for(path: Path, proc: subprocess.Popen, run: Path, timeout: float = 240
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            pytest.fail(f"learner exited ({proc.returncode}) before {path.name}:\n{(run / 'process.out').read_text()[-3000:]}")
+            pytest.fail(
+                f"learner exited ({proc.returncode}) before {path.name}:\n{(run / 'process.out').read_text()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"no {path} after {timeout} s:\n{(run / 'process.out').read_text()[-3000:]}")
@@ -95,8 +121,9 @@ def metrics(run: Path) -> list[dict]:
 
 
 def test_help_lists_every_option():
-    out = subprocess.run([sys.executable, "-m", "finetune.train", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "finetune.train", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     from finetune.losses import LOSSES
 
     for name, field in TrainConfig.model_fields.items():
@@ -111,18 +138,25 @@ def test_help_lists_every_option():
     assert "Dr. GRPO" in " ".join(out.split())  # descriptions, not just names
 
 
-@pytest.mark.parametrize("args, option", [
-    (["--grpo.clip-eps-low", "1.5"], "--grpo.clip-eps-low"),
-    (["--algorithm", "ppx"], "--algorithm"),
-    (["--ppo.critic", "both"], "--ppo.critic"),
-    (["--ppo.vf-coef", "0.3"], "ppo"),  # an option of an algorithm not chosen
-    (["--lr", "fast"], "--lr"),
-    (["--lr-schedule", "cosine"], "total_steps"),
-    (["--aggregation", "mean"], "--aggregation"),
-])
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--grpo.clip-eps-low", "1.5"], "--grpo.clip-eps-low"),
+        (["--algorithm", "ppx"], "--algorithm"),
+        (["--ppo.critic", "both"], "--ppo.critic"),
+        (["--ppo.vf-coef", "0.3"], "ppo"),  # an option of an algorithm not chosen
+        (["--lr", "fast"], "--lr"),
+        (["--lr-schedule", "cosine"], "total_steps"),
+        (["--aggregation", "mean"], "--aggregation"),
+    ],
+)
 def test_bad_value_is_refused_in_one_line(tmp_path, args, option):
-    proc = subprocess.run([sys.executable, "-m", "finetune.train", "--model", str(tmp_path), "--run-dir",
-                           str(tmp_path / "run"), *args], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.train", "--model", str(tmp_path), "--run-dir", str(tmp_path / "run"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert option in last and last.startswith("finetune.train: error:")
@@ -137,7 +171,9 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
     learner = Learner(tiny, CONFIG)
     for index, path in zip((1, 2), batches):
         learner.train_batch(read_batch(path), index)
-    expected = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
+    expected = {
+        k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()
+    }
     initial = weights(tiny)
 
     # 1. One learner process takes two batches in a row.
@@ -195,8 +231,12 @@ def test_exits_when_the_orchestrator_dies(tiny, tmp_path):
     proc = launch(tiny, run, "--parent-pid", str(orchestrator.pid))
     try:
         deadline = time.monotonic() + 240
-        while json.loads((run / "trainer_state.json").read_text() if (run / "trainer_state.json").exists()
-                         else "{}").get("status") != "waiting":
+        while (
+            json.loads((run / "trainer_state.json").read_text() if (run / "trainer_state.json").exists() else "{}").get(
+                "status"
+            )
+            != "waiting"
+        ):
             assert proc.poll() is None and time.monotonic() < deadline, (run / "process.out").read_text()[-3000:]
             time.sleep(0.2)
         orchestrator.kill()
@@ -227,12 +267,31 @@ def test_two_processes_give_the_same_weights(tiny, batches, tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-         "-m", "finetune.train", "--model", str(tiny), "--run-dir", str(run), "--once",
-         *[("32" if prev == "--token-budget" else o) for prev, o in zip(["", *OPTIONS], OPTIONS)]],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "finetune.train",
+            "--model",
+            str(tiny),
+            "--run-dir",
+            str(run),
+            "--once",
+            *[("32" if prev == "--token-budget" else o) for prev, o in zip(["", *OPTIONS], OPTIONS)],
+        ],
         # token budget 32: more micro-batches than processes (the result does not depend on it); an option
         # is given once (finetune.train refuses one given twice)
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = metrics(run)
     assert [(m["batch"], m["step"]) for m in lines] == [(1, 1), (1, 2), (2, 3), (2, 4)]

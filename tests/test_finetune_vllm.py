@@ -42,8 +42,14 @@ def chat_prompts(model_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)) for q in QUESTIONS]
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
 
 
 def one_step(learner, batch_index: int) -> None:
@@ -53,10 +59,14 @@ def one_step(learner, batch_index: int) -> None:
     for k, prompt in enumerate(chat_prompts(resolve_model("smollm2"))):
         for j in range(2):
             ids = torch.randint(100, 20000, (12,), generator=g).tolist()
-            samples.append(Sample(prompt_ids=prompt, completion_ids=ids, behaviour_logprobs=[0.0] * 12,
-                                  reward=float(j), group_id=k))
-    samples = [s.model_copy(update={"behaviour_logprobs": lp.tolist()})
-               for s, lp in zip(samples, learner.logprobs(samples))]
+            samples.append(
+                Sample(
+                    prompt_ids=prompt, completion_ids=ids, behaviour_logprobs=[0.0] * 12, reward=float(j), group_id=k
+                )
+            )
+    samples = [
+        s.model_copy(update={"behaviour_logprobs": lp.tolist()}) for s, lp in zip(samples, learner.logprobs(samples))
+    ]
     learner.train_batch(samples, batch_index)
 
 
@@ -91,20 +101,38 @@ def trained(tmp_path_factory):
 
 
 def sample_from_vllm(server, prompt_ids: list[int], temperature: float) -> Sample:
-    r = httpx.post(server.base_url + "/v1/completions", headers={"Authorization": f"Bearer {server.api_key}"},
-                   timeout=300, json={"model": server.served_model_name, "prompt": prompt_ids, "logprobs": 0,
-                                      "return_tokens_as_token_ids": True, "temperature": temperature,
-                                      "max_tokens": 32})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers={"Authorization": f"Bearer {server.api_key}"},
+        timeout=300,
+        json={
+            "model": server.served_model_name,
+            "prompt": prompt_ids,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "temperature": temperature,
+            "max_tokens": 32,
+        },
+    )
     r.raise_for_status()
     lp = r.json()["choices"][0]["logprobs"]
     ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-    return Sample(prompt_ids=prompt_ids, completion_ids=ids, behaviour_logprobs=lp["token_logprobs"], reward=0.0,
-                  group_id=f"T{temperature}", temperature=temperature)
+    return Sample(
+        prompt_ids=prompt_ids,
+        completion_ids=ids,
+        behaviour_logprobs=lp["token_logprobs"],
+        reward=0.0,
+        group_id=f"T{temperature}",
+        temperature=temperature,
+    )
 
 
 def worst_ratio(learner, samples) -> float:
-    return max(abs(math.exp(a - b) - 1) for s, lp in zip(samples, learner.logprobs(samples))
-               for a, b in zip(lp.tolist(), s.behaviour_logprobs))
+    return max(
+        abs(math.exp(a - b) - 1)
+        for s, lp in zip(samples, learner.logprobs(samples))
+        for a, b in zip(lp.tolist(), s.behaviour_logprobs)
+    )
 
 
 def test_importance_ratio_is_one_before_the_first_update(trained):

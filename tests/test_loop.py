@@ -49,7 +49,9 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tiny_run):
     for i in (0, 2):  # evaluation names the version served: 0 before training, checkpoint 2 after iteration 2
         evals = list(read_tapes(run / "tapes" / f"eval_{i:06d}.jsonl"))
         assert len(evals) == 4
-        assert {t.metadata.policy_version for t in evals} == {c.policy_version for t in evals for c in t.llm_calls} == {i}
+        assert (
+            {t.metadata.policy_version for t in evals} == {c.policy_version for t in evals for c in t.llm_calls} == {i}
+        )
     assert not list(run.rglob("*.partial")) and not list(run.rglob(".*.tmp"))
 
     checkpoint = run / "checkpoints" / "000002"
@@ -59,10 +61,26 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tiny_run):
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:
-        for key in ("reward_mean", "success_rate", "parse_failure_rate", "truncation_rate", "completion_tokens_mean",
-                    "kl_ref", "train_loss", "train_entropy", "time_generate", "time_reward", "time_reference",
-                    "time_train", "time_weight_sync", "time_other", "wall_time", "elapsed_s",
-                    "trainer_busy_frac", "generator_busy_frac"):
+        for key in (
+            "reward_mean",
+            "success_rate",
+            "parse_failure_rate",
+            "truncation_rate",
+            "completion_tokens_mean",
+            "kl_ref",
+            "train_loss",
+            "train_entropy",
+            "time_generate",
+            "time_reward",
+            "time_reference",
+            "time_train",
+            "time_weight_sync",
+            "time_other",
+            "wall_time",
+            "elapsed_s",
+            "trainer_busy_frac",
+            "generator_busy_frac",
+        ):
             assert key in m, key
     assert "eval_success_rate" in metrics[0] and "eval_success_rate" in metrics[2]
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
@@ -130,8 +148,18 @@ def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed
     right then; the resumed run trains every batch once, keeps the tapes (and versions) it had, and no
     batch comes from a policy more than one version behind the trainer."""
     run = tmp_path / "run"
-    argv = command(tiny_model_dir, run, 3, "--run.async_level", "1", "--train.steps_per_epoch", "8",
-                   "--train.epochs", "4", eval_every=3)
+    argv = command(
+        tiny_model_dir,
+        run,
+        3,
+        "--run.async_level",
+        "1",
+        "--train.steps_per_epoch",
+        "8",
+        "--train.epochs",
+        "4",
+        eval_every=3,
+    )
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     caught = None
     deadline = time.monotonic() + 600
@@ -187,8 +215,13 @@ def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
 def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_model_dir, tmp_path):
     """The reference workload's preset, unchanged but for the model, the data files and the counts."""
     data = tmp_path / "gsm8k.jsonl"
-    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-             "answer": f"{a} + {b} = {a + b}\n#### {a + b:,}"} for a, b in ((3, 4), (10, 990), (7, 8), (12, 30))]
+    rows = [
+        {
+            "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+            "answer": f"{a} + {b} = {a + b}\n#### {a + b:,}",
+        }
+        for a, b in ((3, 4), (10, 990), (7, 8), (12, 30))
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "gsm8k", "--run-dir", str(run), "--iterations", "1",
@@ -296,16 +329,36 @@ def test_ppo_two_iterations_through_the_real_loop(tiny_model_dir, tmp_path):
     from finetune.rundir import read_advantages
 
     run = tmp_path / "run"
-    out = subprocess.run(command(tiny_model_dir, run, 2, "--train.algorithm", "ppo", "--train.ppo.kl_in_reward",
-                                 "0.05", "--train.ppo.critic_lr", "1e-4"),
-                         capture_output=True, text=True, timeout=1200)
+    out = subprocess.run(
+        command(
+            tiny_model_dir,
+            run,
+            2,
+            "--train.algorithm",
+            "ppo",
+            "--train.ppo.kl_in_reward",
+            "0.05",
+            "--train.ppo.critic_lr",
+            "1e-4",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
     steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
     assert [s["batch"] for s in steps] == [1, 2]
     for s in steps:
-        for key in ("value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance", "clip_frac",
-                    "critic_grad_norm"):
+        for key in (
+            "value_loss",
+            "vf_clip_frac",
+            "value_mean",
+            "returns_mean",
+            "explained_variance",
+            "clip_frac",
+            "critic_grad_norm",
+        ):
             assert key in s, key
     assert steps[0]["value_mean"] == 0.0  # a zero-initialised value head: the first batch's values
     metrics = read_metrics(run / "metrics.jsonl")

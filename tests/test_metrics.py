@@ -9,12 +9,21 @@ def tape(rewards, n_tokens, finish="stop", ref=None, success=None, format_error=
     t = Tape(metadata=TapeMetadata(reward=sum(rewards), turns=len(rewards), success=success, error=error))
     t.append(EnvObservation(text="start"))
     for turn, reward in enumerate(rewards, start=1):
-        call = LLMCall(output_token_ids=list(range(n_tokens)), logprobs=[-1.0] * n_tokens, finish_reason=finish,
-                       ref_logprobs=ref, turn=turn, extends_previous=None if turn == 1 else chain_ok)
+        call = LLMCall(
+            output_token_ids=list(range(n_tokens)),
+            logprobs=[-1.0] * n_tokens,
+            finish_reason=finish,
+            ref_logprobs=ref,
+            turn=turn,
+            extends_previous=None if turn == 1 else chain_ok,
+        )
         t.append(EnvAction(text="x", turn=turn), llm_call=call)
         last = turn == len(rewards)
-        t.append(EnvObservation(text="y", turn=turn, reward=reward, terminated=last,
-                                info={"format_error": format_error and last}))
+        t.append(
+            EnvObservation(
+                text="y", turn=turn, reward=reward, terminated=last, info={"format_error": format_error and last}
+            )
+        )
     return t
 
 
@@ -45,8 +54,11 @@ def tool_tape(errors: list[bool]) -> Tape:
     t.append(EnvObservation(text="What is 123 * 456?"))
     for turn, failed in enumerate(errors, start=1):
         t.append(ToolCallAction(text="<python>x</python>", turn=turn, tool="python", call="x"))
-        t.append(ToolResultObservation(text="<output></output>", turn=turn, tool="python", reward=0.0,
-                                       info={"tool_error": failed}))
+        t.append(
+            ToolResultObservation(
+                text="<output></output>", turn=turn, tool="python", reward=0.0, info={"tool_error": failed}
+            )
+        )
     t.append(EnvAction(text="\\boxed{56088}", turn=len(errors) + 1))
     t.append(EnvObservation(text="", turn=len(errors) + 1, reward=1.0, terminated=True, info={"success": True}))
     return t
@@ -63,9 +75,19 @@ def test_tool_metrics_count_calls_per_episode_and_failed_runs():
 def test_metrics_file_survives_a_torn_line_and_plots(tmp_path):
     path = tmp_path / "metrics.jsonl"
     for i in range(3):
-        append_metrics(path, {"iteration": i, "success_rate": 0.1 * i, "eval_success_rate": 0.2 if i == 2 else None,
-                              "time_generate": 3.0, "time_train": 2.0, "time_other": 0.5,
-                              "tool_calls_mean": 0.5 * i, "tool_error_rate": 0.1})
+        append_metrics(
+            path,
+            {
+                "iteration": i,
+                "success_rate": 0.1 * i,
+                "eval_success_rate": 0.2 if i == 2 else None,
+                "time_generate": 3.0,
+                "time_train": 2.0,
+                "time_other": 0.5,
+                "tool_calls_mean": 0.5 * i,
+                "tool_error_rate": 0.1,
+            },
+        )
     with open(path, "a") as f:
         f.write('{"iteration": 3, "succ')  # killed mid-write
     records = read_metrics(path)

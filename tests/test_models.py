@@ -23,7 +23,7 @@ def test_embedded_model_answers_7_plus_5(embedded_model_dir):
     assert "<|im_start|>user\nWhat is 7 + 5?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "12" in answer, answer
 
 
@@ -69,5 +69,7 @@ def test_untied_copy_is_the_same_model_with_its_head_written_out(tiny_model_dir,
     with torch.no_grad():
         torch.testing.assert_close(untied(ids).logits, tied(ids).logits, atol=0, rtol=0)
     assert AutoTokenizer.from_pretrained(copy).apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False) == AutoTokenizer.from_pretrained(
-        tiny_model_dir).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        [{"role": "user", "content": "hi"}], tokenize=False
+    ) == AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )

@@ -132,4 +132,3 @@ def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args
     assert exc.value.code == 2
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {option}") and words in err, err
     assert not (tmp_path / "out" / "checkpoints").exists()
-

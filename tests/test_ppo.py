@@ -95,8 +95,15 @@ def test_ppo_loss_is_the_clipped_policy_term_plus_the_value_term():
     old = torch.tensor([0.8, 0.8, 0.8], dtype=torch.float64)
     returns = torch.tensor([0.0, 1.0, 0.3], dtype=torch.float64)
     options = PPOConfig(vf_coef=0.5, value_clip=0.2)
-    x = LossInputs(logp=logp, behaviour_logp=behaviour, advantages=adv, weights=weights, values=values,
-                   old_values=old, returns=returns)
+    x = LossInputs(
+        logp=logp,
+        behaviour_logp=behaviour,
+        advantages=adv,
+        weights=weights,
+        values=values,
+        old_values=old,
+        returns=returns,
+    )
     out = ppo_loss(x, options)
     # ratios exp(0.1) = 1.10517, exp(-0.1) = 0.904837, exp(0.5) = 1.64872 (clipped at 1.2 with A > 0)
     pg = -(1.10517 * 1.0 + 0.904837 * -0.5 + 1.2 * 2.0) / 3
@@ -147,8 +154,15 @@ def constant_batch(seed: int, reward: float = 1.0) -> list[Sample]:
         prompt = torch.randint(0, 256, (6,), generator=g).tolist()
         for k in range(2):
             n = int(torch.randint(2, 6, (1,), generator=g))
-            samples.append(Sample(prompt_ids=prompt, completion_ids=torch.randint(0, 256, (n,), generator=g).tolist(),
-                                  behaviour_logprobs=[-5.5] * n, reward=reward, group_id=f"{seed}-{group}"))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    completion_ids=torch.randint(0, 256, (n,), generator=g).tolist(),
+                    behaviour_logprobs=[-5.5] * n,
+                    reward=reward,
+                    group_id=f"{seed}-{group}",
+                )
+            )
     return samples
 
 
@@ -156,8 +170,12 @@ def constant_batch(seed: int, reward: float = 1.0) -> list[Sample]:
 def test_critic_learns_a_constant_rewards_value(tiny, critic):
     from finetune.learner import Learner
 
-    cfg = TrainConfig(algorithm="ppo", lr=1e-6, token_budget=256,
-                      ppo={"critic": critic, "critic_lr": 1e-2, "vf_coef": 1.0, "value_clip": 0.0})
+    cfg = TrainConfig(
+        algorithm="ppo",
+        lr=1e-6,
+        token_budget=256,
+        ppo={"critic": critic, "critic_lr": 1e-2, "vf_coef": 1.0, "value_clip": 0.0},
+    )
     learner = Learner(tiny, cfg)
     means = []
     for step in range(60):
@@ -179,13 +197,20 @@ def test_ppo_on_multi_turn_episodes_puts_each_turns_reward_at_its_last_token(tin
     whitening) is the discounted return of its turn."""
     from finetune.learner import Learner
 
-    cfg = TrainConfig(algorithm="ppo", gamma=0.5, token_budget=256,
-                      ppo={"whiten_advantages": False, "critic": "head"})
+    cfg = TrainConfig(algorithm="ppo", gamma=0.5, token_budget=256, ppo={"whiten_advantages": False, "critic": "head"})
     learner = Learner(tiny, cfg)
-    sample = Sample(prompt_ids=[1, 2, 3], completion_ids=[4, 5, 6, 7, 8, 9, 10], behaviour_logprobs=[-5.0] * 5,
-                    reward=3.0, group_id="g", episode_id="e",
-                    turns=[{"index": 0, "start": 0, "length": 2, "reward": 1.0},
-                           {"index": 1, "start": 4, "length": 3, "reward": 2.0}])
+    sample = Sample(
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5, 6, 7, 8, 9, 10],
+        behaviour_logprobs=[-5.0] * 5,
+        reward=3.0,
+        group_id="g",
+        episode_id="e",
+        turns=[
+            {"index": 0, "start": 0, "length": 2, "reward": 1.0},
+            {"index": 1, "start": 4, "length": 3, "reward": 2.0},
+        ],
+    )
     advantages, (old, returns), _ = learner._gae([sample])
     assert old[0].tolist() == [0.0] * 5
     # turn 1: 1 + 0.5 * 2 = 2; turn 2: 2
@@ -198,8 +223,20 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
 
     from finetune.learner import Learner
 
-    options = ["--algorithm", "ppo", "--lr", "1e-3", "--epochs", "2", "--token-budget", "64",
-               "--ppo.critic-lr", "1e-3", "--ppo.gae-lambda", "0.95"]
+    options = [
+        "--algorithm",
+        "ppo",
+        "--lr",
+        "1e-3",
+        "--epochs",
+        "2",
+        "--token-budget",
+        "64",
+        "--ppo.critic-lr",
+        "1e-3",
+        "--ppo.gae-lambda",
+        "0.95",
+    ]
     cfg = TrainConfig(algorithm="ppo", lr=1e-3, epochs=2, token_budget=64, ppo={"critic_lr": 1e-3, "gae_lambda": 0.95})
     batches = [constant_batch(1, 1.0), constant_batch(2, 0.0)]
     for samples, reward in zip(batches, (1.0, 0.0)):  # mixed rewards inside a batch
@@ -266,7 +303,12 @@ x = LossInputs(logp=torch.tensor([-1.0, -2.0]), behaviour_logp=torch.zeros(2), a
                weights=torch.tensor([0.5, 0.5]))
 print(cfg.loss_options.beta, float(cfg.loss.fn(x, cfg.loss_options).loss))
 '''
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0.2", "-0.5"]  # -logp x A = [1, -2], weighted 0.5 each

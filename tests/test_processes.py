@@ -57,12 +57,18 @@ def test_stop_takes_down_the_whole_tree(tmp_path):
 def test_children_die_when_the_orchestrator_is_killed(tmp_path):
     pids_file = tmp_path / "pids"
     # a stand-in orchestrator that spawns the tree, then is SIGKILLed
-    orchestrator = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    orchestrator = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from orchestrate.processes import spawn
         spawn([sys.executable, "-c", {TREE!r}, {str(pids_file)!r}], {str(tmp_path / "log")!r})
         time.sleep(600)
-    """)])
+    """),
+        ]
+    )
     pids = read_pids(pids_file)
     orchestrator.send_signal(signal.SIGKILL)
     orchestrator.wait()

@@ -27,23 +27,51 @@ class ScriptedLLM:
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
         text = self.texts.pop(0)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                       output_text=text, output_token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop",
-                       sampling=sampling)
+        return LLMCall(
+            messages=list(messages or []),
+            prompt_token_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            output_text=text,
+            output_token_ids=ids,
+            logprobs=[-0.1] * len(ids),
+            finish_reason="stop",
+            sampling=sampling,
+        )
 
 
 def game_agent(tokenizer, instruction=""):
-    return ChatAgent(AgentConfig(max_turns=6, instruction=instruction),
-                     SamplingParams(temperature=0.7, max_tokens=16), ChatTokens(tokenizer))
+    return ChatAgent(
+        AgentConfig(max_turns=6, instruction=instruction),
+        SamplingParams(temperature=0.7, max_tokens=16),
+        ChatTokens(tokenizer),
+    )
 
 
 def test_multi_turn_replay_and_diff_without_servers(tokenizer):
     """Scripted games: identical replays; a changed prompt, a changed environment, a shorter episode named."""
     spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 10, "max_turns": 4}, "train", 0)
-    guesses = ["\\boxed{5}", "\\boxed{3}", "\\boxed{8}", "\\boxed{1}", "\\boxed{2}", "\\boxed{9}", "\\boxed{10}",
-               "\\boxed{4}"]
-    tapes = asyncio.run(run_rollouts(game_agent(tokenizer), spec, [0, 1], 1, ScriptedLLM(tokenizer, guesses),
-                                     iteration=1, policy_version=0, progress=False))
+    guesses = [
+        "\\boxed{5}",
+        "\\boxed{3}",
+        "\\boxed{8}",
+        "\\boxed{1}",
+        "\\boxed{2}",
+        "\\boxed{9}",
+        "\\boxed{10}",
+        "\\boxed{4}",
+    ]
+    tapes = asyncio.run(
+        run_rollouts(
+            game_agent(tokenizer),
+            spec,
+            [0, 1],
+            1,
+            ScriptedLLM(tokenizer, guesses),
+            iteration=1,
+            policy_version=0,
+            progress=False,
+        )
+    )
     assert max(t.metadata.turns for t in tapes) > 1
     for tape in tapes:
         replayed, diff = asyncio.run(replay_tape(tape, game_agent(tokenizer)))
@@ -81,7 +109,12 @@ def test_multi_turn_replay_and_diff_without_servers(tokenizer):
 def test_every_tape_of_a_run_replays_identically(tiny_run):
     agent = agent_from_run_config(tiny_run / "config.json")
     files = sorted((tiny_run / "tapes").glob("*.jsonl"))
-    assert [f.name for f in files] == ["eval_000000.jsonl", "eval_000002.jsonl", "iter_000001.jsonl", "iter_000002.jsonl"]
+    assert [f.name for f in files] == [
+        "eval_000000.jsonl",
+        "eval_000002.jsonl",
+        "iter_000001.jsonl",
+        "iter_000002.jsonl",
+    ]
     count = 0
     for path in files:
         for tape in read_tapes(path):

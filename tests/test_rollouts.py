@@ -26,8 +26,9 @@ EXAMPLE = Example(question="What is 3 + 4?", solution="3 + 4 = 7. The answer is 
 
 def make_agent(tokenizer, max_tokens=48, temperature=1.0, max_turns=1, examples=(EXAMPLE,)):
     config = AgentConfig(examples=list(examples), max_turns=max_turns, instruction="Put the answer in \\boxed{}.")
-    return ChatAgent(config, SamplingParams(temperature=temperature, max_tokens=max_tokens), ChatTokens(tokenizer),
-                     max_context=1024)
+    return ChatAgent(
+        config, SamplingParams(temperature=temperature, max_tokens=max_tokens), ChatTokens(tokenizer), max_context=1024
+    )
 
 
 def arithmetic(run_seed):
@@ -37,8 +38,16 @@ def arithmetic(run_seed):
 def rollouts(server, tokenizer, spec, seeds, attempts=4, on_failure=None, **agent_kw):
     async def go():
         async with VLLMClient([server], model="smollm2", on_failure=on_failure) as client:
-            return await run_rollouts(make_agent(tokenizer, **agent_kw), spec, seeds, attempts, client,
-                                      iteration=0, policy_version=0, progress=False)
+            return await run_rollouts(
+                make_agent(tokenizer, **agent_kw),
+                spec,
+                seeds,
+                attempts,
+                client,
+                iteration=0,
+                policy_version=0,
+                progress=False,
+            )
 
     return asyncio.run(go())
 
@@ -52,9 +61,7 @@ def annotate(reference_server, tokenizer, tapes):
 
 
 def max_ref_gap(tapes):
-    return max(
-        max(abs(a - b) for a, b in zip(call.logprobs, call.ref_logprobs)) for t in tapes for call in t.llm_calls
-    )
+    return max(max(abs(a - b) for a, b in zip(call.logprobs, call.ref_logprobs)) for t in tapes for call in t.llm_calls)
 
 
 def test_rollouts_tapes_rewards_reference(policy_server, reference_server, tokenizer, tmp_path):
@@ -125,8 +132,16 @@ def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
     async def go():
         async with VLLMClient([policy_server], on_failure=recover, max_retries=6) as client:
             task = asyncio.ensure_future(
-                run_rollouts(make_agent(tokenizer, max_tokens=96), arithmetic(3), [0, 1, 2, 3], 4, client,
-                             iteration=0, policy_version=0, progress=False)
+                run_rollouts(
+                    make_agent(tokenizer, max_tokens=96),
+                    arithmetic(3),
+                    [0, 1, 2, 3],
+                    4,
+                    client,
+                    iteration=0,
+                    policy_version=0,
+                    progress=False,
+                )
             )
             await asyncio.sleep(1.5)  # requests are in flight
             os.killpg(policy_server.process.pid, signal.SIGKILL)
@@ -145,9 +160,18 @@ def test_multi_turn_episodes_chain_token_exactly(policy_server, reference_server
     sampled (the end-of-turn token included) + the observation's delta; the reference scores each episode in
     one request, aligned with the behaviour log-probs (same weights, T = 1)."""
     spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 100, "max_turns": 4}, "train", 0)
-    tapes = rollouts(policy_server, tokenizer, spec, [0, 1, 2, 3], attempts=4, max_tokens=32, max_turns=4,
-                     examples=(Example(question="I picked a number between 1 and 10. Guess it.",
-                                       solution="My guess is \\boxed{5}."),))
+    tapes = rollouts(
+        policy_server,
+        tokenizer,
+        spec,
+        [0, 1, 2, 3],
+        attempts=4,
+        max_tokens=32,
+        max_turns=4,
+        examples=(
+            Example(question="I picked a number between 1 and 10. Guess it.", solution="My guess is \\boxed{5}."),
+        ),
+    )
     calls = [c for t in tapes for c in t.llm_calls]
     later = [c for c in calls if c.turn > 1]
     assert later, "no episode went past its first turn"

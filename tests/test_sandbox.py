@@ -16,7 +16,6 @@ import pytest
 from agents.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxConfig, SandboxUnavailable, check_isolation
 
 
-
 @pytest.fixture(scope="module")
 def sandbox():
     if shutil.which("bwrap") is None:
@@ -61,8 +60,10 @@ def gone(find, timeout: float = 5.0) -> list[int]:
 
 
 def test_a_plain_program_runs_with_nothing_of_the_host(sandbox):
-    r = sandbox.run("import os, sys\nprint(6 * 7)\nprint(sorted(os.listdir('/')))\nprint(sorted(os.environ))\n"
-                    "print(input())", stdin="from stdin")
+    r = sandbox.run(
+        "import os, sys\nprint(6 * 7)\nprint(sorted(os.listdir('/')))\nprint(sorted(os.environ))\nprint(input())",
+        stdin="from stdin",
+    )
     assert r.ok and r.infra_error is None, r
     lines = r.stdout.splitlines()
     assert lines[0] == "42"
@@ -109,10 +110,12 @@ def test_writes_outside_its_tmp_fail_and_leave_nothing(sandbox, tmp_path):
     run_dir.mkdir()
     name = f"sandbox-{uuid.uuid4().hex}"
     home = Path.home()
-    code = (f"import os\nfor path in ['/etc/{name}', '{home}/{name}', '{run_dir}/{name}', '/usr/{name}', '/{name}']:\n"
-            "    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
-            "    except OSError as exc:\n        print('refused', path, type(exc).__name__)\n"
-            "open('/tmp/ok', 'w').write('fine'); print('tmp ok')")
+    code = (
+        f"import os\nfor path in ['/etc/{name}', '{home}/{name}', '{run_dir}/{name}', '/usr/{name}', '/{name}']:\n"
+        "    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
+        "    except OSError as exc:\n        print('refused', path, type(exc).__name__)\n"
+        "open('/tmp/ok', 'w').write('fine'); print('tmp ok')"
+    )
     r = sandbox.run(code)
     assert "WROTE" not in r.stdout and r.stdout.count("refused") == 5 and "tmp ok" in r.stdout, r
     for folder in (Path("/etc"), home, run_dir, Path("/usr"), Path("/")):
@@ -124,9 +127,11 @@ def test_the_run_directory_and_the_cache_are_not_visible(sandbox, tmp_path):
     secret.parent.mkdir()
     secret.write_text("API_KEY=hunter2")
     cache = Path.home() / ".cache"
-    r = sandbox.run(f"import os\nfor p in ['{secret}', '{cache}', '{Path.home()}']:\n"
-                    "    print(p, os.path.exists(p))\n"
-                    f"try:\n    print(open('{secret}').read())\nexcept OSError as exc:\n    print(type(exc).__name__)")
+    r = sandbox.run(
+        f"import os\nfor p in ['{secret}', '{cache}', '{Path.home()}']:\n"
+        "    print(p, os.path.exists(p))\n"
+        f"try:\n    print(open('{secret}').read())\nexcept OSError as exc:\n    print(type(exc).__name__)"
+    )
     assert "hunter2" not in r.stdout and r.stdout.count(" False") == 3 and "FileNotFoundError" in r.stdout, r
 
 
@@ -146,8 +151,10 @@ def test_no_network_not_even_the_hosts_loopback(sandbox):
 
     thread = threading.Thread(target=accept)
     thread.start()
-    r = sandbox.run(f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
-                    "    print('CONNECTED')\nexcept OSError as exc:\n    print('refused', type(exc).__name__)")
+    r = sandbox.run(
+        f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
+        "    print('CONNECTED')\nexcept OSError as exc:\n    print('refused', type(exc).__name__)"
+    )
     thread.join()
     server.close()
     assert "CONNECTED" not in r.stdout and "refused" in r.stdout and accepted == []
@@ -163,17 +170,21 @@ def test_100_mb_of_output_is_capped(sandbox):
 
 def test_children_left_sleeping_do_not_survive(sandbox):
     marker = f"sleeper-{uuid.uuid4().hex}"
-    r = sandbox.run(f"import os, subprocess\nfor _ in range(3):\n"
-                    f"    subprocess.Popen(['/bin/sh', '-c', 'sleep 300; : {marker}'], start_new_session=True)\n"
-                    f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n"
-                    "print('left them')")
+    r = sandbox.run(
+        f"import os, subprocess\nfor _ in range(3):\n"
+        f"    subprocess.Popen(['/bin/sh', '-c', 'sleep 300; : {marker}'], start_new_session=True)\n"
+        f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 300; : {marker}'])\n"
+        "print('left them')"
+    )
     assert r.ok and "left them" in r.stdout, r
     assert gone(lambda: processes_with(marker) + sandbox_processes()) == []
 
 
 def test_a_signal_to_the_parents_pid_does_not_reach_it(sandbox):
-    r = sandbox.run(f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\n    print('sent')\n"
-                    "except OSError as exc:\n    print(type(exc).__name__)\nos.kill(os.getppid(), signal.SIGKILL)")
+    r = sandbox.run(
+        f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\n    print('sent')\n"
+        "except OSError as exc:\n    print(type(exc).__name__)\nos.kill(os.getppid(), signal.SIGKILL)"
+    )
     assert "ProcessLookupError" in r.stdout  # its PID namespace holds no such process
     assert r.infra_error is None
 
@@ -181,8 +192,9 @@ def test_a_signal_to_the_parents_pid_does_not_reach_it(sandbox):
 def test_concurrent_programs_each_get_a_slot(sandbox):
     sandbox = Sandbox(SandboxConfig(timeout_s=10), slots=4)
     results = [None] * 8
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, sandbox.run(f"print({i} * 2)")))
-               for i in range(8)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, sandbox.run(f"print({i} * 2)"))) for i in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:

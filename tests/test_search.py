@@ -193,8 +193,9 @@ def test_splits_are_disjoint_deterministic_and_cover_every_question(qa):
     train_q, test_q = {q.question for q in train.questions}, {q.question for q in test.questions}
     assert train_q and test_q and not train_q & test_q and len(train_q) + len(test_q) == len(QUESTIONS) + 40
     assert test.test_size == len(test_q)
-    assert [test.reset(seed=k)[0] for k in range(test.test_size)] == [f"{q.question}\nGive the answer as a short "
-                                                                      "phrase in \\boxed{}." for q in test.questions]
+    assert [test.reset(seed=k)[0] for k in range(test.test_size)] == [
+        f"{q.question}\nGive the answer as a short phrase in \\boxed{{}}." for q in test.questions
+    ]
     first_pass = {train.reset(seed=k)[1]["task_id"] for k in range(len(train_q))}
     assert len(first_pass) == len(train_q)  # one pass over every train question, each once
     again = make_env("qa", qa, split="train")
@@ -235,8 +236,9 @@ def test_the_search_tool_answers_in_search_r1_format(corpus):
     assert info["tool_error"] is False and info["output_truncated"] is False
     observation, info = tool.execute(tool.parse("<search>  </search>"))
     assert info["tool_error"] is True and "empty query" in observation
-    observation, info = search_tool(corpus, top_k=5, observation_chars=200).execute(tool.parse("<search>Zorbia "
-                                                                                              "Quelport Vell</search>"))
+    observation, info = search_tool(corpus, top_k=5, observation_chars=200).execute(
+        tool.parse("<search>Zorbia Quelport Vell</search>")
+    )
     assert info["output_truncated"] and len(observation) <= 200 + len("<information> [... cut]</information>")
 
 
@@ -268,34 +270,52 @@ class ScriptedLLM:
         self.stops.append(list(sampling.stop))
         text = self.texts.pop(0)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                       output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                       sampling=sampling)
+        return LLMCall(
+            messages=list(messages or []),
+            prompt_token_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            output_text=text,
+            output_token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason="stop",
+            sampling=sampling,
+        )
 
 
-def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recorded_results(qa, corpus, tokenizer,
-                                                                                           tmp_path):
+def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recorded_results(
+    qa, corpus, tokenizer, tmp_path
+):
     """The real ChatAgent: sampling stops at `</search>`, the search is a ToolCallAction / ToolResultObservation
     on the tape, and the replay answers it from the tape (the corpus is gone by then) and says so."""
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
+    from orchestrate.browse import episode_view
     from orchestrate.replay import replay_tape
     from orchestrate.rollouts import EnvSpec
-    from orchestrate.browse import episode_view
     from tapes.store import read_tapes, write_tapes
     from tapes.tape import SamplingParams, Tape, ToolCallAction, ToolResultObservation
 
     question, answer, _ = QUESTIONS[8]
     inner, seed = episode_of(qa, question)
-    spec = EnvSpec("qa", qa, "test" if inner.test_size else "train", 0, ["search"],
-                   search={"corpus": str(corpus), "top_k": 2})
-    llm = ScriptedLLM(tokenizer, [f"Let me look.\n<search>{question}</search>", "<search>Ostric sea</search>",
-                                  f"So \\boxed{{{answer}}}"])
+    spec = EnvSpec(
+        "qa", qa, "test" if inner.test_size else "train", 0, ["search"], search={"corpus": str(corpus), "top_k": 2}
+    )
+    llm = ScriptedLLM(
+        tokenizer,
+        [f"Let me look.\n<search>{question}</search>", "<search>Ostric sea</search>", f"So \\boxed{{{answer}}}"],
+    )
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
     tape = asyncio.run(agent.run_episode(spec.make(), seed, llm, Tape(context=spec.context(seed))))
     assert llm.stops == [["</search>"]] * 3
-    assert [s.kind for s in tape.steps] == ["env_observation", "tool_call", "tool_result", "tool_call", "tool_result",
-                                            "env_action", "env_observation"]
+    assert [s.kind for s in tape.steps] == [
+        "env_observation",
+        "tool_call",
+        "tool_result",
+        "tool_call",
+        "tool_result",
+        "env_action",
+        "env_observation",
+    ]
     call, result = tape.steps[1], tape.steps[2]
     assert isinstance(call, ToolCallAction) and call.tool == "search" and call.call == question
     assert isinstance(result, ToolResultObservation) and result.tool == "search" and answer in result.text
@@ -308,8 +328,9 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     turns = episode_view(saved, None)["turns"]
     assert [(t["tool"], t["tool_call"]) for t in turns] == [("search", question), ("search", "Ostric sea"),
                                                             (None, None)]  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path)], capture_output=True, text=True, cwd=ROOT,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrate.show", str(path)], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "[agent] turn 1 (search call)" in out.stdout and "[search tool] result of turn 1" in out.stdout
     assert "Doc 1 (Title: " in out.stdout

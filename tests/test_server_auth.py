@@ -57,8 +57,17 @@ def test_key_is_not_on_the_command_line(tmp_path):
 
 @pytest.mark.parametrize(
     "args",
-    [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--port", "80"], ["--api-key", "k"], ["--api_key=k"],
-     ["--hos", "0.0.0.0"], ["--uds", "/tmp/s"], ["--middleware", "x.y"], ["--max-num-seqs", "8", "--port=9"]],
+    [
+        ["--host", "0.0.0.0"],
+        ["--host=0.0.0.0"],
+        ["--port", "80"],
+        ["--api-key", "k"],
+        ["--api_key=k"],
+        ["--hos", "0.0.0.0"],
+        ["--uds", "/tmp/s"],
+        ["--middleware", "x.y"],
+        ["--max-num-seqs", "8", "--port=9"],
+    ],
 )
 def test_extra_args_cannot_set_host_port_or_key(args):
     from pydantic import ValidationError

@@ -34,8 +34,9 @@ def make_tape(i: int = 0) -> Tape:
         sampling=SamplingParams(temperature=0.7, max_tokens=64, seed=i),
     )
     tape = Tape(
-        metadata=TapeMetadata(task_id=f"t{i}", group_id="g0", iteration=2, policy_version=3, reward=1.0,
-                              reward_reason="correct"),
+        metadata=TapeMetadata(
+            task_id=f"t{i}", group_id="g0", iteration=2, policy_version=3, reward=1.0, reward_reason="correct"
+        ),
         context={"source": "test"},
     )
     tape.append(TaskStep(text="What is 7 + 5?", data={"answer": "12"}))

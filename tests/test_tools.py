@@ -23,9 +23,16 @@ class ScriptedLLM:
         text = self.texts[self.calls]
         self.calls += 1
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                       output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                       sampling=sampling)
+        return LLMCall(
+            messages=list(messages or []),
+            prompt_token_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            output_text=text,
+            output_token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason="stop",
+            sampling=sampling,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +92,16 @@ def test_the_agent_stops_sampling_at_the_end_of_a_tool_call_and_reads_its_output
             seen.append(sampling.stop)
             text, eos = texts[len(seen) - 1]
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
-            return LLMCall(messages=list(messages or []), prompt_token_ids=list(prompt_ids), prompt_text=prompt_text,
-                           output_text=text, output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop",
-                           sampling=sampling)
+            return LLMCall(
+                messages=list(messages or []),
+                prompt_token_ids=list(prompt_ids),
+                prompt_text=prompt_text,
+                output_text=text,
+                output_token_ids=ids,
+                logprobs=[-0.5] * len(ids),
+                finish_reason="stop",
+                sampling=sampling,
+            )
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
     tape = asyncio.run(agent.run_episode(env, 5, LLM(), Tape()))
@@ -111,8 +125,9 @@ def test_tool_runs_do_not_block_other_episodes(tool):
         for env in envs:
             env.reset(seed=0)
         start = time.monotonic()
-        results = await asyncio.gather(*(env.astep("<python>import time; time.sleep(1); print('done')</python>")
-                                         for env in envs))
+        results = await asyncio.gather(
+            *(env.astep("<python>import time; time.sleep(1); print('done')</python>") for env in envs)
+        )
         return time.monotonic() - start, results, clock
 
     seconds, results, clock = asyncio.run(both())
@@ -148,10 +163,16 @@ def test_tools_from_the_command_line(tmp_path):
                           "/usr/bin/no-python", "--run-dir", str(tmp_path / "run")], cwd=root, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
-        "error: --env.sandbox.python: /usr/bin/no-python is not an executable file")
+        "error: --env.sandbox.python: /usr/bin/no-python is not an executable file"
+    )
     assert not (tmp_path / "run").exists()
-    out = subprocess.run([sys.executable, "-m", "orchestrate.rl", "--env.tools", "perl"], cwd=root,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrate.rl", "--env.tools", "perl"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--env.tools" in out.stderr
 
 
@@ -172,10 +193,19 @@ def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer
     texts = ["<python>print(6 * 7)</python>", "<python>1 / 0</python>", "\\boxed{42}"]
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
-    tape = asyncio.run(agent.run_episode(env, 1, ScriptedLLM(tokenizer, texts), Tape(context={"env": {"id": "math:arithmetic"}})))
+    tape = asyncio.run(
+        agent.run_episode(env, 1, ScriptedLLM(tokenizer, texts), Tape(context={"env": {"id": "math:arithmetic"}}))
+    )
     kinds = [s.kind for s in tape.steps]
-    assert kinds == ["env_observation", "tool_call", "tool_result", "tool_call", "tool_result", "env_action",
-                     "env_observation"]
+    assert kinds == [
+        "env_observation",
+        "tool_call",
+        "tool_result",
+        "tool_call",
+        "tool_result",
+        "env_action",
+        "env_observation",
+    ]
     call, result = tape.steps[1], tape.steps[2]
     assert isinstance(call, ToolCallAction) and isinstance(call, EnvAction) and call.call == "print(6 * 7)"
     assert isinstance(result, ToolResultObservation) and isinstance(result, EnvObservation)
@@ -186,8 +216,11 @@ def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer
     assert [s.kind for s in again.steps] == kinds and again.steps[1].call == "print(6 * 7)"
 
     turns = episode_view(again, None)["turns"]
-    assert [(t["tool"], t["tool_call"]) for t in turns] == [("python", "print(6 * 7)"), ("python", "1 / 0"),
-                                                            (None, None)]
+    assert [(t["tool"], t["tool_call"]) for t in turns] == [
+        ("python", "print(6 * 7)"),
+        ("python", "1 / 0"),
+        (None, None),
+    ]
     out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -208,8 +241,11 @@ def test_replay_reruns_the_code_and_says_so(tool, tokenizer):
 
     spec = EnvSpec("math:arithmetic", {}, "train", 0, ["python"], {"timeout_s": 5})
     answer = spec.make().env._problem_at(2).answer
-    texts = ["<python>print(sum(range(10)))</python>", "<python>import sys; sys.exit(3)</python>",
-             f"\\boxed{{{answer}}}"]
+    texts = [
+        "<python>print(sum(range(10)))</python>",
+        "<python>import sys; sys.exit(3)</python>",
+        f"\\boxed{{{answer}}}",
+    ]
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
     tape = asyncio.run(agent.run_episode(spec.make(), 2, ScriptedLLM(tokenizer, texts), Tape(context=spec.context(2))))

@@ -90,7 +90,7 @@ _FENCED_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTA
 
 # Runs inside the sandbox as main.py, with the system's Python. What it prints is read back as data, never
 # believed: see the module docstring.
-HARNESS = r'''
+HARNESS = r"""
 import builtins, json, os, signal, sys
 
 
@@ -148,7 +148,7 @@ def _main():
 
 
 _main()
-'''
+"""
 
 
 # -- problems ---------------------------------------------------------------------------
@@ -186,8 +186,9 @@ def parse_test(source: str) -> Test:
         raise ValueError("must be one assert statement: assert EXPRESSION == EXPECTED")
     test = tree.body[0].test
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-        raise ValueError("must compare with one ==: assert EXPRESSION == EXPECTED (the comparison is made "
-                         "outside the sandbox)")
+        raise ValueError(
+            "must compare with one ==: assert EXPRESSION == EXPECTED (the comparison is made outside the sandbox)"
+        )
     left, right = test.left, test.comparators[0]
     for expression, literal in ((left, right), (right, left)):
         try:
@@ -228,8 +229,15 @@ def _problem(record: Any, line: int, where: str) -> Problem:
         if record.get(field) is not None and not isinstance(record[field], str):
             raise bad(field, "not a string")
     given_id = record.get("id")
-    return Problem(given_id or f"line {line}", prompt.strip(), tuple(parsed), entry_point, record.get("solution"),
-                   line, given_id or prompt.strip())
+    return Problem(
+        given_id or f"line {line}",
+        prompt.strip(),
+        tuple(parsed),
+        entry_point,
+        record.get("solution"),
+        line,
+        given_id or prompt.strip(),
+    )
 
 
 @lru_cache(maxsize=8)
@@ -329,8 +337,13 @@ def run_tests(sandbox: Sandbox, program: str, problem: Problem, test_timeout_s: 
     """Run `program` against `problem`'s tests in `sandbox`; SandboxInfraError when the sandbox failed."""
     nonce = secrets.token_hex(16)
     mark = f"{MARK} {nonce}"
-    job = {"mark": mark, "program": program, "tests": [t.expression for t in problem.tests],
-           "timeout_s": test_timeout_s, "max_chars": MAX_VALUE_CHARS}
+    job = {
+        "mark": mark,
+        "program": program,
+        "tests": [t.expression for t in problem.tests],
+        "timeout_s": test_timeout_s,
+        "max_chars": MAX_VALUE_CHARS,
+    }
     result = sandbox.run(HARNESS, stdin=json.dumps(job))
     if result.infra_error:
         raise SandboxInfraError(f"code tests: {result.infra_error}")
@@ -340,7 +353,7 @@ def run_tests(sandbox: Sandbox, program: str, problem: Problem, test_timeout_s: 
         if not line.startswith(mark + " "):
             continue
         try:
-            record = json.loads(line[len(mark) + 1:])
+            record = json.loads(line[len(mark) + 1 :])
         except json.JSONDecodeError:
             continue
         if not isinstance(record, dict):
@@ -374,18 +387,36 @@ def run_tests(sandbox: Sandbox, program: str, problem: Problem, test_timeout_s: 
 class CodeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    problems: str | None = Field(None, description="JSON lines file of problems (prompt, tests, entry_point, "
-                                 "id); default: the built-in set")
-    reward: Literal["all", "fraction"] = Field("all", description="all: 1 when every test passes, else 0; "
-                                               "fraction: the share of tests passed")
-    reward_format_error: float = Field(0.0, allow_inf_nan=False, description="reward of a reply without a "
-                                       "```python block (the episode ends)")
-    test_fraction: float = Field(0.25, gt=0, lt=1, description="share of the problems held out as the test "
-                                 "split (by a hash of each problem; at least one each side)")
-    test_timeout_s: float = Field(2.0, gt=0, le=600, description="seconds the program's top level and each "
-                                  "test may run (the sandbox's timeout_s bounds the whole run)")
-    max_attempts: int = Field(1, ge=1, le=20, description="programs the agent may submit; with more than one, "
-                              "a failing program gets the failing tests back and the agent answers again")
+    problems: str | None = Field(
+        None, description="JSON lines file of problems (prompt, tests, entry_point, id); default: the built-in set"
+    )
+    reward: Literal["all", "fraction"] = Field(
+        "all", description="all: 1 when every test passes, else 0; fraction: the share of tests passed"
+    )
+    reward_format_error: float = Field(
+        0.0, allow_inf_nan=False, description="reward of a reply without a ```python block (the episode ends)"
+    )
+    test_fraction: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        description="share of the problems held out as the test "
+        "split (by a hash of each problem; at least one each side)",
+    )
+    test_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        le=600,
+        description="seconds the program's top level and each "
+        "test may run (the sandbox's timeout_s bounds the whole run)",
+    )
+    max_attempts: int = Field(
+        1,
+        ge=1,
+        le=20,
+        description="programs the agent may submit; with more than one, "
+        "a failing program gets the failing tests back and the agent answers again",
+    )
 
     @field_validator("problems")
     @classmethod
@@ -399,8 +430,10 @@ def pose(prompt: str, entry_point: str | None, max_attempts: int = 1) -> str:
     """The first observation: the problem and how to answer."""
     defines = f" that defines `{entry_point}`" if entry_point else ""
     tries = f" You have {max_attempts} attempts." if max_attempts > 1 else ""
-    return (f"{prompt}\n\nAnswer with a complete Python program{defines} in a ```python code block; it is run "
-            f"against unit tests.{tries}")
+    return (
+        f"{prompt}\n\nAnswer with a complete Python program{defines} in a ```python code block; it is run "
+        f"against unit tests.{tries}"
+    )
 
 
 class CodeEnv:
@@ -428,16 +461,28 @@ class CodeEnv:
         program = last_python_block(action)
         total = len(p.tests)
         if program is None:
-            info = {"success": False, "format_error": True, "reason": "no ```python code block",
-                    "tests_passed": 0, "tests_total": total, "attempt": self.attempt}
+            info = {
+                "success": False,
+                "format_error": True,
+                "reason": "no ```python code block",
+                "tests_passed": 0,
+                "tests_total": total,
+                "attempt": self.attempt,
+            }
             return "No ```python code block found.", o.reward_format_error, True, False, info
         outcome = run_tests(self.sandbox, program, p, o.test_timeout_s)
         success = outcome.tests_passed == total
         score = float(success) if o.reward == "all" else outcome.tests_passed / total
         info = {
-            "success": success, "format_error": False, "tests_passed": outcome.tests_passed, "tests_total": total,
-            "tests": outcome.passed, "exit_code": outcome.exit_code, "timed_out": outcome.timed_out,
-            "error": outcome.error(), "attempt": self.attempt,
+            "success": success,
+            "format_error": False,
+            "tests_passed": outcome.tests_passed,
+            "tests_total": total,
+            "tests": outcome.passed,
+            "exit_code": outcome.exit_code,
+            "timed_out": outcome.timed_out,
+            "error": outcome.error(),
+            "attempt": self.attempt,
             "reason": f"{outcome.tests_passed}/{total} tests passed",
         }  # fmt: skip (no run time or raw output: the tape holds what replays the same)
         summary = f"{outcome.tests_passed} of {total} tests passed."
@@ -446,8 +491,10 @@ class CodeEnv:
             return summary, score, True, False, info
         failing = "\n".join(f"- {f}" for f in outcome.failures[:3])
         program_error = f"\nThe program itself raised {outcome.program_error}" if outcome.program_error else ""
-        feedback = (f"{summary}{program_error}\nFailing tests:\n{failing}\nFix the program and answer again with "
-                    f"the whole program in a ```python code block. {left} attempt{'s' if left > 1 else ''} left.")
+        feedback = (
+            f"{summary}{program_error}\nFailing tests:\n{failing}\nFix the program and answer again with "
+            f"the whole program in a ```python code block. {left} attempt{'s' if left > 1 else ''} left."
+        )
         return feedback, 0.0, False, False, info
 
     async def astep(self, action: str):

@@ -227,21 +227,33 @@ class CountdownOptions(BaseModel):
     low: int = Field(1, ge=1, description="smallest number drawn")
     high: int = Field(20, ge=1, le=1000, description="largest number drawn")
     max_target: int = Field(1000, ge=1, description="largest target; targets are whole numbers in 1..max_target")
-    max_turns: int = Field(1, ge=1, le=100, description="answers allowed; with more than one, a wrong answer gets "
-                           "feedback and the episode goes on")
+    max_turns: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="answers allowed; with more than one, a wrong answer gets feedback and the episode goes on",
+    )
     reward_correct: float = Field(1.0, allow_inf_nan=False, description="reward of a correct expression")
-    reward_wrong: float = Field(0.0, allow_inf_nan=False, description="reward of a wrong expression (wrong value, "
-                                "wrong numbers, division by zero)")
-    reward_format_error: float = Field(-0.1, allow_inf_nan=False, description="reward of an answer with no "
-                                       "\\boxed{} or one that is not an allowed expression")
+    reward_wrong: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        description="reward of a wrong expression (wrong value, wrong numbers, division by zero)",
+    )
+    reward_format_error: float = Field(
+        -0.1,
+        allow_inf_nan=False,
+        description="reward of an answer with no \\boxed{} or one that is not an allowed expression",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> CountdownOptions:
         if self.low > self.high:
             raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
         if self.max_target < self.numbers * self.high:
-            raise ValueError(f"max_target ({self.max_target}) must be at least numbers * high "
-                             f"({self.numbers * self.high}) so that the sum of the numbers is always allowed")
+            raise ValueError(
+                f"max_target ({self.max_target}) must be at least numbers * high "
+                f"({self.numbers * self.high}) so that the sum of the numbers is always allowed"
+            )
         return self
 
 

@@ -40,13 +40,20 @@ class GuessOptions(BaseModel):
     high: int = Field(10, description="largest number the target can be")
     max_turns: int = Field(4, ge=1, le=1000, description="guesses allowed; the game is lost when they run out")
     reward_correct: float = Field(1.0, allow_inf_nan=False, description="reward of the right guess")
-    reward_invalid: float = Field(-0.1, allow_inf_nan=False, description="reward of a guess that cannot be read "
-                                  "(no \\boxed{} holding a whole number)")
-    invalid_ends_episode: bool = Field(True, description="an unreadable guess ends the game (GEM's rule); "
-                                       "otherwise it uses up one guess and the game goes on")
+    reward_invalid: float = Field(
+        -0.1,
+        allow_inf_nan=False,
+        description="reward of a guess that cannot be read (no \\boxed{} holding a whole number)",
+    )
+    invalid_ends_episode: bool = Field(
+        True,
+        description="an unreadable guess ends the game (GEM's rule); "
+        "otherwise it uses up one guess and the game goes on",
+    )
     feedback: Literal["direction", "range"] = Field(
-        "direction", description="direction: each answer says higher or lower than the guess (GEM's game); range: "
-        "it also says the range the number is known to lie in after all guesses so far (the state in one message)"
+        "direction",
+        description="direction: each answer says higher or lower than the guess (GEM's game); range: "
+        "it also says the range the number is known to lie in after all guesses so far (the state in one message)",
     )
 
     @model_validator(mode="after")

@@ -101,8 +101,9 @@ def _config_kwargs(options: BaseModel) -> dict[str, Any]:
 class ReasoningGymData:
     """One split's data set, and for the train split the entries it skips because the test split has them."""
 
-    def __init__(self, name: str, kwargs: dict[str, Any], split: str, run_seed: int, size: int,
-                 test: ReasoningGymData | None):
+    def __init__(
+        self, name: str, kwargs: dict[str, Any], split: str, run_seed: int, size: int, test: ReasoningGymData | None
+    ):
         import reasoning_gym
 
         self.name, self.size = name, size

@@ -72,7 +72,7 @@ def entry(env_id: str) -> EnvEntry:
         return _REGISTRY[env_id]
     for prefix, resolver in _PREFIXES.items():
         if env_id.startswith(prefix):
-            return resolver(env_id[len(prefix):])
+            return resolver(env_id[len(prefix) :])
     known = ", ".join(sorted(_REGISTRY)) + ", " + ", ".join(f"{p}..." for p in sorted(_PREFIXES))
     raise EnvError(f"unknown environment {env_id!r} (known: {known})")
 
@@ -101,8 +101,9 @@ def check_options(env_id: str, options: dict[str, Any] | None) -> BaseModel:
         raise EnvError(f"{name}: {err['msg'].removeprefix('Value error, ')}{got}") from None
 
 
-def make_env(env_id: str, options: dict[str, Any] | None = None, *, split: str = "train", run_seed: int = 0,
-             sandbox=None) -> Env:
+def make_env(
+    env_id: str, options: dict[str, Any] | None = None, *, split: str = "train", run_seed: int = 0, sandbox=None
+) -> Env:
     """A fresh environment `env_id` for `split` ("train" or "test") of the run seeded `run_seed`. An
     environment that runs code gets `sandbox` (an agents.sandbox.Sandbox; default: one with default limits);
     the others ignore it."""
