@@ -5,7 +5,7 @@
 
 Each level is one real run (`python -m orchestrate.rl`, the embedded preset: vLLM server, reference
 server, accelerate-launched trainer), one after the other, with the policy server and the trainer on
-disjoint CPU cores (`--server.cpus` / `--train.cpus`, as separate accelerators would be). From each run's
+disjoint CPU cores (`--server.cpus` / `--trainer.cpus`, as separate accelerators would be). From each run's
 metrics.jsonl it prints: iterations per hour (training iterations over the minutes from the first
 iteration's start to the last record), mean trainer and generator busy fractions, held-out success at each
 evaluation against wall minutes; then the issue's targets as ratios against level 0 in this same run:
@@ -74,7 +74,7 @@ def run_level(level: int, args: argparse.Namespace) -> list[dict]:
     if not args.no_pin:  # half the cores each: the server first, the trainer the rest
         half = len(args.cores) // 2
         command += ["--server.cpus", ",".join(map(str, args.cores[:half])),
-                    "--train.cpus", ",".join(map(str, args.cores[half:]))]  # fmt: skip
+                    "--trainer.cpus", ",".join(map(str, args.cores[half:]))]  # fmt: skip
     command += args.extra.split()
     print(f"level {level}: {' '.join(command[1:])}", flush=True)
     start = time.time()

@@ -50,13 +50,22 @@ import sys
 import threading
 import time
 import traceback
-import types
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from finetune.cli import (
+    OptionError,
+    StrictParser,
+    add_options,
+    check_finite,
+    dashed,
+    error_line,
+    given,
+    nest,
+    refuse_repeated,
+)
 from finetune.config import TrainConfig
 from finetune.losses import LOSSES
 
@@ -66,31 +75,9 @@ log = logging.getLogger("finetune")
 # ---- command line ---------------------------------------------------------------------------
 
 
-def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _argument(field) -> dict:
-    annotation = field.annotation
-    default = field.default_factory() if field.default_factory is not None else field.default
-    kwargs: dict = {"default": argparse.SUPPRESS, "help": f"{field.description} [default: {default}]"}
-    if annotation is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    else:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if typing.get_origin(annotation) is typing.Literal:
-            kwargs["choices"] = list(typing.get_args(annotation))
-        elif isinstance(annotation, types.UnionType) and args:
-            kwargs["metavar"] = args[0].__name__.upper()
-        else:
-            kwargs["metavar"] = getattr(annotation, "__name__", "VALUE").upper()
-    return kwargs
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="finetune.train",
-        allow_abbrev=False,
         description="GRPO / REINFORCE / PPO learner: trains on RUN/batches/*.jsonl as they appear and writes "
         "RUN/checkpoints/*/ (see the module docstring for the file protocol). Launch it with "
         "`accelerate launch -m finetune.train ...`.",
@@ -134,21 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Print the resolved training options as JSON and exit (checks them without loading a model).",
     )
-    train = parser.add_argument_group("training (finetune.config.TrainConfig)")
-    for name, field in TrainConfig.model_fields.items():
-        if name in LOSSES:
-            continue
-        train.add_argument(_option(name), dest=f"cfg_{name}", **_argument(field))
+    add_options(
+        parser.add_argument_group("training (finetune.config.TrainConfig)"), TrainConfig, dash=True, nested=False
+    )
     for loss, spec in LOSSES.items():
         group = parser.add_argument_group(f"options of --algorithm {loss} (finetune.losses)")
-        for name, field in spec.config.model_fields.items():
-            group.add_argument(f"--{loss}.{name.replace('_', '-')}", dest=f"cfg_{loss}__{name}", **_argument(field))
+        add_options(group, spec.config, f"{loss}.", dash=True)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
     """Options and the validated TrainConfig; a bad value exits with one line naming it."""
     parser = build_parser()
+    try:
+        refuse_repeated(sys.argv[1:] if argv is None else argv)
+    except OptionError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
     values: dict = {}
     if args.config:
@@ -158,22 +146,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
             parser.error(f"--config {args.config}: {exc}")
         if not isinstance(values, dict):
             parser.error(f"--config {args.config}: expected a JSON object of training options")
-    for key, value in vars(args).items():
-        if key.startswith("cfg_"):
-            name = key.removeprefix("cfg_")
-            if "__" in name:  # a loss's own option: its section
-                section, option = name.split("__", 1)
-                values[section] = {**(values.get(section) or {}), option: value}
-            else:
-                values[name] = value
     try:
+        nest(given(args), values)
         config = TrainConfig.model_validate(values)
+        check_finite(config.model_dump(), spell=dashed)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = ".".join(str(p) for p in err["loc"])
-        where = ("--" + name.replace("_", "-")) if name else "options"
-        got = f" (got {err['input']!r})" if name and "input" in err else ""
-        parser.error(f"{where}: {err['msg'].removeprefix('Value error, ')}{got}")
+        parser.error(error_line(exc, spell=dashed))
+    except OptionError as exc:
+        parser.error(str(exc))
     if not args.print_config and not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
     return args, config

@@ -12,11 +12,8 @@ one line naming the option (exit status 2) before anything is loaded.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tomllib
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +23,19 @@ from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
+from finetune.cli import (
+    StrictParser,
+    add_options,
+    check_bools,
+    error_line,
+    given,
+    leaves,
+    nest,
+    parse_value,
+    refuse_repeated,
+)
 from finetune.config import TrainConfig
+from orchestrate.config_checks import ConfigError, check_config
 from orchestrate.processes import format_cpus, parse_cpus
 from orchestrate.vllm_server import ServerConfig
 
@@ -109,7 +118,7 @@ class ServerSection(ServerConfig):
     cpus: str | None = Field(
         None,
         description="CPU cores the vLLM servers run on, e.g. '0' or '0-3,6' (their "
-        "OpenMP threads bind to them); keep them apart from --train.cpus; default: all ours",
+        "OpenMP threads bind to them); keep them apart from --trainer.cpus; default: all ours",
     )
 
     @field_validator("cpus", mode="before")
@@ -122,8 +131,10 @@ class ServerSection(ServerConfig):
         return value
 
 
-class TrainerSection(TrainConfig):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class TrainerSection(BaseModel):
+    """How the orchestrator runs the finetune process; what it trains with is the train section (TrainConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     accelerate_config: str | None = Field(
         None, description="accelerate config file for the trainer; default: finetune/accelerate/cpu.yaml on CPU"
@@ -173,15 +184,12 @@ class RLConfig(BaseModel):
     rollouts: RolloutSection = Field(default_factory=RolloutSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     server: ServerSection = Field(default_factory=ServerSection)
-    train: TrainerSection = Field(default_factory=TrainerSection)
+    train: TrainConfig = Field(default_factory=TrainConfig)  # the learner's own config, written for it whole
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     run: RunSection = Field(default_factory=RunSection)
 
 
 # -- command line ---------------------------------------------------------------
-
-
-class ConfigError(ValueError):
-    """A bad preset, option or value; the message is one line naming it."""
 
 
 def presets() -> list[str]:
@@ -198,50 +206,18 @@ def load_preset(name: str) -> dict[str, Any]:
         raise ConfigError(f"--preset {name}: {path} is not a valid TOML preset ({exc}); fix or restore it") from None
 
 
-def _is_model(annotation: Any) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
-
-
 def options(model: type[BaseModel] = RLConfig, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted name, field info, annotation) of every leaf option."""
-    out = []
-    for name, field in model.model_fields.items():
-        if _is_model(field.annotation):
-            out += options(field.annotation, f"{prefix}{name}.")
-        else:
-            out.append((f"{prefix}{name}", field, field.annotation))
-    return out
-
-
-def _type_name(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
-    if origin in (typing.Union, types.UnionType):
-        return "|".join(_type_name(a) for a in typing.get_args(annotation) if a is not type(None)) + "|none"
-    if origin in (list, dict):
-        return "JSON"
-    return getattr(annotation, "__name__", str(annotation)).upper()
-
-
-def _default_text(field) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    else:
-        value = field.default
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
-    return json.dumps(value) if not isinstance(value, str) else value
+    return [(dotted, field, field.annotation) for dotted, field in leaves(model, prefix)]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="uv run -m orchestrate.rl",
         usage="%(prog)s [--preset NAME] [--run-dir DIR] [--iterations N] [--SECTION.OPTION VALUE ...]",
         description="Train an LLM agent with RL on tapes: vLLM rollouts, rewards, reference log-probs, "
         "GRPO/REINFORCE in a separate finetune process. Options below override the preset.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,  # `--iter 7` must not silently mean --iterations
         epilog="Values are parsed as JSON where they can be (numbers, true/false, null, lists), else taken as text.",
     )
     parser.add_argument("--preset", default="embedded", help=f"config preset, one of: {', '.join(presets())}")
@@ -250,67 +226,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--iterations", type=int, default=None, help="same as --run.iterations")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    sections: dict[str, argparse._ArgumentGroup] = {}
-    for dotted, field, annotation in options():
-        section = dotted.split(".")[0]
-        group = sections.setdefault(section, parser.add_argument_group(f"{section}"))
-        help_text = (field.description or "").replace("%", "%%")
-        group.add_argument(
-            f"--{dotted}",
-            dest=f"opt:{dotted}",
-            default=argparse.SUPPRESS,
-            metavar=_type_name(annotation),
-            help=f"{help_text} (default: {_default_text(field).replace('%', '%%')})",
-        )
+    for section, field in RLConfig.model_fields.items():
+        add_options(parser.add_argument_group(section), field.annotation, f"{section}.")
     return parser
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = value
 
 
 def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
     """Preset + dotted overrides -> a validated config, or ConfigError naming the option."""
-    from orchestrate.config_checks import check_config, check_override_types
-
     data = load_preset(preset)
     env = data.setdefault("env", {}) if isinstance(data.get("env", {}), dict) else data["env"]
     if isinstance(env, dict) and "env.id" in overrides and overrides["env.id"] != env.get("id"):
         env["options"] = {}  # another environment: the preset's options were for its own
-    values = {dotted: _parse_value(text) if isinstance(text, str) else text for dotted, text in overrides.items()}
-    check_override_types(values, {dotted: annotation for dotted, _, annotation in options()})
-    for dotted, value in values.items():
-        try:
-            _set(data, dotted, value)
-        except (TypeError, AttributeError):  # the preset holds a value where a section should be
-            raise ConfigError(f"--{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
+    values = {dotted: parse_value(text) for dotted, text in overrides.items()}
+    check_bools(values, RLConfig)
+    try:
+        nest(values, data)
+    except ConfigError as exc:
+        dotted = str(exc).split(":")[0]
+        raise ConfigError(f"{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
     try:
         config = RLConfig.model_validate(data)
-        check_config(config)
-        return config
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        given = ""
-        if err.get("input") is not None and not isinstance(err["input"], dict):
-            given = f" (got {err['input']!r})"
-        msg = err["msg"].removeprefix("Value error, ")
-        if where == "env" and msg.startswith(("id: ", "options.", "options: ")):  # the environment's own check
-            field, _, msg = msg.partition(": ")
-            where, given = f"env.{field}", ""
-        source = f"--{where}" if where else f"preset {preset!r}"
-        raise ConfigError(f"{source}: {msg}{given}") from None
+        raise ConfigError(_environment_line(exc) or error_line(exc, whole=f"preset {preset!r}")) from None
+    check_config(config)
+    return config
+
+
+def _environment_line(exc: ValidationError) -> str | None:
+    """The environment's own check of its id and options (EnvSection's validator), as `--env.options.x: ...`."""
+    err = exc.errors()[0]
+    msg = err["msg"].removeprefix("Value error, ")
+    if tuple(err["loc"]) != ("env",) or not msg.startswith(("id: ", "options.", "options: ")):
+        return None
+    field, _, msg = msg.partition(": ")
+    return f"--env.{field}: {msg}"
 
 
 ENV_OPTION = "--env.options."
@@ -339,17 +288,35 @@ def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, found
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
-    from orchestrate.config_checks import refuse_repeated_options
+# Options of the finetune process that were train.* before the trainer section (config.json of older runs).
+MOVED_TO_TRAINER = ("accelerate_config", "num_processes", "timeout_s")
 
+
+def upgrade_saved(saved: dict) -> dict:
+    """A run's saved config.json in today's shape: train.accelerate_config, train.num_processes and
+    train.timeout_s of runs started before the trainer section become trainer.*, so such a run resumes."""
+    train = saved.get("train")
+    if not isinstance(train, dict) or not any(k in train for k in MOVED_TO_TRAINER):
+        return saved
+    moved = {k: train[k] for k in MOVED_TO_TRAINER if k in train}
+    trainer = saved.get("trainer") if isinstance(saved.get("trainer"), dict) else {}
+    return {
+        **saved,
+        "train": {k: v for k, v in train.items() if k not in MOVED_TO_TRAINER},
+        "trainer": {**moved, **trainer},
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        refuse_repeated_options(sys.argv[1:] if argv is None else argv, {"--iterations": "--run.iterations"})
-        argv, env_options = split_env_options(list(sys.argv[1:] if argv is None else argv))
+        refuse_repeated(argv, {"--iterations": "--run.iterations"})
+        argv, env_options = split_env_options(argv)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)  # unknown options: argparse names them and exits 2
-    overrides = {k.removeprefix("opt:"): v for k, v in vars(args).items() if k.startswith("opt:")}
+    overrides = given(args)
     for name, value in env_options.items():
         overrides[f"env.options.{name}"] = value
     if args.iterations is not None:

@@ -126,7 +126,7 @@ class Loop:
             if c.run.async_level and c.train.max_lag is None
             else c.train
         )
-        self.trainer = TrainerProcess(self.run, self.policy_dir, train)
+        self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
         self.trainer.start()
         stack.callback(self.trainer.stop)
 

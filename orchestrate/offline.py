@@ -46,10 +46,21 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from orchestrate.config import ConfigError, ServerSection, TrainerSection, _parse_value
-from orchestrate.config_checks import check_finite, check_override_types, refuse_repeated_options
+from finetune.cli import (
+    StrictParser,
+    add_options,
+    check_bools,
+    check_finite,
+    error_line,
+    given,
+    nest,
+    parse_value,
+    refuse_repeated,
+)
+from finetune.config import TrainConfig
+from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.progress import progress_bar
-from orchestrate.run_dir import RunDir
+from orchestrate.run_dir import RunDir, save_tapes
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
@@ -177,13 +188,12 @@ def groups_with_signal(tapes: list[Tape]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="uv run -m orchestrate.offline",
-        allow_abbrev=False,
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
-        "directory (RUN or files under RUN/tapes/), --model and --train.* default to that run's config.json.",
+        "directory (RUN or files under RUN/tapes/), --model, --train.* and --trainer.* default to that run's config.json.",
     )
     parser.add_argument(
         "--tapes",
@@ -214,44 +224,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="which tapes to train on: 'all', or a reward condition like 'reward>0' [default: all]",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    for name, field in TrainerSection.model_fields.items():
-        parser.add_argument(
-            f"--train.{name}",
-            dest=f"train:{name}",
-            default=argparse.SUPPRESS,
-            metavar="VALUE",
-            help=(field.description or "").replace("%", "%%"),
-        )
-    for name in ("max_model_len", "kv_cache_gib", "dtype"):
-        field = ServerSection.model_fields[name]
-        parser.add_argument(
-            f"--server.{name}",
-            dest=f"server:{name}",
-            default=argparse.SUPPRESS,
-            metavar="VALUE",
-            help=f"reference server: {(field.description or '').replace('%', '%%')}",
-        )
+    add_options(parser, TrainConfig, "train.", defaults=False)
+    add_options(parser, TrainerSection, "trainer.", defaults=False)
+    add_options(
+        parser,
+        ServerSection,
+        "server.",
+        defaults=False,
+        only=("max_model_len", "kv_cache_gib", "dtype"),
+        note="reference server: ",
+    )
     return parser
 
 
 def _section(cls, base: dict, overrides: dict, prefix: str):
+    """The run's section `prefix` (from its config.json) with the command line's overrides, checked."""
     data = {k: v for k, v in base.items() if k in cls.model_fields}
-    data.update({k: _parse_value(v) for k, v in overrides.items()})
+    values = {dotted: parse_value(text) for dotted, text in overrides.items()}
     try:
-        check_override_types(
-            {f"{prefix}.{k}": data[k] for k in overrides},
-            {f"{prefix}.{k}": f.annotation for k, f in cls.model_fields.items()},
-        )
+        check_bools(values, cls, f"{prefix}.")
+        nest({dotted.removeprefix(f"{prefix}."): value for dotted, value in values.items()}, data)
         section = cls.model_validate(data)
         check_finite(section.model_dump(), f"{prefix}.")
         return section
     except ConfigError as exc:
         raise OfflineError(str(exc)) from None
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        raise OfflineError(f"--{prefix}.{where}: {err['msg'].removeprefix('Value error, ')}{got}") from None
+        raise OfflineError(error_line(exc, f"{prefix}.")) from None
 
 
 def resolve(args: argparse.Namespace):
@@ -268,24 +267,30 @@ def resolve(args: argparse.Namespace):
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
     if len(runs) == 1 and (config_path := RunDir(runs.pop()).config_path).is_file():
         try:
-            run_config = json.loads(config_path.read_text())
+            run_config = upgrade_saved(json.loads(config_path.read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
-    overrides = vars(args)
+    overrides = given(args)
     train = _section(
-        TrainerSection,
+        TrainConfig,
         run_config.get("train", {}),
-        {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("train:")},
+        {k: v for k, v in overrides.items() if k.startswith("train.")},
         "train",
+    )
+    trainer = _section(
+        TrainerSection,
+        run_config.get("trainer", {}),
+        {k: v for k, v in overrides.items() if k.startswith("trainer.")},
+        "trainer",
     )
     server = _section(
         ServerSection,
         run_config.get("server", {}),
-        {k.split(":", 1)[1]: v for k, v in overrides.items() if k.startswith("server:")},
+        {k: v for k, v in overrides.items() if k.startswith("server.")},
         "server",
     )
-    if train.accelerate_config and not Path(train.accelerate_config).is_file():
-        raise OfflineError(f"--train.accelerate_config: {train.accelerate_config} does not exist")
+    if trainer.accelerate_config and not Path(trainer.accelerate_config).is_file():
+        raise OfflineError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
 
     model_name = args.model or (run_config.get("model") or {}).get("policy")
@@ -302,108 +307,148 @@ def resolve(args: argparse.Namespace):
         except ModelNotAvailable as exc:
             raise OfflineError(f"--reference: {exc}") from None
     reward_fn = load_reward(args.reward, args.rescore)
-    return files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations
+    return files, keep, out, train, trainer, server, model_dir, reference_dir, reward_fn, iterations
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        refuse_repeated_options(sys.argv[1:] if argv is None else argv)
+        refuse_repeated(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     try:
-        files, keep, out, train, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
+        files, keep, out, train, launch, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
+        tapes = read(files, iterations, progress=not args.no_progress)
+        read_count = len(tapes)
+        tapes = score_and_filter(tapes, reward_fn, keep, args.filter, train, progress=not args.no_progress)
+        require_ref = check_reference(tapes, train, reference_dir)
+        run = open_out(out)
     except OfflineError as exc:
         parser.exit(2, f"error: {exc}\n")
-    progress = not args.no_progress
-    start = time.perf_counter()
+    run.save_config({
+        "tapes": [str(f) for f in files], "iterations": args.iterations, "filter": args.filter,
+        "rescore": args.rescore, "reward": args.reward, "reference": str(reference_dir) if reference_dir else None,
+        "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
+        "trainer": launch.model_dump(mode="json"),
+    })  # fmt: skip
+    from orchestrate.trainer import TrainerError, TrainerProcess
 
+    trainer = TrainerProcess(run, model_dir, train, launch)
+    try:
+        checkpoint = train_once(trainer, tapes, require_ref, reference_dir, server,
+                                f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
+                                progress=not args.no_progress)  # fmt: skip
+    except OfflineError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    except TrainerError as exc:
+        cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
+        print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
+        return 1
+    record_metrics(run, trainer, tapes, read_count, start, checkpoint)
+    return 0
+
+
+def read(files: list[Path], iterations: tuple[int, int] | None, progress: bool) -> list[Tape]:
+    """The tapes of `files` within `iterations`; OfflineError when there are none or they are not rollout tapes."""
     tapes: list[Tape] = []
     try:
         for path in progress_bar(files, desc="read tapes", unit="file", disable=not progress, leave=False):
             tapes += [t for t in read_tapes(path)
                       if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
     except TapeFileError as exc:
-        parser.exit(2, f"error: --tapes: {exc}\n")
+        raise OfflineError(f"--tapes: {exc}") from None
     if not tapes:
-        parser.exit(2, "error: --tapes: no tapes found in the given files\n")
+        raise OfflineError("--tapes: no tapes found in the given files")
     if problem := _missing_fields(tapes):
-        parser.exit(2, f"error: --tapes: {problem}\n")
-    read_count = len(tapes)
+        raise OfflineError(f"--tapes: {problem}")
+    return tapes
 
+
+def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train, progress: bool) -> list[Tape]:
+    """Re-score (when asked), refuse what cannot train (unscored, greedy), keep what passes --filter; refuse a
+    kept set in which no group has differing rewards under a group baseline (it would train nothing)."""
     if reward_fn is not None:
         rescore(tapes, reward_fn, progress)
-    unscored = sum(t.metadata.reward is None for t in tapes)
-    if unscored:
-        parser.exit(2, f"error: --rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward\n")
+    if unscored := sum(t.metadata.reward is None for t in tapes):
+        raise OfflineError(f"--rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward")
+    if greedy := sum(1 for t in tapes if any(c.sampling.temperature <= 0 for c in t.llm_calls)):
+        raise OfflineError(f"--tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
+                           "log-probs are not of a distribution the learner can train against; leave them out")  # fmt: skip
+    kept = [t for t in tapes if keep(t)]
+    if not kept:
+        raise OfflineError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
+    if train.baseline == "group" and not groups_with_signal(kept):
+        raise OfflineError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
+                           "advantage is 0 and training would change nothing; keep the other attempts too "
+                           "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
+                           "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)")  # fmt: skip
+    return kept
 
-    greedy = sum(1 for t in tapes if any(c.sampling.temperature <= 0 for c in t.llm_calls))
-    if greedy:
-        parser.exit(2, f"error: --tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
-                       "log-probs are not of a distribution the learner can train against; leave them out\n")  # fmt: skip
-    tapes = [t for t in tapes if keep(t)]
-    if not tapes:
-        parser.exit(2, f"error: --filter: no tape of {read_count} passes {args.filter!r}\n")
-    if train.baseline == "group" and not groups_with_signal(tapes):
-        parser.exit(2, f"error: --filter: every group of the {len(tapes)} kept tapes has equal rewards, so every "
-                       "advantage is 0 and training would change nothing; keep the other attempts too "
-                       "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
-                       "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)\n")  # fmt: skip
 
-    require_ref = train.needs_reference
-    missing_ref = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
-    if require_ref and missing_ref and reference_dir is None:
+def check_reference(tapes: list[Tape], train, reference_dir: Path | None) -> bool:
+    """Whether training needs reference log-probs; OfflineError when the tapes lack them and none will be added."""
+    missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
+    if train.needs_reference and missing and reference_dir is None:
         what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
-        parser.exit(2, f"error: {what}: {missing_ref} LLM calls have no reference log-probs; pass "
-                       f"--reference MODEL, or {what} 0\n")  # fmt: skip
+        raise OfflineError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL, or "
+                           f"{what} 0")  # fmt: skip
+    return train.needs_reference
 
+
+def open_out(out: Path):
+    """The output run directory, created and locked (one command per directory, until this process ends)."""
     from orchestrate.preflight import PreflightError, check_run_dir_path
-    from orchestrate.run_dir import save_tapes
     from orchestrate.run_lock import RunDirInUse, RunLock
 
-    try:  # one command per output directory: held until this process ends
+    global _lock
+    try:
         check_run_dir_path(out, "--out")
         out.mkdir(parents=True, exist_ok=True)
-        _lock = RunLock(out).acquire()  # noqa: F841 (released when the process exits)
+        _lock = RunLock(out).acquire()  # released when the process exits
     except (PreflightError, RunDirInUse, OSError) as exc:
-        parser.exit(2, f"error: --out: {str(exc).removeprefix('--out: ')}\n")
+        raise OfflineError(f"--out: {str(exc).removeprefix('--out: ')}") from None
     run = RunDir(out)
     run.create()
+    return run
 
-    from orchestrate.metrics import append_metrics, rollout_metrics
+
+_lock = None
+
+
+def train_once(
+    trainer, tapes: list[Tape], require_ref: bool, reference_dir: Path | None, server, summary: str, progress: bool
+) -> Path:
+    """Annotate (with --reference), write the tapes and their samples as iteration 1, train, and return the
+    checkpoint. The trainer loads its model while the reference server starts and scores."""
     from orchestrate.samples import SampleError, write_samples
-    from orchestrate.trainer import TrainerError, TrainerProcess
 
-    run.save_config({
-        "tapes": [str(f) for f in files], "iterations": args.iterations, "filter": args.filter,
-        "rescore": args.rescore, "reward": args.reward, "reference": str(reference_dir) if reference_dir else None,
-        "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
-    })  # fmt: skip
+    run = trainer.run
     tape_path = run.iteration_tapes(1)
     for stale in (tape_path, run.batch(1)):  # of an earlier attempt that never trained
         stale.unlink(missing_ok=True)
-    trainer = TrainerProcess(run, model_dir, train)
     try:
         if reference_dir is not None:
-            trainer.start()  # it loads its model while the reference server starts and scores
-            annotate(tapes, reference_dir, server, out, progress)
+            trainer.start()
+            annotate(tapes, reference_dir, server, run.root, progress)
         save_tapes(tape_path, tapes)
         try:
             write_samples(run.batch(1), tapes, require_ref=require_ref)
         except SampleError as exc:
-            parser.exit(2, f"error: --tapes: {exc}\n")
-        print(f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r} ({groups_with_signal(tapes)} "
-              f"groups with differing rewards); training {model_dir.name} ...", flush=True)  # fmt: skip
+            raise OfflineError(f"--tapes: {exc}") from None
+        print(f"{summary} ({groups_with_signal(tapes)} groups with differing rewards); training "
+              f"{trainer.model_dir.name} ...", flush=True)  # fmt: skip
         if trainer.process is None:
             trainer.start()
-        checkpoint = trainer.wait_for_checkpoint(1, progress=progress, desc="train")
-    except TrainerError as exc:
-        cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
-        print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
-        return 1
+        return trainer.wait_for_checkpoint(1, progress=progress, desc="train")
     finally:
         trainer.stop()
+
+
+def record_metrics(run, trainer, tapes: list[Tape], read_count: int, start: float, checkpoint: Path) -> None:
+    from orchestrate.metrics import append_metrics, rollout_metrics
+
     record = {"iteration": 1, "tapes_read": read_count, **rollout_metrics(tapes), **trainer.iteration_metrics(1),
               "time_total": round(time.perf_counter() - start, 3)}  # fmt: skip
     append_metrics(run.metrics_path, record)
@@ -411,7 +456,6 @@ def main(argv: list[str] | None = None) -> int:
         f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
         f"{record.get('train_steps', 0)} optimizer steps)"
     )
-    return 0
 
 
 def _missing_fields(tapes: list[Tape]) -> str | None:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from orchestrate.config import parse_args
+from orchestrate.config import parse_args, upgrade_saved
 from orchestrate.durable import repair_metrics
 from orchestrate.preflight import PreflightError, check_run_dir_path, preflight
 from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed.
-RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "train.timeout_s", "server.startup_timeout_s"}
+RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +86,7 @@ def _check_resume(run_dir: RunDir, current: dict) -> None:
     """A saved run may be resumed with the same settings only (RESUMABLE aside); its state must be readable."""
     saved = run_dir.saved_config()
     if saved is not None:
+        saved = upgrade_saved(saved)  # a run started before the trainer section resumes too
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
         if changed:
             raise _Refused(f"{run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "

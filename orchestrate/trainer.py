@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from finetune.config import TrainConfig
 from finetune.durable import atomic_write_text, read_jsonl
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
@@ -63,16 +64,17 @@ class TrainerError(RuntimeError):
 
 
 class TrainerProcess:
-    def __init__(self, run_dir: RunDir, model_dir: Path, config: TrainerSection):
+    def __init__(self, run_dir: RunDir, model_dir: Path, train: TrainConfig, launch: TrainerSection | None = None):
         self.run = run_dir
         self.model_dir = model_dir
-        self.config = config
+        self.train = train  # the learner's config, written whole for it
+        self.launch = launch or TrainerSection()  # how it is launched and waited for
         self.log_path = run_dir.launcher_log  # the launcher's stdout/stderr, tracebacks included
         self.config_path = run_dir.train_config
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        c = self.config
+        c = self.launch
         accelerate_config = c.accelerate_config or str(
             ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda_available() else "cpu.yaml")
         )
@@ -88,16 +90,13 @@ class TrainerProcess:
         ]  # fmt: skip
 
     def start(self) -> None:
-        from finetune.config import TrainConfig
-
-        fields = {k: v for k, v in self.config.model_dump().items() if k in TrainConfig.model_fields}
-        atomic_write_text(self.config_path, json.dumps(fields, indent=2) + "\n")
+        atomic_write_text(self.config_path, self.train.model_dump_json(indent=2) + "\n")
         self.run.trainer_stop.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cpus = parse_cpus(self.config.cpus) if self.config.cpus else None
+        cpus = parse_cpus(self.launch.cpus) if self.launch.cpus else None
         if cpus:  # torch's threads, one per core it may use
             env["OMP_NUM_THREADS"] = str(len(cpus))
         self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
@@ -128,7 +127,7 @@ class TrainerProcess:
         of the batch trained.
         """
         desc = desc or f"iteration {iteration} train"
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + self.launch.timeout_s
         bar_options = dict(total=None, unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
         with progress_bar(desc=desc, **bar_options) as bar:
             while not self.run.checkpoint_done(iteration):
@@ -139,8 +138,8 @@ class TrainerProcess:
                     raise self._died()
                 if time.monotonic() > deadline:
                     raise TrainerError(
-                        f"no checkpoint for iteration {iteration} after {self.config.timeout_s:.0f} s "
-                        f"(raise --train.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                        f"no checkpoint for iteration {iteration} after {self.launch.timeout_s:.0f} s "
+                        f"(raise --trainer.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
                     )
                 time.sleep(0.2)
         return self.run.checkpoint(iteration)

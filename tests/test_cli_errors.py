@@ -168,8 +168,8 @@ def test_browse_port_out_of_range(bad_run, port):
 
 @pytest.mark.parametrize("argv, words", [
     (["--server.cpus", "0-", ], ["--server.cpus", "core list"]),
-    (["--train.cpus", "4096"], ["--train.cpus", "4096", "not among"]),
-    (["--server.cpus", "0", "--train.cpus", "0"], ["--train.cpus", "also in --server.cpus"]),
+    (["--trainer.cpus", "4096"], ["--trainer.cpus", "4096", "not among"]),
+    (["--server.cpus", "0", "--trainer.cpus", "0"], ["--trainer.cpus", "also in --server.cpus"]),
     (["--run.async_level", "2", "--train.max_lag", "1"], ["--train.max_lag", "async_level"]),
     (["--train.tis_cap", "0"], ["--train.tis_cap"]),
     (["--train.tis_cap", "nan"], ["--train.tis_cap"]),

@@ -47,7 +47,7 @@ def refused(rl_cli):
         (["--eval.max_tokens", "1024", "--server.max_model_len", "1024"], "--eval.max_tokens"),
         (["--server.kv_cache_gib", "1000000"], "--server.kv_cache_gib"),
         # files that are not there
-        (["--train.accelerate_config", "/no/such/accelerate.yaml"], "--train.accelerate_config"),
+        (["--trainer.accelerate_config", "/no/such/accelerate.yaml"], "--trainer.accelerate_config"),
         (["--server.extra_args", '["--host", "0.0.0.0"]'], "--server.extra_args"),
     ],
 )

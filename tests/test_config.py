@@ -90,3 +90,25 @@ def test_config_error_is_one_line():
     with pytest.raises(ConfigError) as err:
         resolve("embedded", {"train.grpo.clip_eps_low": "2"})
     assert "\n" not in str(err.value) and "--train.grpo.clip_eps_low" in str(err.value)
+
+
+def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_path):
+    """RLConfig holds the learner's TrainConfig whole (train) and how it is run beside it (trainer); a run
+    dir whose config.json was written before (train.timeout_s, ...) resumes with the same settings."""
+    from finetune.config import TrainConfig
+    from orchestrate import rl
+    from orchestrate.run_dir import RunDir
+
+    config = resolve("embedded", {"trainer.timeout_s": "99", "train.lr": "3e-6"})
+    assert type(config.train) is TrainConfig and config.trainer.timeout_s == 99
+    current = config.model_dump(mode="json")
+    old = json.loads(json.dumps(current))
+    old["train"].update(old.pop("trainer"))  # the shape of config.json before the trainer section
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    run_dir.config_path.write_text(json.dumps(old))
+    rl._check_resume(run_dir, current)  # the same settings: not refused
+    old["train"]["num_processes"] = 2
+    run_dir.config_path.write_text(json.dumps(old))
+    with pytest.raises(rl._Refused, match="--trainer.num_processes"):
+        rl._check_resume(run_dir, current)

@@ -141,8 +141,8 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
 
 
 def test_train_config_is_written_atomically(tmp_path, monkeypatch):
+    from finetune.config import TrainConfig
     from orchestrate import trainer as trainer_module
-    from orchestrate.config import TrainerSection
     from orchestrate.run_dir import RunDir
 
     run = RunDir(tmp_path / "run")
@@ -154,7 +154,7 @@ def test_train_config_is_written_atomically(tmp_path, monkeypatch):
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: renames.append(str(b)) or real_replace(a, b))
     monkeypatch.setattr(trainer_module, "spawn", lambda *a, **k: None)
-    trainer_module.TrainerProcess(run, tmp_path, TrainerSection(lr=3e-5)).start()
+    trainer_module.TrainerProcess(run, tmp_path, TrainConfig(lr=3e-5)).start()
     assert str(path) in renames  # written under a temp name and renamed into place
     assert os.stat(path).st_ino != before and json.loads(path.read_text())["lr"] == 3e-5
 
@@ -162,8 +162,8 @@ def test_train_config_is_written_atomically(tmp_path, monkeypatch):
 def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
     """train_metrics.jsonl torn by a kill mid-write: the reader skips the half line, a resumed trainer's next
     record starts on a line of its own (the same append as metrics.jsonl: finetune.durable.append_line)."""
+    from finetune.config import TrainConfig
     from finetune.rundir import RunDir as TrainerRunDir
-    from orchestrate.config import TrainerSection
     from orchestrate.run_dir import RunDir
     from orchestrate.trainer import TrainerProcess
 
@@ -171,7 +171,7 @@ def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
     run.append_metrics({"batch": 1, "loss": 0.5, "seconds": 1.0})
     with open(run.train_metrics, "a") as f:
         f.write('{"batch": 2, "loss": 0.2, "sec')  # killed here
-    trainer = TrainerProcess(RunDir(tmp_path), tmp_path, TrainerSection())
+    trainer = TrainerProcess(RunDir(tmp_path), tmp_path, TrainConfig())
     assert trainer.iteration_metrics(1)["train_loss"] == 0.5 and trainer.iteration_metrics(2) == {}
     run.append_metrics({"batch": 2, "loss": 0.25, "seconds": 2.0})  # the resumed trainer redoes batch 2
     lines = run.train_metrics.read_text().splitlines()

@@ -85,7 +85,7 @@ def test_a_dead_command_leaves_nothing_behind(tmp_path):
 
 
 def test_spawn_pins_the_command_and_its_children_to_the_given_cores(tmp_path):
-    """--server.cpus / --train.cpus end here: the command (and what it starts) may run on those cores only."""
+    """--server.cpus / --trainer.cpus end here: the command (and what it starts) may run on those cores only."""
     core = min(os.sched_getaffinity(0))
     pids = tmp_path / "pids"
     proc = spawn([sys.executable, "-c", TREE, str(pids)], tmp_path / "log", cpus=[core])

@@ -3,6 +3,7 @@ and the command that resumes."""
 
 import pytest
 
+from finetune.config import TrainConfig
 from orchestrate.config import TrainerSection
 from orchestrate.run_dir import RunDir
 from orchestrate.trainer import TrainerError, TrainerProcess
@@ -13,7 +14,9 @@ def test_crashing_trainer_reports_log_tail_and_resume_command(tmp_path, tiny_mod
     run.create()
     bad = tmp_path / "broken.yaml"
     bad.write_text("this is: [not a valid accelerate config\n")
-    trainer = TrainerProcess(run, tiny_model_dir, TrainerSection(accelerate_config=str(bad), timeout_s=120))
+    trainer = TrainerProcess(
+        run, tiny_model_dir, TrainConfig(), TrainerSection(accelerate_config=str(bad), timeout_s=120)
+    )
     trainer.start()
     try:
         with pytest.raises(TrainerError) as err:
@@ -38,5 +41,5 @@ def test_trainer_metrics_are_averaged_per_iteration(tmp_path, tiny_model_dir):
         {"batch": 2, "loss": 9.0, "seconds": 5.0},
     ]
     run.train_metrics.write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
-    m = TrainerProcess(run, tiny_model_dir, TrainerSection()).iteration_metrics(1)
+    m = TrainerProcess(run, tiny_model_dir, TrainConfig()).iteration_metrics(1)
     assert m["train_loss"] == 2.0 and m["train_kl"] == 0.375 and m["train_steps"] == 2 and m["train_seconds"] == 3.0
