@@ -1,7 +1,8 @@
 """The files the learner shares with the orchestrator, in one run folder.
 
     RUN/batches/000003.jsonl      written by the orchestrator (finetune.batch.write_batch)
-    RUN/checkpoints/000003/       written by the learner after training batch 3
+    RUN/checkpoints/000003/       written by the learner after training batch 3 (with learner.json: whether
+                                  the weights changed, read by the orchestrator before it reloads)
     RUN/advantages/000003.jsonl   the returns and advantages the learner trained batch 3 with, one line per
                                   sample: {"sample_id", "turns": [{"index", "reward", "return", "advantage"}]}
                                   (written before the checkpoint appears; what tools show, never recomputed)
@@ -29,6 +30,7 @@ from finetune.durable import append_line, atomic_write_json, atomic_write_text, 
 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 ADVANTAGES_DIR = "advantages"
+LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, weights_changed}
 
 
 def advantages_file(root: str | os.PathLike, index: int) -> Path:
@@ -69,6 +71,14 @@ class RunDir:
 
     def checkpoint(self, index: int) -> Path:
         return self.checkpoints / f"{index:06d}"
+
+    def learner_record(self, index: int) -> dict:
+        """checkpoints/N/learner.json: what the learner says of the batch it trained ({} if none). Written into
+        the checkpoint before it is published, so it is there as soon as the checkpoint is."""
+        try:
+            return json.loads((self.checkpoint(index) / LEARNER_RECORD).read_text())
+        except (OSError, ValueError):
+            return {}
 
     def checkpoint_done(self, index: int) -> bool:
         """Whether checkpoint `index` is published (built aside, renamed whole: its config.json is there)."""

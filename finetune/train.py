@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import broadcast_object_list
 
     from finetune.batch import read_batch
+    from finetune.durable import atomic_write_json
     from finetune.learner import Learner, mixed_precision_for
-    from finetune.rundir import RunDir
+    from finetune.rundir import LEARNER_RECORD, RunDir
 
     transformers.utils.logging.disable_progress_bar()
     run = RunDir(args.run_dir)
@@ -340,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             accelerator.wait_for_everyone()
             tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
             learner.save_checkpoint(tmp, {"batch": index, "samples": len(samples)})
+            if main_process:  # published with the checkpoint: whether this batch moved the weights
+                record = {"batch": index, "samples": len(samples), "steps": sum("loss" in m for m in metrics),
+                          "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
+                atomic_write_json(tmp / LEARNER_RECORD, record)
             if main_process:
                 run.write_advantages(index, learner.credit)  # before the checkpoint: it marks the batch done
                 final = run.publish_checkpoint(tmp, index)

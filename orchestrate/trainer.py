@@ -156,10 +156,9 @@ class TrainerProcess:
             bar.set_description_str(f"{desc}: {state['status']}")
 
     def weights_changed(self, iteration: int) -> bool:
-        """What the learner recorded: whether training batch `iteration` changed the weights (True when it
-        did not say: a reload is then checked)."""
-        steps = self._steps(iteration)
-        return any(s.get("weights_changed", True) for s in steps) if steps else True
+        """What the learner recorded in checkpoint `iteration`: whether that batch changed the weights (True
+        when it did not say: the reload is then checked)."""
+        return bool(self.run.learner_record(iteration).get("weights_changed", True))
 
     def _steps(self, iteration: int) -> list[dict]:
         """The learner's per-step records of batch `iteration` (whole lines only)."""

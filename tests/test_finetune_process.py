@@ -198,6 +198,11 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
     first = weights(run / "checkpoints" / "000001")
     name = "model.layers.1.self_attn.q_proj.weight"
     assert not torch.equal(first[name], initial[name]) and not torch.equal(second[name], first[name])
+    # published with each checkpoint: what the learner says of its batch (the orchestrator reads it to reload)
+    for index in (1, 2):
+        record = json.loads((run / "checkpoints" / f"{index:06d}" / "learner.json").read_text())
+        assert record == {"batch": index, "samples": len(read_batch(batches[index - 1])), "steps": 2,
+                          "weights_changed": True}  # fmt: skip
     for k, v in second.items():
         torch.testing.assert_close(v, expected[k], atol=1e-6, rtol=0, msg=k)
     from transformers import AutoTokenizer
