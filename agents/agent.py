@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from agents.chat import ChatTokens
-from agents.envs.base import Env, jsonable
+from agents.envs.base import Env, capabilities, jsonable
 from tapes.tape import (
     EnvAction,
     EnvObservation,
@@ -116,7 +116,8 @@ class ChatAgent:
     ) -> Tape:
         """Play one episode of `env` from `seed`, extending `tape`; returns it."""
         sampling = sampling or self.sampling
-        env_stop = [s for s in getattr(env, "stop", None) or [] if s not in sampling.stop]
+        can = capabilities(env)
+        env_stop = [s for s in can.stop if s not in sampling.stop]
         if env_stop:  # an environment with tools: sampling stops at the end of a tool call
             sampling = sampling.model_copy(update={"stop": [*sampling.stop, *env_stop]})
         tape.metadata.author = self.name
@@ -139,8 +140,8 @@ class ChatAgent:
             if previous is not None:
                 ids = call.prompt_token_ids
                 call.extends_previous = len(ids) > len(previous) and ids[: len(previous)] == previous
-            tool_call = getattr(env, "tool_call", None)  # an environment with tools reads the call it will run
-            parsed = tool_call(call.output_text) if tool_call is not None else None
+            # an environment with tools reads the call it will run
+            parsed = env.tool_call(call.output_text) if can.tool_calls else None
             action = (
                 EnvAction(text=call.output_text, turn=turn)
                 if parsed is None
@@ -153,9 +154,9 @@ class ChatAgent:
                     info={"reason": "truncated: output cut by max_tokens", "success": False},
                 ))  # fmt: skip
                 break
-            astep = getattr(env, "astep", None)  # an environment whose step blocks (a tool run) offers astep
+            # an environment whose step blocks (a tool run) offers astep
             observation, reward, terminated, truncated, info = (
-                await astep(call.output_text) if astep is not None else env.step(call.output_text)
+                await env.astep(call.output_text) if can.async_step else env.step(call.output_text)
             )
             info = jsonable(info)
             if turn == self.config.max_turns and not (terminated or truncated):

@@ -46,6 +46,7 @@ class Tool(Protocol):
 
     name: str
     stop: str  # where sampling stops: the end of a call (kept in the output)
+    answered_from_tape: bool  # a replay answers its calls from the tape's results (RecordedTool), not re-run
 
     def instruction(self) -> str: ...
 
@@ -68,6 +69,7 @@ class PythonTool:
 
     name = "python"
     stop = "</python>"
+    answered_from_tape = False  # a replay re-runs the code: the sandbox is deterministic given it
 
     def __init__(self, sandbox: Sandbox | None = None, observation_chars: int = 1000):
         self.sandbox = sandbox or Sandbox(SandboxConfig())
@@ -156,6 +158,8 @@ class SearchTool:
 class RecordedTool:
     """A tool whose calls are answered from the results a tape recorded, in order (a replay of tools that are
     not re-run, e.g. search). A call that is not the one recorded raises ToolInfraError: the replay differs."""
+
+    answered_from_tape = True
 
     def __init__(self, tool: Tool, tape: Tape):
         from tapes.tape import ToolCallAction, ToolResultObservation

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 
 from agents.agent import ChatAgent
 from agents.chat import ChatTokens
+from agents.envs import capabilities
 from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
 from orchestrate.config import RLConfig
@@ -75,8 +76,8 @@ def eval_size(config: RLConfig) -> int:
     """Held-out episodes per evaluation: eval.tasks, else the environment's whole test set (500 if unbounded)."""
     if config.eval.tasks is not None:
         return config.eval.tasks
-    size = getattr(EnvSpec.from_config(config, "test").make(), "test_size", None)
-    return int(size) if size else 500
+    size = capabilities(EnvSpec.from_config(config, "test").make()).test_size
+    return size if size is not None else 500
 
 
 def busy_fractions(record: dict) -> dict[str, float]:

@@ -4,7 +4,9 @@
 2, a run directory that is a file, under a file or not writable; a model that
 cannot be had or a folder that holds no model; task data that is missing, of
 an unknown kind, unreadable or without the fields it needs (GSM8K files, the
-qa environment's questions, the search tool's corpus). Only then does
+qa environment's questions, the search tool's corpus); options that need
+what the environment does not offer (more evaluated tasks than its held-out
+episodes, tools with one turn). Only then does
 it create the run directory, take its lock and save config.json: a refused
 run leaves nothing behind that would make the corrected command look like a
 changed resume.
@@ -144,10 +146,33 @@ def preflight(config) -> None:
             check_gsm8k_source(options.test, "test", "--env.options.test")
     if "search" in config.env.tools:
         check_search_corpus(config.env.search)
+    check_capabilities(config)
     check_environment(config)
     check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
+
+
+def check_capabilities(config) -> None:
+    """Options that need what the environment declares (agents.envs.capabilities): no more evaluated tasks
+    than its distinct held-out episodes (test_size), and a second turn where a tool call costs one. An
+    environment that cannot be built is left to check_environment, which says why."""
+    from agents.envs import capabilities
+    from orchestrate.rollouts import EnvSpec
+
+    try:
+        can = capabilities(EnvSpec.from_config(config, "test").make())
+    except Exception:  # noqa: BLE001 - reported by check_environment
+        return
+    tasks, env = config.eval.tasks, f"--env.id {config.env.id}"
+    if config.eval.every and tasks is not None and can.test_size is not None and tasks > can.test_size:
+        raise PreflightError(f"--eval.tasks: {tasks} is more than the {can.test_size} distinct held-out episodes "
+                             f"of {env} (its test_size), so some would be evaluated twice; give at most "
+                             f"{can.test_size}, or leave it out to evaluate them all")  # fmt: skip
+    if can.tool_calls and config.agent.max_turns < 2:
+        tools = f"--env.tools {','.join(config.env.tools)}" if config.env.tools else env
+        raise PreflightError(f"--agent.max_turns: {config.agent.max_turns} turn ends the episode at its first tool "
+                             f"call ({tools} answers a call on the next turn); use 2 or more")  # fmt: skip
 
 
 def check_environment(config) -> None:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from agents.agent import ChatAgent, TokenLLM, summarize
-from agents.envs import entry, make_env
+from agents.envs import capabilities, entry, make_env
 from agents.llm import LLMError
 from orchestrate.progress import progress_bar
 from tapes.tape import SamplingParams, Tape, TapeMetadata
@@ -98,7 +98,7 @@ class EnvSpec:
             raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")
         tools = [known[t]() for t in self.tools]
         if recorded is not None:
-            tools = [RecordedTool(t, recorded) if getattr(t, "answered_from_tape", False) else t for t in tools]
+            tools = [RecordedTool(t, recorded) if t.answered_from_tape else t for t in tools]
         return ToolEnv(env, tools)
 
     def _search_tool(self, load: bool):
@@ -189,10 +189,20 @@ class EnvClock:
 
 
 class TimedEnv:
-    """An environment whose reset and step time goes to an EnvClock."""
+    """An environment whose reset and step time goes to an EnvClock. It offers exactly the capabilities of
+    the environment it wraps (agents.envs.capabilities), its non-blocking step (astep) timed too."""
 
     def __init__(self, env, clock: EnvClock):
         self.env, self.clock = env, clock
+        can = capabilities(env)
+        if can.test_size is not None:
+            self.test_size = can.test_size
+        if can.stop:
+            self.stop = list(can.stop)
+        if can.tool_calls:
+            self.tool_call = env.tool_call
+        if can.async_step:
+            self.astep = self._astep
 
     def _timed(self, fn, *args, **kwargs):
         entered = self.clock.enter()
@@ -207,25 +217,12 @@ class TimedEnv:
     def step(self, action):
         return self._timed(self.env.step, action)
 
-    def __getattr__(self, name):
-        if name == "tool_call" and hasattr(self.env, "tool_call"):
-            return self.env.tool_call
-        if name == "astep" and hasattr(self.env, "astep"):  # a blocking environment's step, timed too
-
-            async def astep(action):
-                entered = self.clock.enter()
-                try:
-                    return await self.env.astep(action)
-                finally:
-                    self.clock.leave(entered)
-
-            return astep
-        raise AttributeError(name)
-
-    @property
-    def stop(self) -> list[str]:
-        """The wrapped environment's stop strings (its tools'), if any."""
-        return list(getattr(self.env, "stop", None) or [])
+    async def _astep(self, action):
+        entered = self.clock.enter()
+        try:
+            return await self.env.astep(action)
+        finally:
+            self.clock.leave(entered)
 
 
 async def play(

@@ -183,3 +183,27 @@ def test_placement_and_staleness_options_are_checked_before_anything_starts(
     for word in words:
         assert word in line, line
     assert not run_dir.exists()
+
+
+# -- options that need what the environment declares (agents.envs.capabilities) -------------------
+
+
+def test_more_eval_tasks_than_held_out_episodes_is_refused(tmp_path, rl_cli, folder_model):
+    """game:guess_the_number from 1 to 20 has 20 distinct held-out episodes (its test_size)."""
+    run_dir = tmp_path / "run"
+    game = ["--env.id", "game:guess_the_number", "--env.options.low", "1", "--env.options.high", "20"]
+    code, line = rl_cli(["--run-dir", run_dir, "--model.policy", folder_model, *game, "--eval.tasks", "21"])
+    assert code == 2 and "--eval.tasks" in line and "--env.id game:guess_the_number" in line and "20" in line, line
+    assert not run_dir.exists()
+    # evaluation off: the number is not used, so it is not refused for this
+    code, line = rl_cli(["--run-dir", run_dir, "--model.policy", folder_model, *game, "--eval.tasks", "21",
+                         "--eval.every", "0", "--model.reference", tmp_path / "gone"])  # fmt: skip
+    assert code == 2 and "--model.reference" in line, line
+
+
+def test_tools_with_one_turn_are_refused(tmp_path, rl_cli, folder_model):
+    run_dir = tmp_path / "run"
+    code, line = rl_cli(["--run-dir", run_dir, "--model.policy", folder_model, "--env.tools", "python",
+                         "--agent.max_turns", "1"])  # fmt: skip
+    assert code == 2 and "--agent.max_turns" in line and "--env.tools python" in line, line
+    assert not run_dir.exists()

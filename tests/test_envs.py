@@ -555,3 +555,67 @@ def test_module_class_that_is_no_environment_is_refused():
         make_env(f"module:{__name__}:NotAnEnv")
     with pytest.raises(EnvError, match="cannot import"):
         entry(f"module:{__name__}:Missing")
+
+
+# -- capabilities: what an environment offers beyond reset / step ---------------------------------
+
+
+class _AsyncEnv:
+    """A user's environment whose step blocks, offered without blocking as astep."""
+
+    def reset(self, seed=None):
+        return "go", {}
+
+    def step(self, action):
+        return "done", 1.0, True, False, {}
+
+    async def astep(self, action):
+        return self.step(action)
+
+
+class _GemLike:
+    """A GEM-style environment whose unrelated attributes share capability names: none of them is one."""
+
+    test_size = True  # a flag, not a number of episodes
+    tool_call = None
+
+    def reset(self, seed=None):
+        return "go", {}
+
+    def step(self, action):
+        return "done", 0.0, True, False, {}
+
+    def stop(self):  # a method, not stop strings
+        pass
+
+
+def test_capabilities_of_a_plain_a_tool_and_an_async_environment():
+    from agents.envs import Capabilities, capabilities
+    from agents.sandbox import Sandbox
+    from agents.tools import PythonTool, ToolEnv
+
+    plain = make_env("math:arithmetic", split="test")
+    assert capabilities(plain) == Capabilities(test_size=500)
+    tools = ToolEnv(plain, [PythonTool(Sandbox())])  # the wrapper offers the wrapped env's held-out size too
+    assert capabilities(tools) == Capabilities(test_size=500, stop=("</python>",), tool_calls=True, async_step=True)
+    assert capabilities(_AsyncEnv()) == Capabilities(async_step=True)
+    assert capabilities(_GemLike()) == Capabilities()
+    assert capabilities(make_env("countdown", split="test")) == Capabilities()  # procedural: test_size None
+
+
+def test_timed_env_offers_exactly_what_it_wraps():
+    import asyncio
+
+    from agents.envs import capabilities
+    from agents.sandbox import Sandbox
+    from agents.tools import PythonTool, ToolEnv
+    from orchestrate.rollouts import EnvClock, TimedEnv
+
+    clock = EnvClock()
+    for env in (make_env("math:arithmetic", split="test"), ToolEnv(make_env("countdown"), [PythonTool(Sandbox())]),
+                _AsyncEnv(), _GemLike()):  # fmt: skip
+        assert capabilities(TimedEnv(env, clock)) == capabilities(env)
+    timed = TimedEnv(make_env("math:arithmetic"), clock)
+    assert not hasattr(timed, "astep") and not hasattr(timed, "tool_call") and not hasattr(timed, "stop")
+    timed = TimedEnv(_AsyncEnv(), clock)
+    assert asyncio.run(timed.astep("x"))[1] == 1.0 and clock.busy_s > 0  # the async step is timed too

@@ -22,17 +22,34 @@ What the loop reads from `info` (all optional):
 - `format_error` (bool): the action could not be parsed (no `\\boxed{}`, ...).
 - anything else JSON-serialisable is kept on the tape as it is.
 
-An environment may also say how many distinct held-out episodes it has
-(`test_size`, None: as many as asked for). Exceptions raised by an
-environment are infrastructure failures: the episode is flagged on its tape
-and left out of training and of group statistics, never scored as wrong.
+Exceptions raised by an environment are infrastructure failures: the
+episode is flagged on its tape and left out of training and of group
+statistics, never scored as wrong.
+
+Optional capabilities. Beyond reset / step, an environment may offer:
+- `test_size: int` (HasTestSize): how many distinct held-out episodes it
+  has (None or absent: as many as asked for); `--eval.tasks` above it is
+  refused before the run;
+- `stop: list[str]` (HasStopStrings): where sampling stops (a tool call's
+  closing tag, kept in the output);
+- `tool_call(action) -> ToolCall | None` (ToolCalling): the tool call an
+  action holds, which step() will run (agents.tools.ToolEnv);
+- `async astep(action)` (SupportsAsyncStep): step() without blocking the
+  event loop, for an environment whose step blocks (a tool run).
+They are declared as runtime-checkable Protocols (structural: an object has
+a capability when it has the attribute, with a usable value), not as flags
+on the registration, so a GEM environment or a user's `module:Class` needs
+no change and no registration to offer one, and a wrapper offers what the
+environment it wraps offers. `capabilities(env)` is the one place that
+answers which ones an environment has; nothing else probes with getattr.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -41,6 +58,50 @@ class Env(Protocol):
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]: ...
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
+
+
+@runtime_checkable
+class HasTestSize(Protocol):
+    test_size: int | None  # distinct held-out episodes; None: as many as asked for
+
+
+@runtime_checkable
+class HasStopStrings(Protocol):
+    stop: list[str]  # sampling stops at any of these (kept in the output)
+
+
+@runtime_checkable
+class ToolCalling(Protocol):
+    def tool_call(self, action: str) -> Any: ...  # the ToolCall the action holds, or None
+
+
+@runtime_checkable
+class SupportsAsyncStep(Protocol):
+    def astep(self, action: str) -> Awaitable[tuple[str, float, bool, bool, dict[str, Any]]]: ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an environment offers beyond reset / step (see the module docstring)."""
+
+    test_size: int | None = None  # HasTestSize with a number
+    stop: tuple[str, ...] = ()  # HasStopStrings, non-empty
+    tool_calls: bool = False  # ToolCalling
+    async_step: bool = False  # SupportsAsyncStep
+
+
+def capabilities(env: Any) -> Capabilities:
+    """The optional capabilities `env` has. An attribute whose value cannot be used (a `stop` that is not a
+    list of strings, a `test_size` that is not a positive whole number, a `tool_call` that is not callable)
+    is no capability: a GEM environment's unrelated attribute of the same name is left alone."""
+    size = env.test_size if isinstance(env, HasTestSize) else None
+    stop = env.stop if isinstance(env, HasStopStrings) else None
+    return Capabilities(
+        test_size=size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None,
+        stop=tuple(stop) if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop) else (),
+        tool_calls=isinstance(env, ToolCalling) and callable(env.tool_call),
+        async_step=isinstance(env, SupportsAsyncStep) and callable(env.astep),
+    )
 
 
 class EnvError(ValueError):
