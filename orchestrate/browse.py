@@ -96,56 +96,80 @@ def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
 
     Tapes made before episodes (task, reasoning_thought, final_answer_action, parse_failure steps) read as
     one observation and one turn per LLM call, the tape's reward on the last turn."""
+    legacy = not any(isinstance(step, (EnvObservation, EnvAction)) for step in tape.steps)
+    first, turns = _read_steps(tape, legacy)
+    _add_unreferenced_calls(tape, turns, legacy)
+    ordered = [turns[n] for n in sorted(turns)]
+    if legacy and ordered and tape.metadata.reward is not None:
+        ordered[-1]["reward"] = tape.metadata.reward
+    _add_credit(ordered, credit)
+    return {"first_observation": first, "turns": ordered, "end": _episode_end(tape, ordered)}
+
+
+def _turn_of(turns: dict[int, dict], number: int) -> dict:
+    """Turn `number` of the conversation, empty until its steps are read."""
+    if number not in turns:
+        turns[number] = {"turn": number, "call": None, "action": None, "steps": [], "reward": None,
+                         "observation": None, "info": {}, "terminated": False, "truncated": False,
+                         "format_error": False, "learner": None, "tool": None, "tool_call": None}  # fmt: skip
+    return turns[number]
+
+
+def _read_steps(tape: Tape, legacy: bool) -> tuple[dict | None, dict[int, dict]]:
+    """The first observation and the turns by number, from the tape's steps in order."""
     call_index = {call.id: i for i, call in enumerate(tape.llm_calls)}
     first: dict | None = None
     turns: dict[int, dict] = {}
-
-    def turn_of(number: int) -> dict:
-        if number not in turns:
-            turns[number] = {"turn": number, "call": None, "action": None, "steps": [], "reward": None,
-                             "observation": None, "info": {}, "terminated": False, "truncated": False,
-                             "format_error": False, "learner": None, "tool": None, "tool_call": None}  # fmt: skip
-        return turns[number]
-
-    legacy = not any(isinstance(step, (EnvObservation, EnvAction)) for step in tape.steps)
     for step in tape.steps:
-        kind = step.kind
         if isinstance(step, EnvObservation) and step.turn == 0 and first is None:
             first = {"text": step.text, "info": step.info}
         elif isinstance(step, EnvObservation):  # a tool's result included
-            t = turn_of(max(1, step.turn))
+            t = _turn_of(turns, max(1, step.turn))
             t.update(observation=step.text, reward=step.reward, info=step.info, terminated=step.terminated,
                      truncated=step.truncated, format_error=bool(step.info.get("format_error")))  # fmt: skip
         elif isinstance(step, EnvAction):
-            t = turn_of(step.turn)
+            t = _turn_of(turns, step.turn)
             t["action"] = step.text
             t["call"] = call_index.get(step.metadata.prompt_id)
             if isinstance(step, ToolCallAction):  # the turn called a tool: which, and with what
                 t["tool"], t["tool_call"] = step.tool, step.call
-        elif kind == "task" and first is None:
+        elif step.kind == "task" and first is None:
             first = {"text": step.text, "info": {}}
-        else:  # an older or custom step: shown within the turn of the call that made it
-            i = call_index.get(step.metadata.prompt_id)
-            number = (i + 1 if legacy else tape.llm_calls[i].turn) if i is not None else max(turns, default=0)
-            t = turn_of(number) if number else None
-            if t is None:
-                first = first or {"text": "", "info": {}}
-                first.setdefault("steps", []).append(step.model_dump(exclude={"metadata"}))
-                continue
-            t["steps"].append(step.model_dump(exclude={"metadata"}))
-            if t["call"] is None and i is not None:
-                t["call"] = i
-            if kind == "parse_failure":
-                t["format_error"] = True
-    for i, call in enumerate(tape.llm_calls):  # a call no step points at still shows
+        else:
+            first = _other_step(tape, step, turns, first, call_index.get(step.metadata.prompt_id), legacy)
+    return first, turns
+
+
+def _other_step(
+    tape: Tape, step, turns: dict[int, dict], first: dict | None, i: int | None, legacy: bool
+) -> dict | None:
+    """An older or custom step: shown within the turn of the call `i` that made it (before any turn: with
+    the first observation, which it returns)."""
+    number = (i + 1 if legacy else tape.llm_calls[i].turn) if i is not None else max(turns, default=0)
+    if not number:
+        first = first or {"text": "", "info": {}}
+        first.setdefault("steps", []).append(step.model_dump(exclude={"metadata"}))
+        return first
+    t = _turn_of(turns, number)
+    t["steps"].append(step.model_dump(exclude={"metadata"}))
+    if t["call"] is None and i is not None:
+        t["call"] = i
+    if step.kind == "parse_failure":
+        t["format_error"] = True
+    return first
+
+
+def _add_unreferenced_calls(tape: Tape, turns: dict[int, dict], legacy: bool) -> None:
+    """A call no step points at still shows, in its turn."""
+    for i, call in enumerate(tape.llm_calls):
         if i not in {t["call"] for t in turns.values()}:
-            t = turn_of(i + 1 if legacy else call.turn)
+            t = _turn_of(turns, i + 1 if legacy else call.turn)
             if t["call"] is None:
                 t["call"] = i
-    ordered = [turns[n] for n in sorted(turns)]
-    m = tape.metadata
-    if legacy and ordered and m.reward is not None:
-        ordered[-1]["reward"] = m.reward
+
+
+def _add_credit(ordered: list[dict], credit: list[dict] | None) -> None:
+    """The learner's reward, return and advantage (and PPO's value) on the turns it trained."""
     by_index = {c.get("index"): c for c in credit or []}
     for t in ordered:
         c = by_index.get(t["turn"] - 1)
@@ -153,16 +177,15 @@ def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
             t["learner"] = {k: c.get(k) for k in ("reward", "return", "advantage")}
             if "value" in c:  # PPO's critic before the turn's first token
                 t["learner"]["value"] = c["value"]
-    last = ordered[-1] if ordered else {}
+
+
+def _episode_end(tape: Tape, ordered: list[dict]) -> dict:
+    m, last = tape.metadata, ordered[-1] if ordered else {}
     return {
-        "first_observation": first,
-        "turns": ordered,
-        "end": {
-            "terminated": bool(m.terminated or last.get("terminated")),
-            "truncated": bool(m.truncated or last.get("truncated")),
-            "reason": str((last.get("info") or {}).get("reason") or m.reward_reason or ""),
-            "success": m.success,
-        },
+        "terminated": bool(m.terminated or last.get("terminated")),
+        "truncated": bool(m.truncated or last.get("truncated")),
+        "reason": str((last.get("info") or {}).get("reason") or m.reward_reason or ""),
+        "success": m.success,
     }
 
 

@@ -95,58 +95,11 @@ def plot_metrics(records: list[dict[str, Any]], out: str | os.PathLike) -> Path 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r["iteration"] for r in records]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-
-    def curve(ax, key, label, **kw):
-        pts = [(xi, r[key]) for xi, r in zip(x, records) if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", markersize=3, label=label, **kw)
-
-    ax = axes[0][0]
-    curve(ax, "success_rate", "train success")
-    curve(ax, "eval_success_rate", "held-out success", linewidth=2)
-    curve(ax, "parse_failure_rate", "parse failures", linestyle=":")
-    ax.set_title("success")
-    ax.set_ylim(-0.02, 1.02)
-    _legend(ax)
-    if any(r.get("tool_calls_mean") is not None for r in records):  # an environment with tools
-        ax2 = ax.twinx()
-        curve(ax2, "tool_calls_mean", "tool calls per episode", color="tab:olive", linestyle="--")
-        curve(ax2, "tool_error_rate", "tool errors (share of calls)", color="tab:red", linestyle="--")
-        ax2.set_ylim(bottom=0)
-        _legend(ax2, loc="lower right")
-
-    ax = axes[0][1]
-    curve(ax, "reward_mean", "reward mean")
-    curve(ax, "eval_reward_mean", "held-out reward mean")
-    ax.set_title("reward")
-    _legend(ax)
-    if any(r.get("train_explained_variance") is not None for r in records):  # PPO's critic
-        ax2 = ax.twinx()
-        curve(ax2, "train_explained_variance", "critic: explained variance", color="tab:purple", linestyle="--")
-        curve(ax2, "train_value_mean", "critic: value mean", color="tab:brown", linestyle="--")
-        _legend(ax2, loc="lower right")
-
-    ax = axes[1][0]
-    curve(ax, "completion_tokens_mean", "completion tokens (mean)")
-    ax2 = ax.twinx()
-    curve(ax2, "kl_ref", "KL to reference", color="tab:red")
-    curve(ax2, "train_entropy", "entropy", color="tab:green")
-    ax.set_title("lengths, KL, entropy")
-    _legend(ax, loc="upper left")
-    _legend(ax2, loc="upper right")
-
-    ax = axes[1][1]
-    bottom = [0.0] * len(records)
-    for phase in (*PHASES, "other"):
-        values = [r.get(f"time_{phase}", 0.0) for r in records]
-        if any(values):
-            ax.bar(x, values, bottom=bottom, label=phase)
-            bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_title("seconds per iteration")
-    _legend(ax)
-
+    _success_panel(axes[0][0], records)
+    _reward_panel(axes[0][1], records)
+    _lengths_panel(axes[1][0], records)
+    _time_panel(axes[1][1], records)
     for ax in axes.flat:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
@@ -158,3 +111,62 @@ def plot_metrics(records: list[dict[str, Any]], out: str | os.PathLike) -> Path 
     plt.close(fig)
     os.replace(tmp, out)  # a reader never sees a half-drawn plot
     return out
+
+
+def _curve(ax, records: list[dict[str, Any]], key: str, label: str, **kw) -> None:
+    """`key` per iteration, over the iterations that recorded it."""
+    pts = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
+    if pts:
+        ax.plot(*zip(*pts), marker="o", markersize=3, label=label, **kw)
+
+
+def _success_panel(ax, records: list[dict[str, Any]]) -> None:
+    _curve(ax, records, "success_rate", "train success")
+    _curve(ax, records, "eval_success_rate", "held-out success", linewidth=2)
+    _curve(ax, records, "parse_failure_rate", "parse failures", linestyle=":")
+    ax.set_title("success")
+    ax.set_ylim(-0.02, 1.02)
+    _legend(ax)
+    if any(r.get("tool_calls_mean") is not None for r in records):  # an environment with tools
+        ax2 = ax.twinx()
+        _curve(ax2, records, "tool_calls_mean", "tool calls per episode", color="tab:olive", linestyle="--")
+        _curve(ax2, records, "tool_error_rate", "tool errors (share of calls)", color="tab:red", linestyle="--")
+        ax2.set_ylim(bottom=0)
+        _legend(ax2, loc="lower right")
+
+
+def _reward_panel(ax, records: list[dict[str, Any]]) -> None:
+    _curve(ax, records, "reward_mean", "reward mean")
+    _curve(ax, records, "eval_reward_mean", "held-out reward mean")
+    ax.set_title("reward")
+    _legend(ax)
+    if any(r.get("train_explained_variance") is not None for r in records):  # PPO's critic
+        ax2 = ax.twinx()
+        _curve(
+            ax2, records, "train_explained_variance", "critic: explained variance", color="tab:purple", linestyle="--"
+        )
+        _curve(ax2, records, "train_value_mean", "critic: value mean", color="tab:brown", linestyle="--")
+        _legend(ax2, loc="lower right")
+
+
+def _lengths_panel(ax, records: list[dict[str, Any]]) -> None:
+    _curve(ax, records, "completion_tokens_mean", "completion tokens (mean)")
+    ax2 = ax.twinx()
+    _curve(ax2, records, "kl_ref", "KL to reference", color="tab:red")
+    _curve(ax2, records, "train_entropy", "entropy", color="tab:green")
+    ax.set_title("lengths, KL, entropy")
+    _legend(ax, loc="upper left")
+    _legend(ax2, loc="upper right")
+
+
+def _time_panel(ax, records: list[dict[str, Any]]) -> None:
+    """Seconds per iteration, stacked by phase."""
+    x = [r["iteration"] for r in records]
+    bottom = [0.0] * len(records)
+    for phase in (*PHASES, "other"):
+        values = [r.get(f"time_{phase}", 0.0) for r in records]
+        if any(values):
+            ax.bar(x, values, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_title("seconds per iteration")
+    _legend(ax)

@@ -53,6 +53,20 @@ def _num(x) -> str:
     return "none" if x is None else f"{x:+g}" if isinstance(x, (int, float)) else str(x)
 
 
+class _Ink:
+    """Colours when the output is a terminal, plain text otherwise."""
+
+    def __init__(self, color: bool):
+        self.color = color
+
+    def __call__(self, code: str, text: str) -> str:
+        return f"{code}{text}{RESET}" if self.color else text
+
+    def signed(self, x) -> str:
+        code = GREEN if (x or 0) > 0 else RED if (x or 0) < 0 else ""
+        return self(code, _num(x))
+
+
 def render(
     tape: Tape,
     *,
@@ -65,30 +79,45 @@ def render(
 ) -> str:
     """The tape as text. `credit`: the learner's turns for this tape ({index, reward, return, advantage}, from
     the advantages file), None if it was not trained on (`credit_note` says why; empty: unknown)."""
-
-    def c(code: str, text: str) -> str:
-        return f"{code}{text}{RESET}" if color else text
-
-    def signed(x) -> str:
-        code = GREEN if (x or 0) > 0 else RED if (x or 0) < 0 else ""
-        return c(code, _num(x))
-
+    c = _Ink(color)
     tape = Tape.model_validate(_printable(tape.model_dump()))  # every string of the tape, control characters escaped
+    episode = episode_view(tape, credit)
+    lines = _header(tape, episode, c, credit, credit_note)
+    lines += _first_observation(episode["first_observation"], c)
+    for turn in episode["turns"]:
+        call = tape.llm_calls[turn["call"]] if turn["call"] is not None else None
+        lines += _agent_turn(turn, call, c)
+        if tokens and call is not None:
+            lines += _token_lines(call, tokenizer)
+        lines.append(_credit_line(turn, c, credit_note))
+        lines += _answer(turn, c)
+    lines += _ending(episode["end"], tape, c)
+    if steps:
+        lines += _steps(tape, c)
+    return "\n".join(lines)
+
+
+def _end_text(end: dict) -> str:
+    return "terminated" if end["terminated"] else "truncated" if end["truncated"] else "no end recorded"
+
+
+def _success(tape: Tape) -> str:
+    return {True: "yes", False: "no"}.get(tape.metadata.success, "unknown")
+
+
+def _header(tape: Tape, episode: dict, c: _Ink, credit: list[dict] | None, credit_note: str) -> list[str]:
+    """Who played what, how it scored and ended, and whether the learner trained on it."""
     m = tape.metadata
     env = (tape.context or {}).get("env") if isinstance(tape.context, dict) else None
-    episode = episode_view(tape, credit)
-    end = episode["end"]
-    end_text = "terminated" if end["terminated"] else "truncated" if end["truncated"] else "no end recorded"
     n = len(episode["turns"])
-    success = {True: "yes", False: "no"}.get(m.success, "unknown")
     lines = [
         c(BOLD, f"tape {m.id}")
         + (f"  env {env.get('id')}" if isinstance(env, dict) and env.get("id") else "")
         + f"  task {m.task_id}  group {m.group_id}  iteration {m.iteration}  policy version {m.policy_version}",
         "reward "
-        + signed(m.reward)
+        + c.signed(m.reward)
         + (f": {m.reward_reason}" if m.reward_reason else "")
-        + f"  ({n} turn{'' if n == 1 else 's'}, success {success}, {end_text})",
+        + f"  ({n} turn{'' if n == 1 else 's'}, success {_success(tape)}, {_end_text(episode['end'])})",
     ]
     if m.error:
         lines.append(c(RED, f"agent error: {m.error}"))
@@ -96,75 +125,106 @@ def render(
         lines.append("learner: trained (returns and advantages from its advantages file)")
     elif credit_note:
         lines.append(c(RED if m.error else DIM, f"learner: {credit_note}"))
-    first = episode["first_observation"]
-    if first is not None:
-        lines.append(c(BOLD, "\n[environment] reset"))
-        lines.append("   " + first["text"].replace("\n", "\n   "))
-        for step in first.get("steps", []):
-            lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
-    for turn in episode["turns"]:
-        call = tape.llm_calls[turn["call"]] if turn["call"] is not None else None
-        head = c(BOLD, f"\n[agent] turn {turn['turn']}" + (f" ({turn['tool']} call)" if turn.get("tool") else ""))
-        if call is not None:
-            head += c(DIM, f"  call {turn['call'] + 1}: {call.model}  T={call.sampling.temperature}  "
-                      f"finish {call.finish_reason}  {len(call.prompt_token_ids)} prompt + "
-                      f"{len(call.output_token_ids)} output tokens")  # fmt: skip
-            if call.extends_previous is False:
-                head += "  " + c(YELLOW, "WARNING: prompt re-rendered (does not extend the previous call)")
-        lines.append(head)
-        if call is not None and (turn["call"] == 0 or call.extends_previous is False):
-            lines.append(c(DIM, f"   prompt of call {turn['call'] + 1}:"))
-            for message in call.messages:
-                lines.append(
-                    c(DIM, f"   [{message.get('role')}] ") + str(message.get("content", "")).replace("\n", "\n   ")
-                )
-            lines.append(c(DIM, "   output:"))
-        text = call.output_text if call is not None else (turn["action"] or "")
-        lines.append("   " + text.replace("\n", "\n   "))
-        for step in turn["steps"]:
-            lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
-        if tokens and call is not None:
-            ref = call.ref_logprobs or []
-            for j, (tid, lp) in enumerate(zip(call.output_token_ids, call.logprobs)):
-                token = strip_controls(repr(tokenizer.decode([tid]))) if tokenizer is not None else ""
-                extra = f"  ref {ref[j]:8.4f}  kl {k3(lp, ref[j]):.4f}" if j < len(ref) else ""
-                lines.append(f"   {j:4d}  {tid:6d} {token:16s} logprob {lp:8.4f}{extra}")
-        learner = turn["learner"]
-        credit_line = f"   turn {turn['turn']}: reward " + signed(turn["reward"])
-        if learner is not None:
-            credit_line += f"  return {_num(learner['return'])}  advantage " + signed(learner["advantage"])
-            if learner.get("value") is not None:  # PPO's critic, before the turn
-                credit_line += f"  value {_num(learner['value'])}"
-        elif credit_note:  # no note: the file is not in a run directory, the learner's numbers are unknown
-            credit_line += c(DIM, f"  ({credit_note})")
-        lines.append(credit_line)
-        if turn["observation"] is not None:
-            flag = "  " + c(RED, "format error") if turn["format_error"] else ""
-            info = turn.get("info") or {}
-            if turn.get("tool"):
-                flag += (
-                    "  " + c(RED, "timed out" if info.get("timed_out") else "tool error")
-                    if (info.get("timed_out") or info.get("tool_error"))
-                    else ""
-                )
-                lines.append(c(BOLD, f"[{turn['tool']} tool] result of turn {turn['turn']}") + flag)
-            else:
-                lines.append(c(BOLD, f"[environment] answer to turn {turn['turn']}") + flag)
-            lines.append("   " + turn["observation"].replace("\n", "\n   "))
-    if end["terminated"] or end["truncated"]:
-        lines.append(
-            c(BOLD, f"\nend: {end_text}") + (f" ({end['reason']})" if end["reason"] else "") + f", success {success}"
+    return lines
+
+
+def _first_observation(first: dict | None, c: _Ink) -> list[str]:
+    if first is None:
+        return []
+    lines = [c(BOLD, "\n[environment] reset"), "   " + first["text"].replace("\n", "\n   ")]
+    for step in first.get("steps", []):
+        lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
+    return lines
+
+
+def _agent_turn(turn: dict, call, c: _Ink) -> list[str]:
+    """The turn's heading (which call, how it finished), its prompt where it starts a conversation or is
+    re-rendered, the output and the steps recorded with it."""
+    head = c(BOLD, f"\n[agent] turn {turn['turn']}" + (f" ({turn['tool']} call)" if turn.get("tool") else ""))
+    if call is not None:
+        head += c(DIM, f"  call {turn['call'] + 1}: {call.model}  T={call.sampling.temperature}  "
+                  f"finish {call.finish_reason}  {len(call.prompt_token_ids)} prompt + "
+                  f"{len(call.output_token_ids)} output tokens")  # fmt: skip
+        if call.extends_previous is False:
+            head += "  " + c(YELLOW, "WARNING: prompt re-rendered (does not extend the previous call)")
+    lines = [head]
+    if call is not None and (turn["call"] == 0 or call.extends_previous is False):
+        lines.append(c(DIM, f"   prompt of call {turn['call'] + 1}:"))
+        for message in call.messages:
+            lines.append(
+                c(DIM, f"   [{message.get('role')}] ") + str(message.get("content", "")).replace("\n", "\n   ")
+            )
+        lines.append(c(DIM, "   output:"))
+    text = call.output_text if call is not None else (turn["action"] or "")
+    lines.append("   " + text.replace("\n", "\n   "))
+    for step in turn["steps"]:
+        lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
+    return lines
+
+
+def _token_lines(call, tokenizer) -> list[str]:
+    """One line per output token: its id, text, log-prob (and reference log-prob and KL where annotated)."""
+    ref = call.ref_logprobs or []
+    lines = []
+    for j, (tid, lp) in enumerate(zip(call.output_token_ids, call.logprobs)):
+        token = strip_controls(repr(tokenizer.decode([tid]))) if tokenizer is not None else ""
+        extra = f"  ref {ref[j]:8.4f}  kl {k3(lp, ref[j]):.4f}" if j < len(ref) else ""
+        lines.append(f"   {j:4d}  {tid:6d} {token:16s} logprob {lp:8.4f}{extra}")
+    return lines
+
+
+def _credit_line(turn: dict, c: _Ink, credit_note: str) -> str:
+    """The turn's reward, and the return and advantage the learner trained it with (or why there are none)."""
+    learner = turn["learner"]
+    line = f"   turn {turn['turn']}: reward " + c.signed(turn["reward"])
+    if learner is not None:
+        line += f"  return {_num(learner['return'])}  advantage " + c.signed(learner["advantage"])
+        if learner.get("value") is not None:  # PPO's critic, before the turn
+            line += f"  value {_num(learner['value'])}"
+    elif credit_note:  # no note: the file is not in a run directory, the learner's numbers are unknown
+        line += c(DIM, f"  ({credit_note})")
+    return line
+
+
+def _answer(turn: dict, c: _Ink) -> list[str]:
+    """The environment's (or the tool's) answer to the turn, flagged when it went wrong."""
+    if turn["observation"] is None:
+        return []
+    flag = "  " + c(RED, "format error") if turn["format_error"] else ""
+    info = turn.get("info") or {}
+    if turn.get("tool"):
+        flag += (
+            "  " + c(RED, "timed out" if info.get("timed_out") else "tool error")
+            if (info.get("timed_out") or info.get("tool_error"))
+            else ""
         )
-    if steps:
-        call_number = {call.id: i + 1 for i, call in enumerate(tape.llm_calls)}
-        lines.append(c(BOLD, "\nsteps"))
-        for i, step in enumerate(tape.steps, start=1):
-            origin = f"  (call {call_number.get(step.metadata.prompt_id, '?')})" if step.metadata.prompt_id else ""
-            lines.append(c(BOLD, f"{i}. {step.kind}") + c(DIM, origin))
-            for key, value in step.model_dump(exclude={"metadata", "kind"}).items():
-                text = value if isinstance(value, str) else repr(value)
-                lines.append(f"   {key}: " + text.replace("\n", "\n   "))
-    return "\n".join(lines)
+        head = c(BOLD, f"[{turn['tool']} tool] result of turn {turn['turn']}") + flag
+    else:
+        head = c(BOLD, f"[environment] answer to turn {turn['turn']}") + flag
+    return [head, "   " + turn["observation"].replace("\n", "\n   ")]
+
+
+def _ending(end: dict, tape: Tape, c: _Ink) -> list[str]:
+    if not (end["terminated"] or end["truncated"]):
+        return []
+    return [
+        c(BOLD, f"\nend: {_end_text(end)}")
+        + (f" ({end['reason']})" if end["reason"] else "")
+        + f", success {_success(tape)}"
+    ]
+
+
+def _steps(tape: Tape, c: _Ink) -> list[str]:
+    """Every step as recorded, with the call it came from (`--steps`)."""
+    call_number = {call.id: i + 1 for i, call in enumerate(tape.llm_calls)}
+    lines = [c(BOLD, "\nsteps")]
+    for i, step in enumerate(tape.steps, start=1):
+        origin = f"  (call {call_number.get(step.metadata.prompt_id, '?')})" if step.metadata.prompt_id else ""
+        lines.append(c(BOLD, f"{i}. {step.kind}") + c(DIM, origin))
+        for key, value in step.model_dump(exclude={"metadata", "kind"}).items():
+            text = value if isinstance(value, str) else repr(value)
+            lines.append(f"   {key}: " + text.replace("\n", "\n   "))
+    return lines
 
 
 def _fields(step: dict) -> str:
