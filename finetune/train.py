@@ -236,145 +236,169 @@ def _step_line(m: dict) -> str:
     )
 
 
+class _Session:
+    """One learner process: its run folder, its accelerator, the state file it keeps, its learner."""
+
+    def __init__(self, args: argparse.Namespace, config: TrainConfig):
+        from accelerate import Accelerator
+
+        from finetune.learner import mixed_precision_for
+        from finetune.rundir import RunDir
+
+        self.args, self.config = args, config
+        self.run = RunDir(args.run_dir)
+        self.accelerator = Accelerator(mixed_precision=mixed_precision_for(config))
+        self.main_process = self.accelerator.is_main_process
+        if self.main_process:
+            self.run.root.mkdir(parents=True, exist_ok=True)
+            self.run.batches.mkdir(exist_ok=True)
+            self.run.checkpoints.mkdir(exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        _setup_logging(self.run.trainer_log if self.main_process else None, self.accelerator.process_index)
+        self.state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
+                      "batch_in_progress": None}  # fmt: skip
+        self.last: int | None = None  # the newest batch trained
+
+    def set_state(self, **fields) -> None:
+        self.state.update(fields)
+        if self.main_process:
+            self.run.write_state(**self.state)
+
+    def load(self) -> None:
+        """The learner: from the newest checkpoint's trainer state when there is one, else the model."""
+        import torch
+
+        from finetune.learner import Learner
+
+        acc = self.accelerator
+        log.info("learner starting: %s processes, device %s, mixed precision %s, %d threads, config %s",
+                 acc.num_processes, acc.device, acc.mixed_precision, torch.get_num_threads(),
+                 self.config.model_dump_json())  # fmt: skip
+        if self.main_process:
+            self.run.clean_temp()
+        resume = self.run.latest_checkpoint()
+        # Built from the initial model (checkpoints are written with an untied head for vLLM; the trainer
+        # keeps the model's own architecture), weights from trainer_state/ when resuming.
+        self.learner = Learner(self.args.model, self.config, acc)
+        if resume is None:
+            log.info("loaded %s", self.args.model)
+            return
+        self.last, folder = resume
+        progress = self.learner.load_trainer_state(folder)
+        log.info("resumed from %s (batch %d, optimizer step %d)", folder, self.last, progress["optimizer_step"])
+        self.set_state(last_batch=self.last, checkpoint=str(folder.relative_to(self.run.root)),
+                       optimizer_step=self.learner.step)  # fmt: skip
+
+    def next_decision(self) -> tuple | None:
+        """("train", index, path), ("stop", reason) or None (nothing yet): the main process decides, every
+        process gets the same answer."""
+        from accelerate.utils import broadcast_object_list
+
+        decision = None
+        if self.main_process:
+            if self.run.trainer_stop.exists():
+                decision = ("stop", f"{self.run.trainer_stop.name} found")
+            elif (found := self.run.next_batch(self.last)) is not None:
+                decision = ("train", found[0], str(found[1]))
+            elif self.args.once:
+                decision = ("stop", "no batch left (--once)")
+        return broadcast_object_list([decision])[0]
+
+    def train(self, index: int, path: str) -> None:
+        """Train batch `index`, then publish its checkpoint (with the learner's record and advantages)."""
+        from finetune.batch import read_batch
+
+        samples = read_batch(path)
+        log.info("batch %d: %d samples from %s", index, len(samples), path)
+        self.set_state(status="training", batch_in_progress=index, progress=None)
+        start = time.perf_counter()
+        metrics = self.learner.train_batch(
+            samples, index, on_step=lambda m: log.info(_step_line(m)), on_progress=self._progress_writer()
+        )
+        final = self._publish(index, samples, metrics)
+        if self.main_process:
+            log.info("batch %d done in %.1f s: %s", index, time.perf_counter() - start, final)
+        self.accelerator.wait_for_everyone()
+        self.last = index
+        self.set_state(status="waiting", last_batch=index, checkpoint=str(self.run.checkpoint(index).relative_to(
+            self.run.root)), optimizer_step=self.learner.step, batch_in_progress=None)  # fmt: skip
+
+    def _progress_writer(self):
+        """on_progress for the learner: the orchestrator's bar reads it from the state file (twice a second)."""
+        last_write = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if self.main_process and (done == total or time.monotonic() - last_write[0] > 0.5):
+                last_write[0] = time.monotonic()
+                self.set_state(progress={"done": done, "total": total, "unit": "tok"})
+
+        return progress
+
+    def _publish(self, index: int, samples: list, metrics: list[dict]) -> Path | None:
+        """Checkpoint `index` built aside (every process saves its part), the learner's record and the
+        advantages written, then renamed into place; the step metrics appended after it."""
+        from accelerate.utils import broadcast_object_list
+
+        from finetune.durable import atomic_write_json
+        from finetune.rundir import LEARNER_RECORD
+
+        tmp = self.run.temp_checkpoint(index) if self.main_process else None
+        self.accelerator.wait_for_everyone()
+        tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
+        self.learner.save_checkpoint(tmp, {"batch": index, "samples": len(samples)})
+        if not self.main_process:
+            return None
+        # published with the checkpoint: whether this batch moved the weights (the loop reads it to reload)
+        record = {"batch": index, "samples": len(samples), "steps": sum("loss" in m for m in metrics),
+                  "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
+        atomic_write_json(tmp / LEARNER_RECORD, record)
+        self.run.write_advantages(index, self.learner.credit)  # before the checkpoint: it marks the batch done
+        final = self.run.publish_checkpoint(tmp, index)
+        for m in metrics:
+            self.run.append_metrics({**m, "time": time.time()})
+        self.run.drop_old_trainer_states(keep=index)
+        return final
+
+
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
     stop_watch = start_parent_watch(args.parent_pid)
-
-    import torch
     import transformers
-    from accelerate import Accelerator
-    from accelerate.utils import broadcast_object_list
-
-    from finetune.batch import read_batch
-    from finetune.durable import atomic_write_json
-    from finetune.learner import Learner, mixed_precision_for
-    from finetune.rundir import LEARNER_RECORD, RunDir
 
     transformers.utils.logging.disable_progress_bar()
-    run = RunDir(args.run_dir)
-    accelerator = Accelerator(mixed_precision=mixed_precision_for(config))
-    main_process = accelerator.is_main_process
-    if main_process:
-        run.root.mkdir(parents=True, exist_ok=True)
-        run.batches.mkdir(exist_ok=True)
-        run.checkpoints.mkdir(exist_ok=True)
-    accelerator.wait_for_everyone()
-    _setup_logging(run.trainer_log if main_process else None, accelerator.process_index)
-    state = {
-        "status": "loading",
-        "last_batch": None,
-        "checkpoint": None,
-        "optimizer_step": 0,
-        "batch_in_progress": None,
-    }
-
-    def set_state(**fields):
-        state.update(fields)
-        if main_process:
-            run.write_state(**state)
-
+    session = _Session(args, config)
     try:
-        set_state()
-        log.info(
-            "learner starting: %s processes, device %s, mixed precision %s, %d threads, config %s",
-            accelerator.num_processes,
-            accelerator.device,
-            accelerator.mixed_precision,
-            torch.get_num_threads(),
-            config.model_dump_json(),
-        )
-        if main_process:
-            run.clean_temp()
-        resume = run.latest_checkpoint()
-        last: int | None = None
-        if resume is not None:
-            last, folder = resume
-            # Built from the initial model (checkpoints are written with an untied head for
-            # vLLM; the trainer keeps the model's own architecture), weights from trainer_state/.
-            learner = Learner(args.model, config, accelerator)
-            progress = learner.load_trainer_state(folder)
-            log.info("resumed from %s (batch %d, optimizer step %d)", folder, last, progress["optimizer_step"])
-            set_state(last_batch=last, checkpoint=str(folder.relative_to(run.root)), optimizer_step=learner.step)
-        else:
-            learner = Learner(args.model, config, accelerator)
-            log.info("loaded %s", args.model)
-
+        session.set_state()
+        session.load()
+        session.set_state(status="waiting")
         trained = 0
-        set_state(status="waiting")
         while True:
-            decision = None  # ("train", index, path) or ("stop", reason); chosen by the main process
-            if main_process:
-                if run.trainer_stop.exists():
-                    decision = ("stop", f"{run.trainer_stop.name} found")
-                elif (found := run.next_batch(last)) is not None:
-                    decision = ("train", found[0], str(found[1]))
-                elif args.once:
-                    decision = ("stop", "no batch left (--once)")
-            decision = broadcast_object_list([decision])[0]
+            decision = session.next_decision()
             if decision is None:
                 time.sleep(args.poll_seconds)
                 continue
             if decision[0] == "stop":
                 log.info("stopping: %s", decision[1])
-                set_state(status="stopped", reason=decision[1])
+                session.set_state(status="stopped", reason=decision[1])
                 break
-
-            _, index, path = decision
-            samples = read_batch(path)
-            log.info("batch %d: %d samples from %s", index, len(samples), path)
-            set_state(status="training", batch_in_progress=index, progress=None)
-            t0 = time.perf_counter()
-            last_write = [0.0]
-
-            def progress(done: int, total: int, last_write=last_write) -> None:  # for the orchestrator's bar
-                if main_process and (done == total or time.monotonic() - last_write[0] > 0.5):
-                    last_write[0] = time.monotonic()
-                    set_state(progress={"done": done, "total": total, "unit": "tok"})
-
-            metrics = learner.train_batch(
-                samples, index, on_step=lambda m: log.info(_step_line(m)), on_progress=progress
-            )
-            tmp = run.temp_checkpoint(index) if main_process else None
-            accelerator.wait_for_everyone()
-            tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
-            learner.save_checkpoint(tmp, {"batch": index, "samples": len(samples)})
-            if main_process:  # published with the checkpoint: whether this batch moved the weights
-                record = {"batch": index, "samples": len(samples), "steps": sum("loss" in m for m in metrics),
-                          "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
-                atomic_write_json(tmp / LEARNER_RECORD, record)
-            if main_process:
-                run.write_advantages(index, learner.credit)  # before the checkpoint: it marks the batch done
-                final = run.publish_checkpoint(tmp, index)
-                for m in metrics:
-                    run.append_metrics({**m, "time": time.time()})
-                run.drop_old_trainer_states(keep=index)
-                log.info("batch %d done in %.1f s: %s", index, time.perf_counter() - t0, final)
-            accelerator.wait_for_everyone()
-            last = index
+            session.train(decision[1], decision[2])
             trained += 1
-            set_state(
-                status="waiting",
-                last_batch=index,
-                checkpoint=str(run.checkpoint(index).relative_to(run.root)),
-                optimizer_step=learner.step,
-                batch_in_progress=None,
-            )
             if args.max_batches and trained >= args.max_batches:
                 log.info("stopping: trained %d batches (--max-batches)", trained)
-                set_state(status="stopped", reason="--max-batches reached")
+                session.set_state(status="stopped", reason="--max-batches reached")
                 break
-        accelerator.wait_for_everyone()
+        session.accelerator.wait_for_everyone()
         return 0
     except Exception as exc:
         log.error("failed: %s\n%s", exc, traceback.format_exc())
-        set_state(status="failed", error=f"{type(exc).__name__}: {exc}")
+        session.set_state(status="failed", error=f"{type(exc).__name__}: {exc}")
         return 1
     finally:
         stop_watch()
-        accelerator.end_training()
+        session.accelerator.end_training()
 
 
 if __name__ == "__main__":
