@@ -36,7 +36,7 @@ from finetune.batch import Sample
 from finetune.config import TrainConfig
 from finetune.logprobs import PolicyLogProbs, ValueModel
 from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, turn_advantages
-from finetune.microbatch import micro_batches
+from finetune.microbatch import MicroBatch, micro_batches
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -68,6 +68,72 @@ def folder_dtype(model_dir: Path) -> str:
     """The dtype a model folder's config declares (float32 when it says nothing)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+
+
+class _StepTally:
+    """What this process's micro-batches add up to in one step: sums (loss terms, per-token sums, counts)
+    and the extremes of per-token values, by name."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, torch.Tensor] = {}
+        self.mins: dict[str, torch.Tensor] = {}
+
+    def add(self, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def extreme(self, name: str, hi: torch.Tensor, lo: torch.Tensor) -> None:
+        self.maxes[name] = torch.maximum(self.maxes[name], hi) if name in self.maxes else hi
+        self.mins[name] = torch.minimum(self.mins[name], lo) if name in self.mins else lo
+
+    def reduce(self, acc: Accelerator) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
+        """The sums and the (max, min) of each extreme over all processes, by name in sorted order."""
+        names = sorted(self.sums)  # the same keys on every process (the same loss)
+        totals = torch.tensor([self.sums[n] for n in names], dtype=torch.float64)
+        extremes = sorted(self.maxes)
+        empty = torch.zeros(0, dtype=torch.float64)
+        hi = torch.stack([self.maxes[n] for n in extremes]).double() if extremes else empty
+        lo = torch.stack([self.mins[n] for n in extremes]).double() if extremes else empty
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals.to(acc.device), "sum").cpu()
+            hi = acc.gather(hi[None].to(acc.device)).amax(0).cpu()
+            lo = acc.gather(lo[None].to(acc.device)).amin(0).cpu()
+        return dict(zip(names, totals.tolist())), dict(zip(extremes, zip(hi.tolist(), lo.tolist())))
+
+
+def loss_metrics(sums: dict[str, float], extremes: dict[str, tuple[float, float]], n_completion: int) -> dict:
+    """A step's loss, entropy per token, training-inference mismatch (when measured), the loss's terms, its
+    per-token means ("#name" sums) and extremes, from the sums over its micro-batches and processes."""
+    sums = dict(sums)
+    m = {"loss": sums.pop("loss"), "entropy": sums.pop("entropy") / n_completion}
+    mm_n = sums.pop("mm_n", 0.0)
+    mm_abs, mm_ratio = sums.pop("mm_abs", 0.0), sums.pop("mm_ratio", 0.0)
+    if mm_n:  # the training-inference mismatch (first step of a batch only)
+        m.update(mismatch_abs_logp=mm_abs / mm_n, tis_ratio_mean=mm_ratio / mm_n)
+    for name, value in sums.items():  # the loss's terms, then its per-token means
+        if name.startswith("#"):
+            m[name[1:]] = value / n_completion
+        else:
+            m[name] = value
+    for name, (hi, lo) in extremes.items():
+        if name == "tis_ratio":
+            if mm_n:
+                m["tis_ratio_max"] = hi
+            continue
+        m[f"{name}_max"], m[f"{name}_min"] = hi, lo
+    return m
+
+
+def advantage_metrics(adv: torch.Tensor) -> dict[str, float]:
+    """Mean, std, min, max and the fraction of zeros of a step's per-token advantages."""
+    return {
+        "adv_mean": float(adv.mean()),
+        "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
+        "adv_min": float(adv.min()),
+        "adv_max": float(adv.max()),
+        "zero_adv_frac": float((adv == 0).double().mean()),
+    }
 
 
 class Learner:
@@ -317,16 +383,8 @@ class Learner:
     @torch.no_grad()
     def _values(self, samples: list[Sample]) -> list[torch.Tensor]:
         """The critic's value before each trained token of each sample (no update)."""
-        cfg, _dev = self.config, self.accelerator.device
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in micro_batches(
-            [s.prompt_ids for s in samples],
-            [s.completion_ids for s in samples],
-            cfg.token_budget,
-            cfg.layout,
-            self.pad_id,
-            [s.trained_positions() for s in samples],
-        ):
+        for mb in self._micro_batches(samples):
             values = self._forward_values(mb, samples)
             for i, part in zip(mb.indices, values.float().cpu().split(mb.completion_lengths)):
                 out[i] = part
@@ -357,161 +415,36 @@ class Learner:
         return lr
 
     def _optimizer_step(self, samples: list[Sample], idx: list[int], advantages, rewards, critic=None) -> dict:
-        cfg, acc = self.config, self.accelerator
-        spec, options = cfg.loss, cfg.loss_options
+        """One optimizer step on samples[idx]: this process's share of the step's micro-batches, each
+        forwarded and backwarded; the optimizers stepped; the metrics summed over processes."""
         t0 = time.perf_counter()
-        dev = acc.device
         sub = [samples[i] for i in idx]
-        mbs = micro_batches(
-            [s.prompt_ids for s in sub],
-            [s.completion_ids for s in sub],
-            cfg.token_budget,
-            cfg.layout,
-            self.pad_id,
-            [s.trained_positions() for s in sub],
-        )
+        mbs = self._micro_batches(sub)
         n_completion = sum(s.n_trained for s in sub)
-        world, rank = acc.num_processes, acc.process_index
-        # Every process must run the same number of forward/backward passes
-        # (DDP / FSDP synchronise on them): a process short of micro-batches
-        # repeats one with zero weight.
-        per_rank = math.ceil(len(mbs) / world)
-        mine = [(mb, 1.0) for mb in mbs[rank::world]]
-        mine += [(mbs[0], 0.0)] * (per_rank - len(mine))
         lr = self._set_lr()
-
-        sums: dict[str, float] = {}  # summed over micro-batches: loss terms, per-token sums, counts
-        maxes: dict[str, torch.Tensor] = {}
-        mins: dict[str, torch.Tensor] = {}
-        models = [self.model] + ([self.critic] if self.critic is not None else [])
+        tally = _StepTally()
+        mine = self._my_share(mbs)
         for k, (mb, scale) in enumerate(mine):
             seqs = [sub[i] for i in mb.indices]
-            weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(sub)) * scale
-            adv = torch.cat([advantages[idx[i]] for i in mb.indices])
-            behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
-            vllm_logp = behaviour
-            if self._trainer_old is not None:  # TIS: ratio against the trainer's log-probs, weighted by the cap
-                old = torch.cat([self._trainer_old[idx[i]] for i in mb.indices])
-                adv = adv * tis_weights(old, behaviour, cfg.tis_cap)
-                behaviour = old
-            ref = (
-                torch.tensor([x for s in seqs for x in s.ref_logprobs])
-                if all(s.ref_logprobs is not None for s in seqs)
-                else None
-            )
-            inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in range(s.n_trained)])
-            # The reference is scored at T = 1: the KL takes untempered log-probs.
-            tempered = bool((inv_temp != 1).any())
+            rows = [idx[i] for i in mb.indices]  # the micro-batch's samples, as indices into the batch
+            weights = token_weights(mb.completion_lengths, self.config.aggregation, n_completion, len(sub)) * scale
             sync = k == len(mine) - 1
-            with ExitStack() as stack:
-                if not sync:
-                    for model in models:
-                        stack.enter_context(acc.no_sync(model))
-                out = self.model(
-                    mb.input_ids.to(dev),
-                    None if mb.position_ids is None else mb.position_ids.to(dev),
-                    mb.rows.to(dev),
-                    mb.cols.to(dev),
-                    mb.targets.to(dev),
-                    inv_temp.to(dev),
-                    ref is not None and tempered,
-                    None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                )
-                x = LossInputs(
-                    logp=out.logp,
-                    behaviour_logp=behaviour.to(dev),
-                    advantages=adv.to(dev),
-                    weights=weights.to(dev),
-                    ref_logp=None if ref is None else ref.to(dev),
-                    kl_logp=out.raw_logp,
-                    kl_coef=cfg.kl_coef,
-                )
-                if critic is not None:
-                    old_values, targets = critic
-                    x.values = out.values if self.critic is None else self._forward_values(mb, seqs)
-                    x.old_values = torch.cat([old_values[idx[i]] for i in mb.indices]).to(dev)
-                    x.returns = torch.cat([targets[idx[i]] for i in mb.indices]).to(dev)
-                result = spec.fn(x, options)
-                # Gradients are averaged over processes; the weights already
-                # divide by the step's totals, so undo the average.
-                acc.backward(result.loss * world)
+            out, result, vllm_logp = self._forward_backward(mb, seqs, rows, advantages, critic, weights, sync)
             if scale:
-                add = {
-                    "loss": result.loss.item(),
-                    "entropy": out.entropy.sum().item(),
-                    "tokens": mb.n_tokens,
-                    "slots": mb.n_slots,
-                }
-                if self._fresh:
-                    lag0 = torch.tensor([self._lag0[idx[i]] for i in mb.indices for _ in range(sub[i].n_trained)])
-                    gap = (out.logp.detach().float().cpu() - vllm_logp)[lag0]
-                    add.update(mm_abs=gap.abs().sum().item(), mm_ratio=gap.exp().sum().item(), mm_n=float(len(gap)))
-                    hi = gap.exp().max() if len(gap) else torch.tensor(-math.inf)
-                    maxes["tis_ratio"] = torch.maximum(maxes["tis_ratio"], hi) if "tis_ratio" in maxes else hi
-                    mins.setdefault("tis_ratio", torch.tensor(math.inf))
-                add.update({name: value.item() for name, value in result.terms.items()})
-                add.update({f"#{name}": value.sum().item() for name, value in result.token_means.items()})
-                for name, value in add.items():
-                    sums[name] = sums.get(name, 0.0) + value
-                for name, value in result.token_extremes.items():
-                    hi, lo = value.max().detach().cpu(), value.min().detach().cpu()
-                    maxes[name] = torch.maximum(maxes[name], hi) if name in maxes else hi
-                    mins[name] = torch.minimum(mins[name], lo) if name in mins else lo
-                progress = getattr(self, "_progress", None)
-                if progress and progress[2] is not None:
-                    progress[0] = min(progress[1], progress[0] + sum(mb.completion_lengths) * world)
-                    progress[2](progress[0], progress[1])
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        critic_norm = None
-        if self.critic is not None:
-            critic_norm = acc.clip_grad_norm_(self.critic.parameters(), max_norm)
-            self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-
-        names = sorted(sums)  # the same keys on every process (the same loss)
-        totals = torch.tensor([sums[n] for n in names], dtype=torch.float64)
-        extremes = sorted(maxes)
-        hi = torch.stack([maxes[n] for n in extremes]).double() if extremes else torch.zeros(0, dtype=torch.float64)
-        lo = torch.stack([mins[n] for n in extremes]).double() if extremes else torch.zeros(0, dtype=torch.float64)
-        if world > 1:
-            totals = acc.reduce(totals.to(dev), "sum").cpu()
-            hi = acc.gather(hi[None].to(dev)).amax(0).cpu()
-            lo = acc.gather(lo[None].to(dev)).amin(0).cpu()
-        sums = dict(zip(names, totals.tolist()))
+                self._tally(tally, mb, seqs, rows, out, result, vllm_logp)
+                self._report_progress(mb)
+        grad_norm, critic_norm = self._apply_gradients()
+        sums, extremes = tally.reduce(self.accelerator)
         seconds = time.perf_counter() - t0
-        adv = torch.cat([advantages[i] for i in idx])  # per trained token
         tokens, slots = sums.pop("tokens"), sums.pop("slots")
-        m = {"step": self.step, "loss": sums.pop("loss"), "entropy": sums.pop("entropy") / n_completion}
-        mm_n = sums.pop("mm_n", 0.0)
-        mm_abs, mm_ratio = sums.pop("mm_abs", 0.0), sums.pop("mm_ratio", 0.0)
-        if mm_n:  # the training-inference mismatch (first step of a batch only)
-            m.update(mismatch_abs_logp=mm_abs / mm_n, tis_ratio_mean=mm_ratio / mm_n)
-
-        for name, value in sums.items():  # the loss's terms, then its per-token means
-            if name.startswith("#"):
-                m[name[1:]] = value / n_completion
-            else:
-                m[name] = value
-        for name, a, b in zip(extremes, hi.tolist(), lo.tolist()):
-            if name == "tis_ratio":
-                if mm_n:
-                    m["tis_ratio_max"] = a
-                continue
-            m[f"{name}_max"], m[f"{name}_min"] = a, b
+        m = {"step": self.step, **loss_metrics(sums, extremes, n_completion)}
+        m.update(advantage_metrics(torch.cat([advantages[i] for i in idx])))  # per trained token
+        m["reward_mean"] = float(rewards[idx].mean())
+        m["grad_norm"] = float(grad_norm)
+        if critic_norm is not None:
+            m["critic_grad_norm"] = float(critic_norm)
         m.update(
             {
-                "adv_mean": float(adv.mean()),
-                "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
-                "adv_min": float(adv.min()),
-                "adv_max": float(adv.max()),
-                "zero_adv_frac": float((adv == 0).double().mean()),
-                "reward_mean": float(rewards[idx].mean()),
-                "grad_norm": float(grad_norm),
-                **({} if critic_norm is None else {"critic_grad_norm": float(critic_norm)}),
                 "lr": lr,
                 "samples": len(idx),
                 "completion_tokens": n_completion,
@@ -524,32 +457,151 @@ class Learner:
         )
         return m
 
-    @torch.no_grad()
-    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        """Current log-probs of each sample's completion tokens (at its temperature), no update."""
-        cfg, dev = self.config, self.accelerator.device
-        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for mb in micro_batches(
+    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """The samples cut into micro-batches of at most token_budget tokens, in the configured layout."""
+        cfg = self.config
+        return micro_batches(
             [s.prompt_ids for s in samples],
             [s.completion_ids for s in samples],
             cfg.token_budget,
             cfg.layout,
             self.pad_id,
             [s.trained_positions() for s in samples],
-        ):
+        )
+
+    def _my_share(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, float]]:
+        """This process's micro-batches (every world_size-th), each with its weight scale (1, or 0 for padding).
+
+        Every process must run the same number of forward/backward passes (DDP / FSDP synchronise on them):
+        a process short of micro-batches repeats one with zero weight."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = math.ceil(len(mbs) / world)
+        mine = [(mb, 1.0) for mb in mbs[rank::world]]
+        mine += [(mbs[0], 0.0)] * (per_rank - len(mine))
+        return mine
+
+    def _forward_backward(self, mb, seqs, rows, advantages, critic, weights, sync: bool):
+        """The loss of one micro-batch, backwarded (gradients synchronised over processes only when sync).
+
+        Returns the policy's output, the loss's LossOutputs and vLLM's log-probs of the tokens."""
+        cfg, acc, dev = self.config, self.accelerator, self.accelerator.device
+        adv = torch.cat([advantages[r] for r in rows])
+        vllm_logp = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
+        behaviour = vllm_logp
+        if self._trainer_old is not None:  # TIS: ratio against the trainer's log-probs, weighted by the cap
+            old = torch.cat([self._trainer_old[r] for r in rows])
+            adv = adv * tis_weights(old, behaviour, cfg.tis_cap)
+            behaviour = old
+        ref = (
+            torch.tensor([x for s in seqs for x in s.ref_logprobs])
+            if all(s.ref_logprobs is not None for s in seqs)
+            else None
+        )
+        inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in range(s.n_trained)])
+        # The reference is scored at T = 1: the KL takes untempered log-probs.
+        tempered = bool((inv_temp != 1).any())
+        with self._no_sync(sync):
+            out = self._policy(mb, inv_temp, ref is not None and tempered)
+            x = LossInputs(
+                logp=out.logp,
+                behaviour_logp=behaviour.to(dev),
+                advantages=adv.to(dev),
+                weights=weights.to(dev),
+                ref_logp=None if ref is None else ref.to(dev),
+                kl_logp=out.raw_logp,
+                kl_coef=cfg.kl_coef,
+            )
+            if critic is not None:
+                old_values, targets = critic
+                x.values = out.values if self.critic is None else self._forward_values(mb, seqs)
+                x.old_values = torch.cat([old_values[r] for r in rows]).to(dev)
+                x.returns = torch.cat([targets[r] for r in rows]).to(dev)
+            result = cfg.loss.fn(x, cfg.loss_options)
+            # Gradients are averaged over processes; the weights already
+            # divide by the step's totals, so undo the average.
+            acc.backward(result.loss * acc.num_processes)
+        return out, result, vllm_logp
+
+    def _no_sync(self, sync: bool) -> ExitStack:
+        """A context that holds back the gradient all-reduce of every trained model unless sync."""
+        stack = ExitStack()
+        if not sync:
+            for model in [self.model] + ([self.critic] if self.critic is not None else []):
+                stack.enter_context(self.accelerator.no_sync(model))
+        return stack
+
+    def _policy(self, mb, inv_temp: torch.Tensor, raw: bool):
+        """The policy on one micro-batch: log-probs of its targets at inv_temp (and untempered ones if raw)."""
+        dev = self.accelerator.device
+        return self.model(
+            mb.input_ids.to(dev),
+            None if mb.position_ids is None else mb.position_ids.to(dev),
+            mb.rows.to(dev),
+            mb.cols.to(dev),
+            mb.targets.to(dev),
+            inv_temp.to(dev),
+            raw,
+            None if mb.attention_mask is None else mb.attention_mask.to(dev),
+        )
+
+    def _tally(self, tally: _StepTally, mb, seqs, rows, out, result, vllm_logp) -> None:
+        """Add one micro-batch's loss, entropy, token counts and the loss's terms and extremes to the step's;
+        on the batch's first step, its training-inference mismatch too."""
+        add = {
+            "loss": result.loss.item(),
+            "entropy": out.entropy.sum().item(),
+            "tokens": mb.n_tokens,
+            "slots": mb.n_slots,
+        }
+        if self._fresh:
+            add.update(self._mismatch(tally, seqs, rows, out.logp, vllm_logp))
+        add.update({name: value.item() for name, value in result.terms.items()})
+        add.update({f"#{name}": value.sum().item() for name, value in result.token_means.items()})
+        tally.add(add)
+        for name, value in result.token_extremes.items():
+            tally.extreme(name, value.max().detach().cpu(), value.min().detach().cpu())
+
+    def _mismatch(self, tally: _StepTally, seqs, rows, logp, vllm_logp) -> dict[str, float]:
+        """The gap between the trainer's and vLLM's log-probs over the micro-batch's lag-0 tokens: sums of
+        |gap| and of the ratio e^gap and their count (mm_abs, mm_ratio, mm_n); the ratio's max goes to the tally."""
+        lag0 = torch.tensor([self._lag0[r] for r, s in zip(rows, seqs) for _ in range(s.n_trained)])
+        gap = (logp.detach().float().cpu() - vllm_logp)[lag0]
+        hi = gap.exp().max() if len(gap) else torch.tensor(-math.inf)
+        tally.extreme("tis_ratio", hi, torch.tensor(math.inf))  # its minimum is not reported
+        return {"mm_abs": gap.abs().sum().item(), "mm_ratio": gap.exp().sum().item(), "mm_n": float(len(gap))}
+
+    def _report_progress(self, mb) -> None:
+        """Count the micro-batch's completion tokens (on every process) and tell on_progress."""
+        progress = getattr(self, "_progress", None)
+        if progress and progress[2] is not None:
+            progress[0] = min(progress[1], progress[0] + sum(mb.completion_lengths) * self.accelerator.num_processes)
+            progress[2](progress[0], progress[1])
+
+    def _apply_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Clip (grad_clip 0: measure only), step and zero each optimizer; count the step. Returns the policy's
+        and the critic's (None without one) gradient norms."""
+        acc = self.accelerator
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        critic_norm = None
+        if self.critic is not None:
+            critic_norm = acc.clip_grad_norm_(self.critic.parameters(), max_norm)
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return grad_norm, critic_norm
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Current log-probs of each sample's completion tokens (at its temperature), no update."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for mb in self._micro_batches(samples):
             inv_temp = torch.tensor(
                 [1.0 / samples[i].temperature for i in mb.indices for _ in range(samples[i].n_trained)]
             )
-            logp = self.model(
-                mb.input_ids.to(dev),
-                None if mb.position_ids is None else mb.position_ids.to(dev),
-                mb.rows.to(dev),
-                mb.cols.to(dev),
-                mb.targets.to(dev),
-                inv_temp.to(dev),
-                False,
-                None if mb.attention_mask is None else mb.attention_mask.to(dev),
-            ).logp
+            logp = self._policy(mb, inv_temp, False).logp
             for i, part in zip(mb.indices, logp.float().cpu().split(mb.completion_lengths)):
                 out[i] = part
         return out
