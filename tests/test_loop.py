@@ -201,7 +201,9 @@ def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed
     for m in metrics[1:]:
         assert 0 <= m["trainer_busy_frac"] <= 1 and 0 <= m["generator_busy_frac"] <= 1
         assert 0 <= m["lag_mean"] <= m["lag_max"] <= 1 and m["stale_dropped"] == 0  # the trainer's own count
-        assert m["train_mismatch_abs_logp"] >= 0 and m["train_tis_ratio_max"] > 0
+        if m["lag_max"] == 0:  # the mismatch is measured over lag-0 tokens (batch 1's always are)
+            assert m["train_mismatch_abs_logp"] >= 0 and m["train_tis_ratio_max"] > 0
+    assert metrics[1]["lag_max"] == 0 and "train_mismatch_abs_logp" in metrics[1]
     evals = list(read_tapes(run / "tapes" / "eval_000003.jsonl"))
     assert {c.policy_version for t in evals for c in t.llm_calls} == {3}
 
