@@ -360,13 +360,22 @@ ALLOCATORS = """import subprocess, sys
 n = int(0.4 * {memory_mb} * 2**20)
 kids = [subprocess.Popen([sys.executable, '-c', f'x = b"\\\\1" * {{n}}; print("held", flush=True); input()'],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
-held = [k.stdout.readline().strip() for k in kids]  # each holds its 40 % until all three answered
+said = [k.stdout.readline().strip() for k in kids]  # each holds its 40 % until told to stop
+# one that said "held" may be the out-of-memory victim of a later one: held means still alive now
+alive = []
+for k in kids:
+    try:
+        k.wait(timeout=1.0)  # a killed one is reaped at once; a live one waits for its input
+        alive.append(False)
+    except subprocess.TimeoutExpired:
+        alive.append(True)
+held = [s for s, a in zip(said, alive) if s == "held" and a]
 for k in kids:
     try:
         k.stdin.close()
     except OSError:
         pass
-print(held.count("held"), [k.wait() for k in kids])
+print(len(held), [k.wait() for k in kids])
 """
 
 
