@@ -15,9 +15,9 @@ import argparse
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
@@ -110,25 +110,28 @@ class EvalSection(BaseModel):
     max_tokens: int = Field(128, gt=0, description="new tokens per LLM call in evaluation")
 
 
+def _core_list(value):
+    """A core list ('0-3,6'), checked and written one way; `--x.cpus 1` arrives as a number."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str):
+        value = format_cpus(parse_cpus(value))
+    return value
+
+
+CoreList = Annotated[str | None, BeforeValidator(_core_list)]
+
+
 class ServerSection(ServerConfig):
     model_config = ConfigDict(extra="forbid")
 
     policy_servers: int = Field(1, gt=0, description="policy servers (one per GPU); requests are spread across them")
     max_restarts: int = Field(3, ge=0, description="restarts of a dead server before the run stops")
-    cpus: str | None = Field(
+    cpus: CoreList = Field(
         None,
         description="CPU cores the vLLM servers run on, e.g. '0' or '0-3,6' (their "
         "OpenMP threads bind to them); keep them apart from --trainer.cpus; default: all ours",
     )
-
-    @field_validator("cpus", mode="before")
-    @classmethod
-    def _core_list(cls, value):
-        if isinstance(value, int) and not isinstance(value, bool):  # `--x.cpus 1` arrives as a number
-            value = str(value)
-        if isinstance(value, str):
-            value = format_cpus(parse_cpus(value))
-        return value
 
 
 class TrainerSection(BaseModel):
@@ -141,20 +144,11 @@ class TrainerSection(BaseModel):
     )
     num_processes: int = Field(1, gt=0, description="trainer processes (GPUs)")
     timeout_s: float = Field(3600, gt=0, description="longest wait for one training step's checkpoint")
-    cpus: str | None = Field(
+    cpus: CoreList = Field(
         None,
         description="CPU cores the trainer runs on, e.g. '1' or '4-7' (OMP_NUM_THREADS "
         "follows); keep them apart from --server.cpus; default: all ours",
     )
-
-    @field_validator("cpus", mode="before")
-    @classmethod
-    def _core_list(cls, value):
-        if isinstance(value, int) and not isinstance(value, bool):  # `--x.cpus 1` arrives as a number
-            value = str(value)
-        if isinstance(value, str):
-            value = format_cpus(parse_cpus(value))
-        return value
 
 
 class RunSection(BaseModel):
