@@ -22,6 +22,7 @@ from agents.envs.code import (
     split_problems,
 )
 from agents.sandbox import Sandbox, SandboxConfig, SandboxInfraError, SandboxResult
+from tests.scripted import scripted_call
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +278,6 @@ def test_the_preset_and_the_sandbox_options_reach_the_environment():
 
 
 def scripted_llm(tokenizer, texts):
-    from tapes.tape import LLMCall
 
     class LLM:
         calls = 0
@@ -286,16 +286,7 @@ def scripted_llm(tokenizer, texts):
             text = texts[LLM.calls]
             LLM.calls += 1
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            return LLMCall(
-                messages=list(messages or []),
-                prompt_token_ids=list(prompt_ids),
-                prompt_text=prompt_text,
-                output_text=text,
-                output_token_ids=ids,
-                logprobs=[-0.5] * len(ids),
-                finish_reason="stop",
-                sampling=sampling,
-            )
+            return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
     return LLM()
 

@@ -16,7 +16,8 @@ from finetune.batch import Sample
 from finetune.losses import discounted_returns, turn_advantages
 from finetune.microbatch import micro_batches
 from orchestrate.samples import tape_samples
-from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
+from tapes.tape import EnvAction, EnvObservation, SamplingParams, Tape
+from tests.scripted import scripted_call
 
 
 class ScriptedEnv:
@@ -50,15 +51,8 @@ class ScriptedLLM:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.finish == "stop":
             ids = ids + [self.tokenizer.eos_token_id]
-        return LLMCall(
-            messages=list(messages or []),
-            prompt_token_ids=list(prompt_ids),
-            prompt_text=prompt_text,
-            output_text=text,
-            output_token_ids=ids,
-            logprobs=[-0.5] * len(ids),
-            finish_reason=self.finish,
-            sampling=sampling,
+        return scripted_call(
+            text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text, finish=self.finish
         )
 
 

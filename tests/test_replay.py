@@ -15,7 +15,8 @@ from agents.chat import ChatTokens
 from orchestrate.replay import agent_from_run_config, replay_tape
 from orchestrate.rollouts import EnvSpec, run_rollouts
 from tapes.store import read_tapes, write_tapes
-from tapes.tape import LLMCall, SamplingParams
+from tapes.tape import SamplingParams
+from tests.scripted import scripted_call
 
 vllm = pytest.mark.vllm  # these use the tapes of the real run made by the `tiny_run` fixture
 
@@ -27,16 +28,7 @@ class ScriptedLLM:
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
         text = self.texts.pop(0)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return LLMCall(
-            messages=list(messages or []),
-            prompt_token_ids=list(prompt_ids),
-            prompt_text=prompt_text,
-            output_text=text,
-            output_token_ids=ids,
-            logprobs=[-0.1] * len(ids),
-            finish_reason="stop",
-            sampling=sampling,
-        )
+        return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text, logprob=-0.1)
 
 
 def game_agent(tokenizer, instruction=""):

@@ -18,6 +18,7 @@ from agents.envs.registry import make_env
 from agents.rewards import normalize_answer, qa_scores, token_f1
 from agents.search import CorpusError, Retriever, SearchConfig, load_retriever
 from agents.tools import SearchTool, ToolEnv
+from tests.scripted import scripted_call
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,21 +266,11 @@ class ScriptedLLM:
         self.tokenizer, self.texts, self.stops = tokenizer, list(texts), []
 
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
-        from tapes.tape import LLMCall
 
         self.stops.append(list(sampling.stop))
         text = self.texts.pop(0)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return LLMCall(
-            messages=list(messages or []),
-            prompt_token_ids=list(prompt_ids),
-            prompt_text=prompt_text,
-            output_text=text,
-            output_token_ids=ids,
-            logprobs=[-0.5] * len(ids),
-            finish_reason="stop",
-            sampling=sampling,
-        )
+        return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
 
 def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recorded_results(

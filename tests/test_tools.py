@@ -9,6 +9,7 @@ import pytest
 from agents.envs.registry import make_env
 from agents.sandbox import Sandbox, SandboxConfig, SandboxResult
 from agents.tools import PythonTool, ToolEnv, ToolInfraError
+from tests.scripted import scripted_call
 
 
 class ScriptedLLM:
@@ -18,21 +19,11 @@ class ScriptedLLM:
         self.tokenizer, self.texts, self.calls = tokenizer, texts, 0
 
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
-        from tapes.tape import LLMCall
 
         text = self.texts[self.calls]
         self.calls += 1
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return LLMCall(
-            messages=list(messages or []),
-            prompt_token_ids=list(prompt_ids),
-            prompt_text=prompt_text,
-            output_text=text,
-            output_token_ids=ids,
-            logprobs=[-0.5] * len(ids),
-            finish_reason="stop",
-            sampling=sampling,
-        )
+        return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +71,7 @@ def test_the_agent_stops_sampling_at_the_end_of_a_tool_call_and_reads_its_output
 
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
-    from tapes.tape import EnvObservation, LLMCall, SamplingParams, Tape
+    from tapes.tape import EnvObservation, SamplingParams, Tape
 
     env = ToolEnv(make_env("math:arithmetic"), [tool])
     answer = env.env._problem_at(5).answer
@@ -92,16 +83,7 @@ def test_the_agent_stops_sampling_at_the_end_of_a_tool_call_and_reads_its_output
             seen.append(sampling.stop)
             text, eos = texts[len(seen) - 1]
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
-            return LLMCall(
-                messages=list(messages or []),
-                prompt_token_ids=list(prompt_ids),
-                prompt_text=prompt_text,
-                output_text=text,
-                output_token_ids=ids,
-                logprobs=[-0.5] * len(ids),
-                finish_reason="stop",
-                sampling=sampling,
-            )
+            return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
     tape = asyncio.run(agent.run_episode(env, 5, LLM(), Tape()))
