@@ -280,6 +280,7 @@ class Learner:
         # over samples of lag 0 (same weights in vLLM and here) or of unknown version.
         self._lag0 = [s.policy_version is None or batch_index - 1 - s.policy_version == 0 for s in samples]
         self._fresh = True
+        before = self._fingerprint()  # the weights before the batch's first step
         for epoch in range(cfg.epochs):
             order = (
                 torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
@@ -287,10 +288,11 @@ class Learner:
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
                 if len(part) == 0:
                     continue
-                before = self._fingerprint()
                 m = self._optimizer_step(samples, part.tolist(), advantages, rewards, critic)
                 # recorded for the orchestrator: an unchanged model cannot be told from a failed reload
-                m["weights_changed"] = not torch.equal(before, self._fingerprint())
+                after = self._fingerprint()
+                m["weights_changed"] = not torch.equal(before, after)
+                before = after  # one fingerprint per step: the next step starts from this one
                 self._fresh = False
                 m = {
                     "batch": batch_index,
