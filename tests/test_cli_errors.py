@@ -19,6 +19,19 @@ def one_line_error(out: subprocess.CompletedProcess, *words: str) -> str:
     return line
 
 
+def in_process(module, *args, capsys):
+    """`python -m module args` in this process (the same main; no traceback can hide: an exception fails the
+    test), as (exit status, stderr); a subprocess pays seconds of imports for each call."""
+    import importlib
+
+    try:
+        code = importlib.import_module(module).main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess([module, *map(str, args)], code, captured.out, captured.err)
+
+
 def run(module, *args, timeout=180):
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
@@ -136,28 +149,34 @@ def bad_run(tmp_path):
     return run_dir
 
 
-def test_show_on_binary_and_non_utf8(bad_run):
+def test_show_on_binary_and_non_utf8(bad_run, capsys):
     for name in ("iter_000001.jsonl", "iter_000002.jsonl"):
-        one_line_error(run("orchestrate.show", bad_run / "tapes" / name), name, "UTF-8")
+        one_line_error(in_process("orchestrate.show", bad_run / "tapes" / name, capsys=capsys), name, "UTF-8")
 
 
-def test_replay_on_binary_missing_fields_and_empty(bad_run):
+def test_replay_on_binary_missing_fields_and_empty(bad_run, capsys):
     tapes = bad_run / "tapes"
-    one_line_error(run("orchestrate.replay", tapes / "iter_000001.jsonl"), "iter_000001.jsonl:1", "UTF-8")
-    one_line_error(run("orchestrate.replay", tapes / "iter_000003.jsonl"), "iter_000003.jsonl:1", "cannot replay")
-    one_line_error(run("orchestrate.replay", tapes / "iter_000004.jsonl"), "no tapes")
+    one_line_error(
+        in_process("orchestrate.replay", tapes / "iter_000001.jsonl", capsys=capsys), "iter_000001.jsonl:1", "UTF-8"
+    )
+    one_line_error(
+        in_process("orchestrate.replay", tapes / "iter_000003.jsonl", capsys=capsys),
+        "iter_000003.jsonl:1",
+        "cannot replay",
+    )
+    one_line_error(in_process("orchestrate.replay", tapes / "iter_000004.jsonl", capsys=capsys), "no tapes")
 
 
-def test_offline_on_binary_missing_fields_and_odd_names(bad_run, tmp_path, folder_model):
+def test_offline_on_binary_missing_fields_and_odd_names(bad_run, tmp_path, folder_model, capsys):
     tapes = bad_run / "tapes"
     common = ["--model", folder_model, "--no-progress"]
-    one_line_error(run("orchestrate.offline", "--tapes", tapes / "iter_000002.jsonl", "--out", tmp_path / "o1",
-                       *common), "UTF-8")  # fmt: skip
-    one_line_error(run("orchestrate.offline", "--tapes", tapes / "iter_000003.jsonl", "--out", tmp_path / "o2",
-                       *common), "--tapes", "no steps")  # fmt: skip
+    one_line_error(in_process("orchestrate.offline", "--tapes", tapes / "iter_000002.jsonl", "--out", tmp_path / "o1",
+                       *common, capsys=capsys), "UTF-8")  # fmt: skip
+    one_line_error(in_process("orchestrate.offline", "--tapes", tapes / "iter_000003.jsonl", "--out", tmp_path / "o2",
+                       *common, capsys=capsys), "--tapes", "no steps")  # fmt: skip
     # --iterations over a folder that also holds iter_last.jsonl and iter_.jsonl
-    one_line_error(run("orchestrate.offline", "--tapes", bad_run, "--iterations", "3-4", "--out", tmp_path / "o3",
-                       *common), "--tapes", "no steps")  # fmt: skip
+    one_line_error(in_process("orchestrate.offline", "--tapes", bad_run, "--iterations", "3-4", "--out", tmp_path / "o3",
+                       *common, capsys=capsys), "--tapes", "no steps")  # fmt: skip
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
