@@ -34,8 +34,8 @@ from accelerate.utils import DistributedType
 
 from finetune.batch import Sample
 from finetune.config import TrainConfig
-from finetune.logprobs import PolicyLogProbs, ValueModel
 from finetune.estimators import overlong_penalty, turn_advantages
+from finetune.logprobs import PolicyLogProbs, ValueModel
 from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
 
