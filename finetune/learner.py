@@ -363,7 +363,7 @@ class Learner:
             offset = 0
             for t in sample.all_turns:
                 offset += t.length
-                r[offset - 1] += t.reward
+                r[offset - 1] += t.reward + self._overlong(t.length)  # DAPO's overlong shaping, when on
             if options.kl_in_reward:
                 r -= options.kl_in_reward * (
                     torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
