@@ -12,7 +12,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from finetune.estimators import ESTIMATORS
 from finetune.losses import LOSSES, LossConfig, LossSpec
+
+
+def _listing(registry) -> str:
+    """`name: one line (paper)` of every registered loss or estimator, for --help."""
+    return "; ".join(f"{n}: {spec.doc.rstrip('.')} ({spec.paper})" for n, spec in registry.items())
 
 
 class _TrainOptions(BaseModel):
@@ -23,7 +29,7 @@ class _TrainOptions(BaseModel):
     algorithm: str = Field(
         "grpo",
         description="the loss, by name: "
-        + "; ".join(f"{n}: {spec.doc}" for n, spec in LOSSES.items())
+        + _listing(LOSSES)
         + ". Its options are the section of the same name (--train.ppo.vf_coef 0.5).",
     )
     lr: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
@@ -52,12 +58,10 @@ class _TrainOptions(BaseModel):
         description="token: mean over all completion tokens of a step; sequence: mean over "
         "sequences of each sequence's token mean.",
     )
-    baseline: Literal["group", "batch", "none"] = Field(
+    baseline: str = Field(
         "group",
-        description="group: an episode's return minus its group's mean, the same for all its turns (GRPO "
-        "/ REINFORCE with a group baseline; one member per episode however many turns); batch: each turn's return "
-        "normalised over all turns of the batch (GEM's ReBN: per-turn rewards, gamma < 1); none: advantage = the "
-        "return itself (with reinforce on reward-filtered samples: rejection-sampling fine-tuning).",
+        description="the advantage estimator, by name (finetune.estimators; any combines with any algorithm, "
+        "ppo's critic excepted): " + _listing(ESTIMATORS) + ".",
     )
     gamma: float = Field(
         1.0,
@@ -66,8 +70,34 @@ class _TrainOptions(BaseModel):
         description="Discount over the turns of an episode: G_t = r_t + gamma * G_{t+1} "
         "(GEM's games use 0.9). One-turn samples are unaffected.",
     )
-    normalize_std: bool = Field(True, description="Divide advantages by the group (or batch) std; false: Dr. GRPO.")
+    normalize_std: bool = Field(
+        True, description="Divide advantages by the group (or batch) std; false: Dr. GRPO. rloo never divides."
+    )
     std_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Entropy bonus: coef x the policy's per-token entropy (aggregated like the loss) is "
+        "subtracted from the loss; 0: none (entropy is reported every step either way).",
+    )
+    max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="The sampling limit of one LLM call (rollouts.max_tokens), which overlong_buffer and "
+        "overlong_filter measure outputs against; the RL loop sets it from rollouts.max_tokens when they are on.",
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13): an output longer than "
+        "max_tokens - overlong_buffer tokens loses reward linearly, overlong_penalty at max_tokens; 0: off.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="The reward an output of max_tokens tokens loses.")
+    overlong_filter: bool = Field(
+        False,
+        description="DAPO's overlong filtering: a sample with an output cut at max_tokens is not trained on "
+        "(it still counts in its group's baseline), counted as overlong_masked.",
+    )
     token_budget: int = Field(
         2048,
         ge=16,
@@ -122,6 +152,24 @@ class _TrainOptions(BaseModel):
         if value not in LOSSES:
             raise ValueError(f"unknown algorithm {value!r}: one of {', '.join(LOSSES)}")
         return value
+
+    @field_validator("baseline")
+    @classmethod
+    def _estimator_registered(cls, value: str) -> str:
+        if value not in ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {value!r}: one of {', '.join(ESTIMATORS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _overlong_knows_the_limit(self) -> _TrainOptions:
+        if (self.overlong_buffer or self.overlong_filter) and self.max_tokens is None:
+            raise ValueError(
+                "max_tokens: overlong_buffer / overlong_filter need the sampling limit (set max_tokens to "
+                "rollouts.max_tokens)"
+            )
+        if self.max_tokens is not None and self.overlong_buffer > self.max_tokens:
+            raise ValueError(f"overlong_buffer: {self.overlong_buffer} is more than max_tokens {self.max_tokens}")
+        return self
 
     @model_validator(mode="after")
     def _only_the_chosen_section(self) -> _TrainOptions:

@@ -1,8 +1,8 @@
 """The learner: a model and its optimizer, trained one batch of samples at a time.
 
 `Learner.train_batch` is one iteration of the chosen loss (finetune.losses:
-GRPO, REINFORCE, PPO): per-turn returns (discount gamma) and advantages
-(group, batch or no baseline, see `losses.turn_advantages`; with PPO's
+GRPO, REINFORCE, GSPO, PPO): per-turn returns (discount gamma) and advantages
+(the chosen estimator, see `estimators.turn_advantages`; with PPO's
 critic, token-level GAE on the critic's values instead, see `losses.gae`;
 kept in `self.credit` for the run directory), then `epochs` passes over the
 batch, each cut into `steps_per_epoch` optimizer steps, each step
@@ -34,8 +34,9 @@ from accelerate.utils import DistributedType
 
 from finetune.batch import Sample
 from finetune.config import TrainConfig
+from finetune.estimators import overlong_penalty, turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
-from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, turn_advantages
+from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
 
 TOKENIZER_FILES = (
@@ -161,7 +162,9 @@ class Learner:
         self.pad_id = lm.config.pad_token_id if isinstance(lm.config.pad_token_id, int) else 0
         spec, options = config.loss, config.loss_options
         head = spec.critic and getattr(options, "critic", "separate") == "head"
-        policy = PolicyLogProbs(lm, impl, config.logit_chunk_tokens, value_head=head)
+        policy = PolicyLogProbs(
+            lm, impl, config.logit_chunk_tokens, value_head=head, entropy_grad=config.entropy_coef > 0
+        )
         policy.train()
         betas, eps = (config.adam_beta1, config.adam_beta2), config.adam_eps
         groups = [
@@ -232,11 +235,13 @@ class Learner:
                 "kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
                 "them with the reference model, or set it to 0"
             )
+        shaped = [[t.reward + self._overlong(t.length) for t in sample.all_turns] for sample in samples]
         returns, turn_adv = turn_advantages(
-            [[(t.index, t.reward) for t in sample.all_turns] for sample in samples],
+            [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
             [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
             [sample.group_id for sample in samples],
             cfg.baseline, cfg.gamma, cfg.normalize_std, cfg.std_eps,
+            lengths=[[t.length for t in sample.all_turns] for sample in samples],
         )  # fmt: skip
         critic = None
         batch_stats: dict[str, float] = {}
@@ -265,15 +270,24 @@ class Learner:
         self.credit = [
             {"sample_id": sample.sample_id, "turns": [
                 {"index": t.index, "reward": t.reward, "return": g, "advantage": a,
-                 **({} if turn_values is None else {"value": turn_values[i][k]})}
+                 **({} if turn_values is None else {"value": turn_values[i][k]}),
+                 **({"overlong_penalty": shaped[i][k] - t.reward} if cfg.overlong_buffer else {})}
                 for k, (t, g, a) in enumerate(zip(sample.all_turns, sample_returns, sample_adv))]}
             for i, (sample, sample_returns, sample_adv) in enumerate(zip(samples, returns, turn_adv))
         ]  # fmt: skip
         rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float64)
+        # Overlong filtering: samples with an output cut at max_tokens counted in the baseline, not trained on.
+        trained = [i for i, s in enumerate(samples) if not (cfg.overlong_filter and self._cut(s))]
+        if cfg.overlong_filter:
+            lag_stats = {**lag_stats, "overlong_masked": len(samples) - len(trained)}
+        if not trained:  # every sample was cut: no step, the weights stay as they were
+            return [{"batch": batch_index, "epoch": 0, "step_in_batch": 0, "step": self.step, "samples": 0,
+                     "weights_changed": False, **lag_stats}]  # fmt: skip
+        kept = torch.tensor(trained)
         # Same shuffle after a restart: seeded by the batch number.
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + batch_index)
         metrics = []
-        self._progress = [0, cfg.epochs * sum(s.n_trained for s in samples), on_progress]
+        self._progress = [0, cfg.epochs * sum(samples[i].n_trained for i in trained), on_progress]
         # Truncated importance sampling: the trainer's own log-probs before any update of this batch.
         self._trainer_old = self.logprobs(samples) if cfg.tis_cap is not None else None
         # The training-inference mismatch is measured in the batch's first step (log-probs not yet updated),
@@ -282,9 +296,7 @@ class Learner:
         self._fresh = True
         before = self._fingerprint()  # the weights before the batch's first step
         for epoch in range(cfg.epochs):
-            order = (
-                torch.randperm(len(samples), generator=gen) if cfg.steps_per_epoch > 1 else torch.arange(len(samples))
-            )
+            order = kept[torch.randperm(len(kept), generator=gen)] if cfg.steps_per_epoch > 1 else kept
             for part in torch.tensor_split(order, cfg.steps_per_epoch):
                 if len(part) == 0:
                     continue
@@ -306,6 +318,17 @@ class Learner:
                 if on_step is not None:
                     on_step(m)
         return metrics
+
+    def _overlong(self, length: int) -> float:
+        """The soft overlong punishment of an output of `length` tokens (0 when overlong_buffer is off)."""
+        cfg = self.config
+        if not cfg.overlong_buffer:
+            return 0.0
+        return overlong_penalty(length, cfg.max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+
+    def _cut(self, sample: Sample) -> bool:
+        """Whether an output of the sample reached max_tokens (cut by the limit: overlong filtering)."""
+        return any(t.length >= self.config.max_tokens for t in sample.all_turns)
 
     @torch.no_grad()
     def _fingerprint(self) -> torch.Tensor:
@@ -340,7 +363,7 @@ class Learner:
             offset = 0
             for t in sample.all_turns:
                 offset += t.length
-                r[offset - 1] += t.reward
+                r[offset - 1] += t.reward + self._overlong(t.length)  # DAPO's overlong shaping, when on
             if options.kl_in_reward:
                 r -= options.kl_in_reward * (
                     torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
@@ -512,6 +535,9 @@ class Learner:
                 ref_logp=None if ref is None else ref.to(dev),
                 kl_logp=out.raw_logp,
                 kl_coef=cfg.kl_coef,
+                lengths=list(mb.completion_lengths),
+                entropy=out.entropy,
+                entropy_coef=cfg.entropy_coef,
             )
             if critic is not None:
                 old_values, targets = critic
@@ -551,7 +577,7 @@ class Learner:
         on the batch's first step, its training-inference mismatch too."""
         add = {
             "loss": result.loss.item(),
-            "entropy": out.entropy.sum().item(),
+            "entropy": out.entropy.detach().sum().item(),
             "tokens": mb.n_tokens,
             "slots": mb.n_slots,
         }

@@ -32,12 +32,22 @@ class _HeadLogProbs(torch.autograd.Function):
     With `with_raw`, also the untempered log softmax(hidden @ W.T)[target]
     from the same logits (for the KL to the reference model, which is
     scored at T = 1): one head matmul serves both.
-    Entropy (of the tempered distribution) is for logging only (not differentiable).
+    Entropy (of the tempered distribution) is differentiable only with `entropy_grad` (the entropy bonus):
+    d H / d logits = -p * (log p + H), recomputed in backward like the rest.
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int, with_raw: bool):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        inv_temp: Tensor,
+        chunk: int,
+        with_raw: bool,
+        entropy_grad: bool = False,
+    ):
         n = hidden.shape[0]
         inv_temp = inv_temp.float()
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -62,16 +72,19 @@ class _HeadLogProbs(torch.autograd.Function):
             dot = (unnorm.unsqueeze(1) @ logits.unsqueeze(2)).view(-1) / z.view(-1)
             entropy[s:e] = chunk_lse - dot
             del raw, logits, unnorm
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, raw_lse)
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, raw_lse, entropy if entropy_grad else lse[:0])
         ctx.chunk = chunk
         ctx.with_raw = with_raw
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logp, raw_logp, entropy
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, grad_logp: Tensor, grad_raw: Tensor, _grad_entropy: Tensor):
-        hidden, weight, targets, inv_temp, lse, raw_lse = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_raw: Tensor, grad_entropy: Tensor):
+        hidden, weight, targets, inv_temp, lse, raw_lse, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         n = hidden.shape[0]
@@ -79,14 +92,22 @@ class _HeadLogProbs(torch.autograd.Function):
             grad_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         scale = grad_logp.float() * inv_temp  # d logits / d raw logits = inv_temp
         raw_scale = grad_raw.float() if ctx.with_raw and grad_raw is not None else None
+        ent_scale = grad_entropy.float() * inv_temp if ctx.entropy_grad and grad_entropy is not None else None
         for s in range(0, n, ctx.chunk):
             e = min(n, s + ctx.chunk)
             raw = (hidden[s:e] @ weight.T).float()
             if raw_scale is not None:  # (onehot - softmax(raw)) * raw_scale, before raw is overwritten
                 g_raw = torch.sub(raw, raw_lse[s:e, None]).exp_().mul_(-raw_scale[s:e, None])
                 g_raw.scatter_add_(1, targets[s:e, None], raw_scale[s:e, None])
-            g = raw.mul_(inv_temp[s:e, None]).sub_(lse[s:e, None]).exp_()  # tempered softmax, in place
+            logp_all = raw.mul_(inv_temp[s:e, None]).sub_(lse[s:e, None])  # tempered log softmax, in place
+            g_ent = None
+            if ent_scale is not None:  # -p * (log p + H) * ent_scale, before logp_all is overwritten
+                g_ent = (logp_all + entropy[s:e, None]).mul_(logp_all.exp()).mul_(-ent_scale[s:e, None])
+            g = logp_all.exp_()  # tempered softmax, in place
             g.mul_(-scale[s:e, None]).scatter_add_(1, targets[s:e, None], scale[s:e, None])  # (onehot - p) * scale
+            if g_ent is not None:
+                g.add_(g_ent)
+                del g_ent
             if raw_scale is not None:
                 g.add_(g_raw)
                 del g_raw
@@ -102,18 +123,24 @@ class _HeadLogProbs(torch.autograd.Function):
             del g
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def head_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: Tensor, chunk: int = 1024, with_raw: bool = False
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_temp: Tensor,
+    chunk: int = 1024,
+    with_raw: bool = False,
+    entropy_grad: bool = False,
 ):
     """(logp, raw_logp, entropy) per row of `hidden` [n, d] for `targets` [n] under head `weight` [V, d].
 
     logp is at each row's temperature (1 / inv_temp); raw_logp at T = 1, or an
-    empty tensor without `with_raw`.
+    empty tensor without `with_raw`; entropy with a gradient only with `entropy_grad`.
     """
-    return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw)
+    return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw, entropy_grad)
 
 
 def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None:
@@ -137,7 +164,7 @@ def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None
 class PolicyOutput(NamedTuple):
     logp: Tensor  # [n] at each sequence's sampling temperature, with grad
     raw_logp: Tensor | None  # [n] at T = 1 (with grad) when asked, else None
-    entropy: Tensor  # [n] of the tempered distribution, no grad
+    entropy: Tensor  # [n] of the tempered distribution; with grad only when the policy has entropy_grad
     values: Tensor | None  # [n] the value head's V before each token (with grad), when the policy has one
 
 
@@ -150,9 +177,12 @@ class PolicyLogProbs(nn.Module):
     returns a value per completion token, from the same last hidden state.
     """
 
-    def __init__(self, lm: nn.Module, impl: str = "fused", chunk: int = 1024, value_head: bool = False):
+    def __init__(
+        self, lm: nn.Module, impl: str = "fused", chunk: int = 1024, value_head: bool = False, entropy_grad=False
+    ):
         super().__init__()
         self.lm = lm
+        self.entropy_grad = entropy_grad  # the entropy bonus differentiates the entropy
         self.value_head = new_value_head(lm.config.hidden_size) if value_head else None
         head = lm.get_output_embeddings()
         if impl == "fused" and getattr(head, "bias", None) is not None:
@@ -173,7 +203,7 @@ class PolicyLogProbs(nn.Module):
         """Per completion token: PolicyOutput(logp, raw_logp, entropy, values), each [n].
 
         logp (with grad) is at each sequence's sampling temperature; raw_logp
-        (with grad) at T = 1 when `with_raw`, else None; entropy has no grad;
+        (with grad) at T = 1 when `with_raw`, else None; entropy has a grad only with `entropy_grad`;
         values from the value head, else None.
         `attention_mask`: a 4-D boolean mask (shared_prefix layout), else None.
         """
@@ -184,7 +214,7 @@ class PolicyLogProbs(nn.Module):
             )
             h = hidden.last_hidden_state[rows, cols]
             logp, raw_logp, entropy = head_logprobs(
-                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw
+                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw, self.entropy_grad
             )
             values = None if self.value_head is None else self.value_head(h.float()).squeeze(-1)
             return PolicyOutput(logp, (raw_logp if with_raw else None), entropy, values)
@@ -202,8 +232,11 @@ class PolicyLogProbs(nn.Module):
         logps = torch.log_softmax(raw * inv_temp[:, None], dim=-1)
         logp = logps.gather(1, targets[:, None]).squeeze(1)
         raw_logp = torch.log_softmax(raw, dim=-1).gather(1, targets[:, None]).squeeze(1) if with_raw else None
-        with torch.no_grad():
+        if self.entropy_grad:
             entropy = -(logps.exp() * logps).sum(-1)
+        else:
+            with torch.no_grad():
+                entropy = -(logps.exp() * logps).sum(-1)
         values = None
         if self.value_head is not None:
             values = self.value_head(out.hidden_states[-1][rows, cols].float()).squeeze(-1)

@@ -12,10 +12,12 @@ tokens, `behaviour_logp` those of the policy that sampled them (vLLM),
 `ref_logp` those of the reference model. Losses are to be minimised.
 
 A loss is a function `(LossInputs, its options) -> LossOutputs` registered
-with `register_loss(name, OptionsClass)`: the training config then has an
+with `register_loss(name, OptionsClass, paper=...)`: the training config then has an
 `algorithm` of that name and a section of its options (finetune.config), and
-the learner reports every term the loss returns. grpo, reinforce and ppo
-(with a critic: `gae`, `value_loss`) are defined so below.
+the learner reports every term the loss returns. grpo, reinforce, gspo and ppo
+(with a critic: `gae`, `value_loss`) are defined so below. The advantages they
+get come from an estimator of finetune.estimators (`--train.baseline`), any of
+which combines with any loss (ppo's critic excepted: GAE).
 """
 
 from __future__ import annotations
@@ -31,100 +33,6 @@ from torch import Tensor
 from finetune.kl import k3
 
 Aggregation = Literal["token", "sequence"]
-
-
-def group_advantages(rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """(reward - group mean) / (group std + eps), one value per sample.
-
-    The std is the sample std (n - 1 in the denominator, as in DeepSeek's and
-    TRL's GRPO). `normalize_std=False` keeps only the mean baseline
-    (Dr. GRPO). A group whose rewards are all equal (a single sample
-    included) gets advantage exactly 0, so it contributes no policy gradient.
-    """
-    rewards = rewards.double()  # group means of floats are exact enough in fp64
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, rewards) / count
-    centered = rewards - mean[group]
-    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, centered**2)
-    std = (sq / (count - 1).clamp(min=1)).sqrt()
-    adv = centered / (std[group] + eps) if normalize_std else centered
-    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amin")
-    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
-    constant = (lo == hi)[group]
-    return torch.where(constant, torch.zeros_like(adv), adv).float()
-
-
-def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
-    """G_t = r_t + gamma * G_{t+1} for each turn t of one episode (G after the last turn is 0: a truncated
-    episode is not bootstrapped)."""
-    out, g = [0.0] * len(rewards), 0.0
-    for t in reversed(range(len(rewards))):
-        g = float(rewards[t]) + gamma * g
-        out[t] = g
-    return out
-
-
-Baseline = Literal["group", "batch", "none"]
-
-
-def turn_advantages(
-    turns: Sequence[Sequence[tuple[int, float]]],
-    episode_ids: Sequence[str],
-    group_ids: Sequence[str | int],
-    baseline: Baseline,
-    gamma: float = 1.0,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-turn returns and advantages of every sample: (returns, advantages), each a list per sample
-    holding one value per turn of that sample.
-
-    `turns[i]` lists sample i's turns as (index in the episode, reward). Samples sharing an episode id are
-    parts of one episode: its returns run over all of its turns.
-    - group: GRPO over episodes. Each episode is one member of its group whatever its number of turns,
-      scored by its return G_0; advantage = (G_0 - group mean) / (group std + eps), the same for every turn.
-    - batch: every turn's return G_t, normalised over all turns of the batch (GEM's ReBN, `norm_return`):
-      (G_t - mean) / (std + eps). Fits per-turn rewards and gamma < 1, where a group baseline does not.
-    - none: the returns themselves.
-    With normalize_std False the std is not divided by (Dr. GRPO / plain mean baseline).
-    """
-    episodes: dict[str, dict[int, float]] = {}
-    episode_group: dict[str, str | int] = {}
-    for sample_turns, episode, group in zip(turns, episode_ids, group_ids):
-        rewards = episodes.setdefault(episode, {})
-        episode_group.setdefault(episode, group)
-        for index, reward in sample_turns:
-            rewards[index] = float(reward)
-    returns_of: dict[str, dict[int, float]] = {}
-    for episode, rewards in episodes.items():
-        order = sorted(rewards)
-        returns_of[episode] = dict(zip(order, discounted_returns([rewards[t] for t in order], gamma)))
-    returns = [[returns_of[e][index] for index, _ in st] for st, e in zip(turns, episode_ids)]
-
-    if baseline == "none":
-        advantages = [list(r) for r in returns]
-    elif baseline == "group":
-        names = list(episodes)
-        first = torch.tensor(
-            [returns_of[e][min(returns_of[e])] if returns_of[e] else 0.0 for e in names], dtype=torch.float64
-        )
-        group_index: dict[str | int, int] = {}
-        gids = torch.tensor([group_index.setdefault(episode_group[e], len(group_index)) for e in names])
-        adv = group_advantages(first, gids, normalize_std, eps).double().tolist()
-        by_episode = dict(zip(names, adv))
-        advantages = [[by_episode[e]] * len(st) for st, e in zip(turns, episode_ids)]
-    elif baseline == "batch":
-        flat = torch.tensor([g for e in episodes for g in returns_of[e].values()], dtype=torch.float64)
-        mean = float(flat.mean()) if len(flat) else 0.0
-        std = float(flat.std()) if len(flat) > 1 else 0.0
-        scale = (std + eps) if normalize_std else 1.0
-        constant = len(flat) == 0 or float(flat.max() - flat.min()) == 0.0
-        advantages = [[0.0 if constant else (g - mean) / scale for g in r] for r in returns]
-    else:
-        raise ValueError(f"baseline must be 'group', 'batch' or 'none', not {baseline!r}")
-    return returns, advantages
 
 
 def grpo_token_loss(
@@ -199,6 +107,9 @@ class LossInputs:
     ref_logp: Tensor | None = None  # the reference model's log-probs (T = 1)
     kl_logp: Tensor | None = None
     kl_coef: float = 0.0  # weight of the k3 KL penalty in the loss
+    lengths: list[int] | None = None  # tokens of each sequence, laid end to end (sequence-level losses: gspo)
+    entropy: Tensor | None = None  # the policy's entropy at each token (with grad when entropy_coef > 0)
+    entropy_coef: float = 0.0  # weight of the entropy bonus: coef x entropy is subtracted from the loss
     values: Tensor | None = None  # the critic's current values V(s_t) (with grad)
     old_values: Tensor | None = None  # the critic's values when the batch arrived (no grad)
     returns: Tensor | None = None  # the critic's targets: advantages (unwhitened) + old values
@@ -236,19 +147,21 @@ class LossSpec:
     config: type[LossConfig]
     critic: bool  # trains a value model beside the policy (advantages from GAE, not from returns)
     doc: str
+    paper: str = ""  # where it comes from: an arXiv id, or a reference when there is none
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, config: type[LossConfig], critic: bool = False):
+def register_loss(name: str, config: type[LossConfig], critic: bool = False, paper: str = ""):
     """Register `fn(inputs, options) -> LossOutputs` as `--train.algorithm NAME`, its options as
-    `--train.NAME.OPTION` (the fields of `config`). Adding a loss is this: one function, one config class."""
+    `--train.NAME.OPTION` (the fields of `config`). Adding a loss is this: one function, one config class.
+    `paper` (an arXiv id) shows in --help beside the first line of the function's docstring."""
 
     def wrap(fn: Callable[[LossInputs, LossConfig], LossOutputs]):
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is registered twice")
-        LOSSES[name] = LossSpec(name, fn, config, critic, (fn.__doc__ or "").strip().splitlines()[0])
+        LOSSES[name] = LossSpec(name, fn, config, critic, (fn.__doc__ or "").strip().splitlines()[0], paper)
         return fn
 
     return wrap
@@ -277,6 +190,10 @@ def _policy_outputs(
 ) -> LossOutputs:
     kl, kl_sum = kl_term(x)
     per_token = pg + x.kl_coef * kl if x.kl_coef else pg
+    if x.entropy_coef:  # the entropy bonus: higher entropy lowers the loss
+        if x.entropy is None or not x.entropy.requires_grad:
+            raise ValueError("entropy_coef > 0 needs the policy's entropy with its gradient")
+        per_token = per_token - x.entropy_coef * x.entropy
     loss = (x.weights * per_token).sum()
     if extra is not None:
         loss = loss + extra
@@ -293,7 +210,7 @@ class ClipConfig(LossConfig):
     clip_eps_high: float = Field(0.2, ge=0, description="upper clip: ratio <= 1 + clip_eps_high (DAPO uses 0.28)")
 
 
-@register_loss("grpo", ClipConfig)
+@register_loss("grpo", ClipConfig, paper="arXiv:2402.03300; clip-higher and token mean: arXiv:2503.14476 (DAPO)")
 def grpo_loss(x: LossInputs, c: ClipConfig) -> LossOutputs:
     """PPO-clip policy term against the behaviour log-probs, advantages from returns (group / batch / none
     baseline), plus kl_coef x k3 to the reference."""
@@ -305,12 +222,44 @@ class ReinforceConfig(LossConfig):
     pass
 
 
-@register_loss("reinforce", ReinforceConfig)
+@register_loss("reinforce", ReinforceConfig, paper="Williams 1992; arXiv:2402.14740")
 def reinforce_loss(x: LossInputs, c: ReinforceConfig) -> LossOutputs:
     """log-prob x advantage, no importance ratio, plus kl_coef x k3 to the reference."""
     pg = reinforce_token_loss(x.logp, x.advantages)
     ratio = torch.exp(x.logp - x.behaviour_logp).detach()  # reported, not used
     return _policy_outputs(x, pg, ratio, torch.zeros_like(x.logp, dtype=torch.bool))
+
+
+class GSPOConfig(LossConfig):
+    clip_eps_low: float = Field(
+        3e-4, ge=0, lt=1, description="lower clip of the sequence ratio: >= 1 - clip_eps_low (the paper: 3e-4)"
+    )
+    clip_eps_high: float = Field(4e-4, ge=0, description="upper clip: sequence ratio <= 1 + clip_eps_high (4e-4)")
+
+
+def sequence_ratio(logp: Tensor, behaviour_logp: Tensor, lengths: Sequence[int]) -> Tensor:
+    """GSPO's importance ratio of each sequence, s_i = exp(mean over its tokens of (logp - behaviour_logp)),
+    given to each of its tokens as sg[s_i] * p(y_t) / sg[p(y_t)] (GSPO-token): every token carries the value
+    s_i and the gradient s_i * d logp_t, so averaged over the sequence's tokens (aggregation sequence) the
+    gradient is that of s_i itself."""
+    lengths_t = torch.as_tensor(list(lengths), device=logp.device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths_t), device=logp.device), lengths_t)
+    diff = (logp - behaviour_logp).detach()
+    mean = torch.zeros(len(lengths_t), dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff) / lengths_t
+    return torch.exp(mean[seq] + logp - logp.detach())
+
+
+@register_loss("gspo", GSPOConfig, paper="arXiv:2507.18071")
+def gspo_loss(x: LossInputs, c: GSPOConfig) -> LossOutputs:
+    """GSPO: PPO-clip on each sequence's length-normalised ratio exp(mean_t(logp - behaviour)), clipped per sequence."""
+    # The paper averages over sequences: use it with --train.aggregation sequence.
+    if x.lengths is None:
+        raise ValueError("gspo needs the sequences' lengths (LossInputs.lengths)")
+    ratio = sequence_ratio(x.logp, x.behaviour_logp, x.lengths)
+    unclipped = ratio * x.advantages
+    clipped_obj = torch.clamp(ratio, 1 - c.clip_eps_low, 1 + c.clip_eps_high) * x.advantages
+    pg = -torch.minimum(unclipped, clipped_obj)
+    return _policy_outputs(x, pg, ratio.detach(), (clipped_obj < unclipped).detach())
 
 
 class PPOConfig(ClipConfig):
@@ -357,7 +306,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: 
     return 0.5 * torch.maximum(plain, clipped_sq), (clipped_sq > plain).detach()
 
 
-@register_loss("ppo", PPOConfig, critic=True)
+@register_loss("ppo", PPOConfig, critic=True, paper="arXiv:1707.06347")
 def ppo_loss(x: LossInputs, c: PPOConfig) -> LossOutputs:
     """PPO with a learned critic: the clipped policy term on GAE advantages, plus vf_coef x the clipped value
     loss, plus kl_coef x k3 to the reference."""

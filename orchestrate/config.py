@@ -238,12 +238,23 @@ def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
     except ConfigError as exc:
         dotted = str(exc).split(":")[0]
         raise ConfigError(f"{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
+    follow_max_tokens(data)
     try:
         config = RLConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_environment_line(exc) or error_line(exc, whole=f"preset {preset!r}")) from None
     check_config(config)
     return config
+
+
+def follow_max_tokens(data: dict) -> None:
+    """The learner's overlong shaping and filtering measure outputs against rollouts.max_tokens: when either is
+    on and train.max_tokens is not given, it is set from the rollouts' (in place, before validation)."""
+    train, rollouts = data.get("train"), data.get("rollouts", {})
+    if not isinstance(train, dict) or not isinstance(rollouts, dict) or train.get("max_tokens") is not None:
+        return
+    if train.get("overlong_buffer") or train.get("overlong_filter"):
+        train["max_tokens"] = rollouts.get("max_tokens", RolloutSection.model_fields["max_tokens"].default)
 
 
 def _environment_line(exc: ValidationError) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.cli import OptionError, check_finite
+from finetune.estimators import ESTIMATORS
 
 # A bad preset, option or value; the message is one line naming it. The same class as the command-line
 # checks of finetune.cli raise (no abbreviations, no option twice, numbers that are numbers), so a caller
@@ -100,15 +101,19 @@ def check_config(config) -> None:
     if s.kv_cache_gib > memory_gib:
         raise ConfigError(f"--server.kv_cache_gib: {s.kv_cache_gib} GiB is more than this machine's memory "
                           f"({memory_gib:.0f} GiB)")  # fmt: skip
-    if config.train.baseline == "group" and not config.train.loss.critic and r.attempts < 2:
+    baseline = config.train.baseline
+    if "group" in ESTIMATORS[baseline].needs and not config.train.loss.critic and r.attempts < 2:
         raise ConfigError(f"--rollouts.attempts: {r.attempts} attempt per task leaves every group of one, so every "
-                          f"group-baseline advantage ({config.train.algorithm}, train.baseline group) is 0 and nothing "
+                          f"group-baseline advantage ({config.train.algorithm}, train.baseline {baseline}) is 0 and nothing "
                           "is learned; use 2 or more (or --train.baseline none)")  # fmt: skip
     if r.top_p < 1:
         raise ConfigError(f"--rollouts.top_p: {r.top_p} is refused for training rollouts: the trainer computes log-probs "
                      "of the whole distribution (top_p = 1), so tokens sampled from a truncated one would get wrong "
                      "importance ratios and KL; leave it at 1")  # fmt: skip
     check_placement(config)
+    if config.train.max_tokens not in (None, r.max_tokens):
+        raise ConfigError(f"--train.max_tokens: {config.train.max_tokens} is not --rollouts.max_tokens {r.max_tokens}, "
+                          "the limit outputs were sampled with; leave it out (it follows rollouts.max_tokens)")  # fmt: skip
     lag, level = config.train.max_lag, config.run.async_level
     if lag is not None and lag < level:
         raise ConfigError(f"--train.max_lag: {lag} is below --run.async_level {level}, so batches generated "

@@ -58,6 +58,7 @@ from finetune.cli import (
     refuse_repeated,
 )
 from finetune.config import TrainConfig
+from finetune.estimators import ESTIMATORS
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.progress import progress_bar
 from orchestrate.run_dir import RunDir, save_tapes
@@ -379,7 +380,7 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     kept = [t for t in tapes if keep(t)]
     if not kept:
         raise OfflineError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
-    if train.baseline == "group" and not groups_with_signal(kept):
+    if "group" in ESTIMATORS[train.baseline].needs and not groups_with_signal(kept):
         raise OfflineError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "

@@ -55,8 +55,9 @@ TRAIN_KEYS = (
 )
 
 
-# Per-batch figures of the samples' staleness (the learner's lag = its version - the generating one).
-BATCH_KEYS = ("lag_mean", "lag_max", "stale_dropped")
+# Per-batch figures of the samples' staleness (the learner's lag = its version - the generating one), and the
+# samples left out by overlong filtering.
+BATCH_KEYS = ("lag_mean", "lag_max", "stale_dropped", "overlong_masked")
 
 
 class TrainerError(RuntimeError):

@@ -28,11 +28,11 @@ import math
 import pytest
 import torch
 
+from finetune.estimators import group_advantages
 from finetune.kl import k3
 from finetune.losses import (
     LOSSES,
     LossInputs,
-    group_advantages,
     grpo_token_loss,
     reinforce_token_loss,
     token_weights,

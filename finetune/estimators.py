@@ -1,0 +1,243 @@
+"""Advantage estimators: from the rewards of a batch's turns to one advantage per turn.
+
+The learner first turns each episode's per-turn rewards into returns (discount gamma:
+G_t = r_t + gamma G_{t+1}), then the chosen estimator (`--train.baseline NAME`) turns the returns
+into advantages; the loss (finetune.losses, `--train.algorithm`) then trains on them, so any
+estimator combines with any loss (PPO's critic excepted: its advantages are GAE on the critic's
+values, finetune.losses.gae).
+
+An estimator is a function `(Episodes) -> {episode: {turn index: advantage}}` registered with
+`register_estimator(name, needs=..., paper=...)`. `needs` names the columns it reads beyond the
+returns (as PipelineRL's estimators declare theirs): `group` (the group ids: it compares attempts
+at the same prompt) and `tokens` (each turn's count of trained tokens). The config's
+`--help` lists every registered name with its one-line description and paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Column = str  # "group" or "tokens"
+COLUMNS = ("group", "tokens")
+
+
+@dataclass
+class Episodes:
+    """What an estimator gets: per episode (by id), its turns' returns and the columns it asked for."""
+
+    returns: dict[str, dict[int, float]]  # episode -> turn index -> G_t
+    group: dict[str, str | int]  # episode -> its group id
+    tokens: dict[str, dict[int, int]] | None  # episode -> turn index -> trained tokens (None unless needed)
+    normalize_std: bool  # divide by the std (false: Dr. GRPO's mean-only baseline)
+    eps: float  # added to the std before dividing
+
+    def first(self) -> dict[str, float]:
+        """Each episode's score: its return from the first turn, G_0 (0 for an episode with no turns)."""
+        return {e: (r[min(r)] if r else 0.0) for e, r in self.returns.items()}
+
+    def every_turn(self, per_episode: dict[str, float]) -> dict[str, dict[int, float]]:
+        """One value per episode given to each of its turns."""
+        return {e: {t: per_episode[e] for t in r} for e, r in self.returns.items()}
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    name: str
+    fn: Callable[[Episodes], dict[str, dict[int, float]]]
+    needs: tuple[Column, ...]
+    paper: str  # where it comes from: an arXiv id, or a reference when there is none
+    doc: str  # the first line of the function's docstring, for --help
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, needs: Sequence[Column] = (), paper: str = ""):
+    """Register `fn(episodes) -> {episode: {turn index: advantage}}` as `--train.baseline NAME`."""
+
+    def wrap(fn):
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator {name!r} is registered twice")
+        unknown = set(needs) - set(COLUMNS)
+        if unknown:
+            raise ValueError(f"estimator {name!r} needs unknown columns {sorted(unknown)}: one of {COLUMNS}")
+        ESTIMATORS[name] = EstimatorSpec(name, fn, tuple(needs), paper, (fn.__doc__ or "").strip().splitlines()[0])
+        return fn
+
+    return wrap
+
+
+# ---- the shared arithmetic --------------------------------------------------------------------
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """G_t = r_t + gamma * G_{t+1} for each turn t of one episode (G after the last turn is 0: a truncated
+    episode is not bootstrapped)."""
+    out, g = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        g = float(rewards[t]) + gamma * g
+        out[t] = g
+    return out
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """(reward - group mean) / (group std + eps), one value per sample.
+
+    The std is the sample std (n - 1 in the denominator, as in DeepSeek's and
+    TRL's GRPO). `normalize_std=False` keeps only the mean baseline
+    (Dr. GRPO). A group whose rewards are all equal (a single sample
+    included) gets advantage exactly 0, so it contributes no policy gradient.
+    """
+    rewards = rewards.double()  # group means of floats are exact enough in fp64
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, rewards) / count
+    centered = rewards - mean[group]
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, centered**2)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    adv = centered / (std[group] + eps) if normalize_std else centered
+    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amin")
+    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
+    constant = (lo == hi)[group]
+    return torch.where(constant, torch.zeros_like(adv), adv).float()
+
+
+def _group_index(x: Episodes) -> Tensor:
+    index: dict[str | int, int] = {}
+    return torch.tensor([index.setdefault(x.group[e], len(index)) for e in x.returns])
+
+
+def _whiten(values: Tensor, counts: Tensor, normalize_std: bool, eps: float) -> Tensor:
+    """(v - mean) / (std + eps) with each value counted `counts` times; all 0 when the values are all equal."""
+    if len(values) == 0 or float(values.max() - values.min()) == 0.0:
+        return torch.zeros_like(values)
+    n = counts.sum()
+    mean = (values * counts).sum() / n
+    std = ((((values - mean) ** 2) * counts).sum() / (n - 1).clamp(min=1)).sqrt()
+    return (values - mean) / (std + eps) if normalize_std else values - mean
+
+
+# ---- the estimators ---------------------------------------------------------------------------
+
+
+@register_estimator("group", needs=("group",), paper="arXiv:2402.03300 (GRPO); mean only: arXiv:2503.20783 (Dr. GRPO)")
+def group_baseline(x: Episodes) -> dict[str, dict[int, float]]:
+    """GRPO: an episode's return G_0 minus its group's mean, over the group's std, the same for all its turns."""
+    # one member per episode however many turns it has; normalize_std false: Dr. GRPO
+    first = x.first()
+    adv = group_advantages(
+        torch.tensor([first[e] for e in x.returns], dtype=torch.float64), _group_index(x), x.normalize_std, x.eps
+    ).double()
+    return x.every_turn(dict(zip(x.returns, adv.tolist())))
+
+
+@register_estimator("batch", paper="arXiv:2510.01051 (GEM's ReBN)")
+def batch_baseline(x: Episodes) -> dict[str, dict[int, float]]:
+    """ReBN: each turn's return G_t normalised over all turns of the batch (per-turn rewards, gamma < 1)."""
+    keys = [(e, t) for e, r in x.returns.items() for t in r]
+    flat = torch.tensor([x.returns[e][t] for e, t in keys], dtype=torch.float64)
+    adv = _whiten(flat, torch.ones_like(flat), x.normalize_std, x.eps).tolist()
+    out: dict[str, dict[int, float]] = {e: {} for e in x.returns}
+    for (e, t), a in zip(keys, adv):
+        out[e][t] = a
+    return out
+
+
+@register_estimator("none", paper="Williams 1992 (REINFORCE)")
+def no_baseline(x: Episodes) -> dict[str, dict[int, float]]:
+    """The returns themselves (with reinforce on reward-filtered samples: rejection-sampling fine-tuning)."""
+    return {e: dict(r) for e, r in x.returns.items()}
+
+
+@register_estimator("rloo", needs=("group",), paper="arXiv:2402.14740 (RLOO)")
+def leave_one_out(x: Episodes) -> dict[str, dict[int, float]]:
+    """RLOO: an episode's G_0 minus the mean of the other episodes of its group (no std; a lone episode: 0)."""
+    # A_i = r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); normalize_std does not apply
+    first = x.first()
+    sums: dict[str | int, float] = {}
+    counts: dict[str | int, int] = {}
+    for e, g in first.items():
+        sums[x.group[e]] = sums.get(x.group[e], 0.0) + g
+        counts[x.group[e]] = counts.get(x.group[e], 0) + 1
+    adv = {}
+    for e, g in first.items():
+        n = counts[x.group[e]]
+        adv[e] = 0.0 if n < 2 else g - (sums[x.group[e]] - g) / (n - 1)
+    return x.every_turn(adv)
+
+
+@register_estimator("reinforce_pp", needs=("tokens",), paper="arXiv:2501.03262 (REINFORCE++)")
+def reinforce_pp(x: Episodes) -> dict[str, dict[int, float]]:
+    """REINFORCE++: each turn's return against the whole batch's, mean and std taken over all trained tokens."""
+    # global batch normalisation over tokens (a turn of 10 tokens counts 10 times), not over turns as in batch
+    assert x.tokens is not None
+    keys = [(e, t) for e, r in x.returns.items() for t in r]
+    flat = torch.tensor([x.returns[e][t] for e, t in keys], dtype=torch.float64)
+    counts = torch.tensor([x.tokens[e][t] for e, t in keys], dtype=torch.float64)
+    adv = _whiten(flat, counts, x.normalize_std, x.eps).tolist()
+    out: dict[str, dict[int, float]] = {e: {} for e in x.returns}
+    for (e, t), a in zip(keys, adv):
+        out[e][t] = a
+    return out
+
+
+# ---- from samples' turns to advantages --------------------------------------------------------
+
+
+def turn_advantages(
+    turns: Sequence[Sequence[tuple[int, float]]],
+    episode_ids: Sequence[str],
+    group_ids: Sequence[str | int],
+    baseline: str,
+    gamma: float = 1.0,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    lengths: Sequence[Sequence[int]] | None = None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-turn returns and advantages of every sample: (returns, advantages), each a list per sample
+    holding one value per turn of that sample.
+
+    `turns[i]` lists sample i's turns as (index in the episode, reward); `lengths[i]` their trained tokens
+    (needed by estimators that declare `tokens`). Samples sharing an episode id are parts of one episode:
+    its returns run over all of its turns. `baseline` names the estimator (ESTIMATORS).
+    """
+    if baseline not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {baseline!r}: one of {', '.join(ESTIMATORS)}")
+    spec = ESTIMATORS[baseline]
+    if "tokens" in spec.needs and lengths is None:
+        raise ValueError(f"estimator {baseline!r} needs the turns' token counts (lengths)")
+    episodes: dict[str, dict[int, float]] = {}
+    group: dict[str, str | int] = {}
+    tokens: dict[str, dict[int, int]] = {}
+    for i, (sample_turns, episode, g) in enumerate(zip(turns, episode_ids, group_ids)):
+        rewards = episodes.setdefault(episode, {})
+        group.setdefault(episode, g)
+        for k, (index, reward) in enumerate(sample_turns):
+            rewards[index] = float(reward)
+            if lengths is not None:
+                tokens.setdefault(episode, {})[index] = int(lengths[i][k])
+    returns_of: dict[str, dict[int, float]] = {}
+    for episode, rewards in episodes.items():
+        order = sorted(rewards)
+        returns_of[episode] = dict(zip(order, discounted_returns([rewards[t] for t in order], gamma)))
+    x = Episodes(returns_of, group, tokens if lengths is not None else None, normalize_std, eps)
+    adv_of = spec.fn(x)
+    returns = [[returns_of[e][index] for index, _ in st] for st, e in zip(turns, episode_ids)]
+    advantages = [[float(adv_of[e][index]) for index, _ in st] for st, e in zip(turns, episode_ids)]
+    return returns, advantages
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13), scaled by `penalty`: 0 up to
+    max_tokens - buffer tokens, then falling linearly to -penalty at max_tokens (and below past it)."""
+    if buffer <= 0:
+        return 0.0
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -penalty * min(1.0, (length - start) / buffer)
