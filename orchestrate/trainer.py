@@ -99,6 +99,12 @@ class TrainerProcess:
         cpus = parse_cpus(self.launch.cpus) if self.launch.cpus else None
         if cpus:  # torch's threads, one per core it may use
             env["OMP_NUM_THREADS"] = str(len(cpus))
+        if self.launch.gpus:  # indices of our visible GPUs, as the child must name them
+            from orchestrate.config_checks import visible_gpus
+
+            visible = visible_gpus()
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if i < len(visible) else str(i)
+                                                   for i in parse_cpus(self.launch.gpus))  # fmt: skip
         self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
 
     def _died(self) -> TrainerError:
