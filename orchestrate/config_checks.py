@@ -93,6 +93,17 @@ def visible_gpus() -> list[str]:
     return ours[:count] if ours else [str(i) for i in range(count)]
 
 
+def gpu_slices(text: str | None, servers: int, per_server: int) -> list[list[str]]:
+    """Each server's GPUs as CUDA_VISIBLE_DEVICES names them: `per_server` consecutive ones of `text`
+    ('0-3'; checked by check_gpus), else of all visible GPUs."""
+    from orchestrate.processes import parse_cpus
+
+    visible = visible_gpus()
+    indices = parse_cpus(text) if text else list(range(servers * per_server))
+    names = [visible[i] if i < len(visible) else str(i) for i in indices]
+    return [names[i * per_server : (i + 1) * per_server] for i in range(servers)]
+
+
 def check_gpus(config, count: int | None = None) -> None:
     """--server.gpus, --server.reference_gpus and --trainer.gpus name visible GPUs, enough of them, and
     the trainer's are not the servers'; tensor/data parallelism needs GPUs. `count`: the visible GPUs (for

@@ -36,7 +36,7 @@ from orchestrate.metrics import (
     read_metrics,
     rollout_metrics,
 )
-from orchestrate.config_checks import visible_gpus
+from orchestrate.config_checks import gpu_slices
 from orchestrate.metrics import server_metrics
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
@@ -457,15 +457,6 @@ class Loop:
             import wandb
 
             wandb.finish()
-
-
-def gpu_slices(text: str | None, servers: int, per_server: int) -> list[list[str]]:
-    """Each server's GPUs as CUDA_VISIBLE_DEVICES names them: `per_server` consecutive ones of `text`
-    ('0-3'; checked by config_checks.check_gpus), else of all visible GPUs."""
-    visible = visible_gpus()
-    indices = parse_cpus(text) if text else list(range(servers * per_server))
-    names = [visible[i] if i < len(visible) else str(i) for i in indices]
-    return [names[i * per_server : (i + 1) * per_server] for i in range(servers)]
 
 
 def _answers(server) -> bool:

@@ -100,11 +100,10 @@ class TrainerProcess:
         if cpus:  # torch's threads, one per core it may use
             env["OMP_NUM_THREADS"] = str(len(cpus))
         if self.launch.gpus:  # indices of our visible GPUs, as the child must name them
-            from orchestrate.config_checks import visible_gpus
+            from orchestrate.config_checks import gpu_slices
 
-            visible = visible_gpus()
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if i < len(visible) else str(i)
-                                                   for i in parse_cpus(self.launch.gpus))  # fmt: skip
+            devices = self.launch.gpus
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices(devices, 1, len(parse_cpus(devices)))[0])
         self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
 
     def _died(self) -> TrainerError:

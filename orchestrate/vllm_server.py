@@ -117,7 +117,7 @@ class VLLMServer:
         self.seed = seed
         self.on_gpu = cuda_available()
         self.api_key = secrets.token_hex(16)
-        self.port = 0
+        self.port = port
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self._recovering: asyncio.Lock | None = None
@@ -352,10 +352,10 @@ class RemoteServer(VLLMServer):
     async def recover(self, max_restarts: int) -> None:
         pass  # not ours to restart: the pool's health checks let it back in when it answers again
 
-    def get(self, path: str, timeout: float = 10, **params) -> httpx.Response:
+    def get(self, route: str, params: dict | None = None, timeout: float = 10) -> httpx.Response:
         """GET a route (ServerError naming the URL when it cannot be reached)."""
         try:
-            return httpx.get(self.url + path, headers=self.headers, params=params or None, timeout=timeout)
+            return httpx.get(self.url + route, headers=self.headers, params=params, timeout=timeout)
         except httpx.HTTPError as exc:
             raise ServerError(f"{self.url} does not answer ({type(exc).__name__}: {exc})") from None
 
@@ -374,7 +374,7 @@ class RemoteServer(VLLMServer):
         what differs."""
         from orchestrate.server_auth import STAT_PATH, folder_fingerprint
 
-        response = self.get(STAT_PATH, path=str(folder))
+        response = self.get(STAT_PATH, {"path": str(folder)})
         if response.status_code == 404:
             return (f"it has no {STAT_PATH} route, so it was not started with `uv run -m orchestrate.serve` "
                     "(which adds tapeloop's API-key middleware); start it that way")  # fmt: skip
