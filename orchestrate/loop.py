@@ -29,22 +29,22 @@ from agents.envs import capabilities
 from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
 from orchestrate.config import RLConfig
+from orchestrate.config_checks import gpu_slices
 from orchestrate.metrics import (
     PHASES,
     append_metrics,
     plot_metrics,
     read_metrics,
     rollout_metrics,
+    server_metrics,
 )
-from orchestrate.config_checks import gpu_slices
-from orchestrate.metrics import server_metrics
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
 from orchestrate.run_dir import RunDir, save_tapes
 from orchestrate.samples import write_samples
-from orchestrate.trainer import TrainerProcess
 from orchestrate.server_auth import APIKeyMissing, read_api_key
+from orchestrate.trainer import TrainerProcess
 from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
@@ -125,17 +125,6 @@ class Loop:
         self.agent = build_agent(c, self.tokenizer)
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
-        # The trainer first: it loads its model while the servers start.
-        # With async_level K the trainer trains nothing generated more than K versions before it.
-        train = (
-            c.train.model_copy(update={"max_lag": c.run.async_level})
-            if c.run.async_level and c.train.max_lag is None
-            else c.train
-        )
-        self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
-        self.trainer.start()
-        stack.callback(self.trainer.stop)
-
         # Servers given by URL run elsewhere (`orchestrate.serve`); the others are started here.
         remote = bool(c.server.policy_urls or c.server.reference_url)
         try:
@@ -171,6 +160,24 @@ class Loop:
                     cpus=parse_cpus(c.server.cpus) if c.server.cpus else None,
                 )
             servers.append(self.reference_server)
+        for server in self.policy_servers:
+            # Checked before the run directory was written (preflight); now that it exists, exactly (before
+            # the trainer writes there too).
+            if isinstance(server, RemoteServer) and (problem := server.sees(self.run.root.resolve())):
+                raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
+                                  f"so mount {self.run.root.resolve()} at the same path there")  # fmt: skip
+
+        # The trainer before the servers start: it loads its model meanwhile.
+        # With async_level K the trainer trains nothing generated more than K versions before it.
+        train = (
+            c.train.model_copy(update={"max_lag": c.run.async_level})
+            if c.run.async_level and c.train.max_lag is None
+            else c.train
+        )
+        self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
+        self.trainer.start()
+        stack.callback(self.trainer.stop)
+
         for server in servers:
             stack.callback(server.stop)
             server.start(wait=False)  # all start at once
@@ -179,12 +186,7 @@ class Loop:
         if self.use_reference:
             self.reference_server.sleep()  # GPU: woken for the reference pass only
         for server in self.policy_servers:
-            if isinstance(server, RemoteServer):
-                # checked before the run directory was written (preflight); now that it exists, exactly
-                if problem := server.sees(self.run.root.resolve()):
-                    raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by "
-                                      f"path, so mount {self.run.root.resolve()} at the same path there")  # fmt: skip
-                # a server used by an earlier run may hold its weights: back to the ones it started with
+            if isinstance(server, RemoteServer):  # one used by an earlier run may hold its weights: reset them
                 server.reload_weights(server.model_root(), verify=False)
 
         self.served = self.trainer.newest_checkpoint()  # resuming: serve the newest trained weights

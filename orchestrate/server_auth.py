@@ -58,8 +58,9 @@ def read_api_key(key_file: str | None, option: str = "--server.api_key_file") ->
 
 def folder_fingerprint(path: str) -> dict:
     """How a folder looks from this machine: whether it is one, and a digest of its entries (names, and the
-    sizes and modification seconds of its files) and of its parent's. The same digest on two machines means
-    they see the same folder at the same path (a shared filesystem)."""
+    sizes and modification seconds of its files) and of its parent's names. The same digest on two machines
+    means they see the same folder at the same path (a shared filesystem). (The parent's names only: other
+    runs beside this one may be writing their files.)"""
     folder = Path(path)
     if not folder.is_dir():
         return {"path": path, "is_dir": False, "digest": None}
@@ -67,9 +68,11 @@ def folder_fingerprint(path: str) -> dict:
     for level in (folder, folder.parent):
         try:
             for entry in sorted(os.scandir(level), key=lambda e: e.name):
-                stat = entry.stat(follow_symlinks=False)
-                size = f"{stat.st_size}:{int(stat.st_mtime)}" if entry.is_file(follow_symlinks=False) else "-"
-                digest.update(f"{level}/{entry.name}:{size}\n".encode())
+                about = "-"
+                if level == folder and entry.is_file(follow_symlinks=False):
+                    stat = entry.stat(follow_symlinks=False)
+                    about = f"{stat.st_size}:{int(stat.st_mtime)}"
+                digest.update(f"{level}/{entry.name}:{about}\n".encode())
         except OSError as exc:
             digest.update(f"{level}: {exc.strerror}\n".encode())
     return {"path": path, "is_dir": True, "digest": digest.hexdigest()}
