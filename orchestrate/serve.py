@@ -29,6 +29,7 @@ from pathlib import Path
 
 from orchestrate.config import RLConfig, parse_args, upgrade_saved
 from orchestrate.config_checks import gpu_slices
+from orchestrate.processes import format_cpus, parse_cpus
 from orchestrate.server_auth import KEY_ENV, APIKeyMissing, read_api_key
 from orchestrate.vllm_server import VLLMServer
 
@@ -46,8 +47,9 @@ def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Pat
     s = config.server
     devices = s.gpus if role == "policy" else s.reference_gpus
     gpus = gpu_slices(devices, 1, s.tensor_parallel_size * s.data_parallel_size)[0] if devices else None
+    cpus = parse_cpus(s.cpus) if s.cpus else None
     return VLLMServer(model, log_path=run_dir / "logs" / f"{role}-{port}.log", name=role, config=s,
-                      gpu_ids=gpus, seed=config.run.seed, host=host, port=port)  # fmt: skip
+                      gpu_ids=gpus, cpus=cpus, seed=config.run.seed, host=host, port=port)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(rest)  # the rl options: exits 2 naming a bad one
     run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
     saved = run_dir / "config.json"
-    if saved.is_file():  # a run that exists: its own settings, placed on this machine's GPUs as given here
+    if saved.is_file():  # a run that exists: its own settings, placed on this machine's cores/GPUs as given here
         import json
 
-        placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus")}
+        placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
         config = RLConfig.model_validate(upgrade_saved(json.loads(saved.read_text())))
         config.server = config.server.model_copy(update=placement)
     from orchestrate.preflight import PreflightError, check_model
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if ours.print_only:
         settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k != KEY_ENV)
         print(f"# the API key goes in ${KEY_ENV} (export it, never on the command line)")
-        print(f"{settings} {shlex.join(command)}")
+        pin = f"taskset -c {format_cpus(server.cpus)} " if server.cpus else ""
+        print(f"{settings} {pin}{shlex.join(command)}")
         return 0
     try:
         key = read_api_key(ours.key_file, option="--key-file")
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     env = server.environment()
     env[KEY_ENV] = key
     print(f"serving {ours.role} ({server.model}) on http://{ours.host}:{ours.port}", file=sys.stderr, flush=True)
+    if server.cpus:  # --server.cpus: this process and vLLM's, as for a server the orchestrator starts
+        os.sched_setaffinity(0, server.cpus)
     os.execvpe(command[0], command, env)  # vLLM in place of this process: stopping it stops the server
 
 

@@ -63,6 +63,14 @@ class Cluster:
         return httpx.Response(200, json=answer())
 
 
+async def until(condition, seconds=20):
+    """Wait for a condition the pool reaches by itself (its health checks run every 10 ms here)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the pool did not get there"
+        await asyncio.sleep(0.01)
+
+
 def calls(client, n):
     return asyncio.gather(*(client.complete_ids([1, 2], SamplingParams()) for _ in range(n)))
 
@@ -114,8 +122,7 @@ def test_a_hung_server_fails_its_health_check_and_its_requests_in_flight_are_ret
             # a answers again: it rejoins (after on_rejoin) and takes requests again
             cluster.hung.discard("a")
             a.up = True
-            while client.up_endpoints() != [a, b]:
-                await asyncio.sleep(0.01)
+            await until(lambda: client.up_endpoints() == [a, b])
             more = await calls(client, 10)
             return results, more, client.requests_per_server(), client.retries
 
@@ -155,8 +162,7 @@ def test_a_server_that_missed_a_reload_starts_out_and_rejoins_with_the_weights()
         async with VLLMClient([a, b], transport=httpx.MockTransport(cluster.handler), on_rejoin=on_rejoin, out=[a],
                               health_interval_s=0.01) as client:  # fmt: skip
             await calls(client, 4)
-            while client.up_endpoints() != [a, b]:
-                await asyncio.sleep(0.01)
+            await until(lambda: client.up_endpoints() == [a, b])
             return client.taken_out
 
     assert asyncio.run(go()) == 1 and rejoined == ["http://a"]
@@ -324,3 +330,64 @@ def test_gpu_placement_that_fits(monkeypatch):
     monkeypatch.setattr("orchestrate.config_checks.visible_gpus", lambda: ["4", "5", "6", "7"])
     assert gpu_slices("0-3", 2, 2) == [["4", "5"], ["6", "7"]]  # our index i is the child's visible_gpus()[i]
     assert gpu_slices(None, 2, 1) == [["4"], ["5"]]
+
+
+# -- the loop: a server that misses a reload is stale until it rejoins with the weights --------------
+
+
+class Reloadable(Server):
+    """A policy server stand-in that loads checkpoints while it is alive."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.loaded = []
+
+    def alive(self):
+        return self.up
+
+    async def recover(self, max_restarts):
+        pass  # a server elsewhere: nothing to restart
+
+    def reload_weights(self, path, verify=True):
+        from orchestrate.vllm_server import ServerError
+
+        if not self.up:
+            raise ServerError(f"{self.base_url} /collective_rpc: connection refused")
+        self.loaded.append(path.name)
+
+
+def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_checkpoint(tmp_path):
+    from orchestrate.loop import Loop
+    from orchestrate.run_dir import RunDir
+    from orchestrate.vllm_server import ServerError
+
+    class Trainer:
+        def weights_changed(self, version):
+            return True
+
+    loop = Loop(RLConfig(), RunDir(tmp_path / "run"), progress=False)
+    a, b = Reloadable("a"), Reloadable("b")
+    loop.policy_servers, loop.trainer, loop.served, loop.tokenizer = [a, b], Trainer(), 0, None
+    b.up = False
+    loop._reload(1)
+    assert loop.served == 1 and a.loaded == ["000001"] and loop.stale == {b}
+
+    cluster = Cluster(a, b)
+
+    async def go():
+        b.up = True  # b answers again: the next client starts it out, and it rejoins after loading checkpoint 1
+        client = loop._client(loop.policy_servers, policy_version=1)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
+        client.health_interval_s = 0.01
+        async with client:
+            await calls(client, 3)
+            await until(lambda: client.up_endpoints() == [a, b])
+            loop._count(client)
+
+    asyncio.run(go())
+    assert b.loaded == ["000001"] and not loop.stale
+    assert loop.counts["taken_out"] == 1 and sum(loop.counts["requests"]) == 3
+
+    a.up = b.up = False
+    with pytest.raises(ServerError, match="no policy server is left to serve checkpoint 2"):
+        loop._reload(2)
