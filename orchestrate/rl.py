@@ -16,8 +16,16 @@ from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed.
-RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s",
-             "server.policy_urls", "server.reference_url", "server.api_key_file"}  # servers elsewhere may move
+RESUMABLE = {
+    "run.iterations",
+    "run.wandb",
+    "run.tensorboard",
+    "trainer.timeout_s",
+    "server.startup_timeout_s",
+    "server.policy_urls",
+    "server.reference_url",
+    "server.api_key_file",
+}  # servers elsewhere may move
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,7 @@ def folder_fingerprint(path: str) -> dict:
             digest.update(f"{level}: {exc.strerror}\n".encode())
     return {"path": path, "is_dir": True, "digest": digest.hexdigest()}
 
+
 # `vllm serve` options that would undo the above: another address or socket, a key on the
 # command line, or middleware of one's own. vLLM's parser takes unambiguous abbreviations,
 # so a prefix of these is refused too.

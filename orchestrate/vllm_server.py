@@ -48,8 +48,12 @@ class ServerConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="skip graph capture/compile; default true on CPU")
     enable_prefix_caching: bool = Field(True, description="attempts of one task share their prompt's KV cache")
     startup_timeout_s: float = Field(600, gt=0, description="give up when /health does not answer by then")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPU only: GPUs per server that split each layer (vLLM --tensor-parallel-size)")
-    data_parallel_size: int = Field(1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPU only: GPUs per server that split each layer (vLLM --tensor-parallel-size)"
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)"
+    )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as given")
 
     @field_validator("extra_args")

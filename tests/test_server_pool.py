@@ -17,8 +17,8 @@ from orchestrate.config import RLConfig
 from orchestrate.config_checks import check_gpus, gpu_slices
 from orchestrate.metrics import server_metrics
 from orchestrate.preflight import PreflightError, check_remote_servers
-from orchestrate.server_auth import RequireAPIKey, folder_fingerprint, read_api_key
 from orchestrate.serve import build_server
+from orchestrate.server_auth import RequireAPIKey, folder_fingerprint, read_api_key
 from tapes.tape import SamplingParams
 
 
@@ -308,7 +308,12 @@ def gpu_config(server=None, trainer=None):
         ({}, {"gpus": "1"}, 0, "--trainer.gpus: no GPU is visible"),
         ({"gpus": "0-4"}, {}, 4, "--server.gpus: GPU(s) 4 are not visible"),
         ({"gpus": "0-1"}, {}, 4, "--server.gpus: 2 GPU(s) given"),
-        ({"gpus": "0-1", "policy_servers": 2}, {"gpus": "1-2"}, 4, "--trainer.gpus: GPU(s) 1 are also in --server.gpus"),
+        (
+            {"gpus": "0-1", "policy_servers": 2},
+            {"gpus": "1-2"},
+            4,
+            "--trainer.gpus: GPU(s) 1 are also in --server.gpus",
+        ),
         ({"reference_gpus": "3"}, {"gpus": "3"}, 4, "--trainer.gpus: GPU(s) 3 are also in --server.reference_gpus"),
         ({"gpus": "0", "reference_gpus": "0-1"}, {}, 4, "--server.reference_gpus: 2 GPU(s) given"),
         ({}, {"gpus": "2", "num_processes": 2}, 4, "--trainer.gpus: 1 GPU(s) for --trainer.num_processes 2"),

@@ -88,7 +88,9 @@ def test_policy_servers_by_url_and_failover_when_one_is_killed(tiny_model_dir, t
             assert r["server_taken_out"] == 0
 
         # 2. resumed for two more; server 1 is killed while iteration 3's requests run on it
-        resumed = subprocess.Popen([*rl, "--iterations", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        resumed = subprocess.Popen(
+            [*rl, "--iterations", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 600
         while running(urls[1]) == 0:  # an event: requests of iteration 3 are on server 1
             assert resumed.poll() is None, resumed.communicate()
