@@ -234,8 +234,8 @@ class VLLMClient:
         self._changed = asyncio.Event()
         for member in self._start_out:
             self._take_out(member, None)
-        if any(hasattr(m.endpoint, "healthy") for m in self._members):
-            self._monitor = asyncio.create_task(self._watch())
+        if len(self._members) > 1 and any(hasattr(m.endpoint, "healthy") for m in self._members):
+            self._monitor = asyncio.create_task(self._watch())  # with one server there is nowhere to go
 
     def take_out(self, endpoint: Endpoint, reason: Exception | None = None) -> None:
         """Take a server out of the pool (e.g. it missed a weight reload); it rejoins once revived."""
