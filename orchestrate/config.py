@@ -120,6 +120,34 @@ def _core_list(value):
 
 
 CoreList = Annotated[str | None, BeforeValidator(_core_list)]
+DeviceList = CoreList  # GPU indices ('0,1', '2-3'), written the same way
+
+
+def _url_list(value):
+    """'http://a:8000,http://b:8000' (or a JSON list) -> URLs, each http(s)://host[:port]."""
+    if isinstance(value, str):
+        value = [u.strip() for u in value.split(",") if u.strip()]
+    if isinstance(value, list):
+        value = [_check_url(url) for url in value]
+    return value
+
+
+def _check_url(url):
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return url
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+        raise ValueError(f"{url!r} is not a server URL such as http://node7:8000")
+    return url.rstrip("/")
+
+
+URLList = Annotated[list[str], BeforeValidator(_url_list)]
 
 
 class ServerSection(ServerConfig):
@@ -131,6 +159,25 @@ class ServerSection(ServerConfig):
         None,
         description="CPU cores the vLLM servers run on, e.g. '0' or '0-3,6' (their "
         "OpenMP threads bind to them); keep them apart from --trainer.cpus; default: all ours",
+    )
+    gpus: DeviceList = Field(
+        None,
+        description="GPUs of the policy servers, e.g. '0-3' (tensor_parallel_size x data_parallel_size each, "
+        "in order); keep them apart from --trainer.gpus; default: one per server",
+    )
+    reference_gpus: DeviceList = Field(
+        None, description="GPUs of the reference server, e.g. '4'; default: the policy's (it sleeps meanwhile)"
+    )
+    policy_urls: URLList = Field(
+        default_factory=list,
+        description="use these policy servers (started elsewhere with `uv run -m orchestrate.serve`) instead "
+        "of starting one: URLs, comma-separated; requests fail over between them",
+    )
+    reference_url: Annotated[str | None, BeforeValidator(_check_url)] = Field(
+        None, description="use this reference server (started with `orchestrate.serve --role reference`)"
+    )
+    api_key_file: str | None = Field(
+        None, description="file holding the API key of the servers given by URL; default: $VLLM_API_KEY"
     )
 
 
@@ -148,6 +195,9 @@ class TrainerSection(BaseModel):
         None,
         description="CPU cores the trainer runs on, e.g. '1' or '4-7' (OMP_NUM_THREADS "
         "follows); keep them apart from --server.cpus; default: all ours",
+    )
+    gpus: DeviceList = Field(
+        None, description="GPUs the trainer runs on, e.g. '2,3' (CUDA_VISIBLE_DEVICES); default: all visible"
     )
 
 

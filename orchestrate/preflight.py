@@ -196,3 +196,48 @@ def check_environment(config) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever the environment raises, said in one line
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise PreflightError(f"--env.id {config.env.id}: the environment does not start: {text}") from None
+
+
+# -- servers given by URL ------------------------------------------------------------
+
+
+def check_remote_servers(config, run_root: str | os.PathLike) -> None:
+    """Each server of --server.policy_urls (and --server.reference_url when a reference pass runs) answers,
+    accepts the API key, serves the expected model; a policy server sees the run's checkpoints at the paths
+    this machine sends it for reloads (same folder, same files: `RemoteServer.sees`). Checked on the nearest
+    folder that exists (the checkpoints of a resumed run; else the run directory's parent), and again on
+    the run directory itself once it exists (the loop's start)."""
+    from orchestrate.server_auth import APIKeyMissing, read_api_key
+    from orchestrate.vllm_server import RemoteServer, ServerError
+
+    s = config.server
+    wanted = [("--server.policy_urls", url, "policy") for url in s.policy_urls]
+    if s.reference_url and config.train.needs_reference:
+        wanted.append(("--server.reference_url", s.reference_url, "reference"))
+    if not wanted:
+        return
+    try:
+        key = read_api_key(s.api_key_file)
+    except APIKeyMissing as exc:
+        raise PreflightError(str(exc)) from None
+    folder = (Path(run_root) / "checkpoints").resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    for option, url, role in wanted:
+        server = RemoteServer(url, name=role, api_key=key)
+        try:
+            health = server.get("/health")
+            if health.status_code == 401:
+                raise PreflightError(f"{option}: {url} refused the API key (HTTP 401); give the key it was started "
+                                     "with (--server.api_key_file FILE, or $VLLM_API_KEY)")  # fmt: skip
+            if health.status_code != 200:
+                raise PreflightError(f"{option}: {url}/health answered HTTP {health.status_code}; start the server "
+                                     f"with `uv run -m orchestrate.serve --role {role}`")  # fmt: skip
+            server.model_root()
+            problem = server.sees(folder) if role == "policy" else None
+        except ServerError as exc:
+            raise PreflightError(f"{option}: {exc}") from None
+        if problem:
+            raise PreflightError(f"{option}: {url} cannot read the run's checkpoints: {problem}; weights are reloaded "
+                                 f"by path, so mount the run directory's filesystem at the same path ({folder}) "
+                                 "on that machine")  # fmt: skip

@@ -11,12 +11,21 @@ from pathlib import Path
 
 from orchestrate.config import parse_args, upgrade_saved
 from orchestrate.durable import repair_metrics
-from orchestrate.preflight import PreflightError, check_run_dir_path, preflight
+from orchestrate.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
 from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed.
-RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s"}
+RESUMABLE = {
+    "run.iterations",
+    "run.wandb",
+    "run.tensorboard",
+    "trainer.timeout_s",
+    "server.startup_timeout_s",
+    "server.policy_urls",
+    "server.reference_url",
+    "server.api_key_file",
+}  # servers elsewhere may move
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             lock = RunLock(run_dir.root).acquire()  # an flock on the folder: writes nothing
             _check_resume(run_dir, current)
         preflight(config)
+        check_remote_servers(config, run_dir.root)
         if lock is None:
             try:
                 run_dir.root.mkdir(parents=True, exist_ok=True)
@@ -62,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.create()
     run_dir.save_config(current)
 
+    from agents.llm import LLMError
     from orchestrate.loop import Loop
     from orchestrate.trainer import TrainerError
     from orchestrate.vllm_server import ServerError
 
     try:
         return Loop(config, run_dir)()
-    except (TrainerError, ServerError, RunDirError) as exc:
+    except (TrainerError, ServerError, RunDirError, LLMError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -12,16 +12,71 @@ by its owner in /proc/PID/environ) and is started with
 outermost, that refuses every HTTP request and websocket without
 `Authorization: Bearer KEY`, whatever its path (/health included: our own
 health checks send the key).
+
+A server that runs on another machine (`orchestrate.serve`) gets its key the
+same way, from a file or the environment; the orchestrator reads the same key
+(`--server.api_key_file`, else `$VLLM_API_KEY`). The middleware also answers
+`GET /tapeloop/stat?path=P` (with the key): a fingerprint of the folder P as
+the server's machine sees it, so the orchestrator can tell that the server
+will find the run's checkpoints at the paths it sends for reloads.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
+from pathlib import Path
+from urllib.parse import parse_qs
 
 KEY_ENV = "VLLM_API_KEY"
 MIDDLEWARE = "orchestrate.server_auth.RequireAPIKey"
+STAT_PATH = "/tapeloop/stat"
+
+
+class APIKeyMissing(ValueError):
+    """No API key could be read; the message names where it was looked for."""
+
+
+def read_api_key(key_file: str | None, option: str = "--server.api_key_file") -> str:
+    """The key of servers on other machines: the first line of `key_file`, else $VLLM_API_KEY."""
+    if key_file:
+        try:
+            key = Path(key_file).expanduser().read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise APIKeyMissing(f"{option}: cannot read {key_file} ({exc.strerror or exc})") from None
+        if not key:
+            raise APIKeyMissing(f"{option}: {key_file} is empty; write the servers' API key in it")
+        return key
+    key = os.environ.get(KEY_ENV, "").strip()
+    if not key:
+        raise APIKeyMissing(f"{option}: servers on other machines need their API key: put it in a file and pass "
+                        f"{option} FILE, or set ${KEY_ENV} (never on the command line)")  # fmt: skip
+    return key
+
+
+def folder_fingerprint(path: str) -> dict:
+    """How a folder looks from this machine: whether it is one, and a digest of its entries (names, and the
+    sizes and modification seconds of its files) and of its parent's names. The same digest on two machines
+    means they see the same folder at the same path (a shared filesystem). (The parent's names only: other
+    runs beside this one may be writing their files.)"""
+    folder = Path(path)
+    if not folder.is_dir():
+        return {"path": path, "is_dir": False, "digest": None}
+    digest = hashlib.sha256()
+    for level in (folder, folder.parent):
+        try:
+            for entry in sorted(os.scandir(level), key=lambda e: e.name):
+                about = "-"
+                if level == folder and entry.is_file(follow_symlinks=False):
+                    stat = entry.stat(follow_symlinks=False)
+                    about = f"{stat.st_size}:{int(stat.st_mtime)}"
+                digest.update(f"{level}/{entry.name}:{about}\n".encode())
+        except OSError as exc:
+            digest.update(f"{level}: {exc.strerror}\n".encode())
+    return {"path": path, "is_dir": True, "digest": digest.hexdigest()}
+
 
 # `vllm serve` options that would undo the above: another address or socket, a key on the
 # command line, or middleware of one's own. vLLM's parser takes unambiguous abbreviations,
@@ -62,6 +117,13 @@ class RequireAPIKey:
         return False
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path") == STAT_PATH and self._authorized(scope):
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            body = json.dumps(folder_fingerprint(query.get("path", [""])[0])).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": body})
+            return
         if scope["type"] not in ("http", "websocket") or self._authorized(scope):
             await self.app(scope, receive, send)
             return

@@ -100,6 +100,11 @@ class TrainerProcess:
         cpus = parse_cpus(self.launch.cpus) if self.launch.cpus else None
         if cpus:  # torch's threads, one per core it may use
             env["OMP_NUM_THREADS"] = str(len(cpus))
+        if self.launch.gpus:  # indices of our visible GPUs, as the child must name them
+            from orchestrate.config_checks import gpu_slices
+
+            devices = self.launch.gpus
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices(devices, 1, len(parse_cpus(devices)))[0])
         self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
 
     def _died(self) -> TrainerError:

@@ -48,6 +48,12 @@ class ServerConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="skip graph capture/compile; default true on CPU")
     enable_prefix_caching: bool = Field(True, description="attempts of one task share their prompt's KV cache")
     startup_timeout_s: float = Field(600, gt=0, description="give up when /health does not answer by then")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPU only: GPUs per server that split each layer (vLLM --tensor-parallel-size)"
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)"
+    )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as given")
 
     @field_validator("extra_args")
@@ -101,8 +107,12 @@ class VLLMServer:
         gpu_ids: list[int] | None = None,
         cpus: list[int] | None = None,
         seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
     ):
         self.model = str(model)
+        self.host = host  # a server of our own listens on loopback only; `orchestrate.serve` may say otherwise
+        self.fixed_port = port  # 0: a free one
         self.log_path = Path(log_path)
         self.served_model_name = name
         self.config = config or ServerConfig()
@@ -111,7 +121,7 @@ class VLLMServer:
         self.seed = seed
         self.on_gpu = cuda_available()
         self.api_key = secrets.token_hex(16)
-        self.port = 0
+        self.port = port
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self._recovering: asyncio.Lock | None = None
@@ -134,7 +144,7 @@ class VLLMServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--served-model-name", self.served_model_name,
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", str(self.port),
             # the key comes from the environment ($VLLM_API_KEY; /proc/PID/cmdline is world-readable) and
             # this middleware requires it on every route, not only under /v1 (see orchestrate/server_auth.py)
@@ -151,10 +161,14 @@ class VLLMServer:
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.on_gpu:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization), "--enable-sleep-mode"]
+            if c.tensor_parallel_size > 1:
+                cmd += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
+            if c.data_parallel_size > 1:
+                cmd += ["--data-parallel-size", str(c.data_parallel_size)]
         return cmd + list(c.extra_args)
 
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables /collective_rpc (weight reload) and /reset_prefix_cache
         env[KEY_ENV] = self.api_key
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -172,7 +186,7 @@ class VLLMServer:
     def start(self, wait: bool = True) -> VLLMServer:
         if self.alive():
             return self
-        self.port = free_port()
+        self.port = self.fixed_port or free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
@@ -302,3 +316,75 @@ class VLLMServer:
     def wake_up(self) -> None:
         if self.on_gpu:
             self._post("/wake_up")
+
+
+class RemoteServer(VLLMServer):
+    """A vLLM server that runs elsewhere, used by URL (`--server.policy_urls`, `--server.reference_url`).
+
+    Started by its user with `uv run -m orchestrate.serve` (the same command line as our own servers, so
+    the same API-key middleware and dev routes): we neither start, restart nor stop it. Weights reload by
+    checkpoint path, as on our own servers, so it must see the run directory at the same path (a shared
+    filesystem; `sees` checks). One that dies is left to the client's pool: it rejoins when it answers.
+    """
+
+    def __init__(self, url: str, *, name: str, api_key: str):
+        self.url = url.rstrip("/")
+        self.served_model_name = name
+        self.api_key = api_key
+        self.config = ServerConfig()
+        self.log_path = Path(f"(the log of the server at {self.url})")
+        self.on_gpu = False  # its machine is its own: no sleeping to make room for another server
+        self.process = None
+        self.restarts = 0
+
+    @property
+    def base_url(self) -> str:
+        return self.url
+
+    def start(self, wait: bool = True) -> RemoteServer:
+        return self
+
+    def wait_ready(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self, timeout: float = 15) -> None:
+        pass
+
+    async def recover(self, max_restarts: int) -> None:
+        pass  # not ours to restart: the pool's health checks let it back in when it answers again
+
+    def get(self, route: str, params: dict | None = None, timeout: float = 10) -> httpx.Response:
+        """GET a route (ServerError naming the URL when it cannot be reached)."""
+        try:
+            return httpx.get(self.url + route, headers=self.headers, params=params, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"{self.url} does not answer ({type(exc).__name__}: {exc})") from None
+
+    def model_root(self) -> str:
+        """The model folder the server was started with (its /v1/models entry for our served name)."""
+        models = self.get("/v1/models").json().get("data", [])
+        for entry in models:
+            if entry.get("id") == self.served_model_name:
+                return entry.get("root") or entry["id"]
+        names = ", ".join(repr(m.get("id")) for m in models) or "nothing"
+        raise ServerError(f"{self.url} serves {names}, not {self.served_model_name!r}; start it with "
+                          f"`uv run -m orchestrate.serve --role {self.served_model_name} ...`")  # fmt: skip
+
+    def sees(self, folder: str | os.PathLike) -> str | None:
+        """None when the server sees `folder` as this machine does (the same files at the same path), else
+        what differs."""
+        from orchestrate.server_auth import STAT_PATH, folder_fingerprint
+
+        response = self.get(STAT_PATH, {"path": str(folder)})
+        if response.status_code == 404:
+            return (f"it has no {STAT_PATH} route, so it was not started with `uv run -m orchestrate.serve` "
+                    "(which adds tapeloop's API-key middleware); start it that way")  # fmt: skip
+        theirs, ours = response.json(), folder_fingerprint(str(folder))
+        if not theirs.get("is_dir"):
+            return f"it cannot see {folder}"
+        if theirs.get("digest") != ours["digest"]:
+            return f"it sees other files at {folder} than this machine does (a different filesystem?)"
+        return None

@@ -1,0 +1,113 @@
+"""A vLLM server for a run, on this machine, for an orchestrator elsewhere to use by URL.
+
+    export VLLM_API_KEY=...        # or: --key-file FILE (never the key itself on a command line)
+    uv run -m orchestrate.serve --run-dir DIR [--role policy|reference] [--port 8000] [--print]
+
+then, on the orchestrator's machine:
+
+    uv run -m orchestrate.rl --run-dir DIR --server.policy_urls http://THIS-HOST:8000 [...]
+
+The command line is the one orchestrate/vllm_server.py builds for the servers
+the orchestrator starts itself (same model folder, dtype, context length,
+log-prob mode, dev routes for weight reloads, API-key middleware), so a
+server here behaves as a local one; it only listens on --host (default all
+addresses) and a fixed --port. The run's options come from DIR/config.json
+when the run exists, else from the same options as `orchestrate.rl`
+(--preset, --model.policy, --server.*). The run directory must be on a
+filesystem this machine shares with the orchestrator's, at the same path:
+new weights are reloaded from DIR/checkpoints/N by path. --print prints the
+command (its environment first, the key left out) instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from orchestrate.config import RLConfig, parse_args, upgrade_saved
+from orchestrate.config_checks import gpu_slices
+from orchestrate.processes import format_cpus, parse_cpus
+from orchestrate.server_auth import KEY_ENV, APIKeyMissing, read_api_key
+from orchestrate.vllm_server import VLLMServer
+
+
+def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Path) -> VLLMServer:
+    """The server an orchestrator would start for `role`, listening on host:port (the model is resolved,
+    and the policy's untied copy built, here)."""
+    from agents.models import resolve_model, untied_copy
+
+    policy = resolve_model(config.model.policy)
+    if role == "policy":
+        model = untied_copy(policy)  # as the orchestrator's own policy servers: reloads swap the head too
+    else:
+        model = resolve_model(config.model.reference) if config.model.reference else policy
+    s = config.server
+    devices = s.gpus if role == "policy" else s.reference_gpus
+    gpus = gpu_slices(devices, 1, s.tensor_parallel_size * s.data_parallel_size)[0] if devices else None
+    cpus = parse_cpus(s.cpus) if s.cpus else None
+    return VLLMServer(model, log_path=run_dir / "logs" / f"{role}-{port}.log", name=role, config=s,
+                      gpu_ids=gpus, cpus=cpus, seed=config.run.seed, host=host, port=port)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--role", choices=("policy", "reference"), default="policy")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--key-file", default=None)
+    parser.add_argument("--print", action="store_true", dest="print_only")
+    parser.add_argument("-h", "--help", action="store_true")
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ours.help:
+        print(__doc__.strip())
+        print("\nOptions: --role policy|reference, --host H (default 0.0.0.0), --port P (default 8000), "
+              "--key-file FILE (default: $VLLM_API_KEY), --print; and those of `uv run -m orchestrate.rl --help`.")  # fmt: skip
+        return 0
+    if not 0 < ours.port < 65536:
+        print(f"error: --port: {ours.port} is not a port (1-65535)", file=sys.stderr)
+        return 2
+    args, config = parse_args(rest)  # the rl options: exits 2 naming a bad one
+    run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
+    saved = run_dir / "config.json"
+    if saved.is_file():  # a run that exists: its own settings, placed on this machine's cores/GPUs as given here
+        import json
+
+        placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
+        config = RLConfig.model_validate(upgrade_saved(json.loads(saved.read_text())))
+        config.server = config.server.model_copy(update=placement)
+    from orchestrate.preflight import PreflightError, check_model
+
+    try:  # the model folder, as the run checks it
+        check_model(config.model.policy, "--model.policy")
+        if ours.role == "reference" and config.model.reference:
+            check_model(config.model.reference, "--model.reference")
+    except PreflightError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = build_server(config, ours.role, ours.host, ours.port, run_dir)
+    command = server.command()
+    env = server.environment(base={})  # what we add to the environment
+    if ours.print_only:
+        settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k != KEY_ENV)
+        print(f"# the API key goes in ${KEY_ENV} (export it, never on the command line)")
+        pin = f"taskset -c {format_cpus(server.cpus)} " if server.cpus else ""
+        print(f"{settings} {pin}{shlex.join(command)}")
+        return 0
+    try:
+        key = read_api_key(ours.key_file, option="--key-file")
+    except APIKeyMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    env = server.environment()
+    env[KEY_ENV] = key
+    print(f"serving {ours.role} ({server.model}) on http://{ours.host}:{ours.port}", file=sys.stderr, flush=True)
+    if server.cpus:  # --server.cpus: this process and vLLM's, as for a server the orchestrator starts
+        os.sched_setaffinity(0, server.cpus)
+    os.execvpe(command[0], command, env)  # vLLM in place of this process: stopping it stops the server
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""Servers elsewhere, with no vLLM (issue 23): the client's pool fails over between policy servers and lets
+them back in; servers given by URL are checked before a run starts (answers, key, model, same files);
+GPU placement options are checked against the visible GPUs."""
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import pytest
+
+from agents.llm import NoServerLeft, VLLMClient
+from finetune.cli import OptionError
+from orchestrate.config import RLConfig
+from orchestrate.config_checks import check_gpus, gpu_slices
+from orchestrate.metrics import server_metrics
+from orchestrate.preflight import PreflightError, check_remote_servers
+from orchestrate.serve import build_server
+from orchestrate.server_auth import RequireAPIKey, folder_fingerprint, read_api_key
+from tapes.tape import SamplingParams
+
+
+def answer():
+    logprobs = {"tokens": ["token_id:5"], "token_logprobs": [-0.5]}
+    return {"choices": [{"text": "x", "finish_reason": "stop", "logprobs": logprobs}]}
+
+
+class Server:
+    """A policy server stand-in with a health check the test turns on and off."""
+
+    served_model_name = "policy"
+    headers: dict = {}
+
+    def __init__(self, name):
+        self.base_url = f"http://{name}"
+        self.up = True
+
+    async def healthy(self):
+        return self.up
+
+
+class Cluster:
+    """Scripted HTTP for stand-in servers: a server that is down refuses connections, a hung one never
+    answers; every request is noted by server."""
+
+    def __init__(self, *servers):
+        self.servers = {s.base_url.removeprefix("http://"): s for s in servers}
+        self.down, self.hung = set(), set()
+        self.seen: list[str] = []
+        self.arrived = asyncio.Event()
+
+    async def handler(self, request: httpx.Request):
+        host = request.url.host
+        self.seen.append(host)
+        self.arrived.set()
+        if host in self.down:
+            raise httpx.ConnectError("connection refused")
+        if host in self.hung:
+            await asyncio.Event().wait()  # never answers
+        await asyncio.sleep(0.001)
+        return httpx.Response(200, json=answer())
+
+
+async def until(condition, seconds=20):
+    """Wait for a condition the pool reaches by itself (its health checks run every 10 ms here)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the pool did not get there"
+        await asyncio.sleep(0.01)
+
+
+def calls(client, n):
+    return asyncio.gather(*(client.complete_ids([1, 2], SamplingParams()) for _ in range(n)))
+
+
+def test_a_dead_server_is_taken_out_and_its_requests_go_to_the_other():
+    a, b = Server("a"), Server("b")
+    cluster = Cluster(a, b)
+    failures = []
+
+    async def on_failure(endpoint, exc):
+        failures.append(endpoint.base_url)
+
+    async def go():
+        cluster.down.add("a")
+        a.up = False  # dead: it fails its health check too, so it stays out
+        async with VLLMClient([a, b], transport=httpx.MockTransport(cluster.handler), on_failure=on_failure,
+                              health_interval_s=0.01, rejoin_timeout_s=60) as client:  # fmt: skip
+            results = await calls(client, 20)
+            return results, client.requests_per_server(), client.retries, client.taken_out, client.up_endpoints()
+
+    results, per_server, retries, taken_out, up = asyncio.run(go())
+    assert len(results) == 20 and per_server == [0, 20]
+    assert retries >= 1 and taken_out == 1 and failures == ["http://a"]
+    assert up == [b]
+    assert server_metrics(per_server, retries, taken_out) == {
+        "server_0_requests": 0, "server_1_requests": 20, "server_retries": retries, "server_taken_out": 1,
+    }  # fmt: skip
+
+
+def test_a_hung_server_fails_its_health_check_and_its_requests_in_flight_are_retried_elsewhere():
+    a, b = Server("a"), Server("b")
+    cluster = Cluster(a, b)
+    rejoined = []
+
+    async def on_rejoin(endpoint):
+        rejoined.append(endpoint.base_url)
+
+    async def go():
+        cluster.hung.add("a")
+        async with VLLMClient([a, b], transport=httpx.MockTransport(cluster.handler), on_rejoin=on_rejoin,
+                              health_interval_s=0.01, rejoin_timeout_s=60) as client:  # fmt: skip
+            first = asyncio.ensure_future(calls(client, 6))
+            while "a" not in cluster.seen:  # some requests are stuck on a
+                await cluster.arrived.wait()
+                cluster.arrived.clear()
+            a.up = False  # a stops answering its health check too: taken out after two misses
+            results = await first
+            assert client.up_endpoints() == [b] and client.requests_per_server() == [0, 6]
+            # a answers again: it rejoins (after on_rejoin) and takes requests again
+            cluster.hung.discard("a")
+            a.up = True
+            await until(lambda: client.up_endpoints() == [a, b])
+            more = await calls(client, 10)
+            return results, more, client.requests_per_server(), client.retries
+
+    results, more, per_server, retries = asyncio.run(go())
+    assert len(results) == 6 and len(more) == 10
+    assert retries >= 1 and rejoined == ["http://a"]
+    assert per_server[0] > 0 and sum(per_server) == 16
+
+
+def test_the_run_stops_with_one_line_only_when_no_server_is_left():
+    a, b = Server("a"), Server("b")
+    cluster = Cluster(a, b)
+
+    async def go():
+        cluster.down.update({"a", "b"})
+        a.up = b.up = False
+        async with VLLMClient([a, b], transport=httpx.MockTransport(cluster.handler), max_retries=10,
+                              health_interval_s=0.01, rejoin_timeout_s=0.05) as client:  # fmt: skip
+            return await calls(client, 3)
+
+    with pytest.raises(NoServerLeft) as caught:
+        asyncio.run(go())
+    message = str(caught.value)
+    assert "\n" not in message and "http://a" in message and "http://b" in message
+    assert "no answer to its health check" in message
+
+
+def test_a_server_that_missed_a_reload_starts_out_and_rejoins_with_the_weights():
+    a, b = Server("a"), Server("b")
+    cluster = Cluster(a, b)
+    rejoined = []
+
+    async def on_rejoin(endpoint):
+        rejoined.append(endpoint.base_url)
+
+    async def go():
+        async with VLLMClient([a, b], transport=httpx.MockTransport(cluster.handler), on_rejoin=on_rejoin, out=[a],
+                              health_interval_s=0.01) as client:  # fmt: skip
+            await calls(client, 4)
+            await until(lambda: client.up_endpoints() == [a, b])
+            return client.taken_out
+
+    assert asyncio.run(go()) == 1 and rejoined == ["http://a"]
+    assert cluster.seen[0] == "b"  # nothing went to a before it had the weights
+
+
+# -- servers given by URL: the checks before a run -------------------------------------
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """/health, /v1/models and tapeloop's /tapeloop/stat behind a key, as a server from orchestrate.serve."""
+
+    key, model, blind = "s3cret", "policy", False
+
+    def do_GET(self):
+        if self.headers.get("Authorization") != f"Bearer {self.key}":
+            return self._send(401, {"error": "Unauthorized"})
+        url = urlsplit(self.path)
+        if url.path == "/health":
+            return self._send(200, {})
+        if url.path == "/v1/models":
+            return self._send(200, {"data": [{"id": self.model, "root": "/models/x"}]})
+        if url.path == "/tapeloop/stat":
+            path = parse_qs(url.query)["path"][0]
+            seen = {"path": path, "is_dir": False, "digest": None} if self.blind else folder_fingerprint(path)
+            return self._send(200, seen)
+        return self._send(404, {})
+
+    def _send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(**behaviour):
+        handler = type("Handler", (FakeVLLM,), behaviour)
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def remote_config(*urls, **server):
+    return RLConfig.model_validate({"server": {"policy_urls": list(urls), **server}})
+
+
+def test_servers_by_url_are_checked_before_the_run(fake_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    run = tmp_path / "runs" / "new"
+    good = fake_server()
+    check_remote_servers(remote_config(good), run)  # answers, key, model, same files: passes
+
+    with pytest.raises(PreflightError, match=r"^--server.policy_urls: http://127.0.0.1:\d+ refused the API key"):
+        check_remote_servers(remote_config(good, fake_server(key="other")), run)
+    with pytest.raises(PreflightError, match="serves 'reference', not 'policy'"):
+        check_remote_servers(remote_config(fake_server(model="reference")), run)
+    blind = fake_server(blind=True)
+    with pytest.raises(PreflightError, match=f"{blind} cannot read the run's checkpoints: it cannot see {tmp_path}"):
+        check_remote_servers(remote_config(blind), run)
+    with pytest.raises(PreflightError, match="^--server.policy_urls: http://127.0.0.1:1 does not answer"):
+        check_remote_servers(remote_config("http://127.0.0.1:1"), run)
+
+    key_file = tmp_path / "key"
+    key_file.write_text("wrong\n")
+    with pytest.raises(PreflightError, match="refused the API key"):
+        check_remote_servers(remote_config(good, api_key_file=str(key_file)), run)
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(PreflightError, match=r"^--server.api_key_file: .*\$VLLM_API_KEY"):
+        check_remote_servers(remote_config(good), run)
+    assert not run.parent.exists()  # nothing was written
+
+
+def test_the_middleware_answers_what_it_sees_with_the_key_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    (tmp_path / "a.txt").write_text("1")
+    sent = []
+
+    async def inner(scope, receive, send):
+        raise AssertionError("the stat route is answered by the middleware")
+
+    async def send(message):
+        sent.append(message)
+
+    def get(key):
+        sent.clear()
+        scope = {"type": "http", "method": "GET", "path": "/tapeloop/stat", "headers": [(b"authorization", key)],
+                 "query_string": f"path={tmp_path}".encode()}  # fmt: skip
+        asyncio.run(RequireAPIKey(inner)(scope, None, send))
+        return sent[0]["status"], json.loads(sent[1]["body"])
+
+    status, body = get(b"Bearer s3cret")
+    assert status == 200 and body == folder_fingerprint(str(tmp_path)) and body["is_dir"]
+    assert get(b"Bearer nope")[0] == 401
+    before = body["digest"]
+    (tmp_path / "b.txt").write_text("2")
+    assert folder_fingerprint(str(tmp_path))["digest"] != before  # other files: another fingerprint
+
+
+def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert read_api_key(None) == "from-env"
+    (tmp_path / "key").write_text("from-file\n")
+    assert read_api_key(str(tmp_path / "key")) == "from-file"
+
+
+def test_the_serve_command_is_the_local_servers_line(tmp_path, folder_model):
+    config = RLConfig.model_validate({"model": {"policy": str(folder_model)}, "server": {"max_model_len": 512}})
+    server = build_server(config, "reference", "0.0.0.0", 8123, tmp_path)
+    command = server.command()
+    assert command[command.index("--host") + 1] == "0.0.0.0" and command[command.index("--port") + 1] == "8123"
+    assert command[command.index("--served-model-name") + 1] == "reference"
+    assert "orchestrate.server_auth.RequireAPIKey" in command and "--api-key" not in command
+    assert command[command.index("--max-model-len") + 1] == "512"
+    assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+# -- GPUs -----------------------------------------------------------------------------------
+
+
+def gpu_config(server=None, trainer=None):
+    return RLConfig.model_validate({"server": server or {}, "trainer": trainer or {}})
+
+
+@pytest.mark.parametrize(
+    "server, trainer, count, named",
+    [
+        ({"gpus": "0"}, {}, 0, "--server.gpus: no GPU is visible"),
+        ({"tensor_parallel_size": 2}, {}, 0, "--server.tensor_parallel_size: no GPU is visible"),
+        ({}, {"gpus": "1"}, 0, "--trainer.gpus: no GPU is visible"),
+        ({"gpus": "0-4"}, {}, 4, "--server.gpus: GPU(s) 4 are not visible"),
+        ({"gpus": "0-1"}, {}, 4, "--server.gpus: 2 GPU(s) given"),
+        (
+            {"gpus": "0-1", "policy_servers": 2},
+            {"gpus": "1-2"},
+            4,
+            "--trainer.gpus: GPU(s) 1 are also in --server.gpus",
+        ),
+        ({"reference_gpus": "3"}, {"gpus": "3"}, 4, "--trainer.gpus: GPU(s) 3 are also in --server.reference_gpus"),
+        ({"gpus": "0", "reference_gpus": "0-1"}, {}, 4, "--server.reference_gpus: 2 GPU(s) given"),
+        ({}, {"gpus": "2", "num_processes": 2}, 4, "--trainer.gpus: 1 GPU(s) for --trainer.num_processes 2"),
+        ({"policy_servers": 3, "tensor_parallel_size": 2}, {}, 4, "--server.policy_servers: 3 server(s) x 2"),
+        ({"gpus": "0", "policy_urls": "http://a:8000"}, {}, 4, "--server.gpus: the policy servers are given by URL"),
+    ],
+)
+def test_gpu_placement_is_refused_in_one_line_naming_the_option(server, trainer, count, named):
+    with pytest.raises(OptionError) as caught:
+        check_gpus(gpu_config(server, trainer), count=count)
+    assert str(caught.value).startswith(named) and "\n" not in str(caught.value)
+
+
+def test_gpu_placement_that_fits(monkeypatch):
+    check_gpus(gpu_config({"gpus": "0-3", "policy_servers": 2, "tensor_parallel_size": 2,
+                           "reference_gpus": "0-1"}, {"gpus": "4-5", "num_processes": 2}), count=6)  # fmt: skip
+    check_gpus(gpu_config({}, {}), count=0)  # nothing asked: nothing checked
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr("orchestrate.config_checks.visible_gpus", lambda: ["4", "5", "6", "7"])
+    assert gpu_slices("0-3", 2, 2) == [["4", "5"], ["6", "7"]]  # our index i is the child's visible_gpus()[i]
+    assert gpu_slices(None, 2, 1) == [["4"], ["5"]]
+
+
+# -- the loop: a server that misses a reload is stale until it rejoins with the weights --------------
+
+
+class Reloadable(Server):
+    """A policy server stand-in that loads checkpoints while it is alive."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.loaded = []
+
+    def alive(self):
+        return self.up
+
+    async def recover(self, max_restarts):
+        pass  # a server elsewhere: nothing to restart
+
+    def reload_weights(self, path, verify=True):
+        from orchestrate.vllm_server import ServerError
+
+        if not self.up:
+            raise ServerError(f"{self.base_url} /collective_rpc: connection refused")
+        self.loaded.append(path.name)
+
+
+def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_checkpoint(tmp_path):
+    from orchestrate.loop import Loop
+    from orchestrate.run_dir import RunDir
+    from orchestrate.vllm_server import ServerError
+
+    class Trainer:
+        def weights_changed(self, version):
+            return True
+
+    loop = Loop(RLConfig(), RunDir(tmp_path / "run"), progress=False)
+    a, b = Reloadable("a"), Reloadable("b")
+    loop.policy_servers, loop.trainer, loop.served, loop.tokenizer = [a, b], Trainer(), 0, None
+    b.up = False
+    loop._reload(1)
+    assert loop.served == 1 and a.loaded == ["000001"] and loop.stale == {b}
+
+    cluster = Cluster(a, b)
+
+    async def go():
+        b.up = True  # b answers again: the next client starts it out, and it rejoins after loading checkpoint 1
+        client = loop._client(loop.policy_servers, policy_version=1)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
+        client.health_interval_s = 0.01
+        async with client:
+            await calls(client, 3)
+            await until(lambda: client.up_endpoints() == [a, b])
+            loop._count(client)
+
+    asyncio.run(go())
+    assert b.loaded == ["000001"] and not loop.stale
+    assert loop.counts["taken_out"] == 1 and sum(loop.counts["requests"]) == 3
+
+    a.up = b.up = False
+    with pytest.raises(ServerError, match="no policy server is left to serve checkpoint 2"):
+        loop._reload(2)
