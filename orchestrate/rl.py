@@ -15,8 +15,12 @@ from orchestrate.preflight import PreflightError, check_run_dir_path, preflight
 from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
-# Options that may change when a run is resumed.
-RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s"}
+# Options that may change when a run is resumed. Where the trainer runs is among them (a run started here
+# may resume on trainer machines, --trainer.launch external), and so a run saved before these options existed
+# resumes too.
+RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s",
+             "trainer.launch", "trainer.num_machines", "trainer.main_process_ip", "trainer.main_process_port",
+             "trainer.heartbeat_timeout_s"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
