@@ -73,7 +73,6 @@ def test_a_trainer_that_stops_beating_is_an_error(tmp_path, capsys):
     beat(trainer.run)  # one beat, then silence
     with pytest.raises(TrainerError, match=r"has not changed for .*--trainer.heartbeat_timeout_s 0.3"):
         trainer.wait_for_checkpoint(1)
-    assert "trainer connected: 2 processes" in capsys.readouterr().out
 
 
 def test_a_trainer_that_says_it_failed_is_an_error(tmp_path):
@@ -151,7 +150,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_dir, capsys):
+def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_dir):
     samples = hand_built_batch(tiny_model_dir)
     one = RunDir(tmp_path / "one")
     two = RunDir(tmp_path / "two")
@@ -183,12 +182,12 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
         for machine in machines:
             if machine.poll() is None:
                 os.killpg(machine.pid, 9)
-    assert "trainer connected: 2 processes" in capsys.readouterr().out
     # rank 0 alone wrote the shared files: one metrics line per step, its state and last beat
     steps = [json.loads(line) for line in two.train_metrics.read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["micro_batches"] > 2 for m in steps)
     assert json.loads(two.trainer_state.read_text())["status"] == "stopped"
-    assert LearnerRunDir(two.root).read_heartbeat()["status"] == "stopped"
+    last_beat = LearnerRunDir(two.root).read_heartbeat()
+    assert last_beat["status"] == "stopped" and last_beat["num_processes"] == 2
     initial = weights(tiny_model_dir)
     name = "model.layers.1.self_attn.q_proj.weight"
     assert (expected[name] - initial[name]).abs().max() > 1e-3  # the batch moved the weights
