@@ -156,12 +156,16 @@ class TrainerSection(BaseModel):
     )
     main_process_port: int = Field(29500, gt=0, lt=65536, description="port of trainer machine 0 (launch external)")
     timeout_s: float = Field(
-        3600, gt=0, description="longest wait for one training step's checkpoint (and, launch external, for the "
-        "trainer's first heartbeat)"
+        3600,
+        gt=0,
+        description="longest wait for one training step's checkpoint (and, launch external, for the "
+        "trainer's first heartbeat)",
     )
     heartbeat_timeout_s: float = Field(
-        120, gt=0, description="launch external: a trainer whose heartbeat file has not changed for this long "
-        "is gone, and the run stops"
+        120,
+        gt=0,
+        description="launch external: a trainer whose heartbeat file has not changed for this long "
+        "is gone, and the run stops",
     )
     cpus: CoreList = Field(
         None,

@@ -102,8 +102,15 @@ def test_a_beating_trainer_s_checkpoint_is_returned(tmp_path):
         ({"trainer.launch": "external", "trainer.num_machines": "2"}, "--trainer.main_process_ip"),
         ({"trainer.launch": "external", "trainer.cpus": "0"}, "--trainer.cpus"),
         ({"trainer.launch": "remote"}, "--trainer.launch"),
-        ({"trainer.launch": "external", "trainer.num_machines": "2", "trainer.main_process_ip": "h",
-          "trainer.num_processes": "3"}, "--trainer.num_processes"),  # fmt: skip
+        (
+            {
+                "trainer.launch": "external",
+                "trainer.num_machines": "2",
+                "trainer.main_process_ip": "h",
+                "trainer.num_processes": "3",
+            },
+            "--trainer.num_processes",
+        ),  # fmt: skip
     ],
 )
 def test_bad_launch_options_are_refused(overrides, option):
