@@ -10,6 +10,8 @@
     RUN/trainer_state.json        where the learner is (status, last batch, checkpoint)
     RUN/trainer.log               the learner's log
     RUN/trainer.stop              created by the orchestrator: exit after the current batch
+    RUN/trainer_heartbeat.json    rewritten every few seconds by the learner's rank 0 while it lives (the
+                                  orchestrator's only sign of a trainer it did not start: --trainer.launch external)
 
 Everything that appears complete is complete: files are written to a temp
 name and renamed, folders are built under checkpoints/.tmp-000003, fsynced,
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -65,6 +68,7 @@ class RunDir:
         self.trainer_log = self.root / "trainer.log"
         self.trainer_stop = self.root / "trainer.stop"
         self.train_config = self.root / "train_config.json"  # the orchestrator's trainer options (--config)
+        self.trainer_heartbeat = self.root / "trainer_heartbeat.json"
 
     def batch(self, index: int) -> Path:
         return self.batches / f"{index:06d}.jsonl"
@@ -157,6 +161,21 @@ class RunDir:
             return json.loads(self.trainer_state.read_text())
         except FileNotFoundError:
             return None
+
+    def write_heartbeat(self, **fields) -> None:
+        """One beat: fields such as {trainer_id, beat, status, num_processes}, with the host and pid. The
+        reader compares beats, never clocks: the trainer's machine and the orchestrator's may disagree on the
+        time."""
+        atomic_write_json(self.trainer_heartbeat, {**fields, "host": socket.gethostname(), "pid": os.getpid(),
+                                                   "time": time.time()}, indent=1)  # fmt: skip
+
+    def read_heartbeat(self) -> dict:
+        """The last beat ({} while there is none, or one cannot be read)."""
+        try:
+            beat = json.loads(self.trainer_heartbeat.read_text())
+        except (OSError, ValueError):
+            return {}
+        return beat if isinstance(beat, dict) else {}
 
     def append_metrics(self, record: dict) -> None:
         """One whole line per call; a line torn by a kill mid-write is cut before the next (finetune.durable)."""

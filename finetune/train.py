@@ -36,6 +36,19 @@ through files in the run folder only:
    batch is left. It exits at once (code 3) when its parent process changes
    or the --parent-pid process dies, so it never outlives the orchestrator.
    SIGTERM / SIGKILL are safe at any time: nothing visible is half-written.
+6. The main process rewrites RUN/trainer_heartbeat.json every
+   --heartbeat-seconds (a counter and a status, finetune.rundir), and once
+   more as it exits (status stopped or failed): how an orchestrator that did
+   not start the trainer (--trainer.launch external, on other machines)
+   knows it is there and alive.
+
+Under `accelerate launch` with several processes (one machine or many),
+every process reads each batch file itself (the run folder is shared) and
+trains its share of every step; only the main process (global rank 0)
+writes checkpoints' weights, the state file, metrics, advantages and the
+heartbeat. Each process adds its own random-number state to a
+checkpoint's trainer_state/ (accelerate's save_state), which is why the
+folder is only published after every process has written.
 
 Run `python -m finetune.train --help` for every option.
 """
@@ -45,11 +58,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--poll-seconds", type=float, default=0.5, help="Seconds between looks for the next batch. [default: 0.5]"
     )
     run.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=5.0,
+        help="Seconds between beats of RUN/trainer_heartbeat.json (written by the main process; an orchestrator "
+        "that did not start this trainer watches it). [default: 5]",
+    )
+    run.add_argument(
         "--print-config",
         action="store_true",
         help="Print the resolved training options as JSON and exit (checks them without loading a model).",
@@ -154,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Train
         parser.error(error_line(exc, spell=dashed))
     except OptionError as exc:
         parser.error(str(exc))
+    if not (args.heartbeat_seconds > 0 and math.isfinite(args.heartbeat_seconds)):
+        parser.error(f"--heartbeat-seconds: {args.heartbeat_seconds} is not a positive number of seconds")
     if not args.print_config and not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
     return args, config
@@ -205,6 +229,43 @@ def start_parent_watch(parent_pid: int | None, interval: float = 1.0) -> Callabl
     def stop():
         done.set()
         thread.join()
+
+    return stop
+
+
+# ---- a heartbeat for an orchestrator that did not start us -----------------------------------
+
+
+def start_heartbeat(run, interval: float, **fields) -> Callable[[str], None]:
+    """Beat at once, then every `interval` seconds from a thread (run.write_heartbeat); returns stop(status),
+    which ends the thread and writes a last beat with that status ("stopped" or "failed").
+
+    A thread, so that the beats go on through a long training step; a
+    trainer that dies or loses its machine stops beating, which is what an
+    orchestrator on another machine can see (--trainer.launch external). The
+    trainer_id tells this trainer's beats from an earlier one's.
+    """
+    trainer_id, beat, done = uuid.uuid4().hex, [0], threading.Event()
+
+    def write(status: str) -> None:
+        beat[0] += 1
+        try:
+            run.write_heartbeat(trainer_id=trainer_id, beat=beat[0], status=status, interval_s=interval, **fields)
+        except OSError as exc:  # a full or unreachable disk: the next beat tries again
+            log.warning("could not write %s: %s", run.trainer_heartbeat, exc)
+
+    def loop():
+        while not done.wait(interval):
+            write("alive")
+
+    write("alive")
+    thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
+    thread.start()
+
+    def stop(status: str) -> None:
+        done.set()
+        thread.join()
+        write(status)
 
     return stop
 
@@ -370,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     session = _Session(args, config)
+    stop_beat = (
+        start_heartbeat(session.run, args.heartbeat_seconds, num_processes=session.accelerator.num_processes)
+        if session.main_process
+        else lambda status: None
+    )
+    outcome = "failed"
     try:
         session.set_state()
         session.load()
@@ -391,12 +458,14 @@ def main(argv: list[str] | None = None) -> int:
                 session.set_state(status="stopped", reason="--max-batches reached")
                 break
         session.accelerator.wait_for_everyone()
+        outcome = "stopped"
         return 0
     except Exception as exc:
         log.error("failed: %s\n%s", exc, traceback.format_exc())
         session.set_state(status="failed", error=f"{type(exc).__name__}: {exc}")
         return 1
     finally:
+        stop_beat(outcome)
         stop_watch()
         session.accelerator.end_training()
 

@@ -186,11 +186,34 @@ class TrainerSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    accelerate_config: str | None = Field(
-        None, description="accelerate config file for the trainer; default: finetune/accelerate/cpu.yaml on CPU"
+    launch: Literal["local", "external"] = Field(
+        "local",
+        description="local: the orchestrator starts the trainer on this machine; external: it starts none, prints "
+        "the command to run on each trainer machine and waits for the trainer's heartbeat (docs/multi-node.md)",
     )
-    num_processes: int = Field(1, gt=0, description="trainer processes (GPUs)")
-    timeout_s: float = Field(3600, gt=0, description="longest wait for one training step's checkpoint")
+    accelerate_config: str | None = Field(
+        None,
+        description="accelerate config file for the trainer; default: finetune/accelerate/cpu.yaml on CPU, "
+        "one_gpu.yaml on a GPU, multi_gpu_ddp.yaml with --trainer.launch external",
+    )
+    num_processes: int = Field(1, gt=0, description="trainer processes (GPUs), over all its machines")
+    num_machines: int = Field(1, gt=0, description="machines the trainer runs on (more than 1: launch external)")
+    main_process_ip: str | None = Field(
+        None, description="address of trainer machine 0, which the others connect to (launch external, 2+ machines)"
+    )
+    main_process_port: int = Field(29500, gt=0, lt=65536, description="port of trainer machine 0 (launch external)")
+    timeout_s: float = Field(
+        3600,
+        gt=0,
+        description="longest wait for one training step's checkpoint (and, launch external, for the "
+        "trainer's first heartbeat)",
+    )
+    heartbeat_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="launch external: a trainer whose heartbeat file has not changed for this long "
+        "is gone, and the run stops",
+    )
     cpus: CoreList = Field(
         None,
         description="CPU cores the trainer runs on, e.g. '1' or '4-7' (OMP_NUM_THREADS "

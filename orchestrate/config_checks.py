@@ -41,6 +41,7 @@ LIMITS: dict[str, int] = {
     "server.policy_servers": 256,
     "server.max_restarts": 1000,
     "trainer.num_processes": 4096,
+    "trainer.num_machines": 4096,
     "train.epochs": 10_000,
     "train.steps_per_epoch": 1_000_000,
     "train.token_budget": 1 << 24,
@@ -201,6 +202,19 @@ def check_config(config) -> None:
     if "search" in config.env.tools and not config.env.search.corpus:
         raise ConfigError("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
                           "line with 'text' (and optional 'title', 'id')")  # fmt: skip
+    t = config.trainer
+    if t.num_machines > 1 and t.launch == "local":
+        raise ConfigError(f"--trainer.num_machines: {t.num_machines} machines need --trainer.launch external (the "
+                          "orchestrator starts a trainer on this machine only); see docs/multi-node.md")  # fmt: skip
+    if t.num_machines > 1 and not t.main_process_ip:
+        raise ConfigError(f"--trainer.main_process_ip: {t.num_machines} trainer machines need the address of "
+                          "machine 0, which the others connect to")  # fmt: skip
+    if t.launch == "external" and t.cpus:
+        raise ConfigError("--trainer.cpus: cores of a trainer this orchestrator starts; with --trainer.launch "
+                          "external the trainer runs elsewhere: leave it out")  # fmt: skip
+    if t.num_processes % t.num_machines:
+        raise ConfigError(f"--trainer.num_processes: {t.num_processes} processes cannot be spread evenly over "
+                          f"--trainer.num_machines {t.num_machines}; give a multiple of it")  # fmt: skip
     accelerate = config.trainer.accelerate_config
     if accelerate and not Path(accelerate).expanduser().is_file():
         raise ConfigError(f"--trainer.accelerate_config: {accelerate} does not exist; give an accelerate config file "

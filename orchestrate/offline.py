@@ -440,7 +440,7 @@ def train_once(
             raise OfflineError(f"--tapes: {exc}") from None
         print(f"{summary} ({groups_with_signal(tapes)} groups with differing rewards); training "
               f"{trainer.model_dir.name} ...", flush=True)  # fmt: skip
-        if trainer.process is None:
+        if not trainer.started:
             trainer.start()
         return trainer.wait_for_checkpoint(1, progress=progress, desc="train")
     finally:

@@ -15,17 +15,13 @@ from orchestrate.preflight import PreflightError, check_remote_servers, check_ru
 from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
-# Options that may change when a run is resumed.
-RESUMABLE = {
-    "run.iterations",
-    "run.wandb",
-    "run.tensorboard",
-    "trainer.timeout_s",
-    "server.startup_timeout_s",
-    "server.policy_urls",
-    "server.reference_url",
-    "server.api_key_file",
-}  # servers elsewhere may move
+# Options that may change when a run is resumed: servers and trainer machines elsewhere may move (a run
+# started here may resume on trainer machines, --trainer.launch external), and a run saved before these
+# options existed resumes too.
+RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s",
+             "server.policy_urls", "server.reference_url", "server.api_key_file",
+             "trainer.launch", "trainer.num_machines", "trainer.main_process_ip", "trainer.main_process_port",
+             "trainer.heartbeat_timeout_s"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,19 @@ file the orchestrator writes and answers with a checkpoint folder. The two
 talk only through files in the run directory (see finetune/rundir.py).
 If the trainer dies, the run stops with the tail of its log and the command
 that resumes.
+
+With --trainer.launch external the orchestrator starts no trainer: it prints
+the command to run on each trainer machine (accelerate's multi-node launch)
+and knows the trainer only through RUN/trainer_heartbeat.json, which the
+trainer's rank 0 rewrites every few seconds (HeartbeatWatch). Batches,
+checkpoints, the stop file and resuming are the same files either way; see
+docs/multi-node.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -26,7 +34,8 @@ from orchestrate.progress import progress_bar
 from orchestrate.run_dir import RunDir
 from orchestrate.vllm_server import cuda_available, log_tail
 
-ACCELERATE_CONFIGS = Path(__file__).resolve().parent.parent / "finetune" / "accelerate"
+ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
 
 
 # Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
@@ -64,35 +73,100 @@ class TrainerError(RuntimeError):
     pass
 
 
+class HeartbeatWatch:
+    """A trainer this process did not start, seen through RUN/trainer_heartbeat.json: there once a beat
+    appears that was not there at the start (an earlier trainer's last beat does not count), gone when its
+    beats stop changing. Only this machine's clock is used: the trainer's machine may disagree on the time."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.last = self._key(run.read_heartbeat())
+        self.changed_at: float | None = None  # time.monotonic() of the newest beat seen (None: none yet)
+        self.beat: dict = {}
+
+    @staticmethod
+    def _key(beat: dict) -> tuple:
+        return beat.get("trainer_id"), beat.get("beat")
+
+    def poll(self) -> dict:
+        """The newest beat ({} before the first one)."""
+        beat = self.run.read_heartbeat()
+        if beat and self._key(beat) != self.last:
+            self.last, self.changed_at, self.beat = self._key(beat), time.monotonic(), beat
+        return self.beat
+
+    @property
+    def connected(self) -> bool:
+        return self.changed_at is not None
+
+    def silent_for(self) -> float:
+        """Seconds since the newest beat was seen."""
+        return time.monotonic() - self.changed_at if self.changed_at is not None else math.inf
+
+
 class TrainerProcess:
     def __init__(self, run_dir: RunDir, model_dir: Path, train: TrainConfig, launch: TrainerSection | None = None):
         self.run = run_dir
         self.model_dir = model_dir
         self.train = train  # the learner's config, written whole for it
         self.launch = launch or TrainerSection()  # how it is launched and waited for
+        self.external = self.launch.launch == "external"  # started by the user, on other machines
         self.log_path = run_dir.launcher_log  # the launcher's stdout/stderr, tracebacks included
         self.config_path = run_dir.train_config
         self.process: subprocess.Popen | None = None
+        self.started = False
+        self.heartbeat: HeartbeatWatch | None = None  # launch external: the trainer's beats
+        self._told: set[str] = set()  # the one-time messages of an external trainer already printed
+
+    def _accelerate_config(self) -> str:
+        if self.launch.accelerate_config:
+            return self.launch.accelerate_config
+        if self.external:  # trainer machines are GPU machines; another config with --trainer.accelerate_config
+            return str(ACCELERATE_CONFIGS / "multi_gpu_ddp.yaml")
+        return str(ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda_available() else "cpu.yaml"))
+
+    def _train_args(self) -> list[str]:
+        """finetune.train's arguments; absolute paths (an external trainer starts elsewhere)."""
+        return [
+            "-m", "finetune.train",
+            "--model", str(Path(self.model_dir).absolute()),
+            "--run-dir", str(self.run.root.absolute()),
+            "--config", str(self.config_path.absolute()),
+        ]  # fmt: skip
 
     def command(self) -> list[str]:
-        c = self.launch
-        accelerate_config = c.accelerate_config or str(
-            ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda_available() else "cpu.yaml")
-        )
         return [
             sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", accelerate_config,
-            "--num_processes", str(c.num_processes),
-            "-m", "finetune.train",
-            "--model", str(self.model_dir),
-            "--run-dir", str(self.run.root),
-            "--config", str(self.config_path),
+            "--config_file", self._accelerate_config(),
+            "--num_processes", str(self.launch.num_processes),
+            *self._train_args(),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
+
+    def external_commands(self) -> list[str]:
+        """launch external: the shell command for each trainer machine, by machine rank. The same
+        interpreter and checkout as this process: on a shared file system they have the same path there."""
+        c = self.launch
+        out = []
+        for rank in range(c.num_machines):
+            machines = ["--num_machines", str(c.num_machines)]
+            if c.num_machines > 1:
+                machines += ["--machine_rank", str(rank), "--main_process_ip", str(c.main_process_ip),
+                             "--main_process_port", str(c.main_process_port)]  # fmt: skip
+            launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                      str(Path(self._accelerate_config()).absolute()), *machines,
+                      "--num_processes", str(c.num_processes), *self._train_args()]  # fmt: skip
+            out.append(f"cd {shlex.quote(str(ROOT))} && {shlex.join(launch)}")
+        return out
 
     def start(self) -> None:
         atomic_write_text(self.config_path, self.train.model_dump_json(indent=2) + "\n")
         self.run.trainer_stop.unlink(missing_ok=True)
+        self.started = True
+        if self.external:
+            self.heartbeat = HeartbeatWatch(self.run)
+            self._tell_commands()
+            return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
@@ -106,6 +180,56 @@ class TrainerProcess:
             devices = self.launch.gpus
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices(devices, 1, len(parse_cpus(devices)))[0])
         self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
+
+    def _tell_commands(self) -> None:
+        c = self.launch
+        where = "its machine" if c.num_machines == 1 else f"each of its {c.num_machines} machines"
+        lines = [f"--trainer.launch external: this run starts no trainer. Start it yourself, on {where} (the "
+                 "run directory and this checkout at the same path there, on a shared file system):"]  # fmt: skip
+        for rank, command in enumerate(self.external_commands()):
+            lines.append(f"  machine {rank}: {command}")
+        lines.append(f"The run goes on once the trainer's heartbeat ({self.run.trainer_heartbeat}) beats; it "
+                     f"waits up to --trainer.timeout_s {c.timeout_s:.0f} s.")  # fmt: skip
+        print("\n".join(lines), flush=True)
+
+    def _restart_hint(self) -> str:
+        return "\n".join(["Fix the cause, then start the trainer again on each machine:", *self.external_commands()])
+
+    def _check_external(self, iteration: int, deadline: float, bar, desc: str) -> None:
+        """launch external: raise if the trainer never beat within timeout_s, stopped beating for
+        heartbeat_timeout_s, or says it stopped, before checkpoint `iteration` was published."""
+        c, watch = self.launch, self.heartbeat
+        beat = watch.poll()
+        if not watch.connected:
+            bar.set_description_str(f"{desc}: waiting for the trainer's heartbeat")
+            if "waiting" not in self._told:
+                self._told.add("waiting")
+                print(f"waiting for the trainer's heartbeat ({self.run.trainer_heartbeat}); start it with the "
+                      "command(s) above", flush=True)  # fmt: skip
+            if time.monotonic() > deadline:
+                raise TrainerError(
+                    f"no heartbeat from the trainer in {c.timeout_s:.0f} s (raise --trainer.timeout_s): "
+                    f"{self.run.trainer_heartbeat} did not change. Is the trainer started, with this run "
+                    f"directory, on a file system this machine shares? Start it on each machine with:\n"
+                    + "\n".join(self.external_commands())
+                )
+            return
+        if "connected" not in self._told:
+            self._told.add("connected")
+            print(f"trainer connected: {beat.get('num_processes', '?')} processes, rank 0 on "
+                  f"{beat.get('host', '?')} (pid {beat.get('pid', '?')})", flush=True)  # fmt: skip
+        if self.run.checkpoint_done(iteration):
+            return
+        tail = f"{self.run.trainer_log} ends with:\n{log_tail(self.run.trainer_log)}"
+        if beat.get("status") in ("stopped", "failed"):
+            raise TrainerError(f"the trainer {beat['status']} before checkpoint {iteration} (its last heartbeat "
+                               f"says so; see trainer_state.json). {tail}\n{self._restart_hint()}")  # fmt: skip
+        if watch.silent_for() > c.heartbeat_timeout_s:
+            raise TrainerError(
+                f"the trainer's heartbeat ({self.run.trainer_heartbeat}) has not changed for "
+                f"{watch.silent_for():.0f} s (--trainer.heartbeat_timeout_s {c.heartbeat_timeout_s:g}): the trainer "
+                f"died, hangs outside Python, or lost the shared file system. {tail}\n{self._restart_hint()}"
+            )
 
     def _died(self) -> TrainerError:
         code = self.process.returncode if self.process else None
@@ -138,14 +262,17 @@ class TrainerProcess:
         with progress_bar(desc=desc, **bar_options) as bar:
             while not self.run.checkpoint_done(iteration):
                 self._follow(iteration, bar, desc)
-                if self.process is None or self.process.poll() is not None:
+                if self.external:
+                    self._check_external(iteration, deadline, bar, desc)
+                elif self.process is None or self.process.poll() is not None:
                     if self.run.checkpoint_done(iteration):
                         break
                     raise self._died()
                 if time.monotonic() > deadline:
+                    log = self.run.trainer_log if self.external else self.log_path
                     raise TrainerError(
                         f"no checkpoint for iteration {iteration} after {self.launch.timeout_s:.0f} s "
-                        f"(raise --trainer.timeout_s); {self.log_path} ends with:\n{log_tail(self.log_path)}"
+                        f"(raise --trainer.timeout_s); {log} ends with:\n{log_tail(log)}"
                     )
                 time.sleep(0.2)
         return self.run.checkpoint(iteration)
@@ -189,7 +316,11 @@ class TrainerProcess:
         return out
 
     def stop(self, timeout: float = 5) -> None:
-        """Ask the trainer to exit (it does between batches); past `timeout` (mid-batch), stop it: it resumes."""
+        """Ask the trainer to exit (it does between batches); past `timeout` (mid-batch), stop it: it resumes.
+        An external trainer is only asked (it exits after its current batch)."""
+        if self.external and self.started:
+            self.run.trainer_stop.touch()
+            return
         if self.process is None:
             return
         self.run.trainer_stop.touch()  # the trainer exits between batches when it sees this

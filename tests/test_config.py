@@ -102,7 +102,10 @@ def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_pa
     assert type(config.train) is TrainConfig and config.trainer.timeout_s == 99
     current = config.model_dump(mode="json")
     old = json.loads(json.dumps(current))
-    old["train"].update(old.pop("trainer"))  # the shape of config.json before the trainer section
+    from orchestrate.config import MOVED_TO_TRAINER
+
+    trainer = old.pop("trainer")  # the shape of config.json before the trainer section (and its later options)
+    old["train"].update({k: trainer[k] for k in MOVED_TO_TRAINER})
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
     run_dir.config_path.write_text(json.dumps(old))
