@@ -17,9 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from finetune.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+else:
+    torch = lazy_import("torch")  # the config reads the registry below; torch loads when an estimator runs
 
 Column = str  # "group" or "tokens"
 COLUMNS = ("group", "tokens")

@@ -24,13 +24,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor
 
 from finetune.kl import k3
+from finetune.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+else:
+    torch = lazy_import("torch")  # the config reads the registry below; torch loads when a loss runs
 
 Aggregation = Literal["token", "sequence"]
 

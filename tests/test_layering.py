@@ -11,6 +11,8 @@ lazy import is still an edge.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,12 @@ def test_every_package_is_covered():
     """A new top-level package needs its rule here before it can be imported from."""
     ours = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
     assert ours == set(PACKAGES), f"packages without a layering rule: {sorted(ours - set(PACKAGES))}"
+
+
+def test_reading_the_options_loads_no_torch():
+    """Every command line reads the option registries (losses, estimators); `--help` and a bad option refused
+    in one line must not wait seconds for torch (finetune/lazy.py)."""
+    code = "import sys, orchestrate.config, finetune.config; print('torch._C' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
