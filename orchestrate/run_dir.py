@@ -34,7 +34,6 @@ from finetune.durable import AtomicFile, atomic_write_json, atomic_write_text, f
 from finetune.rundir import RunDir as SharedRunDir
 from tapes.store import TapeWriter
 
-
 # What phase.json names, in the order of an iteration (see orchestrate/loop.py): "starting" before the first
 # iteration (servers and trainer starting; iteration 0's evaluation is "eval"), "done" after the last one.
 # The file is left as it was when the orchestrator stops or is killed: its "pid" tells whether it still runs.
