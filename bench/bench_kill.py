@@ -397,7 +397,7 @@ class Bench:
             pid = json.loads(trainer_state.read_text()).get("pid")
         else:
             servers = [p for p, c in process_cmdlines(marked_processes(self.marker)).items()
-                       if "vllm.entrypoints.openai.api_server" in c and "policy" in c]  # fmt: skip
+                       if c[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "policy" in c]  # fmt: skip
             pid = min(servers) if servers else None
         at_kill = RunDir(self.run).read_phase()
         try:
