@@ -406,8 +406,7 @@ class Bench:
         except (TypeError, ProcessLookupError):
             event["problems"] = [f"no {which} process to kill"]
         # what does the orchestrator do? Follow it until it leaves that phase (or ends), 10 min at most
-        went_on = self.watch(proc, until=lambda r: (r["iteration"], r["phase"]) != (at_kill["iteration"], phase),
-                             timeout=600)  # fmt: skip
+        went_on = self.watch(proc, until=lambda r: r != at_kill, timeout=600)  # the next phase it enters
         if proc.poll() is None:
             event["orchestrator"] = f"went on to {went_on['phase']} of iteration {went_on['iteration']}"
             restarts = [line for line in console.read_text(errors="replace").splitlines() if "restart" in line.lower()]
