@@ -429,7 +429,7 @@ class Bench:
 def tail(console: Path) -> str:
     """The orchestrator's last meaningful line."""
     lines = [line.strip() for line in console.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower() or "exited" in line.lower()]
+    errors = [line for line in lines if line.startswith("error:")]  # orchestrate.rl's one line
     return (errors or lines or [""])[-1][:300]
 
 
