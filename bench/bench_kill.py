@@ -265,8 +265,8 @@ class Bench:
             proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         return proc, console
 
-    def watch(self, proc: subprocess.Popen, until=lambda phase: False, timeout: float = 1800.0) -> dict | None:
-        """Poll phase.json (5 times a second) until the process ends or `until(phase record)`; the last record
+    def watch(self, proc: subprocess.Popen, until=lambda phase: False, timeout: float = 1800.0, poll: float = 0.2):
+        """Poll phase.json (every `poll` s) until the process ends or `until(phase record)`; the last record
         this process wrote. Marks the previous event resumed once this one passes "starting"."""
         deadline = time.monotonic() + timeout
         last = None
@@ -281,7 +281,7 @@ class Bench:
                     self.mark_resumed()
                 if until(record):
                     return last
-            time.sleep(0.2)
+            time.sleep(poll)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -387,7 +387,7 @@ class Bench:
                     return False
             return True
 
-        reached = self.watch(proc, until=ready)
+        reached = self.watch(proc, until=ready, poll=0.02)  # rollouts take well under a second here
         event = {"kind": which, "phase": phase, "run": self.runs, "reached": reached}
         if proc.poll() is not None:
             event["problems"] = [f"the run ended (exit {proc.returncode}) before {phase} was reached"]
@@ -395,7 +395,9 @@ class Bench:
                 self.finish_if_done(proc, console)
             self.events.append(event)
             return event
-        time.sleep(rng.uniform(0, 1.0))  # a random moment inside the phase
+        time.sleep(rng.uniform(0, 0.5 * phase_seconds(self.run, phase)))  # a random moment inside the phase
+        logs = sorted((self.run / "logs").glob("trainer.log" if which == "trainer" else "policy-*.log"))
+        starts_before = sum(p.read_text(errors="replace").count("===== starting") for p in logs)
         if which == "trainer":
             pid = json.loads(trainer_state.read_text()).get("pid")
         else:
@@ -410,11 +412,10 @@ class Bench:
             event["problems"] = [f"no {which} process to kill"]
         # what does the orchestrator do? Follow it until it leaves that phase (or ends), 10 min at most
         went_on = self.watch(proc, until=lambda r: r != at_kill, timeout=600)  # the next phase it enters
+        restarts = sum(p.read_text(errors="replace").count("===== starting") for p in logs) - starts_before
         if proc.poll() is None:
-            event["orchestrator"] = f"went on to {went_on['phase']} of iteration {went_on['iteration']}"
-            restarts = [line for line in console.read_text(errors="replace").splitlines() if "restart" in line.lower()]
-            if restarts:
-                event["orchestrator"] += f" ({restarts[-1].strip()[:160]})"
+            event["orchestrator"] = (f"restarted the {which} {restarts} time(s), went on to {went_on['phase']} of "
+                                     f"iteration {went_on['iteration']}")  # fmt: skip
             proc.send_signal(signal.SIGKILL)  # then stopped here, and checked like the others
             proc.wait()
         else:
@@ -489,9 +490,9 @@ def main() -> int:
     bench.watch(proc)
     bench.finish_if_done(proc, console)
     rows = table(bench.events)
-    print(f"\n{'phase':18s}" + "".join(f"{c:>22s}" for c in COLUMNS))
+    print(f"\n{'SIGKILL of / in':18s}" + "".join(f"{c:>{len(c) + 2}s}" for c in COLUMNS))
     for name, row in rows.items():
-        print(f"{name:18s}" + "".join(f"{row[c]:>22d}" for c in COLUMNS))
+        print(f"{name:18s}" + "".join(f"{row[c]:>{len(c) + 2}d}" for c in COLUMNS))
     finals = [f for f in bench.finished_runs if f["problems"]]
     bad = sum(row[c] for row in rows.values() for c in COLUMNS[2:] if c != "missed") + len(finals)
     missing = sum(row["resumes"] < row["kills"] for row in rows.values())
