@@ -369,9 +369,18 @@ class Bench:
         self.events.append(event)
         return event
 
-    def kill_child(self, which: str, rng: random.Random) -> dict:
+    def kill_child(self, which: str, rng: random.Random, tries: int = 3) -> dict:
         """Resume the run, SIGKILL the trainer (mid-training) or a policy server (mid-rollouts) alone, watch
-        what the orchestrator does, then stop it and check."""
+        what the orchestrator does, then stop it and check; again (up to `tries` starts) while the kill
+        landed after the phase ended."""
+        for _ in range(tries):
+            event = self._kill_child_once(which, rng)
+            if event.get("in_phase") or "killed_pid" not in event:
+                return event
+            print(f"  {which}: the kill landed in {event['killed_in']['phase']}, not {event['phase']}; again")
+        return event
+
+    def _kill_child_once(self, which: str, rng: random.Random) -> dict:
         phase = "training" if which == "trainer" else "rollouts"
         before, twice = snapshot(self.run), steps_trained_twice(self.run)
         proc, console = self.start(None)
@@ -395,11 +404,12 @@ class Bench:
                 self.finish_if_done(proc, console)
             self.events.append(event)
             return event
-        time.sleep(rng.uniform(0, 0.5 * phase_seconds(self.run, phase)))  # a random moment inside the phase
+        time.sleep(rng.uniform(0, 0.2 * phase_seconds(self.run, phase)))  # a moment inside the phase (it is short)
         logs = sorted((self.run / "logs").glob("trainer.log" if which == "trainer" else "policy-*.log"))
         starts_before = sum(p.read_text(errors="replace").count("===== starting") for p in logs)
         if which == "trainer":
-            pid = json.loads(trainer_state.read_text()).get("pid")
+            status = json.loads(trainer_state.read_text())
+            pid, batch = status.get("pid"), status.get("batch_in_progress")
         else:
             servers = [p for p, c in process_cmdlines(marked_processes(self.marker)).items()
                        if c[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "policy" in c]  # fmt: skip
@@ -408,6 +418,9 @@ class Bench:
         try:
             os.kill(pid, signal.SIGKILL)
             event["killed_pid"], event["killed_in"] = pid, at_kill
+            event["in_phase"] = at_kill["phase"] == phase and (
+                which != "trainer" or (batch is not None and not RunDir(self.run).checkpoint_done(batch))
+            )  # the trainer: before its checkpoint was published
         except (TypeError, ProcessLookupError):
             event["problems"] = [f"no {which} process to kill"]
         # what does the orchestrator do? Follow it until it leaves that phase (or ends), 10 min at most
@@ -439,7 +452,7 @@ def table(events: list[dict]) -> dict[str, dict[str, int]]:
     for name in (*LOOP_PHASES, "trainer alone", "vLLM server alone"):
         kind = {"trainer alone": "trainer", "vLLM server alone": "server"}.get(name, "orchestrator")
         mine = [e for e in events if e["kind"] == kind and (kind != "orchestrator" or e["phase"] == name)]
-        killed = [e for e in mine if "processes_left" in e]
+        killed = [e for e in mine if "processes_left" in e and (kind == "orchestrator" or e.get("in_phase"))]
         rows[name] = {
             "kills": len(killed),
             "resumes": sum(bool(e.get("resumed")) for e in killed),
