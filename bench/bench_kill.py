@@ -423,8 +423,9 @@ class Bench:
             )  # the trainer: before its checkpoint was published
         except (TypeError, ProcessLookupError):
             event["problems"] = [f"no {which} process to kill"]
-        # what does the orchestrator do? Follow it until it leaves that phase (or ends), 10 min at most
-        went_on = self.watch(proc, until=lambda r: r != at_kill, timeout=600)  # the next phase it enters
+        # what does the orchestrator do? Follow it, 10 min at most
+        # through the end of that iteration (a dead server also meets the reference pass and the reload)
+        went_on = self.watch(proc, until=lambda r: r["phase"] == "metrics_state", timeout=600)
         restarts = sum(p.read_text(errors="replace").count("===== starting") for p in logs) - starts_before
         if proc.poll() is None:
             event["orchestrator"] = (f"restarted the {which} {restarts} time(s), went on to {went_on['phase']} of "
