@@ -14,6 +14,10 @@ Each iteration i:
 
 Steps whose files already exist are not redone, so a run killed at any point
 resumes where it stopped and completed iterations stay as they were.
+
+phase.json in the run directory names the step the loop is in (orchestrate.run_dir.LOOP_PHASES:
+rollouts, reference, samples, training, weight_reload, eval, metrics_state); bench/bench_kill.py kills the
+loop inside each of them, with the test hook orchestrate.run_dir.kill_hook.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from orchestrate.metrics import (
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
-from orchestrate.run_dir import RunDir, save_tapes
+from orchestrate.run_dir import RunDir, kill_hook, save_tapes
 from orchestrate.samples import write_samples
 from orchestrate.server_auth import APIKeyMissing, read_api_key
 from orchestrate.trainer import TrainerProcess
@@ -109,6 +113,12 @@ class Loop:
         self.loggers: list = []
         self.stale: set = set()  # policy servers that missed a reload (out of the pool until they rejoin)
         self.counts = {"requests": [], "retries": 0, "taken_out": 0}  # policy requests since the last record
+
+    def _enter(self, iteration: int, phase: str) -> None:
+        """The loop is now in `phase` of `iteration`: phase.json says so (and the test hook may fire)."""
+        self.run.write_phase(iteration, phase)
+        self.phase = token = (iteration, phase, time.monotonic())
+        kill_hook(phase, still_in=lambda: self.phase is token)
 
     # -- set-up ------------------------------------------------------------------
 
@@ -313,9 +323,12 @@ class Loop:
         tape_file = self.run.iteration_tapes(i)
         if tape_file.exists():  # resumed after the tapes were saved: reuse them (and the versions on them)
             tapes = list(read_tapes(tape_file))
+            if not self.run.batch(i).exists():
+                self._enter(i, "samples")
         else:
             n = c.rollouts.tasks_per_iteration
             seeds = list(range((i - 1) * n, i * n))
+            self._enter(i, "rollouts")
             start = time.perf_counter()
             tapes, reward_seconds, held_seconds = asyncio.run(self._rollouts(
                 self.train_env, seeds, c.rollouts.attempts, i, None, f"iteration {i} rollouts",
@@ -325,9 +338,11 @@ class Loop:
             timer.add("reward", reward_seconds)
             timer.add("weight_sync", held_seconds)
             if self.use_reference:
+                self._enter(i, "reference")
                 start = time.perf_counter()
                 self._reference(tapes)
                 timer.add("reference", time.perf_counter() - start)
+            self._enter(i, "samples")  # the tapes, then the batch
             save_tapes(tape_file, tapes)
         if not self.run.batch(i).exists():
             write_samples(self.run.batch(i), tapes, require_ref=self.use_reference)
@@ -340,11 +355,13 @@ class Loop:
         for j in range(state.completed_iteration + 1, generated + 1):
             if j > until and self.trainer.newest_checkpoint() < j:
                 break
+            self._enter(j, "training")
             start = time.perf_counter()
             self.trainer.wait_for_checkpoint(j, progress=self.progress, desc=f"iteration {j} train")
             self.timer.add("train", time.perf_counter() - start)
             newest = self.trainer.newest_checkpoint()
             if newest > self.served:  # always the newest weights: with async_level 0 that is checkpoint j
+                self._enter(j, "weight_reload")
                 start = time.perf_counter()
                 self._reload(newest)
                 self.timer.add("weight_sync", time.perf_counter() - start)
@@ -357,9 +374,11 @@ class Loop:
         record = {"iteration": j, **rollout_metrics(self.generated.pop(j))}
         record.update(self.trainer.iteration_metrics(j))
         if c.eval.every and j % c.eval.every == 0:
+            self._enter(j, "eval")
             start = time.perf_counter()
             record.update(self.evaluate(j))
             self.timer.add("eval", time.perf_counter() - start)
+        self._enter(j, "metrics_state")
         record.update(server_metrics(**self.counts))
         self.counts = {"requests": [], "retries": 0, "taken_out": 0}
         record.update(self.timer.record())
@@ -404,10 +423,13 @@ class Loop:
 
         with ExitStack() as stack:
             _exit_on_sigterm()
+            self._enter(state.completed_iteration, "starting")
             self._start(stack)
             if c.eval.every and state.completed_iteration == 0 and 0 not in state.evaluated:
+                self._enter(0, "eval")
                 start = time.perf_counter()
                 record = {"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)}
+                self._enter(0, "metrics_state")
                 self._write_record(record)
                 state.evaluated.append(0)
                 self.run.save_state(state)
@@ -419,6 +441,7 @@ class Loop:
                 self.generate(i)
                 self.catch_up(until=i - c.run.async_level, generated=i)
             self.catch_up(until=c.run.iterations, generated=c.run.iterations)
+            self._enter(c.run.iterations, "done")
         return 0
 
     def _report(self, r: dict) -> None:

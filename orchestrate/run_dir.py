@@ -2,6 +2,7 @@
 
     config.json              the resolved config
     state.json               last completed iteration (resume starts after it)
+    phase.json               what the orchestrator is doing now: {"iteration", "phase", "since", "pid"}
     tapes/iter_000003.jsonl  rollout tapes of iteration 3
     tapes/eval_000005.jsonl  evaluation tapes after iteration 5 (eval_000000: before training)
     batches/000003.jsonl     training samples of iteration 3 (the finetune format)
@@ -22,6 +23,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
@@ -29,6 +33,33 @@ from pydantic import BaseModel, Field, ValidationError
 from finetune.durable import AtomicFile, atomic_write_json, atomic_write_text, fsync_dir
 from finetune.rundir import RunDir as SharedRunDir
 from tapes.store import TapeWriter
+
+# What phase.json names, in the order of an iteration (see orchestrate/loop.py): "starting" before the first
+# iteration (servers and trainer starting; iteration 0's evaluation is "eval"), "done" after the last one.
+# The file is left as it was when the orchestrator stops or is killed: its "pid" tells whether it still runs.
+LOOP_PHASES = ("rollouts", "reference", "samples", "training", "weight_reload", "eval", "metrics_state")
+
+
+KILL_AT_ENV = "TAPELOOP_KILL_AT"
+
+
+def kill_hook(phase: str, still_in=lambda: True) -> None:
+    """Test hook, for bench/bench_kill.py; no effect unless TAPELOOP_KILL_AT is set. With
+    TAPELOOP_KILL_AT="PHASE[:DELAY_S]", entering PHASE SIGKILLs this process at once, or DELAY_S seconds later
+    if `still_in()` then says it is still in that phase (else nothing: the next entry arms it again)."""
+    spec = os.environ.get(KILL_AT_ENV)
+    if not spec or spec.partition(":")[0] != phase:
+        return
+    delay = float(spec.partition(":")[2] or 0)
+
+    def kill() -> None:
+        if still_in():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if delay <= 0:
+        kill()
+    else:
+        threading.Thread(target=lambda: (time.sleep(delay), kill()), daemon=True).start()
 
 
 class RunState(BaseModel):
@@ -52,6 +83,7 @@ class RunDir(SharedRunDir):
         self.config_path = self.root / "config.json"
         self.state_path = self.root / "state.json"
         self.metrics_path = self.root / "metrics.jsonl"
+        self.phase_path = self.root / "phase.json"
 
     def create(self) -> None:
         for folder in (self.tapes, self.batches, self.checkpoints, self.logs, self.plots):
@@ -76,6 +108,19 @@ class RunDir(SharedRunDir):
 
     def save_state(self, state: RunState) -> None:
         atomic_write_text(self.state_path, state.model_dump_json(indent=2) + "\n")
+
+    def write_phase(self, iteration: int, phase: str) -> None:
+        """phase.json: the orchestrator entered `phase` of `iteration` now (replaced atomically, so a reader
+        always sees a whole record; for people and scripts watching a run)."""
+        record = {"iteration": iteration, "phase": phase, "since": round(time.time(), 3), "pid": os.getpid()}
+        atomic_write_json(self.phase_path, record, indent=None)
+
+    def read_phase(self) -> dict | None:
+        """phase.json's record (None before the first phase)."""
+        try:
+            return json.loads(self.phase_path.read_bytes())
+        except FileNotFoundError:
+            return None
 
     def saved_config(self) -> dict | None:
         if not self.config_path.exists():

@@ -122,6 +122,7 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
         lambda: atomic_write_text(run.root / "x.json", "{}"),
         lambda: run.save_state(RunState(completed_iteration=1)),
         lambda: run.save_config({"a": 1}),
+        lambda: run.write_phase(1, "training"),
         lambda: write_batch(
             run.batch(1),
             [{"prompt_ids": [1], "completion_ids": [2], "behaviour_logprobs": [0.0], "reward": 1.0, "group_id": "g"}],
