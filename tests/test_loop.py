@@ -103,88 +103,22 @@ def children_of_run(run_dir):
     return pids
 
 
-def test_ppo_sigkill_during_training_then_resume(tiny_model_dir, tmp_path):
-    """`--train.algorithm ppo` (a separate critic, KL in the reward) through real vLLM and the real trainer,
-    SIGKILLed while the trainer trains batch 1 and resumed with the same command: the children go with the
-    orchestrator, the completed rollouts are kept, every batch is trained exactly once, the trainer reports
-    the critic's metrics and writes the advantages it used with the critic's values, and the checkpoint vLLM
-    loads is the policy alone (the critic lives in trainer_state/, resumable)."""
+def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_resumed(tiny_model_dir, tmp_path):
+    """`--train.algorithm ppo` (a separate critic, KL in the reward) at `--run.async_level 1`, through real vLLM
+    and the real trainer: the orchestrator writes batch b+1 while the trainer trains batch b; SIGKILL it right
+    then and resume with the same command. The children go with the orchestrator; the resumed run keeps the
+    tapes (and versions) it had, trains every batch exactly once, and no batch comes from a policy more than one
+    version behind the trainer. The trainer reports the critic's metrics and writes the advantages it used with
+    the critic's values, and the checkpoint vLLM loads is the policy alone (the critic lives in trainer_state/,
+    resumable). (The synchronous loop's kills, in every phase, are bench/bench_kill.py's.)"""
     from finetune.rundir import read_advantages
 
     run = tmp_path / "run"
     # batches of one sample per optimizer step keep the trainer busy long enough to be caught in the act
     argv = command(
-        tiny_model_dir, run, 2, "--train.steps_per_epoch", "8", "--train.epochs", "2",
+        tiny_model_dir, run, 2, "--run.async_level", "1", "--train.steps_per_epoch", "8", "--train.epochs", "4",
         "--train.algorithm", "ppo", "--train.ppo.kl_in_reward", "0.05", "--train.ppo.critic_lr", "1e-4",
     )  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    state = run / "trainer_state.json"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if state.exists():
-            try:
-                if json.loads(state.read_text()).get("status") == "training":
-                    break
-            except json.JSONDecodeError:
-                pass
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        time.sleep(0.05)
-    else:
-        pytest.fail("the trainer never started training")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    tapes_1 = (run / "tapes" / "iter_000001.jsonl").read_bytes()  # saved before training started
-    deadline = time.monotonic() + 60
-    while children_of_run(run) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not children_of_run(run), "children outlived the orchestrator"
-    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 0
-
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "Resuming" in out.stdout
-    assert (run / "tapes" / "iter_000001.jsonl").read_bytes() == tapes_1  # the completed rollouts were kept
-    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
-    metrics = read_metrics(run / "metrics.jsonl")
-    assert [m["iteration"] for m in metrics] == [0, 1, 2]
-    # every batch was trained exactly once to completion
-    steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
-    for batch in (1, 2):
-        assert len([s for s in steps if s["batch"] == batch]) == 16
-    assert not list(run.rglob("*.partial"))
-
-    keys = ("value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance", "clip_frac")
-    for s in steps:
-        for key in (*keys, "critic_grad_norm"):
-            assert key in s, key
-    assert steps[0]["value_mean"] == 0.0  # a zero-initialised value head: the first batch's values
-    assert "train_value_loss" in metrics[1] and "train_value_loss" in metrics[2]
-    for i in (1, 2):
-        credit = read_advantages(run, i)
-        assert len(credit) == 8 and all("value" in t for turns in credit.values() for t in turns)
-    checkpoint = run / "checkpoints" / "000002"
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    assert not any("value" in k for k in model.state_dict())
-    assert len(list((checkpoint / "trainer_state").glob("model_1*"))) == 1  # the critic, resumable
-
-
-def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed(tiny_model_dir, tmp_path):
-    """--run.async_level 1: the orchestrator writes batch b+1 while the trainer trains batch b. SIGKILL it
-    right then; the resumed run trains every batch once, keeps the tapes (and versions) it had, and no
-    batch comes from a policy more than one version behind the trainer."""
-    run = tmp_path / "run"
-    argv = command(
-        tiny_model_dir,
-        run,
-        2,
-        "--run.async_level",
-        "1",
-        "--train.steps_per_epoch",
-        "8",
-        "--train.epochs",
-        "4",
-        eval_every=2,
-    )
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     caught = None
     deadline = time.monotonic() + 600
@@ -209,13 +143,15 @@ def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed
 
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert (run / "tapes" / f"iter_{caught + 1:06d}.jsonl").read_bytes() == ahead
+    assert "Resuming" in out.stdout
+    assert (run / "tapes" / f"iter_{caught + 1:06d}.jsonl").read_bytes() == ahead  # kept, with its versions
     assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
     for batch in (1, 2):
         assert len([s for s in steps if s["batch"] == batch]) == 32, f"batch {batch} not trained exactly once"
+    assert not list(run.rglob("*.partial"))
     for i in (1, 2):
         tapes = list(read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl"))
         for tape in tapes:
@@ -231,6 +167,21 @@ def test_async_level_1_killed_while_generation_and_training_overlap_then_resumed
     assert metrics[1]["lag_max"] == 0 and "train_mismatch_abs_logp" in metrics[1]
     evals = list(read_tapes(run / "tapes" / "eval_000002.jsonl"))
     assert {c.policy_version for t in evals for c in t.llm_calls} == {2}
+
+    # PPO: the critic's metrics, its values in the advantages, a policy-only checkpoint, a resumable critic
+    keys = ("value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance", "clip_frac")
+    for s in steps:
+        for key in (*keys, "critic_grad_norm"):
+            assert key in s, key
+    assert steps[0]["value_mean"] == 0.0  # a zero-initialised value head: the first batch's values
+    assert "train_value_loss" in metrics[1] and "train_value_loss" in metrics[2]
+    for i in (1, 2):
+        credit = read_advantages(run, i)
+        assert len(credit) == 8 and all("value" in t for turns in credit.values() for t in turns)
+    checkpoint = run / "checkpoints" / "000002"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert not any("value" in k for k in model.state_dict())
+    assert len(list((checkpoint / "trainer_state").glob("model_1*"))) == 1  # the critic, resumable
 
 
 def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
