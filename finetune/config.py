@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from finetune.estimators import ESTIMATORS
+from finetune.estimators import ESTIMATORS, overlong_penalty
 from finetune.losses import LOSSES, LossConfig, LossSpec
 
 
@@ -191,6 +191,13 @@ class _TrainOptions(BaseModel):
     def loss_options(self) -> LossConfig:
         """The chosen algorithm's options (its section)."""
         return getattr(self, self.algorithm)
+
+    def shaped_reward(self, reward: float, length: int) -> float:
+        """A turn's reward as the estimators see it: the environment's, plus DAPO's soft overlong punishment
+        of its output of `length` tokens when overlong_buffer is on."""
+        if not self.overlong_buffer:
+            return float(reward)
+        return float(reward) + overlong_penalty(length, self.max_tokens, self.overlong_buffer, self.overlong_penalty)
 
     @property
     def needs_reference(self) -> bool:

@@ -7,10 +7,13 @@ estimator combines with any loss (PPO's critic excepted: its advantages are GAE 
 values, finetune.losses.gae).
 
 An estimator is a function `(Episodes) -> {episode: {turn index: advantage}}` registered with
-`register_estimator(name, needs=..., paper=...)`. `needs` names the columns it reads beyond the
-returns (as PipelineRL's estimators declare theirs): `group` (the group ids: it compares attempts
-at the same prompt) and `tokens` (each turn's count of trained tokens). The config's
-`--help` lists every registered name with its one-line description and paper.
+`register_estimator(name, needs=..., paper=..., group_relative=...)`. `needs` names the columns it
+reads beyond the returns (as PipelineRL's estimators declare theirs): `group` (the group ids: it
+compares attempts at the same prompt) and `tokens` (each turn's count of trained tokens).
+`group_relative` declares that an episode's advantage depends on its own group's returns only and
+is 0 when they are all equal: such groups can be dropped before training without changing anything
+(DAPO's dynamic sampling, `--rollouts.dynamic_sampling`, is offered with these estimators only).
+The config's `--help` lists every registered name with its one-line description and paper.
 """
 
 from __future__ import annotations
@@ -57,13 +60,15 @@ class EstimatorSpec:
     needs: tuple[Column, ...]
     paper: str  # where it comes from: an arXiv id, or a reference when there is none
     doc: str  # the first line of the function's docstring, for --help
+    group_relative: bool = False  # advantages from the own group's returns only, 0 when they are all equal
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
-def register_estimator(name: str, needs: Sequence[Column] = (), paper: str = ""):
-    """Register `fn(episodes) -> {episode: {turn index: advantage}}` as `--train.baseline NAME`."""
+def register_estimator(name: str, needs: Sequence[Column] = (), paper: str = "", group_relative: bool = False):
+    """Register `fn(episodes) -> {episode: {turn index: advantage}}` as `--train.baseline NAME`;
+    `group_relative`: the advantages of a group whose returns G_0 are all equal are all 0."""
 
     def wrap(fn):
         if name in ESTIMATORS:
@@ -71,7 +76,10 @@ def register_estimator(name: str, needs: Sequence[Column] = (), paper: str = "")
         unknown = set(needs) - set(COLUMNS)
         if unknown:
             raise ValueError(f"estimator {name!r} needs unknown columns {sorted(unknown)}: one of {COLUMNS}")
-        ESTIMATORS[name] = EstimatorSpec(name, fn, tuple(needs), paper, (fn.__doc__ or "").strip().splitlines()[0])
+        if group_relative and "group" not in needs:
+            raise ValueError(f"estimator {name!r} is group_relative: it needs the column 'group'")
+        doc = (fn.__doc__ or "").strip().splitlines()[0]
+        ESTIMATORS[name] = EstimatorSpec(name, fn, tuple(needs), paper, doc, group_relative)
         return fn
 
     return wrap
@@ -131,7 +139,12 @@ def _whiten(values: Tensor, counts: Tensor, normalize_std: bool, eps: float) -> 
 # ---- the estimators ---------------------------------------------------------------------------
 
 
-@register_estimator("group", needs=("group",), paper="arXiv:2402.03300 (GRPO); mean only: arXiv:2503.20783 (Dr. GRPO)")
+@register_estimator(
+    "group",
+    needs=("group",),
+    paper="arXiv:2402.03300 (GRPO); mean only: arXiv:2503.20783 (Dr. GRPO)",
+    group_relative=True,
+)
 def group_baseline(x: Episodes) -> dict[str, dict[int, float]]:
     """GRPO: an episode's return G_0 minus its group's mean, over the group's std, the same for all its turns."""
     # one member per episode however many turns it has; normalize_std false: Dr. GRPO
@@ -160,7 +173,7 @@ def no_baseline(x: Episodes) -> dict[str, dict[int, float]]:
     return {e: dict(r) for e, r in x.returns.items()}
 
 
-@register_estimator("rloo", needs=("group",), paper="arXiv:2402.14740 (RLOO)")
+@register_estimator("rloo", needs=("group",), paper="arXiv:2402.14740 (RLOO)", group_relative=True)
 def leave_one_out(x: Episodes) -> dict[str, dict[int, float]]:
     """RLOO: an episode's G_0 minus the mean of the other episodes of its group (no std; a lone episode: 0)."""
     # A_i = r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); normalize_std does not apply
@@ -195,6 +208,24 @@ def reinforce_pp(x: Episodes) -> dict[str, dict[int, float]]:
 # ---- from samples' turns to advantages --------------------------------------------------------
 
 
+def episode_returns(
+    turns: Sequence[Sequence[tuple[int, float]]], episode_ids: Sequence[str], gamma: float = 1.0
+) -> dict[str, dict[int, float]]:
+    """Each episode's returns by turn index, G_t, from its samples' turns ((index in the episode, reward)):
+    samples sharing an episode id are parts of one episode, its returns run over all of its turns. An
+    estimator's score of an episode is its G_0 (Episodes.first)."""
+    episodes: dict[str, dict[int, float]] = {}
+    for sample_turns, episode in zip(turns, episode_ids):
+        rewards = episodes.setdefault(episode, {})
+        for index, reward in sample_turns:
+            rewards[index] = float(reward)
+    returns_of: dict[str, dict[int, float]] = {}
+    for episode, rewards in episodes.items():
+        order = sorted(rewards)
+        returns_of[episode] = dict(zip(order, discounted_returns([rewards[t] for t in order], gamma)))
+    return returns_of
+
+
 def turn_advantages(
     turns: Sequence[Sequence[tuple[int, float]]],
     episode_ids: Sequence[str],
@@ -217,20 +248,14 @@ def turn_advantages(
     spec = ESTIMATORS[baseline]
     if "tokens" in spec.needs and lengths is None:
         raise ValueError(f"estimator {baseline!r} needs the turns' token counts (lengths)")
-    episodes: dict[str, dict[int, float]] = {}
     group: dict[str, str | int] = {}
     tokens: dict[str, dict[int, int]] = {}
     for i, (sample_turns, episode, g) in enumerate(zip(turns, episode_ids, group_ids)):
-        rewards = episodes.setdefault(episode, {})
         group.setdefault(episode, g)
-        for k, (index, reward) in enumerate(sample_turns):
-            rewards[index] = float(reward)
+        for k, (index, _) in enumerate(sample_turns):
             if lengths is not None:
                 tokens.setdefault(episode, {})[index] = int(lengths[i][k])
-    returns_of: dict[str, dict[int, float]] = {}
-    for episode, rewards in episodes.items():
-        order = sorted(rewards)
-        returns_of[episode] = dict(zip(order, discounted_returns([rewards[t] for t in order], gamma)))
+    returns_of = episode_returns(turns, episode_ids, gamma)
     x = Episodes(returns_of, group, tokens if lengths is not None else None, normalize_std, eps)
     adv_of = spec.fn(x)
     returns = [[returns_of[e][index] for index, _ in st] for st, e in zip(turns, episode_ids)]

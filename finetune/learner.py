@@ -34,7 +34,7 @@ from accelerate.utils import DistributedType
 
 from finetune.batch import Sample
 from finetune.config import TrainConfig
-from finetune.estimators import overlong_penalty, turn_advantages
+from finetune.estimators import turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
 from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
@@ -235,7 +235,7 @@ class Learner:
                 "kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
                 "them with the reference model, or set it to 0"
             )
-        shaped = [[t.reward + self._overlong(t.length) for t in sample.all_turns] for sample in samples]
+        shaped = [[cfg.shaped_reward(t.reward, t.length) for t in sample.all_turns] for sample in samples]
         returns, turn_adv = turn_advantages(
             [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
             [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
@@ -319,13 +319,6 @@ class Learner:
                     on_step(m)
         return metrics
 
-    def _overlong(self, length: int) -> float:
-        """The soft overlong punishment of an output of `length` tokens (0 when overlong_buffer is off)."""
-        cfg = self.config
-        if not cfg.overlong_buffer:
-            return 0.0
-        return overlong_penalty(length, cfg.max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-
     def _cut(self, sample: Sample) -> bool:
         """Whether an output of the sample reached max_tokens (cut by the limit: overlong filtering)."""
         return any(t.length >= self.config.max_tokens for t in sample.all_turns)
@@ -363,7 +356,7 @@ class Learner:
             offset = 0
             for t in sample.all_turns:
                 offset += t.length
-                r[offset - 1] += t.reward + self._overlong(t.length)  # DAPO's overlong shaping, when on
+                r[offset - 1] += cfg.shaped_reward(t.reward, t.length)  # DAPO's overlong shaping, when on
             if options.kl_in_reward:
                 r -= options.kl_in_reward * (
                     torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)

@@ -22,8 +22,9 @@ A tape is shown as the episode it records: the environment's observations and
 the agent's actions turn by turn, each turn with its reward and the return and
 advantage the learner trained it with, read from the learner's advantages file
 of that iteration (never recomputed here: the learner's baseline, discount and
-normalisation are its own). Evaluation tapes, iterations not trained yet and
-tapes with an infrastructure error show that they were not trained on.
+normalisation are its own). Evaluation tapes, iterations not trained yet,
+tapes with an infrastructure error and tapes whose group dynamic sampling
+dropped show that they were not trained on.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from urllib.parse import parse_qs, urlparse
 
 from finetune.kl import k3
 from finetune.rundir import advantages_file, read_advantages
+from orchestrate.dynamic_sampling import DROPPED_BY, DROPPED_FIELD
 from orchestrate.run_dir import RunDir
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
@@ -53,6 +55,7 @@ MAX_LIMIT = 500
 
 
 INFRA_FAILURE = "infrastructure failure: not trained on"
+DYNAMIC_DROP = "not trained on (dynamic sampling dropped its group: every attempt earned the same return)"
 
 
 def episode_credit(advantages: dict[str, list[dict]], tape_id: str) -> list[dict] | None:
@@ -72,13 +75,21 @@ def episode_credit(advantages: dict[str, list[dict]], tape_id: str) -> list[dict
 
 
 def credit_for(
-    kind: str, error: Any, tape_id: str, advantages: dict[str, list[dict]] | None, source: str = "the advantages file"
+    kind: str,
+    error: Any,
+    tape_id: str,
+    advantages: dict[str, list[dict]] | None,
+    source: str = "the advantages file",
+    dropped: Any = None,
 ) -> tuple[list[dict] | None, str]:
     """(the learner's turns or None, a note saying whether and why not the tape was trained on).
 
-    `advantages` is the iteration's advantages file (None: not written); `source` names it in the note."""
+    `advantages` is the iteration's advantages file (None: not written); `source` names it in the note;
+    `dropped` the tape's metadata.dropped (set by dynamic sampling on the tapes left out of the batch)."""
     if error:
         return None, INFRA_FAILURE
+    if dropped == DROPPED_BY:
+        return None, DYNAMIC_DROP
     if kind != "rollout":
         return None, "not trained on (evaluation)"
     if advantages is None:
@@ -217,6 +228,7 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
         "reward": meta.get("reward"),
         "reward_reason": meta.get("reward_reason", ""),
         "error": meta.get("error"),
+        "dropped": meta.get(DROPPED_FIELD),  # left out of the batch (dynamic sampling)
         "env_id": str(env.get("id") or ""),
         "turns": meta.get("turns") or sum(s.get("kind") == "env_action" for s in steps) or len(calls),
         "success": meta.get("success"),
@@ -295,7 +307,7 @@ class IndexedFile:
         source = f"{adv_path.parent.name}/{adv_path.name}"
         self.credit = []
         for s in self.summaries:
-            turns, note = credit_for(self.kind, s["error"], s["id"], advantages, source)
+            turns, note = credit_for(self.kind, s["error"], s["id"], advantages, source, s["dropped"])
             first = turns[0] if turns else {}
             s.update(
                 trained=turns is not None,

@@ -97,6 +97,23 @@ class RolloutSection(BaseModel):
         "truncated (reward agent.truncation_reward)",
     )
     max_concurrency: int = Field(64, gt=0, description="requests in flight at once, across servers")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (arXiv:2503.14476): drop groups whose attempts all earn the same "
+        "return (no advantage under train.baseline group / rloo) and fill the batch with groups of extra tasks",
+    )
+    max_extra_tasks: int | None = Field(
+        None,
+        ge=0,
+        description="dynamic sampling: at most this many extra tasks (groups) per iteration; default: "
+        "tasks_per_iteration",
+    )
+
+    @model_validator(mode="after")
+    def _extra_tasks_follow_tasks(self) -> RolloutSection:
+        if self.dynamic_sampling and self.max_extra_tasks is None:
+            self.max_extra_tasks = self.tasks_per_iteration  # resolved: the seed blocks depend on it
+        return self
 
 
 class EvalSection(BaseModel):

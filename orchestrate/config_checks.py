@@ -8,7 +8,10 @@ option (`--rollouts.attempts: ...`), before anything is loaded or written:
 - sizes within reason (LIMITS), and max_tokens within server.max_model_len;
 - settings the learner cannot train with: one attempt per task under a group
   baseline (every advantage 0), top_p < 1 on training rollouts (the trainer
-  recomputes log-probs of the whole distribution).
+  recomputes log-probs of the whole distribution);
+- dynamic sampling where an equal-return group is not zero-advantage: an
+  estimator not registered `group_relative`, a critic's advantages (GAE), or
+  one attempt per task (every group would be dropped).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ LIMITS: dict[str, int] = {
     "rollouts.attempts": 4096,
     "rollouts.tasks_per_iteration": 65536,
     "rollouts.max_concurrency": 65536,
+    "rollouts.max_extra_tasks": 65536,
     "rollouts.max_tokens": 1 << 20,
     "eval.tasks": 1_000_000,
     "eval.max_tokens": 1 << 20,
@@ -160,6 +164,30 @@ def check_gpus(config, count: int | None = None) -> None:
                           f"fit on the {count} visible GPU(s)")  # fmt: skip
 
 
+def check_dynamic_sampling(config) -> None:
+    """Dynamic sampling drops groups whose attempts all earn the same return: only where such a group has
+    advantage 0 (a group-relative estimator, no critic), and with groups of two or more."""
+    r, train = config.rollouts, config.train
+    if not r.dynamic_sampling:
+        if r.max_extra_tasks is not None:
+            raise ConfigError(f"--rollouts.max_extra_tasks: {r.max_extra_tasks} bounds the extra tasks of dynamic "
+                              "sampling, which is off; add --rollouts.dynamic_sampling true or leave it out")  # fmt: skip
+        return
+    relative = [name for name, spec in ESTIMATORS.items() if spec.group_relative]
+    if not ESTIMATORS[train.baseline].group_relative:
+        raise ConfigError(f"--rollouts.dynamic_sampling: train.baseline {train.baseline} is not group-relative, so "
+                          "a group whose attempts all earn the same return still has advantages and dropping it "
+                          f"changes training; use --train.baseline {' or '.join(relative)}, or leave it off")  # fmt: skip
+    if train.loss.critic:
+        raise ConfigError(f"--rollouts.dynamic_sampling: train.algorithm {train.algorithm} takes its advantages from "
+                          "its critic (GAE), not from the group, so a group whose attempts all earn the same return "
+                          "still has advantages; leave dynamic sampling off with a critic")  # fmt: skip
+    if r.attempts < 2:
+        raise ConfigError(f"--rollouts.dynamic_sampling: {r.attempts} attempt per task makes every group one "
+                          "episode, with no signal, so every group would be dropped; use --rollouts.attempts 2 "
+                          "or more")  # fmt: skip
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -168,10 +196,12 @@ def check_config(config) -> None:
         if isinstance(value, int) and value > limit:
             raise ConfigError(f"--{dotted}: {value} is more than the limit {limit}")
     r, s = config.rollouts, config.server
-    if r.tasks_per_iteration * r.attempts > TAPES_PER_ITERATION_LIMIT:
-        raise ConfigError(f"--rollouts.attempts: {r.tasks_per_iteration} tasks x {r.attempts} attempts = "
-                          f"{r.tasks_per_iteration * r.attempts} tapes per iteration, more than the limit "
+    tasks = r.tasks_per_iteration + (r.max_extra_tasks if r.dynamic_sampling else 0)  # at most, with extra tasks
+    if tasks * r.attempts > TAPES_PER_ITERATION_LIMIT:
+        raise ConfigError(f"--rollouts.attempts: {tasks} tasks x {r.attempts} attempts = "
+                          f"{tasks * r.attempts} tapes per iteration, more than the limit "
                           f"{TAPES_PER_ITERATION_LIMIT}")  # fmt: skip
+    check_dynamic_sampling(config)
     for dotted, value in (("rollouts.max_tokens", r.max_tokens), ("eval.max_tokens", config.eval.max_tokens)):
         if value >= s.max_model_len:
             raise ConfigError(f"--{dotted}: {value} new tokens do not fit in --server.max_model_len {s.max_model_len} "

@@ -4,8 +4,10 @@ Each iteration i:
   1. take the next episode seeds of the train split (the same ones on a resumed run: they depend on the
      iteration and the run seed only)
   2. rollouts on the policy servers: the agent plays each seed's episodes in the environment -> tapes with
-     per-turn rewards
-  3. reference pass on the reference server (skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0)
+     per-turn rewards; with rollouts.dynamic_sampling, groups without signal are dropped and groups of
+     extra seeds played in rounds (orchestrate.dynamic_sampling)
+  3. reference pass on the reference server (skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0),
+     over the tapes of the batch
   4. save the tapes, then the training samples (batches/i) for the trainer
   5. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
   6. the policy servers reload their weights from it (no restart)
@@ -34,6 +36,7 @@ from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
 from orchestrate.config import RLConfig
 from orchestrate.config_checks import gpu_slices
+from orchestrate.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
 from orchestrate.metrics import (
     PHASES,
     append_metrics,
@@ -326,26 +329,37 @@ class Loop:
             if not self.run.batch(i).exists():
                 self._enter(i, "samples")
         else:
-            n = c.rollouts.tasks_per_iteration
-            seeds = list(range((i - 1) * n, i * n))
+            seeds, extra = iteration_seeds(i, c.rollouts)
             self._enter(i, "rollouts")
-            start = time.perf_counter()
-            tapes, reward_seconds, held_seconds = asyncio.run(self._rollouts(
-                self.train_env, seeds, c.rollouts.attempts, i, None, f"iteration {i} rollouts",
-                follow=c.run.async_level > 0,
-            ))  # fmt: skip
-            timer.add("generate", time.perf_counter() - start - reward_seconds - held_seconds)
-            timer.add("reward", reward_seconds)
-            timer.add("weight_sync", held_seconds)
-            if self.use_reference:
+            done = 0  # rounds played (dynamic sampling plays extra ones)
+
+            def rollout(round_seeds: list[int]) -> list[Tape]:
+                nonlocal done
+                desc = f"iteration {i} rollouts" + (f" (extra round {done})" if done else "")
+                done += 1
+                start = time.perf_counter()
+                tapes, reward_seconds, held_seconds = asyncio.run(self._rollouts(
+                    self.train_env, round_seeds, c.rollouts.attempts, i, None, desc, follow=c.run.async_level > 0,
+                ))  # fmt: skip
+                timer.add("generate", time.perf_counter() - start - reward_seconds - held_seconds)
+                timer.add("reward", reward_seconds)
+                timer.add("weight_sync", held_seconds)
+                return tapes
+
+            if c.rollouts.dynamic_sampling:
+                tapes = sample_dynamically(rollout, seeds, extra, c.train).tapes
+            else:
+                tapes = rollout(seeds)
+            if self.use_reference:  # the tapes trained on (dynamic sampling: not those of dropped groups)
                 self._enter(i, "reference")
                 start = time.perf_counter()
-                self._reference(tapes)
+                self._reference([t for t in tapes if not dropped(t)])
                 timer.add("reference", time.perf_counter() - start)
             self._enter(i, "samples")  # the tapes, then the batch
             save_tapes(tape_file, tapes)
         if not self.run.batch(i).exists():
-            write_samples(self.run.batch(i), tapes, require_ref=self.use_reference)
+            batch = [t for t in tapes if not dropped(t)]  # the tapes marked dropped are saved, not trained on
+            write_samples(self.run.batch(i), batch, require_ref=self.use_reference)
         self.generated[i] = tapes
 
     def catch_up(self, until: int, generated: int) -> None:
@@ -371,7 +385,10 @@ class Loop:
         """Iteration j's record (its checkpoint, or a newer one, is served): metrics line, evaluation when
         due, plot, state.json. Its time is the wall time since the previous record."""
         c = self.config
-        record = {"iteration": j, **rollout_metrics(self.generated.pop(j))}
+        tapes = self.generated.pop(j)
+        record = {"iteration": j, **rollout_metrics(tapes)}
+        if c.rollouts.dynamic_sampling:
+            record.update(dynamic_metrics(tapes, c.rollouts.tasks_per_iteration, c.train))
         record.update(self.trainer.iteration_metrics(j))
         if c.eval.every and j % c.eval.every == 0:
             self._enter(j, "eval")
