@@ -100,7 +100,7 @@ class RolloutSection(BaseModel):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling (arXiv:2503.14476): drop groups whose attempts all earn the same "
-        "return (no advantage under train.baseline group / rloo) and fill the batch with groups of extra tasks",
+        "return (no advantage under a group-relative train.baseline) and fill the batch with groups of extra tasks",
     )
     max_extra_tasks: int | None = Field(
         None,
