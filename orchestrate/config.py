@@ -389,7 +389,11 @@ MOVED_TO_TRAINER = ("accelerate_config", "num_processes", "timeout_s")
 
 def upgrade_saved(saved: dict) -> dict:
     """A run's saved config.json in today's shape: train.accelerate_config, train.num_processes and
-    train.timeout_s of runs started before the trainer section become trainer.*, so such a run resumes."""
+    train.timeout_s of runs started before the trainer section become trainer.*, and a run started before
+    dynamic sampling had it off, so such a run resumes."""
+    rollouts = saved.get("rollouts")
+    if isinstance(rollouts, dict) and "dynamic_sampling" not in rollouts:
+        saved = {**saved, "rollouts": {**rollouts, "dynamic_sampling": False, "max_extra_tasks": None}}
     train = saved.get("train")
     if not isinstance(train, dict) or not any(k in train for k in MOVED_TO_TRAINER):
         return saved

@@ -282,3 +282,16 @@ def test_the_reference_tapes_get_annotated_only_in_the_batch_but_all_are_saved(t
     saved = list(read_tapes(loop.run.iteration_tapes(1)))
     assert {dropped(t) for t in saved} == {True, False}
     assert all((c.ref_logprobs is None) == dropped(t) for t in saved for c in t.llm_calls)
+
+
+def test_a_run_saved_before_dynamic_sampling_resumes_with_it_off():
+    from orchestrate.config import upgrade_saved
+    from orchestrate.run_dir import config_differences
+
+    current = RLConfig().model_dump(mode="json")
+    saved = {**current, "rollouts": {k: v for k, v in current["rollouts"].items()
+                                     if k not in ("dynamic_sampling", "max_extra_tasks")}}  # fmt: skip
+    assert config_differences(saved, current) == ["rollouts.dynamic_sampling"]  # refused as changed before
+    assert config_differences(upgrade_saved(saved), current) == []
+    on = RLConfig.model_validate({"rollouts": {"dynamic_sampling": True}}).model_dump(mode="json")
+    assert config_differences(upgrade_saved(saved), on) == ["rollouts.dynamic_sampling", "rollouts.max_extra_tasks"]
