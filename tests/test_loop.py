@@ -110,13 +110,13 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
     tapes (and versions) it had, trains every batch exactly once, and no batch comes from a policy more than one
     version behind the trainer. The trainer reports the critic's metrics and writes the advantages it used with
     the critic's values, and the checkpoint vLLM loads is the policy alone (the critic lives in trainer_state/,
-    resumable). (The synchronous loop's kills, in every phase, are bench/bench_kill.py's.)"""
+    resumable). Three iterations: batch 3 is generated while batch 2 trains, the steady state. (The synchronous loop's kills, in every phase, are bench/bench_kill.py's.)"""
     from finetune.rundir import read_advantages
 
     run = tmp_path / "run"
     # batches of one sample per optimizer step keep the trainer busy long enough to be caught in the act
     argv = command(
-        tiny_model_dir, run, 2, "--run.async_level", "1", "--train.steps_per_epoch", "8", "--train.epochs", "4",
+        tiny_model_dir, run, 3, "--run.async_level", "1", "--train.steps_per_epoch", "8", "--train.epochs", "4",
         "--train.algorithm", "ppo", "--train.ppo.kl_in_reward", "0.05", "--train.ppo.critic_lr", "1e-4",
     )  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -145,14 +145,14 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Resuming" in out.stdout
     assert (run / "tapes" / f"iter_{caught + 1:06d}.jsonl").read_bytes() == ahead  # kept, with its versions
-    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 2
+    assert json.loads((run / "state.json").read_text())["completed_iteration"] == 3
     metrics = read_metrics(run / "metrics.jsonl")
-    assert [m["iteration"] for m in metrics] == [0, 1, 2]
+    assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
     steps = [json.loads(line) for line in (run / "train_metrics.jsonl").read_text().splitlines()]
-    for batch in (1, 2):
+    for batch in (1, 2, 3):
         assert len([s for s in steps if s["batch"] == batch]) == 32, f"batch {batch} not trained exactly once"
     assert not list(run.rglob("*.partial"))
-    for i in (1, 2):
+    for i in (1, 2, 3):
         tapes = list(read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl"))
         for tape in tapes:
             versions = [c.policy_version for c in tape.llm_calls]
@@ -174,11 +174,11 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
         for key in (*keys, "critic_grad_norm"):
             assert key in s, key
     assert steps[0]["value_mean"] == 0.0  # a zero-initialised value head: the first batch's values
-    assert "train_value_loss" in metrics[1] and "train_value_loss" in metrics[2]
-    for i in (1, 2):
+    assert all("train_value_loss" in m for m in metrics[1:])
+    for i in (1, 2, 3):
         credit = read_advantages(run, i)
         assert len(credit) == 8 and all("value" in t for turns in credit.values() for t in turns)
-    checkpoint = run / "checkpoints" / "000002"
+    checkpoint = run / "checkpoints" / "000003"
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert not any("value" in k for k in model.state_dict())
     assert len(list((checkpoint / "trainer_state").glob("model_1*"))) == 1  # the critic, resumable
