@@ -48,7 +48,7 @@ from orchestrate.metrics import (
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
-from orchestrate.run_dir import RunDir, kill_hook, save_tapes
+from orchestrate.run_dir import PHASE_LOCK, RunDir, kill_hook, save_tapes
 from orchestrate.samples import write_samples
 from orchestrate.server_auth import APIKeyMissing, read_api_key
 from orchestrate.trainer import TrainerProcess
@@ -119,6 +119,8 @@ class Loop:
 
     def _enter(self, iteration: int, phase: str) -> None:
         """The loop is now in `phase` of `iteration`: phase.json says so (and the test hook may fire)."""
+        with PHASE_LOCK:
+            self.phase = None  # a kill pending for the phase left no longer fires
         self.run.write_phase(iteration, phase)
         self.phase = token = (iteration, phase, time.monotonic())
         kill_hook(phase, still_in=lambda: self.phase is token)

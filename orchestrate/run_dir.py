@@ -43,18 +43,25 @@ LOOP_PHASES = ("rollouts", "reference", "samples", "training", "weight_reload", 
 KILL_AT_ENV = "TAPELOOP_KILL_AT"
 
 
+# Held while a pending kill checks the phase and fires, and while the loop leaves a phase: a delayed kill
+# then lands inside its phase or not at all (never just after phase.json names the next one).
+PHASE_LOCK = threading.Lock()
+
+
 def kill_hook(phase: str, still_in=lambda: True) -> None:
     """Test hook, for bench/bench_kill.py; no effect unless TAPELOOP_KILL_AT is set. With
     TAPELOOP_KILL_AT="PHASE[:DELAY_S]", entering PHASE SIGKILLs this process at once, or DELAY_S seconds later
-    if `still_in()` then says it is still in that phase (else nothing: the next entry arms it again)."""
+    if `still_in()` then says it is still in that phase (else nothing: the next entry arms it again). The
+    caller changes what `still_in` reads under PHASE_LOCK before it writes the next phase."""
     spec = os.environ.get(KILL_AT_ENV)
     if not spec or spec.partition(":")[0] != phase:
         return
     delay = float(spec.partition(":")[2] or 0)
 
     def kill() -> None:
-        if still_in():
-            os.kill(os.getpid(), signal.SIGKILL)
+        with PHASE_LOCK:
+            if still_in():
+                os.kill(os.getpid(), signal.SIGKILL)
 
     if delay <= 0:
         kill()
