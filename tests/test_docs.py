@@ -13,8 +13,9 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def prose(text: str) -> str:
-    """The text without code: fenced blocks, indented blocks and inline code spans hold no links."""
+def prose(text: str, inline_code: bool = False) -> str:
+    """The text without code: fenced blocks, indented blocks and (unless `inline_code`) inline code spans hold
+    no links."""
     lines, fenced = [], False
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
@@ -22,7 +23,8 @@ def prose(text: str) -> str:
             continue
         if not fenced and not line.startswith("    "):
             lines.append(line)
-    return re.sub(r"`[^`\n]*`", "", "\n".join(lines))
+    text = "\n".join(lines)
+    return text if inline_code else re.sub(r"`[^`\n]*`", "", text)
 
 
 def slug(heading: str) -> str:
@@ -32,7 +34,8 @@ def slug(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose(page.read_text()), re.MULTILINE)}
+    # a heading's inline code is part of its anchor on GitHub ("## Kill (`bench/x.py`)" -> kill-benchxpy)
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", prose(page.read_text(), inline_code=True), re.MULTILINE)}
 
 
 def links(page: Path) -> list[str]:
