@@ -47,6 +47,15 @@ def last_boxed(text: str) -> str | None:
     return None  # unclosed: the output was probably cut
 
 
+def last_tagged(text: str, tag: str = "answer") -> str | None:
+    """Content of the last <tag>...</tag> (stripped); None if there is none or it is not closed."""
+    end = text.rfind(f"</{tag}>")
+    start = text.rfind(f"<{tag}>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    return text[start + len(tag) + 2 : end].strip()
+
+
 _NUMBER_WITH_UNIT = re.compile(r"^\s*\\?\$?\s*(-?[\d,]*\.?\d+)\s*[A-Za-z][A-Za-z .]*$")
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from agents.envs import EnvError, check_options, entry, known_ids, make_env
 from agents.envs.countdown import CountdownOptions, judge_expression, make_problem, verify_expression
+from agents.rewards import last_tagged
 
 
 def play(env, actions):
@@ -619,3 +620,26 @@ def test_timed_env_offers_exactly_what_it_wraps():
     assert not hasattr(timed, "astep") and not hasattr(timed, "tool_call") and not hasattr(timed, "stop")
     timed = TimedEnv(_AsyncEnv(), clock)
     assert asyncio.run(timed.astep("x"))[1] == 1.0 and clock.busy_s > 0  # the async step is timed too
+
+
+def test_tags_framing_judges_the_last_answer_tag():
+    env = make_env("countdown", {"answer": "tags", "reward_wrong": 0.1, "reward_format_error": 0.0})
+    obs, info = env.reset(0)
+    assert "<answer> </answer>" in obs and "<think> </think>" in obs and "\\boxed" not in obs
+    right, numbers = info["solution"], info["numbers"]
+    [(_, reward, _, _, step)] = play(env, [f"<think>try</think> <answer>1 + 1</answer> <answer> {right} </answer>"])
+    assert (reward, step["success"]) == (1.0, True)
+    env.reset(0)
+    wrong = " + ".join(map(str, numbers)) if sum(numbers) != info["target"] else " * ".join(map(str, numbers))
+    [(_, reward, _, _, step)] = play(env, [f"<think>x</think><answer>{wrong}</answer>"])
+    assert (reward, step["success"], step["format_error"]) == (0.1, False, False)  # the format reward
+    for unreadable in (f"\\boxed{{{right}}}", f"<answer>{right}", f"{right}</answer>"):
+        env.reset(0)
+        [(_, reward, _, _, step)] = play(env, [unreadable])
+        assert (reward, step["format_error"], step["reason"]) == (0.0, True, "no <answer> </answer> tags"), unreadable
+
+
+def test_last_tagged():
+    assert last_tagged("<answer>1</answer> then <answer> 2 + 3 </answer>") == "2 + 3"
+    assert last_tagged("<answer>1</answer> <answer>2") == "1"  # the last closed one
+    assert last_tagged("</answer><answer>") is None and last_tagged("none") is None

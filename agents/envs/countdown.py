@@ -11,6 +11,11 @@ every problem is solvable; the problem is a function of (run seed, split,
 episode seed). Train and test problems are kept apart by a hash of the
 problem: a tenth of all (numbers, target) pairs belongs to the test split.
 
+With `answer="tags"` the framing of the single-file GRPO countdown work: reasoning in
+<think> </think> tags, then the expression in <answer> </answer> tags; the last
+<answer> is judged. Its format reward is the gap between `reward_wrong` (a
+readable, wrong expression) and `reward_format_error` (none readable).
+
 With `max_turns > 1` a wrong answer gets feedback ("Your expression equals
 17, not 25. Try again.") and the episode goes on until it is solved or the
 turns run out.
@@ -24,13 +29,13 @@ import random
 import re
 from collections import Counter
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agents.envs.base import episode_seed
 from agents.envs.registry import register
-from agents.rewards import last_boxed
+from agents.rewards import last_boxed, last_tagged
 
 MAX_ANSWER_CHARS = 200
 
@@ -233,6 +238,11 @@ class CountdownOptions(BaseModel):
         le=100,
         description="answers allowed; with more than one, a wrong answer gets feedback and the episode goes on",
     )
+    answer: Literal["boxed", "tags"] = Field(
+        "boxed",
+        description="boxed: the expression in \\boxed{}; tags: reasoning in <think> </think>, then the "
+        "expression in <answer> </answer> (the single-file GRPO framing)",
+    )
     reward_correct: float = Field(1.0, allow_inf_nan=False, description="reward of a correct expression")
     reward_wrong: float = Field(
         0.0,
@@ -271,9 +281,16 @@ class CountdownEnv:
         self.turn = 0
         p, turns = self.problem, self.options.max_turns
         tries = f" You have {turns} tries." if turns > 1 else ""
+        if self.options.answer == "tags":
+            how = (
+                "Show your reasoning in <think> </think> tags, then the expression in <answer> </answer> tags, "
+                "for example <answer> (1 + 2) / 3 </answer>."
+            )
+        else:
+            how = "Put the expression in \\boxed{}."
         observation = (
             f"Using the numbers {p.numbers}, each exactly once, with + - * / and parentheses, make {p.target}. "
-            f"Put the expression in \\boxed{{}}.{tries}"
+            f"{how}{tries}"
         )
         return observation, {"numbers": p.numbers, "target": p.target, "solution": p.solution}
 
@@ -282,11 +299,14 @@ class CountdownEnv:
             raise RuntimeError("step() before reset()")
         o, p = self.options, self.problem
         self.turn += 1
-        boxed = last_boxed(action)
-        if boxed is None:
-            judgement = Judgement(False, None, "no \\boxed{} answer", True)
+        if o.answer == "tags":
+            answer, missing = last_tagged(action, "answer"), "no <answer> </answer> tags"
         else:
-            judgement = judge_expression(boxed, p.numbers, p.target)
+            answer, missing = last_boxed(action), "no \\boxed{} answer"
+        if answer is None:
+            judgement = Judgement(False, None, missing, True)
+        else:
+            judgement = judge_expression(answer, p.numbers, p.target)
         info = {
             "success": judgement.ok,
             "format_error": judgement.format_error,
