@@ -245,6 +245,13 @@ class RunSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     iterations: int = Field(20, gt=0, description="RL iterations")
+    max_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="start no new iteration once this many minutes have passed since the command started "
+        "(metrics' elapsed_s): the iteration in progress finishes, the run ends (at least one iteration per "
+        "command) and the same command resumes it with a new budget; none: no limit",
+    )
     seed: int = Field(0, description="seeds task order and sampling")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
     async_level: int = Field(

@@ -15,11 +15,12 @@ from orchestrate.preflight import PreflightError, check_remote_servers, check_ru
 from orchestrate.run_dir import RunDir, RunDirError, config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
-# Options that may change when a run is resumed: servers and trainer machines elsewhere may move (a run
+# Options that may change when a run is resumed: its length (iterations, and the time budget: a job under a
+# time limit resumes with a new one), servers and trainer machines elsewhere may move (a run
 # started here may resume on trainer machines, --trainer.launch external), and a run saved before these
 # options existed resumes too.
-RESUMABLE = {"run.iterations", "run.wandb", "run.tensorboard", "trainer.timeout_s", "server.startup_timeout_s",
-             "server.policy_urls", "server.reference_url", "server.api_key_file",
+RESUMABLE = {"run.iterations", "run.max_minutes", "run.wandb", "run.tensorboard", "trainer.timeout_s",
+             "server.startup_timeout_s", "server.policy_urls", "server.reference_url", "server.api_key_file",
              "trainer.launch", "trainer.num_machines", "trainer.main_process_ip", "trainer.main_process_port",
              "trainer.heartbeat_timeout_s"}  # fmt: skip
 
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             lock = RunLock(run_dir.root).acquire()
             _check_resume(run_dir, current)  # another command may have started it meanwhile
     except (PreflightError, RunDirError, RunDirInUse, _Refused) as exc:
+        if lock is not None:
+            lock.release()  # refused in-process (tests, benches): the directory is free again
         print(f"error: {exc}", file=sys.stderr)
         return 2
     state = run_dir.load_state()
