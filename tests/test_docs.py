@@ -96,11 +96,11 @@ def rl_options() -> set[str]:
     command = [sys.executable, "-m", "orchestrate.rl", "--help"]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
-    return set(re.findall(r"^\s+(--[a-z_]+\.[a-z_.]+)", out.stdout, re.MULTILINE))
+    return set(re.findall(r"^\s+(--[a-z_]+\.[a-z0-9_.]+)", out.stdout, re.MULTILINE))
 
 
 def test_config_page_lists_every_option(rl_options):
-    listed = set(re.findall(r"`(--[a-z_]+\.[a-z_.]+)`", (ROOT / "docs/config.md").read_text()))
+    listed = set(re.findall(r"`(--[a-z_]+\.[a-z0-9_.]+)`", (ROOT / "docs/config.md").read_text()))
     missing, stale = sorted(rl_options - listed), sorted(listed - rl_options)
     assert not missing, f"options docs/config.md does not list (add them to its table): {missing}"
     assert not stale, f"docs/config.md lists options that do not exist: {stale}"
@@ -113,7 +113,7 @@ NOT_OPTIONS = ("--env.options.", "--train.mine.", "--section.option", "--SECTION
 def test_options_named_in_the_docs_exist(rl_options):
     unknown = set()
     for page in PAGES:
-        for name, wildcard in re.findall(r"(--[A-Za-z_]+\.[A-Za-z_.]*[A-Za-z_])(\.\*)?", page.read_text()):
+        for name, wildcard in re.findall(r"(--[A-Za-z_]+\.[A-Za-z0-9_.]*[A-Za-z0-9_])(\.\*)?", page.read_text()):
             known = any(o.startswith(name + ".") for o in rl_options) if wildcard else name in rl_options
             if not name.startswith(NOT_OPTIONS) and not known:
                 unknown.add(f"{page.relative_to(ROOT)}: {name}{wildcard}")
