@@ -36,7 +36,7 @@ from finetune.batch import Sample
 from finetune.config import TrainConfig
 from finetune.estimators import turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
-from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights
+from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, value_loss
 from finetune.microbatch import MicroBatch, micro_batches
 
 TOKENIZER_FILES = (
@@ -597,6 +597,36 @@ class Learner:
         if progress and progress[2] is not None:
             progress[0] = min(progress[1], progress[0] + sum(mb.completion_lengths) * self.accelerator.num_processes)
             progress[2](progress[0], progress[1])
+
+    def critic_step(self, samples: list[Sample], critic) -> dict:
+        """One optimizer step of the separate critic alone on samples (the policy is not touched): the clipped
+        value loss against `critic` = (old values, returns), one tensor each per sample, as `_gae` gives them,
+        aggregated like the policy's loss. Returns value_loss and critic_grad_norm."""
+        if self.critic is None:
+            raise ValueError("critic_step needs the separate critic (ppo.critic separate)")
+        cfg, acc, dev = self.config, self.accelerator, self.accelerator.device
+        old_values, targets = critic
+        n_completion = sum(s.n_trained for s in samples)
+        mine = self._my_share(self._micro_batches(samples))
+        total = 0.0
+        for k, (mb, scale) in enumerate(mine):
+            weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(samples)) * scale
+            with self._no_sync(k == len(mine) - 1):
+                values = self._forward_values(mb, samples)
+                vl, _ = value_loss(
+                    values,
+                    torch.cat([old_values[i] for i in mb.indices]).to(dev),
+                    torch.cat([targets[i] for i in mb.indices]).to(dev),
+                    cfg.loss_options.value_clip,
+                )
+                loss = (weights.to(dev) * vl).sum()
+                acc.backward(loss * acc.num_processes)
+            total += float(loss.detach())
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        norm = acc.clip_grad_norm_(self.critic.parameters(), max_norm)
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        return {"value_loss": total, "critic_grad_norm": float(norm)}
 
     def _apply_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip (grad_clip 0: measure only), step and zero each optimizer; count the step. Returns the policy's

@@ -312,3 +312,23 @@ print(cfg.loss_options.beta, float(cfg.loss.fn(x, cfg.loss_options).loss))
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0.2", "-0.5"]  # -logp x A = [1, -2], weighted 0.5 each
+
+
+def test_critic_step_trains_the_critic_alone(tiny):
+    """Learner.critic_step (bench/bench_critic.py's replay): the value loss falls towards the returns and the
+    policy's weights do not move."""
+    from finetune.learner import Learner
+
+    cfg = TrainConfig(algorithm="ppo", token_budget=256, ppo={"critic_lr": 1e-2, "value_clip": 0.0})
+    learner = Learner(tiny, cfg)
+    samples = constant_batch(0)
+    before = learner._fingerprint()
+    _, critic, stats = learner._gae(samples)
+    assert stats["value_mean"] == pytest.approx(0.0, abs=1e-6) and stats["returns_mean"] == pytest.approx(1.0)
+    losses = [learner.critic_step(samples, critic)["value_loss"] for _ in range(5)]
+    assert losses[0] == pytest.approx(0.5)  # 0.5 (V - R)^2 with V = 0, R = 1, averaged over tokens
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert torch.equal(learner._fingerprint(), before)
+    head = Learner(tiny, TrainConfig(algorithm="ppo", token_budget=256, ppo={"critic": "head"}))
+    with pytest.raises(ValueError, match="separate critic"):
+        head.critic_step(samples, critic)
