@@ -57,9 +57,12 @@ class Recipe(NamedTuple):
 
 # Every recipe, as docs/training.md defines them. The preset has no KL term (kl_coef 0), so none adds one.
 RECIPES: dict[str, Recipe] = {
-    # The preset as is: PPO-clip (0.2) on the token ratio, group baseline with std, token-mean aggregation
-    # (the default; the GRPO paper averages per sequence, DAPO introduced the token mean).
-    "grpo": Recipe(("--train.algorithm", "grpo", "--train.baseline", "group"), "arXiv:2402.03300"),
+    # The GRPO paper's: PPO-clip (0.2) on the token ratio, group baseline with std, each sequence's token mean
+    # averaged over sequences (`aggregation sequence`; the preset's token mean is DAPO's, and Dr. GRPO's below).
+    "grpo": Recipe(
+        ("--train.algorithm", "grpo", "--train.baseline", "group", "--train.aggregation", "sequence"),
+        "arXiv:2402.03300",
+    ),
     # docs/training.md: "`normalize_std false`: Dr. GRPO" (finetune/config.py: "false: Dr. GRPO"). Dr. GRPO also
     # drops GRPO's per-sequence 1/|o_i|: `aggregation token` (one normaliser for every token of a step, the
     # step's token count where the paper takes a constant), not `sequence`, which is the length bias it removes.

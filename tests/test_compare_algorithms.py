@@ -92,7 +92,7 @@ def test_every_recipe_is_accepted_by_the_command_line_and_sets_what_it_says():
         train[name] = (t["algorithm"], t["baseline"], t["aggregation"], t["normalize_std"],
                        t["grpo"]["clip_eps_high"], t["overlong_buffer"], t["max_tokens"], r["dynamic_sampling"])  # fmt: skip
     assert train == {
-        "grpo": ("grpo", "group", "token", True, 0.2, 0, None, False),
+        "grpo": ("grpo", "group", "sequence", True, 0.2, 0, None, False),
         "dr_grpo": ("grpo", "group", "token", False, 0.2, 0, None, False),
         "dapo": ("grpo", "group", "token", True, 0.28, 26, 128, True),
         "gspo": ("gspo", "group", "sequence", True, 0.2, 0, None, False),
