@@ -622,11 +622,7 @@ class Learner:
                 loss = (weights.to(dev) * vl).sum()
                 acc.backward(loss * acc.num_processes)
             total += float(loss.detach())
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        norm = acc.clip_grad_norm_(self.critic.parameters(), max_norm)
-        self.critic_optimizer.step()
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        return {"value_loss": total, "critic_grad_norm": float(norm)}
+        return {"value_loss": total, "critic_grad_norm": float(self._step_critic())}
 
     def _apply_gradients(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip (grad_clip 0: measure only), step and zero each optimizer; count the step. Returns the policy's
@@ -636,13 +632,18 @@ class Learner:
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        critic_norm = None
-        if self.critic is not None:
-            critic_norm = acc.clip_grad_norm_(self.critic.parameters(), max_norm)
-            self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
+        critic_norm = self._step_critic() if self.critic is not None else None
         self.step += 1
         return grad_norm, critic_norm
+
+    def _step_critic(self) -> torch.Tensor:
+        """Clip the separate critic's gradients (grad_clip 0: measure only), step and zero its optimizer;
+        returns its gradient norm."""
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        norm = self.accelerator.clip_grad_norm_(self.critic.parameters(), max_norm)
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        return norm
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
