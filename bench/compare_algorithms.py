@@ -4,7 +4,7 @@ Held-out success at 10, 20 and 30 minutes of GRPO, Dr. GRPO, DAPO, GSPO, RLOO, R
 (issue 25.5).
 
     uv run python bench/compare_algorithms.py --out /tmp/algos [--minutes 30] [--recipes grpo,ppo]
-        [--eval-every 3] [--eval-tasks N] [--marks 10,20,30] [--plot bench/algorithms.png] [--report-only]
+        [--eval-every 3] [--eval-tasks N] [--marks 10,20,30] [--plot PNG] [--report-only]
 
 Each recipe of RECIPES (options added to the embedded preset, with its paper) is one real run of
 `orchestrate.rl` (vLLM server, accelerate-launched trainer; this interpreter, so `uv run python` makes it
@@ -113,7 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=3, help="evaluate every N iterations")
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks; default: the preset's (200)")
     parser.add_argument("--marks", default="10,20,30", help="minutes the table reports held-out success at")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "algorithms.png", help="a copy of the plot")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="a copy of the plot (OUT/algorithms.png is always written)"
+    )
     parser.add_argument("--report-only", action="store_true", help="run nothing: table and plot of OUT's runs")
     args = parser.parse_args(argv)
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
