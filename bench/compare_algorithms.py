@@ -270,13 +270,19 @@ def table(rows: dict[str, dict], marks: list[float]) -> str:
     return "\n".join(lines)
 
 
-def report(out: Path, marks: list[float], plot_copy: Path | None) -> str:
-    """OUT/table.md and OUT/algorithms.png (copied to `plot_copy`) from every recipe's run found in OUT."""
+def runs(out: Path, marks: list[float]) -> dict[str, dict]:
+    """Every recipe's run found in OUT (OUT/RECIPE/metrics.jsonl), summarised at `marks`, in RECIPES' order."""
     rows = {}
     for name in RECIPES:
         records = read_metrics(out / name / "metrics.jsonl")
         if records:
             rows[name] = summary(records, marks)
+    return rows
+
+
+def report(out: Path, marks: list[float], plot_copy: Path | None) -> str:
+    """OUT/table.md and OUT/algorithms.png (copied to `plot_copy`) from every recipe's run found in OUT."""
+    rows = runs(out, marks)
     if not rows:
         raise Refused(f"--out: no recipe's run in {out} (no {out}/RECIPE/metrics.jsonl); run the recipes first")
     ev = _first_config(out, rows).get("eval") or {}
