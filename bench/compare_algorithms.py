@@ -4,13 +4,16 @@ Held-out success at 10, 20 and 30 minutes of GRPO, Dr. GRPO, DAPO, GSPO, RLOO, R
 (issue 25.5).
 
     uv run python bench/compare_algorithms.py --out /tmp/algos [--minutes 30] [--recipes grpo,ppo]
-        [--eval-every 3] [--eval-tasks N] [--marks 10,20,30] [--plot PNG] [--report-only]
+        [--eval-every 3] [--eval-tasks N] [--marks 10,20,30] [--options='--train.steps_per_epoch 4']
+        [--plot PNG] [--report-only]
 
 Each recipe of RECIPES (options added to the embedded preset, with its paper) is one real run of
 `orchestrate.rl` (vLLM server, accelerate-launched trainer; this interpreter, so `uv run python` makes it
 `uv run -m orchestrate.rl`), one after the other, in OUT/RECIPE, for --minutes of wall time
 (`--run.max_minutes`; `--run.iterations` is set out of reach), evaluated every --eval-every iterations on the
-preset's held-out tasks (200; --eval-tasks to change). Its output goes to OUT/RECIPE.log. Every recipe's
+preset's held-out tasks (200; --eval-tasks to change), with --options (orchestrate.rl's, one string) added to
+every recipe: the same comparison under other settings (--options may not set what a recipe or this script
+sets; its marker OUT/RECIPE.done and the table name them). Its output goes to OUT/RECIPE.log. Every recipe's
 options are checked by the command line's own parser (`orchestrate.config.parse_args`, what `--print-config`
 runs) before anything starts, and so is a run directory already in OUT: it must hold this recipe's run.
 
@@ -32,6 +35,7 @@ import contextlib
 import io
 import json
 import math
+import shlex
 import shutil
 import subprocess
 import sys
@@ -116,8 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--plot", type=Path, default=None, help="a copy of the plot (OUT/algorithms.png is always written)"
     )
+    parser.add_argument(
+        "--options", default="", metavar="'OPTIONS'",
+        help="orchestrate.rl options added to every recipe, one string: --options='--train.steps_per_epoch 4'",
+    )  # fmt: skip
     parser.add_argument("--report-only", action="store_true", help="run nothing: table and plot of OUT's runs")
     args = parser.parse_args(argv)
+    args.options = common_options(args.options)
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in args.recipes if r not in RECIPES]
     if unknown or not args.recipes:
@@ -137,6 +146,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Options recipe_argv sets; --options may not (each recipe's own are refused too, in common_options).
+OWN_OPTIONS = ("--preset", "--run-dir", "--run.iterations", "--run.max_minutes", "--eval.every", "--eval.tasks")
+
+
+def common_options(text: str) -> list[str]:
+    """--options as argv, or Refused naming an option this script or a recipe sets (checked against
+    orchestrate.rl's own parser later, in `resolved`)."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise Refused(f"--options: {exc} in {text!r}") from None
+    names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+    taken = {*OWN_OPTIONS, *(o for r in RECIPES.values() for o in r.overrides if o.startswith("--"))}
+    clash = [n for n in names if n in taken]
+    if clash:
+        raise Refused(f"--options: {', '.join(clash)} is set by this script or by a recipe (see RECIPES)")
+    if argv and not argv[0].startswith("--"):
+        raise Refused(f"--options: starts with {argv[0]!r}, not an --option")
+    return argv
+
+
 # -- recipes and their run directories -----------------------------------------------------------------------
 
 
@@ -146,7 +176,7 @@ def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes:
             "--run.max_minutes", f"{max_minutes:g}", "--eval.every", str(args.eval_every)]  # fmt: skip
     if args.eval_tasks is not None:
         argv += ["--eval.tasks", str(args.eval_tasks)]
-    return argv + list(RECIPES[name].overrides)
+    return argv + list(RECIPES[name].overrides) + args.options
 
 
 def resolved(name: str, argv: list[str]) -> dict:
@@ -181,11 +211,19 @@ def check_run_dir(name: str, run_dir: Path, config: dict) -> None:
     changed = [d for d in config_differences(upgrade_saved(saved), config) if d not in RESUMABLE]
     if changed:
         raise Refused(f"recipe {name}: {run_dir} holds a run with other settings ({', '.join('--' + c for c in changed)}"
-                      "): another recipe's, or other --eval-every / --eval-tasks; pass another --out or its options")  # fmt: skip
+                      "): another recipe's, or other --eval-every / --eval-tasks / --options; pass another --out or its options")  # fmt: skip
 
 
 def done_marker(out: Path, name: str) -> Path:
     return out / f"{name}.done"
+
+
+def options_of(out: Path, name: str) -> list[str]:
+    """The --options a recipe's ended run had (its OUT/RECIPE.done), [] if none or not ended."""
+    try:
+        return list(json.loads(done_marker(out, name).read_text()).get("options", []))
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def minutes_left(out: Path, name: str, minutes: float) -> float:
@@ -288,18 +326,22 @@ def report(out: Path, marks: list[float], plot_copy: Path | None) -> str:
     ev = _first_config(out, rows).get("eval") or {}
     how = (f" ({ev['tasks'] or 'all'} held-out tasks at T = {ev['temperature']:g}, every {ev['every']} iterations)"
            if {"tasks", "temperature", "every"} <= set(ev) else "")  # fmt: skip
+    extra = {name: shlex.join(options_of(out, name)) for name in rows}
+    common = next(iter(extra.values())) if len(set(extra.values())) == 1 else ""
     text = "\n".join([
-        f"Held-out success of the {PRESET} preset under each recipe, the same wall time each{how}; a cell is "
+        f"Held-out success of the {PRESET} preset under each recipe, the same wall time each{how}"
+        f"{f', with `{common}` added to every recipe' if common else ''}; a cell is "
         "the latest evaluation at or before that minute from the command's start (its iteration and minute). "
         "Made by bench/compare_algorithms.py.",
         "",
         table(rows, marks),
         "",
-        *(f"- {name} ({RECIPES[name].paper}): `{' '.join(RECIPES[name].overrides)}`" for name in rows),
+        *(f"- {name} ({RECIPES[name].paper}): `{' '.join(RECIPES[name].overrides)}`"
+          + (f" + `{extra[name]}`" if extra[name] and not common else "") for name in rows),
         "",
     ])  # fmt: skip
     atomic_write_text(out / "table.md", text)
-    plot(rows, marks, out / "algorithms.png")
+    plot(rows, marks, out / "algorithms.png", common)
     if plot_copy is not None and plot_copy.resolve() != (out / "algorithms.png").resolve():
         plot_copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "algorithms.png", plot_copy)
@@ -315,7 +357,7 @@ def _first_config(out: Path, rows: dict) -> dict:
     return {}
 
 
-def plot(rows: dict[str, dict], marks: list[float], path: Path) -> None:
+def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -328,7 +370,9 @@ def plot(rows: dict[str, dict], marks: list[float], path: Path) -> None:
         ax.axvline(m, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
-    ax.set_title(f"{PRESET} preset: algorithms, the same wall time each")
+    ax.set_title(
+        f"{PRESET} preset: algorithms, the same wall time each" + (f"\n(all with {options})" if options else "")
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -374,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(name)
                 continue
         if left > 0 or not done_marker(args.out, name).is_file():  # (or it used its minutes, then we stopped)
-            atomic_write_text(done_marker(args.out, name), json.dumps({"minutes": args.minutes}) + "\n")
+            marker = {"minutes": args.minutes, **({"options": args.options} if args.options else {})}
+            atomic_write_text(done_marker(args.out, name), json.dumps(marker) + "\n")
         s = summary(read_metrics(run_dir / "metrics.jsonl"), [math.inf])  # the whole run
         evals, used = s["evals"], timeline(read_metrics(run_dir / "metrics.jsonl"))
         print(f"{name}: {'ran' if left > 0 else 'reused'}, {used[-1][0] if used else 0:.1f} min, "

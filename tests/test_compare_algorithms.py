@@ -175,6 +175,12 @@ def bad(capsys, argv) -> tuple[int, str]:
         (["--eval-tasks", "0"], "error: --eval-tasks:"),
         (["--marks", "20,10"], "error: --marks:"),
         (["--recipe", "grpo"], "error: unrecognized arguments: --recipe"),
+        (["--options", "--train.algorithm ppo"], "error: --options: --train.algorithm is set by this script or by a"),
+        (["--options=--run-dir=/tmp/x"], "error: --options: --run-dir is set by this script or by a recipe"),
+        (["--options", "--train.lr '1e-5"], "error: --options: No closing quotation"),
+        (["--options", "4 --train.steps_per_epoch"], "error: --options: starts with '4', not an --option"),
+        (["--options", "--train.steps_per_epoch 0"], "error: recipe grpo: orchestrate.rl refuses its options: --train"),
+        (["--options", "--train.no_such 1"], "error: recipe grpo: orchestrate.rl refuses its options:"),
     ],
 )
 def test_bad_input_is_refused_with_one_line(tmp_path, capsys, launched, extra, start):
@@ -211,6 +217,36 @@ def test_a_recipe_the_command_line_refuses_stops_everything_naming_it(tmp_path, 
     code, line = bad(capsys, ["--out", tmp_path / "out", "--recipes", "grpo,dr_grpo"])
     assert code == 2 and line.startswith("error: recipe dr_grpo: orchestrate.rl refuses its options: --train.lr:"), line
     assert launched == []
+
+
+def test_options_reach_every_recipe_and_are_named_in_the_marker_table_and_plot(tmp_path, capsys, launched):
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--recipes", "grpo,gspo", "--options", "--train.steps_per_epoch 4 --train.lr 2e-5"]
+    assert ca.main(argv) == 0
+    for name in ("grpo", "gspo"):
+        config = json.loads((out / name / "config.json").read_text())
+        assert config["train"]["steps_per_epoch"] == 4 and config["train"]["lr"] == 2e-5
+        marker = json.loads((out / f"{name}.done").read_text())
+        assert marker == {"minutes": 30.0, "options": ["--train.steps_per_epoch", "4", "--train.lr", "2e-5"]}
+    text = (out / "table.md").read_text()
+    assert "with `--train.steps_per_epoch 4 --train.lr 2e-5` added to every recipe;" in text
+    assert (
+        "- grpo (arXiv:2402.03300): `--train.algorithm grpo --train.baseline group --train.aggregation sequence`\n"
+        in text
+    )
+    capsys.readouterr()
+
+    # the same run directories with other options are another experiment: refused before anything starts
+    launched.clear()
+    code, line = bad(capsys, ["--out", out, "--recipes", "grpo", "--options", "--train.steps_per_epoch 2"])
+    assert code == 2 and "--train.steps_per_epoch)" in line and launched == [], line
+
+    # recipes that ran with different options: each recipe's line names its own
+    (out / "gspo.done").write_text(json.dumps({"minutes": 30.0}))
+    text = ca.report(out, [10.0, 20.0, 30.0], None)
+    assert "added to every recipe" not in text
+    assert "--train.aggregation sequence` + `--train.steps_per_epoch 4 --train.lr 2e-5`" in text
+    assert "- gspo (arXiv:2507.18071): `--train.algorithm gspo --train.aggregation sequence`\n" in text
 
 
 def test_report_only_without_runs_is_refused(tmp_path, capsys):
