@@ -122,6 +122,20 @@ class _TrainOptions(BaseModel):
     save_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="dtype of checkpoint weights; auto: that of the starting model folder."
     )
+    save_state_every: int = Field(
+        10,
+        ge=1,
+        description="Write the full trainer state (weights in full precision, optimizer, RNG, critic) every this "
+        "many batches and at a clean stop; a learner killed in between resumes from the last one and trains "
+        "the batches after it again. 10: measured in docs/weights.md.",
+    )
+    save_weights_every: int = Field(
+        0,
+        ge=0,
+        description="Also write the policy as a Hugging Face folder every this many batches when weights go to "
+        "the servers in memory (0: only with a full state and at the last batch). With the disk reload, every "
+        "batch's folder is written (the servers load it).",
+    )
     logprob_impl: Literal["auto", "fused", "full"] = Field(
         "auto",
         description="fused: log-probs from the hidden states in chunks, logits never held whole "

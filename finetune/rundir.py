@@ -1,8 +1,18 @@
 """The files the learner shares with the orchestrator, in one run folder.
 
     RUN/batches/000003.jsonl      written by the orchestrator (finetune.batch.write_batch)
-    RUN/checkpoints/000003/       written by the learner after training batch 3 (with learner.json: whether
-                                  the weights changed, read by the orchestrator before it reloads)
+    RUN/checkpoints/000003/       written by the learner after training batch 3: learner.json (whether the
+                                  weights changed, read by the orchestrator before it serves them), then
+                                  - the policy as a Hugging Face folder (config.json, safetensors, tokenizer)
+                                    when vLLM reloads from disk, when due (--save-weights-every), with a full
+                                    state and at the last batch;
+                                  - transfer.json, the manifest of the weights sent in memory
+                                    (finetune.weight_transfer), when a weight-transfer group is joined;
+                                  - trainer_state/ (optimizer, RNG, critic) every --save-state-every batches
+                                    and at a clean stop: what a resumed learner starts from
+    RUN/weight_group.json         the orchestrator's weight-transfer group: the learner joins it
+    RUN/weights_ack.json          the orchestrator: whether every server took version N from memory
+    RUN/weights_request.json      the orchestrator: write version N's weights to disk (a server must reload)
     RUN/advantages/000003.jsonl   the returns and advantages the learner trained batch 3 with, one line per
                                   sample: {"sample_id", "turns": [{"index", "reward", "return", "advantage"}]}
                                   (written before the checkpoint appears; what tools show, never recomputed)
@@ -34,6 +44,9 @@ from finetune.durable import append_line, atomic_write_json, atomic_write_text, 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 ADVANTAGES_DIR = "advantages"
 LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, weights_changed}
+TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory
+TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint a learner can resume from
+WEIGHTS_FILE = "config.json"  # the file of a checkpoint's Hugging Face folder written last: the weights are whole
 
 
 def advantages_file(root: str | os.PathLike, index: int) -> Path:
@@ -69,6 +82,9 @@ class RunDir:
         self.trainer_stop = self.root / "trainer.stop"
         self.train_config = self.root / "train_config.json"  # the orchestrator's trainer options (--config)
         self.trainer_heartbeat = self.root / "trainer_heartbeat.json"
+        self.weight_group = self.root / "weight_group.json"
+        self.weights_ack = self.root / "weights_ack.json"
+        self.weights_request = self.root / "weights_request.json"
 
     def batch(self, index: int) -> Path:
         return self.batches / f"{index:06d}.jsonl"
@@ -85,8 +101,32 @@ class RunDir:
             return {}
 
     def checkpoint_done(self, index: int) -> bool:
-        """Whether checkpoint `index` is published (built aside, renamed whole: its config.json is there)."""
-        return (self.checkpoint(index) / "config.json").is_file()
+        """Whether checkpoint `index` is published (built aside with its learner.json, renamed whole; runs
+        of earlier versions had a model folder in every checkpoint)."""
+        folder = self.checkpoint(index)
+        return (folder / LEARNER_RECORD).is_file() or (folder / WEIGHTS_FILE).is_file()
+
+    def has_weights(self, index: int) -> bool:
+        """Whether checkpoint `index` holds the policy as a whole Hugging Face folder (vLLM can reload it)."""
+        return (self.checkpoint(index) / WEIGHTS_FILE).is_file()
+
+    def has_trainer_state(self, index: int) -> bool:
+        return (self.checkpoint(index) / TRAINER_STATE_DIR / "progress.json").is_file()
+
+    def transfer_manifest(self, index: int) -> dict | None:
+        """checkpoints/N/transfer.json: the weights of version N sent in memory (None: not sent)."""
+        try:
+            return json.loads((self.checkpoint(index) / TRANSFER_MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def read_json(self, path: Path) -> dict:
+        """A small JSON record of the protocol ({} while there is none, or it cannot be read)."""
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
 
     def newest_checkpoint(self) -> int:
         """The number of the newest published checkpoint (0: none yet); the learner publishes in batch order."""
@@ -108,20 +148,40 @@ class RunDir:
                 return index, path
         return None
 
-    def latest_checkpoint(self) -> tuple[int, Path] | None:
-        """The newest checkpoint that can be resumed from (has its trainer state)."""
+    def published(self) -> list[int]:
+        """The numbers of the published checkpoints, oldest first."""
         if not self.checkpoints.is_dir():
-            return None
-        found = sorted((int(m.group(1)), p) for p in self.checkpoints.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
-        if not found:
-            return None
-        index, path = found[-1]
-        if not (path / "trainer_state" / "progress.json").is_file():
+            return []
+        found = [int(m.group(1)) for p in self.checkpoints.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
+        return sorted(i for i in found if self.checkpoint_done(i))
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        """The newest checkpoint that can be resumed from (has its trainer state; the batches after it are
+        trained again)."""
+        found = self.published()
+        with_state = [i for i in found if self.has_trainer_state(i)]
+        if with_state:
+            return with_state[-1], self.checkpoint(with_state[-1])
+        if found:
             raise RuntimeError(
-                f"{path} is the newest checkpoint but has no trainer_state/progress.json, so training cannot "
-                "resume from it (was it deleted by hand?). Restore it, or move it away to resume from the one before."
+                f"{self.checkpoint(found[-1])} is the newest checkpoint but no checkpoint has "
+                f"{TRAINER_STATE_DIR}/progress.json, so training cannot resume (was it deleted by hand?). "
+                "Restore it, or move the checkpoints away to train from the start."
             )
-        return index, path
+        return None
+
+    def drop_checkpoints_after(self, index: int) -> list[int]:
+        """Remove the checkpoints newer than `index` (a resumed learner trains their batches again and
+        publishes them anew); returns their numbers."""
+        dropped = [i for i in self.published() if i > index]
+        for i in dropped:
+            gone = self.checkpoints / f".gone-{i:06d}"  # renamed first: never seen half-deleted
+            shutil.rmtree(gone, ignore_errors=True)
+            os.rename(self.checkpoint(i), gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        if dropped:
+            fsync_dir(self.checkpoints)
+        return dropped
 
     def temp_checkpoint(self, index: int) -> Path:
         """A fresh folder to build checkpoint `index` in (same file system, so rename is atomic)."""
@@ -141,17 +201,18 @@ class RunDir:
         return final
 
     def drop_old_trainer_states(self, keep: int) -> None:
-        """Optimizer state is large (2x the weights): keep it only in the newest checkpoint."""
+        """Optimizer state is large (2x the weights): keep it only in the newest checkpoint that has one."""
         for p in self.checkpoints.iterdir():
             m = CHECKPOINT_NAME.match(p.name)
-            if m and int(m.group(1)) != keep and (p / "trainer_state").exists():
-                shutil.rmtree(p / "trainer_state", ignore_errors=True)
+            if m and int(m.group(1)) != keep and (p / TRAINER_STATE_DIR).exists():
+                shutil.rmtree(p / TRAINER_STATE_DIR, ignore_errors=True)
 
     def clean_temp(self) -> None:
-        """Remove half-built checkpoints left by a crash."""
+        """Remove half-built or half-deleted checkpoints and weight folders left by a crash."""
         if self.checkpoints.is_dir():
-            for p in self.checkpoints.glob(".tmp-*"):
-                shutil.rmtree(p, ignore_errors=True)
+            for pattern in (".tmp-*", ".gone-*", "*/.tmp-weights"):
+                for p in self.checkpoints.glob(pattern):
+                    shutil.rmtree(p, ignore_errors=True)
 
     def write_state(self, **fields) -> None:
         atomic_write_json(self.trainer_state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)

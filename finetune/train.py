@@ -60,6 +60,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -319,6 +320,10 @@ class _Session:
         self.state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
                       "batch_in_progress": None}  # fmt: skip
         self.last: int | None = None  # the newest batch trained
+        from finetune.weight_transfer import WeightSender
+
+        self.sender = WeightSender()  # the main process's end of the in-memory weight transfer
+        self.failed_generation = 0  # a group generation this learner could not join (not tried again)
 
     def set_state(self, **fields) -> None:
         self.state.update(fields)
@@ -347,6 +352,9 @@ class _Session:
         self.last, folder = resume
         progress = self.learner.load_trainer_state(folder)
         log.info("resumed from %s (batch %d, optimizer step %d)", folder, self.last, progress["optimizer_step"])
+        if self.main_process and (again := self.run.drop_checkpoints_after(self.last)):
+            log.info("batches %s were trained after that full state: training them again", again)
+        self.accelerator.wait_for_everyone()
         self.set_state(last_batch=self.last, checkpoint=str(folder.relative_to(self.run.root)),
                        optimizer_step=self.learner.step)  # fmt: skip
 
@@ -397,16 +405,33 @@ class _Session:
 
     def _publish(self, index: int, samples: list, metrics: list[dict]) -> Path | None:
         """Checkpoint `index` built aside (every process saves its part), the learner's record and the
-        advantages written, then renamed into place; the step metrics appended after it."""
+        advantages written, then renamed into place; the step metrics appended after it. Then the weights
+        go to the servers: in memory when a weight-transfer group is joined (finetune.weight_transfer), else
+        as the checkpoint's model folder, which the servers reload."""
         from accelerate.utils import broadcast_object_list
 
         from finetune.durable import atomic_write_json
-        from finetune.rundir import LEARNER_RECORD
+        from finetune.rundir import LEARNER_RECORD, TRANSFER_MANIFEST
+        from finetune.weight_transfer import pack
 
+        cfg = self.config
         tmp = self.run.temp_checkpoint(index) if self.main_process else None
         self.accelerator.wait_for_everyone()
         tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
-        self.learner.save_checkpoint(tmp, {"batch": index, "samples": len(samples)})
+        full_state = index % cfg.save_state_every == 0
+        weights = self.learner.policy_weights()  # every process: FSDP gathers
+        packed = None
+        if self.main_process:
+            in_memory = self._join_group()
+            due = cfg.save_weights_every and index % cfg.save_weights_every == 0
+            if not in_memory or full_state or due:
+                self.learner.save_weights(tmp, weights)
+            if in_memory:
+                packed = pack(weights.items(), self.learner.save_dtype)
+                manifest = {"version": index, "generation": self.sender.generation, **packed.manifest}
+                atomic_write_json(tmp / TRANSFER_MANIFEST, manifest)
+        if full_state:
+            self.learner.save_trainer_state(tmp, {"batch": index, "samples": len(samples)})
         if not self.main_process:
             return None
         # published with the checkpoint: whether this batch moved the weights (the loop reads it to reload)
@@ -417,8 +442,91 @@ class _Session:
         final = self.run.publish_checkpoint(tmp, index)
         for m in metrics:
             self.run.append_metrics({**m, "time": time.time()})
-        self.run.drop_old_trainer_states(keep=index)
+        if full_state:
+            self.run.drop_old_trainer_states(keep=index)
+        if packed is not None:
+            self._send(index, packed, weights)
         return final
+
+    # ---- weights in memory (finetune.weight_transfer), main process only ----
+
+    def _join_group(self) -> bool:
+        """Join the orchestrator's weight-transfer group when it set up a generation not joined yet; whether
+        a group is joined. A join that fails is logged and the weights go through the disk instead."""
+        info = self.run.read_json(self.run.weight_group)
+        if not info or info.get("backend") in (None, "disk"):
+            self.sender.close()
+            return False
+        if int(info.get("generation", 0)) == self.failed_generation:
+            return False
+        if int(info.get("generation", 0)) != self.sender.generation:
+            log.info("joining weight-transfer group %s (generation %s, %s ranks)", info.get("backend"),
+                     info.get("generation"), info.get("world_size"))  # fmt: skip
+            try:
+                self.sender.join(info)
+            except Exception as exc:  # noqa: BLE001 - the disk path still works
+                log.warning("could not join the weight-transfer group (%s); weights go through the disk", exc)
+                self.sender.close()
+                self.failed_generation = int(info.get("generation", 0))
+                return False
+        return True
+
+    def _send(self, index: int, packed, weights: dict) -> None:
+        """Version `index` to the servers in memory; on failure its model folder, for them to reload."""
+        start = time.perf_counter()
+        folder = self.run.checkpoint(index)
+        failed = self.sender.deliver(self.run, index, packed, lambda: self.learner.save_weights(folder, weights))
+        if failed:
+            log.warning("version %d: transfer failed (%s); its weights were written to disk", index, failed)
+        else:
+            log.info("version %d sent in memory in %.2f s (%d buckets)", index, time.perf_counter() - start,
+                     len(packed.buckets))  # fmt: skip
+
+    def answer_requests(self) -> None:
+        """Between batches: join a new group generation; write the current version's weights to disk when
+        the orchestrator asks for them (a server that must reload). The main process decides, every process
+        takes part in gathering the weights."""
+        from accelerate.utils import broadcast_object_list
+
+        write = False
+        if self.main_process:
+            info = self.run.read_json(self.run.weight_group)
+            if info and int(info.get("generation", 0)) not in (self.sender.generation, self.failed_generation):
+                self._join_group()
+            request = self.run.read_json(self.run.weights_request)
+            write = (
+                self.last is not None and request.get("version") == self.last and not self.run.has_weights(self.last)
+            )
+        if broadcast_object_list([write])[0]:
+            weights = self.learner.policy_weights()
+            if self.main_process:
+                log.info("writing the weights of version %d to disk (asked for by the orchestrator)", self.last)
+                self.learner.save_weights(self.run.checkpoint(self.last), weights)
+
+    def finish(self) -> None:
+        """A clean stop: the last version trained gets its full state and its model folder."""
+        from accelerate.utils import broadcast_object_list
+
+        if self.last is None:
+            return
+        folder = self.run.checkpoint(self.last)
+        weights = self.learner.policy_weights()
+        if self.main_process and not self.run.has_weights(self.last):
+            self.learner.save_weights(folder, weights)
+        del weights
+        if self.run.has_trainer_state(self.last):
+            return
+        aside = folder / ".tmp-state" if self.main_process else None
+        aside = Path(broadcast_object_list([str(aside) if aside else None])[0])
+        self.learner.save_trainer_state(aside, {"batch": self.last, "samples": None})
+        if self.main_process:
+            from finetune.durable import fsync_tree
+
+            fsync_tree(aside)
+            os.rename(aside / "trainer_state", folder / "trainer_state")
+            shutil.rmtree(aside, ignore_errors=True)
+            self.run.drop_old_trainer_states(keep=self.last)
+            log.info("full trainer state of version %d saved (clean stop)", self.last)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,16 +553,19 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             decision = session.next_decision()
             if decision is None:
+                session.answer_requests()
                 time.sleep(args.poll_seconds)
                 continue
             if decision[0] == "stop":
                 log.info("stopping: %s", decision[1])
+                session.finish()
                 session.set_state(status="stopped", reason=decision[1])
                 break
             session.train(decision[1], decision[2])
             trained += 1
             if args.max_batches and trained >= args.max_batches:
                 log.info("stopping: trained %d batches (--max-batches)", trained)
+                session.finish()
                 session.set_state(status="stopped", reason="--max-batches reached")
                 break
         session.accelerator.wait_for_everyone()

@@ -57,6 +57,7 @@ from orchestrate.samples import write_samples
 from orchestrate.server_auth import APIKeyMissing, read_api_key
 from orchestrate.trainer import TrainerProcess
 from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer
+from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 
@@ -118,7 +119,6 @@ class Loop:
         self.progress = progress
         self.use_reference = config.train.needs_reference
         self.loggers: list = []
-        self.stale: set = set()  # policy servers that missed a reload (out of the pool until they rejoin)
         self.counts = {"requests": [], "retries": 0, "taken_out": 0}  # policy requests since the last record
 
     def _enter(self, iteration: int, phase: str) -> None:
@@ -208,41 +208,44 @@ class Loop:
             if isinstance(server, RemoteServer):  # one used by an earlier run may hold its weights: reset them
                 server.reload_weights(server.model_root(), verify=False)
 
-        self.served = self.trainer.newest_checkpoint()  # resuming: serve the newest trained weights
-        if self.served:
-            self._reload(self.served)
+        self.weights = PolicyWeights(self.run, self.policy_servers, c.server.weight_transfer,
+                                     c.server.weight_transfer_timeout_s, self.trainer)  # fmt: skip
+        self.stale = self.weights.stale  # policy servers that missed a version (out of the pool until they rejoin)
+        self.weights.start()
+        self._resume_weights()
         self._open_loggers()
         stack.callback(self._close_loggers)
 
     # -- weights -------------------------------------------------------------------
 
-    def _reload(self, version: int) -> None:
-        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight). A reload
-        is checked by a change of log-probs, unless the learner recorded that the weights did not change.
-        A server that does not answer is left stale (out of the pool until it rejoins with the weights);
-        with none left the run stops."""
-        verify = self.trainer.weights_changed(version)
-        path = self.run.checkpoint(version).resolve()  # by absolute path: servers elsewhere see the same
-        failed = []
-        for server in self.policy_servers:
-            try:
-                server.reload_weights(path, verify=verify)
-            except ServerError as exc:
-                if _answers(server):
-                    raise  # it is up and did not take the weights: a real error
-                self.stale.add(server)
-                failed.append(f"{server.base_url}: {str(exc).splitlines()[0]}")
+    def _resume_weights(self) -> None:
+        """Resuming: the servers get the newest version the learner holds. The learner resumes from its
+        last full state and trains the batches after it again, publishing each (served in turn) up to the
+        last completed iteration."""
+        completed = self.run.load_state().completed_iteration
+        if completed == 0 and not self.trainer.newest_checkpoint():
+            self.served = 0
+            return
+        self.trainer.wait_until_loaded()  # it has dropped the checkpoints it will train again
+        self.served = 0
+        start = self.trainer.newest_checkpoint()
+        for version in range(start, max(start, completed) + 1):
+            if version == 0:
                 continue
-            self.stale.discard(server)
-        if len(failed) == len(self.policy_servers):
-            raise ServerError(f"no policy server is left to serve checkpoint {version} ({'; '.join(failed)})")
+            self.trainer.wait_for_checkpoint(version, progress=self.progress, desc=f"resuming: version {version}")
+            self._reload(version)
+
+    def _reload(self, version: int) -> None:
+        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight), in memory
+        or from disk (orchestrate.weights). A reload from disk is checked by a change of log-probs, unless
+        the learner recorded that the weights did not change. A server that does not take it is left stale
+        (out of the pool until it rejoins with the weights); with none left the run stops."""
+        self.weights.serve(version, verify=self.trainer.weights_changed(version))
         self.served = version
 
     async def _rejoin(self, server) -> None:
         """A policy server back in the pool (restarted, or answering again) serves the current weights."""
-        if self.served:
-            await asyncio.to_thread(server.reload_weights, self.run.checkpoint(self.served).resolve(), verify=False)
-        self.stale.discard(server)
+        await asyncio.to_thread(self.weights.rejoin, server)
 
     async def _follow_checkpoints(self, client: VLLMClient, stop: asyncio.Event) -> None:
         """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
@@ -524,20 +527,6 @@ class Loop:
             import wandb
 
             wandb.finish()
-
-
-def _answers(server) -> bool:
-    """Whether a server answers its health check now (blocking)."""
-    import httpx
-
-    if hasattr(server, "alive") and not server.alive():
-        return False
-    if not hasattr(server, "healthy"):
-        return True  # a stand-in
-    try:
-        return httpx.get(server.base_url + "/health", headers=server.headers, timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _exit_on_sigterm() -> None:

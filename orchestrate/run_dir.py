@@ -146,11 +146,14 @@ class RunDir(SharedRunDir):
         atomic_write_json(self.config_path, config)
 
     def prune_checkpoints(self, keep: int, protect: set[Path] = frozenset()) -> None:
-        """Delete all but the newest `keep` complete checkpoints (never one in `protect`)."""
-        complete = sorted(p for p in self.checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
+        """Delete all but the newest `keep` checkpoints (never one in `protect`, nor the newest one with a
+        trainer state: the learner resumes from it)."""
+        complete = self.published()
+        with_state = [i for i in complete if self.has_trainer_state(i)]
+        protect = set(protect) | ({self.checkpoint(with_state[-1])} if with_state else set())
         for old in complete[:-keep] if keep > 0 else complete:
-            if old not in protect:
-                shutil.rmtree(old, ignore_errors=True)
+            if self.checkpoint(old) not in protect:
+                shutil.rmtree(self.checkpoint(old), ignore_errors=True)
 
 
 def save_tapes(path: str | os.PathLike, tapes) -> Path:

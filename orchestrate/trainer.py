@@ -231,6 +231,23 @@ class TrainerProcess:
                 f"died, hangs outside Python, or lost the shared file system. {tail}\n{self._restart_hint()}"
             )
 
+    def wait_until_loaded(self) -> None:
+        """Block until the learner has loaded its model (and, resuming, dropped the checkpoints it trains
+        again): its state file says it waits or trains."""
+        deadline = time.monotonic() + self.launch.timeout_s
+        while self.status().get("status") not in ("waiting", "training", "stopped"):
+            if self.status().get("status") == "failed":
+                raise TrainerError(f"the trainer failed while loading: {self.status().get('error')}")
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TrainerError(f"the trainer did not load within {self.launch.timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """Raise (with the log's tail) when a trainer this process started has exited."""
+        if not self.external and (self.process is None or self.process.poll() is not None):
+            raise self._died()
+
     def _died(self) -> TrainerError:
         code = self.process.returncode if self.process else None
         return TrainerError(

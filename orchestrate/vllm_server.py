@@ -14,6 +14,7 @@ without AMX and its log-probs drift from the trainer's), eager mode (start-up
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import socket
@@ -21,12 +22,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from orchestrate.processes import format_cpus, spawn, stop
 from orchestrate.server_auth import KEY_ENV, MIDDLEWARE, forbidden_server_arg
+
+# The name our weight-transfer engine (orchestrate.weight_engine) is registered under in vLLM.
+WEIGHT_ENGINE = "tapeloop"
 
 # Any ids in every tokenizer's range; used to check that a weight reload took.
 _PROBE_IDS = list(range(100, 132))
@@ -53,6 +58,15 @@ class ServerConfig(BaseModel):
     )
     data_parallel_size: int = Field(
         1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)"
+    )
+    weight_transfer: Literal["disk", "gloo", "nccl"] = Field(
+        "disk",
+        description="how new policy weights reach the servers: disk (each version written as a model folder, "
+        "reloaded by path), gloo (in memory over torch.distributed, CPU) or nccl (in memory, GPUs); "
+        "see docs/weights.md",
+    )
+    weight_transfer_timeout_s: float = Field(
+        600, gt=0, description="longest wait for a weight-transfer group to form or a version to arrive"
     )
     extra_args: list[str] = Field(default_factory=list, description="more `vllm serve` arguments, passed as given")
 
@@ -159,6 +173,8 @@ class VLLMServer:
         if eager:
             cmd.append("--enforce-eager")
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
+        if c.weight_transfer != "disk":  # our engine (orchestrate.weight_engine), loaded as a vLLM plugin
+            cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_ENGINE})]
         if self.on_gpu:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization), "--enable-sleep-mode"]
             if c.tensor_parallel_size > 1:
@@ -280,6 +296,13 @@ class VLLMServer:
             raise ServerError(f"{self.served_model_name} {path}: HTTP {response.status_code}: {response.text[:500]}")
         return response
 
+    def get(self, route: str, params: dict | None = None, timeout: float = 10) -> httpx.Response:
+        """GET a route (ServerError naming the URL when it cannot be reached)."""
+        try:
+            return httpx.get(self.base_url + route, headers=self.headers, params=params, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"{self.base_url} does not answer ({type(exc).__name__}: {exc})") from None
+
     def probe_logprobs(self) -> list[float]:
         """Log-probs of a fixed token sequence: a fingerprint of the loaded weights."""
         body = self._post(
@@ -355,13 +378,6 @@ class RemoteServer(VLLMServer):
 
     async def recover(self, max_restarts: int) -> None:
         pass  # not ours to restart: the pool's health checks let it back in when it answers again
-
-    def get(self, route: str, params: dict | None = None, timeout: float = 10) -> httpx.Response:
-        """GET a route (ServerError naming the URL when it cannot be reached)."""
-        try:
-            return httpx.get(self.url + route, headers=self.headers, params=params, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise ServerError(f"{self.url} does not answer ({type(exc).__name__}: {exc})") from None
 
     def model_root(self) -> str:
         """The model folder the server was started with (its /v1/models entry for our served name)."""

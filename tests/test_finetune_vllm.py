@@ -15,6 +15,11 @@ divides logits by each sample's temperature. The test also checks that the
 untempered trainer log-probs do *not* match at T = 0.7, so it would notice a
 server that returned raw log-probs.
 
+The same server takes new weights in memory (--server.weight_transfer gloo: the learner's
+finetune.weight_transfer, the servers' orchestrate.weight_engine, driven by orchestrate.weights) and
+serves exactly what a reload of the same weights from disk serves; a corrupted or partial transfer is
+refused and the server goes on serving the version it had.
+
 The server is started from a checkpoint the learner wrote after one update
 (not from the initial model), so the test also checks that what finetune
 writes is what vLLM serves. The model is the suite's tiny random Llama (a
@@ -97,7 +102,8 @@ def trained(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     from orchestrate.vllm_server import ServerConfig, VLLMServer
 
-    server = VLLMServer(folder, log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1))
+    config = ServerConfig(max_model_len=1024, kv_cache_gib=1, weight_transfer="gloo", weight_transfer_timeout_s=60)
+    server = VLLMServer(folder, log_path=log, config=config)
     assert "processed_logprobs" in server.command()
     server.start()
     try:
@@ -186,3 +192,169 @@ def test_ratio_after_reload_weights(trained, tmp_path):
     worst = worst_ratio(learner, samples)
     print(f"after reload_weights: max |ratio - 1| = {worst:.2e}")
     assert worst < 1e-3
+
+
+# ---- weights in memory ------------------------------------------------------------------------------
+
+
+class _Trainer:
+    """What PolicyWeights asks of the trainer process: it is ours, and alive."""
+
+    external = False
+
+    def check_alive(self) -> None:
+        pass
+
+
+def _learner_joins_next(sender, run, generation: int):
+    """The learner between batches (finetune.train's answer_requests): it joins the group's next generation
+    as soon as the orchestrator announces it. Returns the thread doing so."""
+    import threading
+    import time
+
+    def join():
+        while run.read_json(run.weight_group).get("generation") != generation:
+            time.sleep(0.05)
+        sender.join(run.read_json(run.weight_group))
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    return thread
+
+
+def _join(weights, sender, run) -> None:
+    """A new generation of the group: the orchestrator asks the server to join while the learner joins."""
+    joining = _learner_joins_next(sender, run, weights.generation + 1)
+    weights._form_group()
+    joining.join()
+    assert weights.backend == "gloo" and sender.generation == weights.generation
+
+
+@pytest.fixture(scope="module")
+def in_memory(trained, tmp_path_factory):
+    """The orchestrator's PolicyWeights over the module's server, and the learner's WeightSender (this
+    process plays the learner's main process: rank 0 of the group)."""
+    from finetune.rundir import RunDir
+    from finetune.weight_transfer import WeightSender
+    from orchestrate.weights import PolicyWeights
+
+    server = trained[0]
+    run = RunDir(tmp_path_factory.mktemp("transfer_run"))
+    run.checkpoints.mkdir(parents=True)
+    weights = PolicyWeights(run, [server], "gloo", timeout_s=60, trainer=_Trainer())
+    sender = WeightSender()
+    _join(weights, sender, run)
+    return weights, sender, run
+
+
+def _publish(run, learner, sender, index: int, corrupt: bool = False):
+    """The learner's side of version `index` (finetune.train): the checkpoint with its manifest, then, in a
+    thread, the broadcast and the wait for the ack (the model folder written if the ack is not good)."""
+    import threading
+
+    from finetune.durable import atomic_write_json
+    from finetune.rundir import LEARNER_RECORD, TRANSFER_MANIFEST
+    from finetune.weight_transfer import pack
+
+    weights = learner.policy_weights()
+    packed = pack(weights.items(), learner.save_dtype, bucket_bytes=2**20)  # several buckets
+    manifest = {"version": index, "generation": sender.generation, **packed.manifest}
+    if corrupt:
+        manifest["buckets"][-1]["checksum"] += 1
+    tmp = run.temp_checkpoint(index)
+    atomic_write_json(tmp / TRANSFER_MANIFEST, manifest)
+    atomic_write_json(tmp / LEARNER_RECORD, {"batch": index, "weights_changed": True})
+    run.publish_checkpoint(tmp, index)
+    result: list = []
+    write = lambda: learner.save_weights(run.checkpoint(index), weights)  # noqa: E731
+    thread = threading.Thread(target=lambda: result.append(sender.deliver(run, index, packed, write)))
+    thread.start()
+    return thread, result, packed, manifest
+
+
+def test_weights_in_memory_equal_a_disk_reload(trained, in_memory, tmp_path):
+    """A version sent over gloo serves the log-probs a disk reload of the same weights serves, and the
+    learner's own: the importance ratio stays 1."""
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    one_step(learner, model_dir, 5)
+    before = server.probe_logprobs()
+    thread, result, packed, _ = _publish(run, learner, sender, 5)
+    assert weights.serve(5) == []
+    thread.join(timeout=120)
+    assert result == [None], result  # acked: the learner wrote no folder
+    assert len(packed.buckets) > 1 and not run.has_weights(5)
+    in_memory_lp = server.probe_logprobs()
+    assert in_memory_lp != before, "the transfer did not change the served weights"
+    samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
+    assert worst_ratio(learner, samples) < 1e-3
+
+    server.reload_weights(write_checkpoint(learner, tmp_path, 5), verify=False)
+    from_disk = server.probe_logprobs()
+    gap = max(abs(a - b) for a, b in zip(in_memory_lp, from_disk))
+    print(f"in memory vs disk reload: max |logp gap| = {gap:.2e} over {len(from_disk)} tokens")
+    assert gap <= 1e-5
+
+
+def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path):
+    """A bucket whose checksum is not the manifest's, or a learner killed mid-transfer: the server refuses
+    the version and serves the one it had, whole; the orchestrator falls back to the disk for that version
+    and a new group generation carries the next one in memory."""
+    import subprocess
+    import sys
+    import threading
+
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    held = server.probe_logprobs()
+
+    # corrupted: refused by the server, the version then reloaded from the folder the learner writes
+    one_step(learner, model_dir, 7)
+    thread, result, _, _ = _publish(run, learner, sender, 7, corrupt=True)
+    joining = _learner_joins_next(sender, run, weights.generation + 1)  # after the failure: a new generation
+    assert weights.serve(7) == []  # every server holds version 7 in the end, from disk
+    thread.join(timeout=120)
+    joining.join(timeout=120)
+    assert weights.backend == "gloo" and sender.generation == weights.generation
+    ack = run.read_json(run.weights_ack)
+    assert ack["version"] == 7 and not ack["ok"] and "checksum" in ack["reason"], ack
+    assert result and "checksum" in result[0] and run.has_weights(7)
+    assert server.probe_logprobs() != held
+    held = server.probe_logprobs()
+
+    # partial: a learner that sends one bucket of several and dies; the served weights do not move
+    from finetune.weight_transfer import pack
+
+    packed = pack(learner.policy_weights().items(), learner.save_dtype, bucket_bytes=2**20)
+    manifest = {"version": 8, "generation": weights.generation + 1, **packed.manifest}
+    import torch
+
+    torch.save(packed.buckets[0], tmp_path / "bucket0.pt")
+    forming = threading.Thread(target=weights._form_group)
+    forming.start()
+    while run.read_json(run.weight_group).get("generation") != manifest["generation"]:
+        pass
+    dying = (
+        "import json, os, sys, torch\n"
+        "from finetune.weight_transfer import WeightSender, broadcast_options\n"
+        f"s = WeightSender(); s.join(json.loads(open({str(run.weight_group)!r}).read()))\n"
+        f"s.group.broadcast([torch.load({str(tmp_path / 'bucket0.pt')!r})], broadcast_options()).wait()\n"
+        "os._exit(9)\n"
+    )
+    learner_process = subprocess.Popen([sys.executable, "-c", dying])
+    forming.join()
+    failure = weights._receive(server, 8, manifest)
+    assert learner_process.wait(timeout=60) == 9
+    assert failure, "a transfer cut after one bucket was accepted"
+    print("partial transfer refused:", failure)
+    assert server.probe_logprobs() == held  # still the whole version it had
+
+    # the next version travels in memory again, over a new generation of the group
+    _join(weights, sender, run)
+    one_step(learner, model_dir, 9)
+    thread, result, _, _ = _publish(run, learner, sender, 9)
+    assert weights.serve(9) == []
+    thread.join(timeout=120)
+    assert result == [None] and not run.has_weights(9)
+    samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
+    assert worst_ratio(learner, samples) < 1e-3

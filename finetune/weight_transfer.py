@@ -1,0 +1,203 @@
+"""Weights in memory: the wire format of a transfer into running vLLM servers, and the learner's side of it.
+
+With `--server.weight_transfer gloo` (CPU) or `nccl` (GPUs) the learner does not write a model folder per
+iteration for vLLM to reload: its main process sends the policy's weights, in the served dtype, to every
+policy server over a torch.distributed process group of its own (rank 0: the learner; ranks 1..: the
+servers' workers, whose engine is orchestrate.weight_engine). The run folder carries the rest of the
+protocol (file names in finetune.rundir):
+
+1. The orchestrator hosts the group's TCP store and writes RUN/weight_group.json: {generation, backend,
+   host, port, world_size, timeout_s}. The learner joins a generation it has not joined yet, between
+   batches, while the orchestrator asks each server to join (both block until all have).
+2. After training batch N the learner publishes checkpoints/N/ with transfer.json, the manifest below
+   (without model weights unless they are due), then broadcasts the buckets it describes.
+3. The orchestrator, seeing transfer.json, asks every policy server to receive version N; each receives
+   every bucket into a staging buffer, checks its size and checksum, and only then loads the weights, so a
+   partial or corrupted transfer is refused and the server still holds one whole version. It then writes
+   RUN/weights_ack.json {version, ok, reason}.
+4. The learner waits for that ack. Not ok, or no ack in time: it writes the weights of version N into
+   checkpoints/N/ as a Hugging Face folder (config.json last), the orchestrator reloads them from disk,
+   and the next generation of the group is set up afresh.
+
+The manifest (checkpoints/N/transfer.json):
+
+    {"version": 3, "generation": 1, "dtype": "float32",
+     "tensors": [{"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [49152, 576],
+                  "bucket": 0, "offset": 0}, ...],
+     "buckets": [{"bytes": 536870912, "checksum": 123456789}, ...]}
+
+A bucket is one contiguous uint8 tensor holding several weights, each at an offset aligned to ALIGN bytes
+(a whole number of 8-byte words in all, so the checksum, the wrapping int64 sum of its words, is the same
+whatever the device or the order of the sum). Names are the Hugging Face checkpoint's (vLLM's load_weights
+fuses and shards them), with an untied output head, as in a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from finetune.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+else:
+    torch = lazy_import("torch")  # the orchestrator reads the file names without loading torch
+
+ALIGN = 64  # bytes: every weight starts at a multiple of this in its bucket
+BUCKET_BYTES = 256 * 2**20  # bytes per bucket: few collective calls, bounded staging per call
+BACKENDS = ("gloo", "nccl")  # torch.distributed backends of the transfer; "disk" is the reload from a folder
+
+
+class TransferError(RuntimeError):
+    """A transfer that did not deliver one whole, checked version."""
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def checksum(bucket: Tensor) -> int:
+    """The wrapping int64 sum of a bucket's 8-byte words (integer addition: the same on every device)."""
+    return int(bucket.view(torch.int64).sum().item())
+
+
+@dataclass
+class Packed:
+    buckets: list[Tensor]
+    manifest: dict
+
+
+def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BUCKET_BYTES) -> Packed:
+    """Weights, cast to `dtype`, laid into buckets of at most `bucket_bytes` (a larger weight gets its own)."""
+    target = getattr(torch, dtype)
+    entries, groups, size = [], [[]], 0
+    for name, tensor in named:
+        t = tensor.detach().to(target).contiguous()
+        n = _aligned(t.numel() * t.element_size())
+        if groups[-1] and size + n > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, t, size))
+        size += n
+    buckets, meta = [], []
+    for b, group in enumerate(groups):
+        if not group:
+            continue
+        name, last, offset = group[-1]
+        total = offset + _aligned(last.numel() * last.element_size())
+        device = last.device
+        bucket = torch.zeros(total, dtype=torch.uint8, device=device)
+        for name, t, offset in group:
+            nbytes = t.numel() * t.element_size()
+            bucket[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "bucket": b, "offset": offset})
+        buckets.append(bucket)
+        meta.append({"bytes": total, "checksum": checksum(bucket)})
+    return Packed(buckets, {"dtype": dtype, "tensors": entries, "buckets": meta})
+
+
+def unpack(buckets: list[Tensor], manifest: dict) -> Iterator[tuple[str, Tensor]]:
+    """The named weights of checked buckets (views into them, no copy)."""
+    for e in manifest["tensors"]:
+        dtype = getattr(torch, e["dtype"])
+        numel = 1
+        for d in e["shape"]:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        raw = buckets[e["bucket"]][e["offset"] : e["offset"] + nbytes]
+        yield e["name"], raw.view(dtype).view(e["shape"])
+
+
+def check_bucket(bucket: Tensor, expected: dict, index: int) -> None:
+    """Refuse a bucket whose size or checksum is not the manifest's."""
+    if bucket.numel() != expected["bytes"]:
+        raise TransferError(f"bucket {index}: {bucket.numel()} bytes received, the manifest says {expected['bytes']}")
+    got = checksum(bucket)
+    if got != expected["checksum"]:
+        raise TransferError(f"bucket {index}: checksum {got} is not the manifest's {expected['checksum']}")
+
+
+def broadcast_options():
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+def new_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float, device=None):
+    """A process group of its own (not torch.distributed's default one, which accelerate or vLLM may hold),
+    on the TCP store the orchestrator hosts at host:port. The same construction as vLLM's
+    stateless_init_torch_distributed_process_group, which the servers' side uses, so the two meet: the
+    store's keys are prefixed with tcp://host:port."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size=None, is_master=False, timeout=timeout)
+    prefix = PrefixStore(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}", store)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(prefix, rank, world_size, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(prefix, rank, world_size, options)
+    raise ValueError(f"weight transfer backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+class WeightSender:
+    """The learner's end: joins the orchestrator's group as rank 0 and broadcasts packed versions."""
+
+    def __init__(self):
+        self.group = None
+        self.generation = 0  # the group generation joined (0: none)
+        self.info: dict = {}
+
+    def join(self, info: dict) -> None:
+        self.close()
+        self.group = new_group(info["backend"], info["host"], int(info["port"]), 0, int(info["world_size"]),
+                               float(info.get("timeout_s", 600)))  # fmt: skip
+        self.generation, self.info = int(info["generation"]), info
+
+    def send(self, packed: Packed) -> float:
+        """Broadcast every bucket (blocks until all ranks have it, or the group's timeout); seconds taken."""
+        if self.group is None:
+            raise TransferError("no weight-transfer group joined")
+        start = time.perf_counter()
+        opts = broadcast_options()
+        nccl = self.info["backend"] == "nccl"
+        for bucket in packed.buckets:
+            bucket = bucket.cuda() if nccl else bucket.cpu()  # gloo sends from host memory, NCCL from the GPU
+            self.group.broadcast([bucket], opts).wait()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.group, self.generation = None, 0
+
+    def deliver(self, run, index: int, packed: Packed, write_folder) -> str | None:
+        """Broadcast version `index`, then wait for the orchestrator's ack (RUN/weights_ack.json). Without a
+        good one, call write_folder() (the version's model folder, which the servers then reload) and leave
+        the group: the orchestrator forms a new generation. Returns None, or why the transfer failed."""
+        timeout = float(self.info.get("timeout_s", 600))
+        try:
+            self.send(packed)
+            deadline = time.monotonic() + timeout
+            while (ack := run.read_json(run.weights_ack)).get("version") != index:
+                if time.monotonic() > deadline:
+                    raise TransferError(f"no ack of version {index} within {timeout:.0f} s")
+                time.sleep(0.02)
+            if not ack.get("ok"):
+                raise TransferError(ack.get("reason") or "refused")
+            return None
+        except Exception as exc:  # noqa: BLE001 - the disk path still works
+            self.close()
+            if not run.has_weights(index):
+                write_folder()
+            return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,118 @@
+"""The servers' end of an in-memory weight transfer: a vLLM weight-transfer engine, loaded as a plugin.
+
+vLLM 0.32 creates a weight-transfer engine in each worker when the server is started with
+`--weight-transfer-config '{"backend": "tapeloop"}'`, and drives it through its HTTP routes
+(/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update; dev mode).
+This module registers ours under the name WEIGHT_ENGINE ("tapeloop") through the `vllm.general_plugins` entry point
+(pyproject.toml), which vLLM calls in each of its processes. The group's backend, gloo or nccl, is named at
+init, so CPU machines (and CI) run the very protocol that GPUs run.
+
+The wire format is the learner's (finetune.weight_transfer). Unlike vLLM's own NCCL engine, a version is
+received whole into staging buffers and checked against its manifest before any weight is loaded: a
+partial or corrupted transfer raises (the route answers HTTP 500) and the server goes on holding the
+version it had, never a mix of two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrate.vllm_server import WEIGHT_ENGINE
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: make the engine known to vLLM's factory (by path: nothing
+    heavy is imported until a server asks for it)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if WEIGHT_ENGINE not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(WEIGHT_ENGINE, __name__, "TapeloopWeightEngine")
+
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402  (after register: the entry point needs no vLLM class)
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class InitInfo(WeightTransferInitInfo):
+    backend: str
+    host: str
+    port: int
+    world_size: int
+    rank_offset: int = 1  # rank 0 is the learner
+    timeout_s: float = 600.0
+
+
+@dataclass
+class UpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    manifest: dict = field(default_factory=dict)
+
+
+class TapeloopWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.shutdown()  # a new generation of the group replaces the old one
+        pc = self.parallel_config
+        rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+        from datetime import timedelta
+
+        self.group = stateless_init_torch_distributed_process_group(
+            init_info.host, init_info.port, rank, init_info.world_size, backend=init_info.backend,
+            timeout=timedelta(seconds=init_info.timeout_s),
+        )  # fmt: skip
+        self.backend = init_info.backend
+
+    def start_weight_update(self) -> None:
+        """Nothing to do yet: the model is touched only once a whole version has arrived."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: receive_weights loaded the checked version as a whole."""
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class adds torch.accelerator.synchronize(), which needs a GPU; loading is synchronous here.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        import torch
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from finetune.weight_transfer import TransferError, broadcast_options, check_bucket, unpack
+
+        if self.group is None:
+            raise TransferError("no weight-transfer group: POST /init_weight_transfer_engine first")
+        manifest = update_info.manifest
+        device = torch.device("cpu") if self.backend == "gloo" else self.device
+        opts = broadcast_options()
+        buckets = []
+        for expected in manifest["buckets"]:
+            bucket = torch.empty(int(expected["bytes"]), dtype=torch.uint8, device=device)
+            self.group.broadcast([bucket], opts).wait()
+            buckets.append(bucket)
+        for i, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"])):
+            check_bucket(bucket, expected, i)  # all checked before the model is touched
+        initialize_layerwise_reload(self.model)
+        for name, tensor in unpack(buckets, manifest):
+            self.model.load_weights([(name, tensor.to(self.device))])
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            try:
+                stateless_destroy_torch_distributed_process_group(self.group)
+            finally:
+                self.group = None

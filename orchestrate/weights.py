@@ -1,0 +1,204 @@
+"""How each new policy version reaches the policy servers: in memory, or by a reload from disk.
+
+`PolicyWeights.serve(version)` is what the loop calls once the learner has published checkpoint `version`.
+With `--server.weight_transfer disk` every server reloads the checkpoint's model folder by path. With gloo
+or nccl the learner broadcasts the version over a process group of its own with every server's workers
+(protocol and wire format: finetune.weight_transfer; the servers' end: orchestrate.weight_engine):
+
+- `start()` hosts the group's TCP store here, writes RUN/weight_group.json for the learner and asks every
+  server to join (both sides block until all have); a server that cannot join (one by URL started without
+  weight transfer, say) leaves the run on the disk path, with one line saying why.
+- `serve(N)` drives every server's receive of version N (they load it only once it has arrived whole and
+  matches its manifest), then writes RUN/weights_ack.json. If a server refused or failed, the ack says so:
+  the learner writes version N's folder, the servers reload it from disk (a server that cannot is out of the
+  pool), and a new generation of the group is formed before the next version.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from finetune.durable import atomic_write_json
+from orchestrate.run_dir import RunDir
+from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer
+
+
+class PolicyWeights:
+    def __init__(self, run: RunDir, servers: list[VLLMServer], backend: str, timeout_s: float, trainer):
+        self.run = run
+        self.servers = servers
+        self.backend = backend  # "disk", "gloo" or "nccl"; becomes "disk" when a group cannot form
+        self.timeout_s = timeout_s
+        self.trainer = trainer  # orchestrate.trainer.TrainerProcess: its checkpoints and liveness
+        self.store = None
+        self.generation = 0
+        self.regroup = False  # a transfer failed: form a new generation before the next version
+        self.stale: set = set()  # servers that do not hold the served version (out of the pool)
+        self.served = 0
+        self.last_transfer: dict = {}  # seconds and bytes of the last in-memory transfer (metrics)
+
+    @property
+    def in_memory(self) -> bool:
+        return self.backend != "disk"
+
+    # -- the group -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Form the first generation of the group (no-op on the disk path)."""
+        if self.in_memory:
+            self._form_group()
+
+    def _host(self) -> str:
+        """The address the learner and the servers reach this machine's store at: loopback when every
+        server is ours, else this machine's name."""
+        if any(isinstance(s, RemoteServer) for s in self.servers) or self.trainer.external:
+            return socket.getfqdn()
+        return "127.0.0.1"
+
+    def _form_group(self) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        # A store per generation: its keys (each rank's address) are the group's, and a new group must not
+        # read an old one's (vLLM's side prefixes them with the store's address only).
+        self.store_host = self._host()
+        self.store = TCPStore(self.store_host, 0, world_size=None, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+        try:
+            sizes = [int(s.get("/get_world_size", {"include_dp": "true"}).json()["world_size"]) for s in self.servers]
+        except (ServerError, KeyError, ValueError) as exc:
+            return self._give_up(f"a server does not tell its world size ({exc})")
+        self.generation += 1
+        info = {"generation": self.generation, "backend": self.backend, "host": self.store_host,
+                "port": self.store.port, "world_size": 1 + sum(sizes), "timeout_s": self.timeout_s}  # fmt: skip
+        atomic_write_json(self.run.weight_group, info)  # the learner joins as rank 0
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        payloads = [
+            {"backend": self.backend, "host": self.store_host, "port": self.store.port,
+             "world_size": info["world_size"], "rank_offset": off, "timeout_s": self.timeout_s}
+            for off in offsets
+        ]  # fmt: skip
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            results = list(pool.map(self._join, self.servers, payloads))
+        failed = [f"{s.base_url}: {r}" for s, r in zip(self.servers, results) if r]
+        if failed:
+            return self._give_up("; ".join(failed))
+        self.regroup = False
+
+    def _join(self, server: VLLMServer, payload: dict) -> str | None:
+        try:
+            server._post("/init_weight_transfer_engine", {"init_info": payload}, timeout=self.timeout_s + 30)
+        except ServerError as exc:
+            return str(exc).splitlines()[0]
+        return None
+
+    def _give_up(self, why: str) -> None:
+        print(f"weights: {self.backend} transfer unavailable ({why}); new weights go through the disk")
+        self.backend = "disk"
+        atomic_write_json(self.run.weight_group, {"generation": self.generation + 1, "backend": "disk"})
+
+    # -- one version -------------------------------------------------------------------
+
+    def serve(self, version: int, verify: bool = True) -> list[str]:
+        """Put version `version` on every policy server; returns the servers that could not take it (they
+        are in `stale`). Raises when none could."""
+        manifest = self.run.transfer_manifest(version) if self.in_memory else None
+        failed: list[tuple[VLLMServer, str]] = []
+        if manifest is not None and manifest.get("generation") == self.generation and not self.regroup:
+            failed = self._transfer(version, manifest)
+            atomic_write_json(self.run.weights_ack, {"version": version, "ok": not failed,
+                                                     "reason": "; ".join(r for _, r in failed)})  # fmt: skip
+            if failed:  # the learner writes the version's folder now: reload every server from it
+                self.regroup = True
+                failed = self._reload_all(version, verify=False)
+        else:
+            failed = self._reload_all(version, verify=verify)
+        for server, _ in failed:
+            self.stale.add(server)
+        if len(failed) == len(self.servers):
+            raise ServerError(f"no policy server is left to serve version {version} "
+                              f"({'; '.join(f'{s.base_url}: {r}' for s, r in failed)})")  # fmt: skip
+        self.served = version
+        if self.regroup and self.in_memory:
+            self._form_group()
+        return [s.base_url for s, _ in failed]
+
+    def _transfer(self, version: int, manifest: dict) -> list[tuple[VLLMServer, str]]:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            results = list(pool.map(lambda s: self._receive(s, version, manifest), self.servers))
+        self.last_transfer = {"seconds": time.perf_counter() - start,
+                              "bytes": sum(b["bytes"] for b in manifest["buckets"])}  # fmt: skip
+        failed = [(s, r) for s, r in zip(self.servers, results) if r]
+        for server in self.servers:
+            if server not in dict(failed):
+                self.stale.discard(server)
+        return failed
+
+    def _receive(self, server: VLLMServer, version: int, manifest: dict) -> str | None:
+        try:
+            server._post("/start_weight_update")
+            server._post("/update_weights", {"update_info": {"version": version, "manifest": manifest}},
+                         timeout=self.timeout_s + 30)  # fmt: skip
+            server._post("/finish_weight_update", {"weight_version": str(version)})
+            server._post("/reset_prefix_cache")  # cached KV was computed with the old weights
+        except ServerError as exc:
+            return str(exc).splitlines()[0]
+        return None
+
+    def wait_for_folder(self, version: int) -> Path:
+        """The model folder of version `version`, written by the learner (asked for when it is not there)."""
+        if not self.run.has_weights(version):
+            atomic_write_json(self.run.weights_request, {"version": version})
+            deadline = time.monotonic() + self.timeout_s
+            while not self.run.has_weights(version):
+                if time.monotonic() > deadline:
+                    raise ServerError(f"the learner wrote no model folder for version {version} within "
+                                      f"{self.timeout_s:.0f} s (raise --server.weight_transfer_timeout_s)")  # fmt: skip
+                self.trainer.check_alive()
+                time.sleep(0.1)
+        return self.run.checkpoint(version).resolve()  # by absolute path: servers elsewhere see the same
+
+    def _reload_all(self, version: int, verify: bool) -> list[tuple[VLLMServer, str]]:
+        path = self.wait_for_folder(version)
+        failed = []
+        for server in self.servers:
+            try:
+                server.reload_weights(path, verify=verify)
+            except ServerError as exc:
+                if _answers(server):
+                    raise  # it is up and did not take the weights: a real error
+                failed.append((server, str(exc).splitlines()[0]))
+                continue
+            self.stale.discard(server)
+        return failed
+
+    def rejoin(self, server: VLLMServer) -> None:
+        """A server back in the pool (restarted, or answering again) gets the served version from disk; it
+        is not in the group any more, so the next version forms a new generation."""
+        if self.served:
+            server.reload_weights(self.wait_for_folder(self.served), verify=False)
+        self.stale.discard(server)
+        if self.in_memory:
+            self.regroup = True
+
+    def close(self) -> None:
+        self.store = None
+
+
+def _answers(server) -> bool:
+    """Whether a server answers its health check now (blocking)."""
+    import httpx
+
+    if hasattr(server, "alive") and not server.alive():
+        return False
+    if not hasattr(server, "healthy"):
+        return True  # a stand-in
+    try:
+        return httpx.get(server.base_url + "/health", headers=server.headers, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
