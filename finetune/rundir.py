@@ -156,19 +156,10 @@ class RunDir:
         return sorted(i for i in found if self.checkpoint_done(i))
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
-        """The newest checkpoint that can be resumed from (has its trainer state; the batches after it are
-        trained again)."""
-        found = self.published()
-        with_state = [i for i in found if self.has_trainer_state(i)]
-        if with_state:
-            return with_state[-1], self.checkpoint(with_state[-1])
-        if found:
-            raise RuntimeError(
-                f"{self.checkpoint(found[-1])} is the newest checkpoint but no checkpoint has "
-                f"{TRAINER_STATE_DIR}/progress.json, so training cannot resume (was it deleted by hand?). "
-                "Restore it, or move the checkpoints away to train from the start."
-            )
-        return None
+        """The newest checkpoint a learner can resume from (it has its trainer state); None: start from the
+        initial model. The batches of the checkpoints after it are trained again."""
+        with_state = [i for i in self.published() if self.has_trainer_state(i)]
+        return (with_state[-1], self.checkpoint(with_state[-1])) if with_state else None
 
     def drop_checkpoints_after(self, index: int) -> list[int]:
         """Remove the checkpoints newer than `index` (a resumed learner trains their batches again and

@@ -346,17 +346,18 @@ class _Session:
         # Built from the initial model (checkpoints are written with an untied head for vLLM; the trainer
         # keeps the model's own architecture), weights from trainer_state/ when resuming.
         self.learner = Learner(self.args.model, self.config, acc)
-        if resume is None:
+        if resume is not None:
+            self.last, folder = resume
+            progress = self.learner.load_trainer_state(folder)
+            log.info("resumed from %s (batch %d, optimizer step %d)", folder, self.last, progress["optimizer_step"])
+            self.set_state(last_batch=self.last, checkpoint=str(folder.relative_to(self.run.root)),
+                           optimizer_step=self.learner.step)  # fmt: skip
+        else:
             log.info("loaded %s", self.args.model)
-            return
-        self.last, folder = resume
-        progress = self.learner.load_trainer_state(folder)
-        log.info("resumed from %s (batch %d, optimizer step %d)", folder, self.last, progress["optimizer_step"])
-        if self.main_process and (again := self.run.drop_checkpoints_after(self.last)):
-            log.info("batches %s were trained after that full state: training them again", again)
+        # Checkpoints published after the last full state: their batches are trained again, in order.
+        if self.main_process and (again := self.run.drop_checkpoints_after(self.last or 0)):
+            log.info("batches %s were trained after the last full state: training them again", again)
         self.accelerator.wait_for_everyone()
-        self.set_state(last_batch=self.last, checkpoint=str(folder.relative_to(self.run.root)),
-                       optimizer_step=self.learner.step)  # fmt: skip
 
     def next_decision(self) -> tuple | None:
         """("train", index, path), ("stop", reason) or None (nothing yet): the main process decides, every

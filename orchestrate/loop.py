@@ -194,6 +194,7 @@ class Loop:
             else c.train
         )
         self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
+        PolicyWeights.close_group(self.run)
         self.trainer.start()
         stack.callback(self.trainer.stop)
 

@@ -46,6 +46,14 @@ class PolicyWeights:
 
     # -- the group -------------------------------------------------------------------
 
+    @staticmethod
+    def close_group(run: RunDir) -> None:
+        """Before a learner starts: the group an earlier (killed) orchestrator announced is gone; a learner
+        must not try to join it (its store is dead). The generation number is kept: it goes on from there."""
+        old = run.read_json(run.weight_group)
+        if old.get("backend") is not None:
+            atomic_write_json(run.weight_group, {"generation": int(old.get("generation", 0)), "backend": None})
+
     def start(self) -> None:
         """Form the first generation of the group (no-op on the disk path)."""
         if self.in_memory:
@@ -72,7 +80,9 @@ class PolicyWeights:
             sizes = [int(s.get("/get_world_size", {"include_dp": "true"}).json()["world_size"]) for s in self.servers]
         except (ServerError, KeyError, ValueError) as exc:
             return self._give_up(f"a server does not tell its world size ({exc})")
-        self.generation += 1
+        # Generations go on from the run's earlier ones: a manifest of a killed run's generation is never
+        # taken for one of this group (its broadcast is not coming).
+        self.generation = max(self.generation, int(self.run.read_json(self.run.weight_group).get("generation", 0))) + 1
         info = {"generation": self.generation, "backend": self.backend, "host": self.store_host,
                 "port": self.store.port, "world_size": 1 + sum(sizes), "timeout_s": self.timeout_s}  # fmt: skip
         atomic_write_json(self.run.weight_group, info)  # the learner joins as rank 0

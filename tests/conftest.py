@@ -74,7 +74,7 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_run(tiny_model_dir, tmp_path_factory):
     """A finished 2-iteration RL run on the tiny model (real vLLM servers and trainer), shared by the
     browse, replay and offline tests: 2 tasks x 4 attempts per iteration, reference log-probs, evaluations
-    before training and after iteration 2. Tests must not change it (copy it first)."""
+    before training and after iteration 2, new weights sent to the server in memory (gloo). Tests must not change it (copy it first)."""
     import subprocess
     import sys
 
@@ -86,6 +86,7 @@ def tiny_run(tiny_model_dir, tmp_path_factory):
         "--eval.every", "2", "--eval.tasks", "4", "--eval.max_tokens", "12",
         "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
         "--train.kl_coef", "0.01", "--train.lr", "1e-3",
+        "--server.weight_transfer", "gloo",  # new weights in memory (the default path, disk, is test_loop's)
     ]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -209,16 +209,18 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
 
     AutoTokenizer.from_pretrained(run / "checkpoints" / "000002")
 
-    # 2. Killed after the first batch, started again: resumes with its optimizer state.
+    # With the full state every batch: killed after the first batch, started again, it resumes with its
+    # optimizer state and trains nothing twice.
+    every = ["--save-state-every", "1"]
     run2 = tmp_path / "run2"
     write_batch(batch_file(run2 / "batches", 1), read_batch(batches[0]))
-    proc = launch(tiny, run2)
+    proc = launch(tiny, run2, options=OPTIONS + every)
     wait_for(run2 / "checkpoints" / "000001", proc, run2)
     stamp = (run2 / "checkpoints" / "000001" / "model.safetensors").stat().st_mtime_ns
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     write_batch(batch_file(run2 / "batches", 2), read_batch(batches[1]))
-    proc = launch(tiny, run2)
+    proc = launch(tiny, run2, options=OPTIONS + every)
     wait_for(run2 / "checkpoints" / "000002", proc, run2)
     stop(proc, run2)
     assert [(m["batch"], m["step"]) for m in metrics(run2)] == [(1, 1), (1, 2), (2, 3), (2, 4)]
@@ -226,6 +228,27 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
     assert "resumed from" in (run2 / "trainer.log").read_text()
     resumed = weights(run2 / "checkpoints" / "000002")
     for k, v in resumed.items():
+        torch.testing.assert_close(v, second[k], atol=1e-6, rtol=0, msg=k)
+
+    # 3. The default schedule (full state every 10 batches, and at a clean stop): killed after batch 1, which
+    # has no full state, the learner starts again from the last one (here the initial model), trains batch
+    # 1 again, then batch 2, and ends where one uninterrupted learner ends. Part 1's clean stop saved the
+    # full state of its last batch only.
+    run3 = tmp_path / "run3"
+    write_batch(batch_file(run3 / "batches", 1), read_batch(batches[0]))
+    proc = launch(tiny, run3)
+    wait_for(run3 / "checkpoints" / "000001", proc, run3)
+    assert not (run3 / "checkpoints" / "000001" / "trainer_state").exists()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    write_batch(batch_file(run3 / "batches", 2), read_batch(batches[1]))
+    proc = launch(tiny, run3)
+    wait_for(run3 / "checkpoints" / "000002", proc, run3)
+    stop(proc, run3)
+    assert [(m["batch"], m["step"]) for m in metrics(run3)] == [(1, 1), (1, 2), (1, 1), (1, 2), (2, 3), (2, 4)]
+    assert "training them again" in (run3 / "trainer.log").read_text()
+    assert (run3 / "checkpoints" / "000002" / "trainer_state" / "progress.json").is_file()  # the clean stop's
+    for k, v in weights(run3 / "checkpoints" / "000002").items():
         torch.testing.assert_close(v, second[k], atol=1e-6, rtol=0, msg=k)
 
 
