@@ -1,0 +1,207 @@
+"""The learner on a GPU: step time, tokens/s, MFU, peak memory, and what publishing each version costs.
+
+    PYTHONPATH=. python bench/bench_gpu_learner.py [--budgets 16384,32768] [--state-every 10] [--out DIR]
+    PYTHONPATH=. python bench/bench_gpu_learner.py --tiny        # the same path on CPU, in seconds
+
+Self-contained for a GPU machine with torch, transformers and accelerate (and pydantic) but no vLLM and no
+model hub: the model is Llama-3.2-1B's shape built from its config (random weights, saved bf16), the batch
+is shaped like the gsm8k preset's (16 tasks x 64 attempts = 1024 samples, prompts of 120-220 tokens,
+completions of 64-512, KL 0.001 against reference log-probs). The learner is finetune.learner.Learner under
+accelerate with bf16 autocast and fp32 master weights, as `accelerate launch --config_file
+finetune/accelerate/one_gpu.yaml -m finetune.train` runs it.
+
+Per token budget: one warm-up step, then one timed optimizer step over the whole batch (tokens/s counts
+prompt + completion tokens; MFU = 6 x parameters x tokens / seconds / the GPU's dense bf16 peak, 989
+TFLOP/s for an H100 or H200), and the peak memory of that step.
+
+Publishing, at the first budget:
+- before (every iteration until this change): the whole checkpoint, a Hugging Face folder in bf16 plus
+  trainer_state/ (fp32 weights, AdamW state, RNG), written and synced;
+- after: per iteration, the weights gathered in the served dtype and packed into checked buckets
+  (finetune.weight_transfer: what the NCCL broadcast sends; the broadcast itself needs a vLLM server on
+  another GPU and is not timed here), plus the full state every --state-every iterations (amortized);
+- the ratio of each to the optimizer step (target: after <= 10%).
+Prints a table and writes gpu_learner.json to --out (or $OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
+
+
+def llama_1b_config(tiny: bool):
+    from transformers import LlamaConfig
+
+    if tiny:
+        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           max_position_embeddings=2048)  # fmt: skip
+    return LlamaConfig(  # meta-llama/Llama-3.2-1B's config.json
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, hidden_act="silu",
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        bos_token_id=128000, eos_token_id=128001,
+    )  # fmt: skip
+
+
+def build_model(folder: Path, tiny: bool) -> int:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_1b_config(tiny)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def gsm8k_batch(vocab: int, tasks: int, attempts: int, prompt=(120, 220), completion=(64, 512), seed: int = 0):
+    from finetune.batch import Sample
+
+    rng = random.Random(seed)
+    samples = []
+    for t in range(tasks):
+        prompt_ids = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
+        for _ in range(attempts):
+            n = rng.randint(*completion)
+            behaviour = [-rng.random() * 2 for _ in range(n)]
+            samples.append(Sample(
+                prompt_ids=prompt_ids, completion_ids=[rng.randrange(vocab) for _ in range(n)],
+                behaviour_logprobs=behaviour, ref_logprobs=[b + rng.gauss(0, 0.05) for b in behaviour],
+                reward=float(rng.choice([1, 0, -1])), group_id=f"task-{t}", temperature=0.7,
+            ))  # fmt: skip
+    return samples
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def folder_gib(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and batch: the same code path on CPU")
+    ap.add_argument("--budgets", default="16384,32768", help="token budgets per micro-batch to time")
+    ap.add_argument("--state-every", type=int, default=10, help="full trainer state every this many iterations")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_learner.json")
+    args = ap.parse_args()
+
+    from accelerate import Accelerator
+
+    from finetune.config import TrainConfig
+    from finetune.learner import Learner
+    from finetune.weight_transfer import pack
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu), None)
+    work = Path(tempfile.mkdtemp(prefix="bench_gpu_learner_"))
+    model_dir = work / "model"
+    params = build_model(model_dir, args.tiny)
+    cfg = llama_1b_config(args.tiny)
+    samples = (gsm8k_batch(cfg.vocab_size, 2, 4, (8, 16), (4, 32)) if args.tiny
+               else gsm8k_batch(cfg.vocab_size, 16, 64))  # fmt: skip
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    print(
+        f"device {gpu}; model {params / 1e9:.3f} B parameters; batch {len(samples)} samples, {tokens} tokens "
+        f"({sum(len(s.completion_ids) for s in samples)} completion)",
+        flush=True,
+    )
+    report = {"device": gpu, "parameters": params, "samples": len(samples), "tokens": tokens, "runs": []}
+
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if args.tiny:
+        budgets = [min(b, 512) for b in budgets]
+    for i, budget in enumerate(budgets):
+        acc = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        config = TrainConfig(lr=1e-6, kl_coef=0.001, token_budget=budget)
+        learner, load_s = timed(lambda config=config, acc=acc: Learner(model_dir, config, acc))
+        learner.train_batch(samples, 1)  # warm-up: kernels chosen, allocator settled
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        metrics, step_s = timed(lambda learner=learner: learner.train_batch(samples, 2))
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+        mfu = 6 * params * tokens / step_s / peak if peak else float("nan")
+        run = {"token_budget": budget, "load_s": round(load_s, 2), "step_s": round(step_s, 3),
+               "tokens_per_s": round(tokens / step_s), "mfu": round(mfu, 4), "peak_gib": round(peak_gib, 2),
+               "micro_batches": metrics[-1].get("micro_batches")}  # fmt: skip
+        print(
+            f"token budget {budget}: step {step_s:.2f} s, {tokens / step_s:,.0f} tokens/s, MFU {mfu:.1%}, "
+            f"peak {peak_gib:.1f} GiB, {run['micro_batches']} micro-batches",
+            flush=True,
+        )
+        if i == 0:
+            run["publish"] = publishing(learner, work, step_s, args.state_every, pack)
+        report["runs"].append(run)
+        del learner, acc
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_learner.json").write_text(json.dumps(report, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def publishing(learner, work: Path, step_s: float, state_every: int, pack) -> dict:
+    def disk_sync():
+        subprocess.run(["sync"], check=False)
+
+    before_dir = work / "before"
+    _, before_s = timed(lambda: (learner.save_checkpoint(before_dir, {"batch": 2}), disk_sync()))
+    before_gib = folder_gib(before_dir)
+    shutil.rmtree(before_dir)
+
+    weights, gather_s = timed(learner.policy_weights)
+    packed, pack_s = timed(lambda: pack(weights.items(), learner.save_dtype))
+    sent_gib = sum(b.numel() for b in packed.buckets) / 2**30
+    del packed
+    state_dir = work / "state"
+    _, state_s = timed(lambda: (learner.save_trainer_state(state_dir, {"batch": 2}), disk_sync()))
+    _, folder_s = timed(lambda: (learner.save_weights(state_dir, weights), disk_sync()))
+    state_gib = folder_gib(state_dir)
+    shutil.rmtree(state_dir)
+    weights = None  # noqa: F841 - freed before the next budget
+    after_s = gather_s + pack_s + (state_s + folder_s) / state_every
+    out = {"before_s": round(before_s, 3), "before_gib": round(before_gib, 2), "before_of_step": round(before_s / step_s, 4),
+           "gather_s": round(gather_s, 3), "pack_s": round(pack_s, 3), "sent_gib": round(sent_gib, 3),
+           "full_state_s": round(state_s + folder_s, 3), "full_state_gib": round(state_gib, 2),
+           "state_every": state_every, "after_s": round(after_s, 3), "after_of_step": round(after_s / step_s, 4)}  # fmt: skip
+    print(
+        f"publishing before: {before_s:.2f} s per iteration ({before_gib:.2f} GiB written), "
+        f"{before_s / step_s:.0%} of the step",
+        flush=True,
+    )
+    print(
+        f"publishing after: gather {gather_s:.2f} s + pack {pack_s:.2f} s ({sent_gib:.2f} GiB to send) + full "
+        f"state {state_s + folder_s:.2f} s / {state_every} = {after_s:.2f} s per iteration, "
+        f"{after_s / step_s:.1%} of the step",
+        flush=True,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()
