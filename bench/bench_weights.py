@@ -130,6 +130,9 @@ def main() -> None:
           f"{', '.join(f'{x:.2f}' for x in sync['memory'])})")  # fmt: skip
     print(f"ratio memory / disk: {memory / disk:.2f} (target <= 0.3)")
     print(f"learner per batch, before (model folder + full state every batch): {before:.2f} s")
+    folder = median(learner_s["folder"]) + before / args.state_every
+    print(f"learner per batch, disk path after (model folder {median(learner_s['folder']):.2f} s, full state "
+          f"{before:.2f} s / {args.state_every}): {folder:.2f} s; ratio {folder / before:.2f}")  # fmt: skip
     print(
         f"learner per batch, after (gather + pack {median(learner_s['gather_pack']):.2f} s, full state "
         f"{before:.2f} s / {args.state_every}): {after:.2f} s; ratio {after / before:.2f}"

@@ -123,6 +123,8 @@ def check_gpus(config, count: int | None = None) -> None:
                                   ("server.data_parallel_size", s.data_parallel_size)) if v > 1}  # fmt: skip
     if s.policy_urls and (s.reference_url or not config.train.needs_reference):
         parallel = {}  # no server runs here: parallelism is for `orchestrate.serve` on their machines
+    if s.weight_transfer == "nccl" and not s.policy_urls:  # our servers and trainer meet over NCCL: GPUs
+        parallel["server.weight_transfer"] = s.weight_transfer
     if not given and not parallel:
         return
     if s.policy_urls and "server.gpus" in given:

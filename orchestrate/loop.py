@@ -182,7 +182,8 @@ class Loop:
         for server in self.policy_servers:
             # Checked before the run directory was written (preflight); now that it exists, exactly (before
             # the trainer writes there too).
-            if isinstance(server, RemoteServer) and (problem := server.sees(self.run.root.resolve())):
+            if (isinstance(server, RemoteServer) and c.server.weight_transfer == "disk"
+                    and (problem := server.sees(self.run.root.resolve()))):  # fmt: skip
                 raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
                                   f"so mount {self.run.root.resolve()} at the same path there")  # fmt: skip
 

@@ -234,7 +234,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
                 raise PreflightError(f"{option}: {url}/health answered HTTP {health.status_code}; start the server "
                                      f"with `uv run -m orchestrate.serve --role {role}`")  # fmt: skip
             server.model_root()
-            problem = server.sees(folder) if role == "policy" else None
+            # a policy server reloads weights by path, unless they come in memory (then it needs no files of ours)
+            problem = server.sees(folder) if role == "policy" and s.weight_transfer == "disk" else None
         except ServerError as exc:
             raise PreflightError(f"{option}: {exc}") from None
         if problem:
