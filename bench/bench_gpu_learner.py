@@ -58,13 +58,32 @@ def llama_1b_config(tiny: bool):
     )  # fmt: skip
 
 
-def build_model(folder: Path, tiny: bool) -> int:
+def llama_8b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(  # meta-llama/Llama-3.1-8B's config.json
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        bos_token_id=128000, eos_token_id=128001,
+    )  # fmt: skip
+
+
+def build_model(folder: Path, config) -> int:
+    """Random weights of the config's shape, saved in bf16 (built on the GPU when there is one: fast)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_1b_config(tiny)).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return params
 
 
 def gsm8k_batch(vocab: int, tasks: int, attempts: int, prompt=(120, 220), completion=(64, 512), seed: int = 0):
@@ -102,26 +121,54 @@ def folder_gib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**30
 
 
+def measure(label: str, model_dir: Path, config, samples, tokens: int, params: int, warmup: bool = True):
+    """One learner: (optional) warm-up step, then one timed optimizer step over the whole batch."""
+    from accelerate import Accelerator
+
+    from finetune.learner import Learner
+
+    gpu = torch.cuda.is_available()
+    acc = Accelerator(mixed_precision="bf16" if gpu else "no")
+    learner, load_s = timed(lambda: Learner(model_dir, config, acc))
+    if warmup:
+        learner.train_batch(samples, 1)  # kernels chosen, allocator settled
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    metrics, step_s = timed(lambda: learner.train_batch(samples, 2))
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
+    peak = next((v for k, v in PEAK_FLOPS.items() if gpu and k in torch.cuda.get_device_name(0)), None)
+    mfu = 6 * params * tokens / step_s / peak if peak else float("nan")
+    trainable = sum(p.numel() for g in learner.optimizer.param_groups for p in g["params"])
+    run = {"run": label, "token_budget": config.token_budget, "lora_rank": config.lora.rank, "warmup": warmup,
+           "load_s": round(load_s, 2), "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s),
+           "mfu": round(mfu, 4), "peak_gib": round(peak_gib, 2), "trainable": trainable,
+           "micro_batches": metrics[-1].get("micro_batches")}  # fmt: skip
+    print(f"{label}: step {step_s:.2f} s{'' if warmup else ' (first step, no warm-up)'}, {tokens / step_s:,.0f} "
+          f"tokens/s, MFU {mfu:.1%} (6 x all parameters), peak {peak_gib:.1f} GiB, {trainable / 1e6:.1f} M trained, "
+          f"{run['micro_batches']} micro-batches", flush=True)  # fmt: skip
+    return learner, acc, run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model and batch: the same code path on CPU")
-    ap.add_argument("--budgets", default="16384,32768", help="token budgets per micro-batch to time")
-    ap.add_argument("--state-every", type=int, default=10, help="full trainer state every this many iterations")
+    ap.add_argument("--budgets", default="16384,32768", help="token budgets per micro-batch to time (full fine-tuning)")
+    ap.add_argument("--state-every", type=int, default=25, help="full trainer state every this many iterations")
+    ap.add_argument("--no-publish", action="store_true", help="skip the publishing measurements")
+    ap.add_argument("--lora-rank", type=int, default=0, help="also time LoRA at this rank (first budget)")
+    ap.add_argument("--lora-8b", action="store_true", help="also train Llama-3.1-8B's shape with LoRA (one step)")
+    ap.add_argument("--only-8b", action="store_true", help="with --lora-8b: skip the 1B runs")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in the 8B run")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_learner.json")
     args = ap.parse_args()
 
-    from accelerate import Accelerator
-
     from finetune.config import TrainConfig
-    from finetune.learner import Learner
     from finetune.weight_transfer import pack
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu), None)
     work = Path(tempfile.mkdtemp(prefix="bench_gpu_learner_"))
-    model_dir = work / "model"
-    params = build_model(model_dir, args.tiny)
     cfg = llama_1b_config(args.tiny)
+    params = build_model(work / "model", cfg)
     samples = (gsm8k_batch(cfg.vocab_size, 2, 4, (8, 16), (4, 32)) if args.tiny
                else gsm8k_batch(cfg.vocab_size, 16, 64))  # fmt: skip
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
@@ -131,33 +178,35 @@ def main() -> None:
         flush=True,
     )
     report = {"device": gpu, "parameters": params, "samples": len(samples), "tokens": tokens, "runs": []}
-
-    budgets = [int(b) for b in args.budgets.split(",")]
-    if args.tiny:
-        budgets = [min(b, 512) for b in budgets]
-    for i, budget in enumerate(budgets):
-        acc = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
-        config = TrainConfig(lr=1e-6, kl_coef=0.001, token_budget=budget)
-        learner, load_s = timed(lambda config=config, acc=acc: Learner(model_dir, config, acc))
-        learner.train_batch(samples, 1)  # warm-up: kernels chosen, allocator settled
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        metrics, step_s = timed(lambda learner=learner: learner.train_batch(samples, 2))
-        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-        mfu = 6 * params * tokens / step_s / peak if peak else float("nan")
-        run = {"token_budget": budget, "load_s": round(load_s, 2), "step_s": round(step_s, 3),
-               "tokens_per_s": round(tokens / step_s), "mfu": round(mfu, 4), "peak_gib": round(peak_gib, 2),
-               "micro_batches": metrics[-1].get("micro_batches")}  # fmt: skip
-        print(
-            f"token budget {budget}: step {step_s:.2f} s, {tokens / step_s:,.0f} tokens/s, MFU {mfu:.1%}, "
-            f"peak {peak_gib:.1f} GiB, {run['micro_batches']} micro-batches",
-            flush=True,
-        )
-        if i == 0:
-            run["publish"] = publishing(learner, work, step_s, args.state_every, pack)
+    budgets = [min(int(b), 512) if args.tiny else int(b) for b in args.budgets.split(",")]
+    runs = [(f"full, token budget {b}", TrainConfig(lr=1e-6, kl_coef=0.001, token_budget=b)) for b in budgets]
+    if args.lora_rank:
+        runs.append((f"LoRA r{args.lora_rank}, token budget {budgets[0]}",
+                     TrainConfig(lr=1e-5, kl_coef=0.001, token_budget=budgets[0], lora={"rank": args.lora_rank})))  # fmt: skip
+    for i, (label, config) in enumerate([] if args.only_8b else runs):
+        learner, acc, run = measure(label, work / "model", config, samples, tokens, params)
+        if i == 0 and not args.no_publish:
+            run["publish"] = publishing(learner, work, run["step_s"], args.state_every, pack)
         report["runs"].append(run)
         del learner, acc
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.lora_8b:
+        shutil.rmtree(work / "model")
+        cfg8 = llama_8b_config() if not args.tiny else llama_1b_config(True)
+        params8, build_s = timed(lambda: build_model(work / "model8b", cfg8))
+        print(f"8B shape: {params8 / 1e9:.3f} B parameters, built and saved in {build_s:.0f} s", flush=True)
+        config = TrainConfig(lr=1e-5, kl_coef=0.001, token_budget=budgets[0], lora={"rank": args.lora_rank or 16},
+                             gradient_checkpointing=args.checkpointing)  # fmt: skip
+        try:
+            learner, acc, run = measure(f"8B shape, LoRA r{config.lora.rank}, frozen bf16"
+                                        + (", gradient checkpointing" if args.checkpointing else ""), work / "model8b", config,
+                                        samples, tokens, params8, warmup=False)  # fmt: skip
+            run["parameters"] = params8
+            report["runs"].append(run)
+        except torch.OutOfMemoryError as exc:
+            print(f"8B shape with LoRA: out of memory ({str(exc).splitlines()[0]})", flush=True)
+            report["runs"].append({"run": "8B LoRA", "error": "out of memory"})
 
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,35 @@ def _listing(registry) -> str:
     return "; ".join(f"{n}: {spec.doc.rstrip('.')} ({spec.paper})" for n, spec in registry.items())
 
 
+class LoraOptions(BaseModel):
+    """LoRA adapters (peft) instead of full fine-tuning: the frozen base weights and a low-rank update
+    B @ A * alpha / rank on each target module; only the adapters are trained (and kept in the optimizer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
+    alpha: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="LoRA scaling numerator (alpha / rank); none: 2 x rank."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Names of the modules that get adapters (e.g. q_proj,v_proj); none: every linear layer of "
+        "the model but the output head (the attention and MLP projections).",
+    )
+
+    @model_validator(mode="after")
+    def _options_need_a_rank(self) -> LoraOptions:
+        if self.rank == 0 and (extra := sorted(self.model_fields_set - {"rank"})):
+            raise ValueError(f"lora.{extra[0]} is set but lora.rank is 0 (full fine-tuning): give lora.rank too")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+
 class _TrainOptions(BaseModel):
     """The options every algorithm shares; TrainConfig adds one section per registered loss."""
 
@@ -122,6 +151,7 @@ class _TrainOptions(BaseModel):
     save_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="dtype of checkpoint weights; auto: that of the starting model folder."
     )
+    lora: LoraOptions = Field(default_factory=LoraOptions, description="LoRA adapters (rank 0: off)")
     save_state_every: int = Field(
         25,
         ge=1,

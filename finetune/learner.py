@@ -54,6 +54,43 @@ TOKENIZER_FILES = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+LORA_ADAPTER = "default"  # peft's name of the one adapter
+
+
+def with_lora(lm, lora):
+    """`lm` with LoRA adapters injected in place (peft): its own weights frozen, the adapters trainable.
+    A target module the model does not have is refused with the names it has."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.target_modules or "all-linear"
+    if lora.target_modules:
+        names = {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules()}
+        if missing := [t for t in lora.target_modules if t not in names]:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ValueError(f"lora.target_modules: {', '.join(missing)} not in the model; its linear modules are "
+                             f"{', '.join(linear)}")  # fmt: skip
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.scale * lora.rank, lora_dropout=lora.dropout,
+                        target_modules=targets, bias="none")  # fmt: skip
+    return get_peft_model(lm, config, autocast_adapter_dtype=True).get_base_model()
+
+
+def merged_lora(state: dict, scale: float) -> dict:
+    """A state dict with LoRA layers (peft's `X.base_layer.weight`, `X.lora_A.default.weight`,
+    `X.lora_B.default.weight`) as the plain model's: `X.weight` = base + B @ A * scale, in fp32."""
+    out = {}
+    for key, value in state.items():
+        if ".lora_A." in key or ".lora_B." in key or ".lora_dropout" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            module = key.removesuffix(".base_layer.weight")
+            a = state[f"{module}.lora_A.{LORA_ADAPTER}.weight"].float()
+            b = state[f"{module}.lora_B.{LORA_ADAPTER}.weight"].float()
+            out[f"{module}.weight"] = value.float() + (b @ a) * scale
+        else:
+            out[key.replace(".base_layer.", ".")] = value
+    return out
+
+
 def mixed_precision_for(config: TrainConfig) -> str | None:
     """accelerate's mixed_precision for config.dtype (None: what the launcher set)."""
     if config.dtype == "bfloat16":
@@ -151,9 +188,16 @@ class Learner:
                 "fixed gradient accumulation cannot express. Use FSDP (finetune/accelerate/multi_gpu_fsdp.yaml)."
             )
         self.save_dtype = folder_dtype(self.model_dir) if config.save_dtype == "auto" else config.save_dtype
-        # Weights stay fp32 (master copy); bf16 on GPU comes from accelerate's autocast.
-        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        # Weights stay fp32 (master copy); bf16 on GPU comes from accelerate's autocast. With LoRA the frozen
+        # base is held in bf16 on a GPU (it gets no update), the adapters in fp32.
+        lora = config.lora
+        frozen_bf16 = lora.rank > 0 and acc.device.type == "cuda"
+        lm = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32
+        )
         lm.config.use_cache = False
+        if lora.rank > 0:
+            lm = with_lora(lm, lora)
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         impl = config.logprob_impl
@@ -169,7 +213,9 @@ class Learner:
         betas, eps = (config.adam_beta1, config.adam_beta2), config.adam_eps
         groups = [
             {
-                "params": [p for n, p in policy.named_parameters() if not n.startswith("value_head.")],
+                "params": [
+                    p for n, p in policy.named_parameters() if not n.startswith("value_head.") and p.requires_grad
+                ],
                 "base_lr": config.lr,
             }
         ]
@@ -671,7 +717,10 @@ class Learner:
             return None
         dtype = DTYPES[self.save_dtype]
         # the language model only (a PPO value head stays in trainer_state/, with the separate critic)
-        weights = {k.removeprefix("lm."): v.to(dtype) for k, v in state.items() if k.startswith("lm.")}
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        if self.config.lora.rank > 0:
+            lm_state = merged_lora(lm_state, self.config.lora.scale)
+        weights = {k: v.to(dtype) for k, v in lm_state.items()}
         lm = acc.unwrap_model(self.model).lm
         if bool(getattr(lm.config, "tie_word_embeddings", False)):
             head = lm.get_output_embeddings()

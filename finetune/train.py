@@ -82,7 +82,7 @@ from finetune.cli import (
     nest,
     refuse_repeated,
 )
-from finetune.config import TrainConfig
+from finetune.config import LoraOptions, TrainConfig
 from finetune.losses import LOSSES
 
 log = logging.getLogger("finetune")
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_options(
         parser.add_argument_group("training (finetune.config.TrainConfig)"), TrainConfig, dash=True, nested=False
+    )
+    add_options(
+        parser.add_argument_group("LoRA adapters (finetune.config.LoraOptions)"), LoraOptions, "lora.", dash=True
     )
     for loss, spec in LOSSES.items():
         group = parser.add_argument_group(f"options of --algorithm {loss} (finetune.losses)")

@@ -38,7 +38,6 @@ class PolicyWeights:
         self.regroup = False  # a transfer failed: form a new generation before the next version
         self.stale: set = set()  # servers that do not hold the served version (out of the pool)
         self.served = 0
-        self.last_transfer: dict = {}  # seconds and bytes of the last in-memory transfer (metrics)
 
     @property
     def in_memory(self) -> bool:
@@ -106,6 +105,14 @@ class PolicyWeights:
             return str(exc).splitlines()[0]
         return None
 
+    def _leave_group(self) -> None:
+        """Every server drops its end of the group (their sockets close, so a broadcast in progress fails)."""
+        for server in self.servers:
+            try:
+                server._post("/shutdown_weight_transfer_engine", timeout=30)
+            except ServerError:
+                pass  # a dead server has no group to drop
+
     def _give_up(self, why: str) -> None:
         print(f"weights: {self.backend} transfer unavailable ({why}); new weights go through the disk")
         self.backend = "disk"
@@ -118,8 +125,12 @@ class PolicyWeights:
         are in `stale`). Raises when none could."""
         manifest = self.run.transfer_manifest(version) if self.in_memory else None
         failed: list[tuple[VLLMServer, str]] = []
-        if manifest is not None and manifest.get("generation") == self.generation and not self.regroup:
-            failed = self._transfer(version, manifest)
+        if manifest is not None and manifest.get("generation") == self.generation:  # the learner is sending it
+            if self.regroup:  # a server rejoined since the group formed: it cannot take part
+                self._leave_group()  # the learner's broadcast fails at once instead of waiting out its timeout
+                failed = [(s, "a server rejoined: the group is formed anew") for s in self.servers]
+            else:
+                failed = self._transfer(version, manifest)
             atomic_write_json(self.run.weights_ack, {"version": version, "ok": not failed,
                                                      "reason": "; ".join(r for _, r in failed)})  # fmt: skip
             if failed:  # the learner writes the version's folder now: reload every server from it
@@ -138,11 +149,8 @@ class PolicyWeights:
         return [s.base_url for s, _ in failed]
 
     def _transfer(self, version: int, manifest: dict) -> list[tuple[VLLMServer, str]]:
-        start = time.perf_counter()
         with ThreadPoolExecutor(len(self.servers)) as pool:
             results = list(pool.map(lambda s: self._receive(s, version, manifest), self.servers))
-        self.last_transfer = {"seconds": time.perf_counter() - start,
-                              "bytes": sum(b["bytes"] for b in manifest["buckets"])}  # fmt: skip
         failed = [(s, r) for s, r in zip(self.servers, results) if r]
         for server in self.servers:
             if server not in dict(failed):
@@ -195,9 +203,6 @@ class PolicyWeights:
         self.stale.discard(server)
         if self.in_memory:
             self.regroup = True
-
-    def close(self) -> None:
-        self.store = None
 
 
 def _answers(server) -> bool:

@@ -392,3 +392,40 @@ def test_loss_metrics_report_the_mismatch_only_where_measured_and_per_token_mean
     first = loss_metrics({**sums, "mm_abs": 0.4, "mm_ratio": 5.0, "mm_n": 4.0}, extremes, n_completion=4)
     assert first["mismatch_abs_logp"] == 0.1 and first["tis_ratio_mean"] == 1.25 and first["tis_ratio_max"] == 3.0
     assert "tis_ratio_min" not in first and "mm_n" not in first
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------
+
+
+def test_lora_trains_only_the_adapters_and_publishes_the_merged_policy(tiny, tmp_path):
+    """--train.lora.rank: peft's adapters on every linear layer but the head; the base stays frozen, the
+    optimizer holds only the adapters, and the published model folder (what vLLM loads) is the merged
+    policy: transformers scores a sample on it exactly as the learner does."""
+    cfg = TrainConfig(lr=1e-2, lora={"rank": 4})
+    learner = Learner(tiny, cfg)
+    lm = learner.accelerator.unwrap_model(learner.model).lm
+    trainable = {n for n, p in lm.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimized = sum(p.numel() for g in learner.optimizer.param_groups for p in g["params"])
+    assert optimized == sum(p.numel() for n, p in lm.named_parameters() if n in trainable)
+    assert optimized < sum(p.numel() for p in lm.parameters()) / 10
+
+    frozen = {n: p.detach().clone() for n, p in lm.named_parameters() if not p.requires_grad}
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    before = learner.logprobs(batch)
+    learner.train_batch(batch, 0)
+    assert all(torch.equal(p, frozen[n]) for n, p in lm.named_parameters() if not p.requires_grad)
+    after = learner.logprobs(batch)
+    assert not torch.allclose(before[0], after[0]), "the adapters did not move the policy"
+
+    weights = learner.policy_weights()
+    assert not any("lora" in k or "base_layer" in k for k in weights)
+    learner.save_weights(tmp_path / "merged", weights)
+    merged = Learner(tmp_path / "merged", TrainConfig())
+    for a, b in zip(after, merged.logprobs(batch)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_lora_refuses_modules_the_model_does_not_have(tiny):
+    with pytest.raises(ValueError, match="lora.target_modules: qkv_proj not in the model; its linear modules are"):
+        Learner(tiny, TrainConfig(lora={"rank": 2, "target_modules": ["q_proj", "qkv_proj"]}))
