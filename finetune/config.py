@@ -39,6 +39,11 @@ class LoraOptions(BaseModel):
         "the model but the output head (the attention and MLP projections).",
     )
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _options_need_a_rank(self) -> LoraOptions:
         if self.rank == 0 and (extra := sorted(self.model_fields_set - {"rank"})):

@@ -148,9 +148,27 @@ def preflight(config) -> None:
         check_search_corpus(config.env.search)
     check_capabilities(config)
     check_environment(config)
-    check_model(config.model.policy, "--model.policy")
+    policy = check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
+    if config.train.lora.target_modules:
+        check_lora_targets(policy, config.train.lora.target_modules)
+
+
+def check_lora_targets(folder: Path, targets: list[str]) -> None:
+    """--train.lora.target_modules names modules of the policy: read from its weight files' names (no
+    weight is loaded)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            names |= {key.rsplit(".", 2)[-2] for key in f.keys() if key.count(".") >= 2}
+    if not names:
+        return  # *.bin weights only: the learner checks when it loads the model
+    if missing := [t for t in targets if t not in names]:
+        raise PreflightError(f"--train.lora.target_modules: {', '.join(missing)} not in the model {folder.name}; "
+                             f"its modules with weights include {', '.join(sorted(names))}")  # fmt: skip
 
 
 def check_capabilities(config) -> None:

@@ -204,6 +204,25 @@ def test_placement_and_staleness_options_are_checked_before_anything_starts(
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--train.lora.rank", "-1"], ["--train.lora.rank"]),
+    (["--train.lora.alpha", "8"], ["lora.alpha", "lora.rank is 0"]),
+    (["--train.lora.rank", "4", "--train.lora.target_modules", "q_proj,qkv_proj"],
+     ["--train.lora.target_modules", "qkv_proj not in the model", "v_proj"]),
+    (["--server.weight_transfer", "nccl"], ["--server.weight_transfer", "no GPU"]),
+    (["--server.weight_transfer", "tcp"], ["--server.weight_transfer", "'disk', 'gloo' or 'nccl'"]),
+])  # fmt: skip
+def test_lora_and_weight_transfer_options_are_checked_before_anything_starts(
+    tmp_path, rl_cli, tiny_model_dir, argv, words
+):
+    run_dir = tmp_path / "run"
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(tiny_model_dir), *argv])
+    assert code == 2, line
+    for word in words:
+        assert word in line, line
+    assert not run_dir.exists()
+
+
 # -- options that need what the environment declares (agents.envs.capabilities) -------------------
 
 
