@@ -429,3 +429,20 @@ def test_lora_trains_only_the_adapters_and_publishes_the_merged_policy(tiny, tmp
 def test_lora_refuses_modules_the_model_does_not_have(tiny):
     with pytest.raises(ValueError, match="lora.target_modules: qkv_proj not in the model; its linear modules are"):
         Learner(tiny, TrainConfig(lora={"rank": 2, "target_modules": ["q_proj", "qkv_proj"]}))
+
+
+def test_lora_resumes_exactly_from_its_trainer_state(tiny, tmp_path):
+    """A LoRA learner restored from its trainer state takes the same next step as the one that saved it."""
+    cfg = TrainConfig(lr=1e-2, lora={"rank": 2, "alpha": 4, "target_modules": "q_proj,v_proj"})
+    learner = Learner(tiny, cfg)
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    learner.train_batch(batch, 0)
+    learner.save_trainer_state(tmp_path / "ck", {"batch": 0})
+    resumed = Learner(tiny, cfg)
+    assert resumed.load_trainer_state(tmp_path / "ck")["batch"] == 0 and resumed.step == 1
+    learner.train_batch(batch, 1)
+    resumed.train_batch(batch, 1)
+    a, b = params(learner), params(resumed)
+    assert any("lora_A" in name for name in a)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)

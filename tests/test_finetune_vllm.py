@@ -358,3 +358,40 @@ def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path
     assert result == [None] and not run.has_weights(9)
     samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
     assert worst_ratio(learner, samples) < 1e-3
+
+
+def test_a_server_that_rejoins_reloads_from_disk_then_joins_a_new_group(trained, in_memory):
+    """A server back in the pool (restarted) gets the served version from the folder the learner writes on
+    request; it is not in the group, so the version being broadcast meanwhile is refused at once (the
+    servers drop the group: no timeout is waited out), reloaded from disk, and a new generation forms."""
+    import threading
+    import time
+
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    served = weights.served
+
+    def learner_answers():  # finetune.train's answer_requests, for the request below
+        while run.read_json(run.weights_request).get("version") != served:
+            time.sleep(0.05)
+        learner.save_weights(run.checkpoint(served), learner.policy_weights())
+
+    answering = threading.Thread(target=learner_answers)
+    answering.start()
+    weights.rejoin(server)
+    answering.join(timeout=120)
+    assert weights.regroup and run.has_weights(served)
+
+    one_step(learner, model_dir, 11)
+    thread, result, _, _ = _publish(run, learner, sender, 11)
+    joining = _learner_joins_next(sender, run, weights.generation + 1)
+    start = time.monotonic()
+    assert weights.serve(11) == []
+    thread.join(timeout=120)
+    joining.join(timeout=120)
+    print(f"version 11 through the disk after a rejoin in {time.monotonic() - start:.1f} s: {result}")
+    assert time.monotonic() - start < 45, "the learner's broadcast waited for its timeout"
+    assert result[0] and run.has_weights(11) and not weights.regroup
+    assert sender.generation == weights.generation
+    samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
+    assert worst_ratio(learner, samples) < 1e-3
