@@ -41,33 +41,30 @@ import torch
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
 
-def llama_1b_config(tiny: bool):
+# meta-llama/Llama-3.2-1B's and Llama-3.1-8B's config.json (the fields that set the shape)
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64, tie_word_embeddings=True,
+               rope_factor=32.0),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+               tie_word_embeddings=False, rope_factor=8.0),
+}  # fmt: skip
+
+
+def llama_config(shape: str):
     from transformers import LlamaConfig
 
-    if tiny:
+    if shape == "tiny":
         return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                            max_position_embeddings=2048)  # fmt: skip
-    return LlamaConfig(  # meta-llama/Llama-3.2-1B's config.json
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, hidden_act="silu",
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-        rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+    fields = dict(SHAPES[shape])
+    factor = fields.pop("rope_factor")
+    return LlamaConfig(
+        vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"factor": factor, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        bos_token_id=128000, eos_token_id=128001,
-    )  # fmt: skip
-
-
-def llama_8b_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(  # meta-llama/Llama-3.1-8B's config.json
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        bos_token_id=128000, eos_token_id=128001,
+        bos_token_id=128000, eos_token_id=128001, **fields,
     )  # fmt: skip
 
 
@@ -167,7 +164,7 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="bench_gpu_learner_"))
-    cfg = llama_1b_config(args.tiny)
+    cfg = llama_config("tiny" if args.tiny else "1b")
     params = build_model(work / "model", cfg)
     samples = (gsm8k_batch(cfg.vocab_size, 2, 4, (8, 16), (4, 32)) if args.tiny
                else gsm8k_batch(cfg.vocab_size, 16, 64))  # fmt: skip
@@ -193,7 +190,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.lora_8b:
         shutil.rmtree(work / "model")
-        cfg8 = llama_8b_config() if not args.tiny else llama_1b_config(True)
+        cfg8 = llama_config("tiny" if args.tiny else "8b")
         params8, build_s = timed(lambda: build_model(work / "model8b", cfg8))
         print(f"8B shape: {params8 / 1e9:.3f} B parameters, built and saved in {build_s:.0f} s", flush=True)
         config = TrainConfig(lr=1e-5, kl_coef=0.001, token_budget=budgets[0], lora={"rank": args.lora_rank or 16},

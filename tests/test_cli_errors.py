@@ -192,19 +192,6 @@ def test_browse_port_out_of_range(bad_run, port):
     (["--run.async_level", "2", "--train.max_lag", "1"], ["--train.max_lag", "async_level"]),
     (["--train.tis_cap", "0"], ["--train.tis_cap"]),
     (["--train.tis_cap", "nan"], ["--train.tis_cap"]),
-])  # fmt: skip
-def test_placement_and_staleness_options_are_checked_before_anything_starts(
-    tmp_path, rl_cli, folder_model, argv, words
-):
-    run_dir = tmp_path / "run"
-    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(folder_model), *argv])
-    assert code == 2, line
-    for word in words:
-        assert word in line, line
-    assert not run_dir.exists()
-
-
-@pytest.mark.parametrize("argv, words", [
     (["--train.lora.rank", "-1"], ["--train.lora.rank"]),
     (["--train.lora.alpha", "8"], ["lora.alpha", "lora.rank is 0"]),
     (["--train.lora.rank", "4", "--train.lora.target_modules", "q_proj,qkv_proj"],
@@ -212,7 +199,7 @@ def test_placement_and_staleness_options_are_checked_before_anything_starts(
     (["--server.weight_transfer", "nccl"], ["--server.weight_transfer", "no GPU"]),
     (["--server.weight_transfer", "tcp"], ["--server.weight_transfer", "'disk', 'gloo' or 'nccl'"]),
 ])  # fmt: skip
-def test_lora_and_weight_transfer_options_are_checked_before_anything_starts(
+def test_placement_staleness_lora_and_weight_options_are_checked_before_anything_starts(
     tmp_path, rl_cli, tiny_model_dir, argv, words
 ):
     run_dir = tmp_path / "run"
