@@ -10,12 +10,15 @@ through files in the run folder only:
    one sample per line, temp file + rename, so a visible file is complete).
 2. The learner polls for the lowest-numbered batch above the last one it
    trained, trains on it (epochs x steps_per_epoch optimizer steps), then
-   writes RUN/checkpoints/NNNNNN/: a Hugging Face folder (config.json,
-   model.safetensors, generation_config.json, tokenizer files) that vLLM and
-   transformers load, plus trainer_state/ (weights, optimizer state,
-   progress.json) to resume from. The folder is built as
-   checkpoints/.tmp-NNNNNN, fsynced and renamed: it appears complete or not
-   at all. Only the newest checkpoint keeps trainer_state/.
+   writes RUN/checkpoints/NNNNNN/ with learner.json and, as due (see
+   finetune.rundir): a Hugging Face folder (config.json, model.safetensors,
+   generation_config.json, tokenizer files) that vLLM and transformers load;
+   transfer.json when the weights go to the servers in memory
+   (finetune.weight_transfer: the learner then broadcasts them and waits for
+   the orchestrator's ack); trainer_state/ (weights, optimizer state,
+   progress.json) every --save-state-every batches and at a clean stop. The
+   folder is built as checkpoints/.tmp-NNNNNN, fsynced and renamed: it
+   appears complete or not at all. Only the newest full state is kept.
 3. After the checkpoint appears, the batch's per-step metrics are appended to
    RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
    step, step_in_batch, loss, pg_loss, kl, entropy, clip_frac, ratio_mean,
@@ -28,9 +31,10 @@ through files in the run folder only:
    (with `error`).
 4. The learner keeps model and optimizer in memory between batches. After a
    crash or kill, started again with the same arguments, it resumes from the
-   newest checkpoint with its optimizer state and goes on with the next
-   batch: a batch that has a checkpoint is never trained again; a batch
-   interrupted before its checkpoint is trained again from the start.
+   newest checkpoint with a full state, removes the checkpoints published
+   after it and trains their batches again, in order, then goes on with the
+   next batch; a batch interrupted before its checkpoint is trained again
+   from the start.
 5. It exits cleanly (status stopped) when RUN/trainer.stop exists (checked
    between batches), after --max-batches batches, or with --once when no
    batch is left. It exits at once (code 3) when its parent process changes

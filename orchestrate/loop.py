@@ -10,7 +10,8 @@ Each iteration i:
      over the tapes of the batch
   4. save the tapes, then the training samples (batches/i) for the trainer
   5. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
-  6. the policy servers reload their weights from it (no restart)
+  6. the policy servers get the new weights (no restart): in memory or from the checkpoint folder
+     (orchestrate.weights)
   7. every `eval.every` iterations: held-out episodes (test split) at eval temperature, tapes saved
   8. metrics line, plot, state.json: the iteration is complete
 
