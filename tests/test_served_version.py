@@ -12,6 +12,7 @@ from orchestrate.config import RLConfig
 from orchestrate.loop import Loop, build_agent
 from orchestrate.rollouts import EnvSpec
 from orchestrate.run_dir import RunDir
+from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams
 
@@ -71,6 +72,8 @@ def loop(tmp_path):
     loop.eval_episodes = 3
     loop.eval_sampling = SamplingParams(temperature=0.0, max_tokens=4)
     loop.policy_servers, loop.trainer, loop.served = [Server(), Server()], Trainer(), 0
+    loop.weights = PolicyWeights(run, loop.policy_servers, "disk", 60, loop.trainer)  # reloads from folders
+    loop.stale = loop.weights.stale
 
     def client(servers, policy_version):  # the loop's client, its HTTP answered here
         return VLLMClient(servers, loop.tokenizer, policy_version=policy_version, transport=httpx.MockTransport(answer))
@@ -92,6 +95,8 @@ def test_evaluation_names_the_served_version_before_and_after_training(loop):
     assert versions(before) == ({0}, {0})
 
     for i in (1, 2):
+        loop.run.checkpoint(i).mkdir(parents=True)
+        (loop.run.checkpoint(i) / "config.json").write_text("{}")  # the learner published checkpoint i
         loop._reload(i)  # what the loop does once checkpoint i is written
         assert [s.loaded[-1] for s in loop.policy_servers] == [loop.run.checkpoint(i).name] * 2
         loop.evaluate(i)

@@ -370,9 +370,17 @@ def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_chec
         def weights_changed(self, version):
             return True
 
-    loop = Loop(RLConfig(), RunDir(tmp_path / "run"), progress=False)
+    from orchestrate.weights import PolicyWeights
+
+    run = RunDir(tmp_path / "run")
+    for version in (1, 2):  # the learner published checkpoints 1 and 2 as model folders
+        run.checkpoint(version).mkdir(parents=True)
+        (run.checkpoint(version) / "config.json").write_text("{}")
+    loop = Loop(RLConfig(), run, progress=False)
     a, b = Reloadable("a"), Reloadable("b")
     loop.policy_servers, loop.trainer, loop.served, loop.tokenizer = [a, b], Trainer(), 0, None
+    loop.weights = PolicyWeights(run, loop.policy_servers, "disk", 60, loop.trainer)
+    loop.stale = loop.weights.stale
     b.up = False
     loop._reload(1)
     assert loop.served == 1 and a.loaded == ["000001"] and loop.stale == {b}
@@ -394,5 +402,5 @@ def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_chec
     assert loop.counts["taken_out"] == 1 and sum(loop.counts["requests"]) == 3
 
     a.up = b.up = False
-    with pytest.raises(ServerError, match="no policy server is left to serve checkpoint 2"):
+    with pytest.raises(ServerError, match="no policy server is left to serve version 2"):
         loop._reload(2)
