@@ -46,7 +46,9 @@ class LoraOptions(BaseModel):
 
     @model_validator(mode="after")
     def _options_need_a_rank(self) -> LoraOptions:
-        if self.rank == 0 and (extra := sorted(self.model_fields_set - {"rank"})):
+        fields = type(self).model_fields
+        changed = [f for f in sorted(self.model_fields_set - {"rank"}) if getattr(self, f) != fields[f].default]
+        if self.rank == 0 and (extra := changed):  # a dump of the defaults (train_config.json) is fine
             raise ValueError(f"lora.{extra[0]} is set but lora.rank is 0 (full fine-tuning): give lora.rank too")
         return self
 

@@ -236,6 +236,8 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
         "1e-3",
         "--ppo.gae-lambda",
         "0.95",
+        "--save-state-every",  # the full state (policy, critic, both optimizers) with every batch
+        "1",
     ]
     cfg = TrainConfig(algorithm="ppo", lr=1e-3, epochs=2, token_budget=64, ppo={"critic_lr": 1e-3, "gae_lambda": 0.95})
     batches = [constant_batch(1, 1.0), constant_batch(2, 0.0)]

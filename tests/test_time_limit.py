@@ -12,6 +12,7 @@ import pytest
 from orchestrate import loop as loop_module
 from orchestrate.metrics import read_metrics
 from orchestrate.run_dir import RunDir
+from orchestrate.weights import PolicyWeights
 from tests.test_dynamic_sampling import episode
 
 
@@ -57,6 +58,8 @@ def fake_loop(monkeypatch):
         self.policy_servers = [FakeServer()]
         self.trainer = FakeTrainer(self)
         trainers.append(self.trainer)
+        self.weights = PolicyWeights(self.run, self.policy_servers, "disk", 60, self.trainer)
+        self.stale = self.weights.stale
         self.served = self.trainer.newest_checkpoint()
 
     async def rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False):
