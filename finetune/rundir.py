@@ -223,11 +223,7 @@ class RunDir:
 
     def read_heartbeat(self) -> dict:
         """The last beat ({} while there is none, or one cannot be read)."""
-        try:
-            beat = json.loads(self.trainer_heartbeat.read_text())
-        except (OSError, ValueError):
-            return {}
-        return beat if isinstance(beat, dict) else {}
+        return self.read_json(self.trainer_heartbeat)
 
     def append_metrics(self, record: dict) -> None:
         """One whole line per call; a line torn by a kill mid-write is cut before the next (finetune.durable)."""
