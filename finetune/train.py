@@ -498,9 +498,7 @@ class _Session:
 
         write = False
         if self.main_process:
-            info = self.run.read_json(self.run.weight_group)
-            if info and int(info.get("generation", 0)) not in (self.sender.generation, self.failed_generation):
-                self._join_group()
+            self._join_group()  # a generation not joined yet (nothing when none is announced, or it is joined)
             request = self.run.read_json(self.run.weights_request)
             write = (
                 self.last is not None and request.get("version") == self.last and not self.run.has_weights(self.last)
