@@ -126,6 +126,7 @@ class VLLMClient:
         out: Sequence[Endpoint] = (),
         health_interval_s: float = 10.0,
         rejoin_timeout_s: float = 120.0,
+        adapter: Callable[[int], str | None] | None = None,
     ):
         if not endpoints:
             raise ValueError("VLLMClient needs at least one endpoint")
@@ -140,6 +141,8 @@ class VLLMClient:
         self.taken_out = 0  # times a server was taken out of the pool
         self.tokenizer = tokenizer
         self.model = model
+        # a LoRA run: the name version v's adapter is served under (None: the base model's own name)
+        self.adapter = adapter
         self.policy_version = policy_version
         self.max_retries = max_retries
         self.on_failure = on_failure
@@ -303,7 +306,7 @@ class VLLMClient:
         endpoint = member.endpoint
         post = asyncio.ensure_future(self._http.post(
             endpoint.base_url + "/v1/completions",
-            json={"model": endpoint.served_model_name, **payload},
+            json={"model": endpoint.served_model_name, **payload},  # payload's model: an adapter
             headers=endpoint.headers,
         ))  # fmt: skip
         out = asyncio.ensure_future(member.out.wait())
@@ -375,6 +378,9 @@ class VLLMClient:
             payload["include_stop_str_in_output"] = True
         payload.update(self.extra_body)
         version = await self._enter_call()
+        adapter = self.adapter(version) if self.adapter is not None else None
+        if adapter:
+            payload["model"] = adapter  # instead of the server's base name
         start = time.perf_counter()
         try:
             body = await self._post(payload)
@@ -387,7 +393,7 @@ class VLLMClient:
         if len(tokens) != len(values) or any(v is None for v in values):
             raise LLMError(f"vLLM returned {len(tokens)} tokens but {len(values)} log-probs")
         return LLMCall(
-            model=self.model,
+            model=f"{self.model} + adapter {adapter}" if adapter else self.model,
             policy_version=version,
             messages=list(messages or []),
             prompt_text=prompt_text,

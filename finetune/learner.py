@@ -37,6 +37,7 @@ from finetune.config import TrainConfig
 from finetune.estimators import turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
 from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, value_loss
+from finetune.lora import adapter_tensors, merged, with_lora, write_adapter
 from finetune.microbatch import MicroBatch, micro_batches
 
 TOKENIZER_FILES = (
@@ -52,43 +53,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-LORA_ADAPTER = "default"  # peft's name of the one adapter
-
-
-def with_lora(lm, lora):
-    """`lm` with LoRA adapters injected in place (peft): its own weights frozen, the adapters trainable.
-    A target module the model does not have is refused with the names it has."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = lora.target_modules or "all-linear"
-    if lora.target_modules:
-        names = {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules()}
-        if missing := [t for t in lora.target_modules if t not in names]:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, torch.nn.Linear)})
-            raise ValueError(f"lora.target_modules: {', '.join(missing)} not in the model; its linear modules are "
-                             f"{', '.join(linear)}")  # fmt: skip
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.scale * lora.rank, lora_dropout=lora.dropout,
-                        target_modules=targets, bias="none")  # fmt: skip
-    return get_peft_model(lm, config, autocast_adapter_dtype=True).get_base_model()
-
-
-def merged_lora(state: dict, scale: float) -> dict:
-    """A state dict with LoRA layers (peft's `X.base_layer.weight`, `X.lora_A.default.weight`,
-    `X.lora_B.default.weight`) as the plain model's: `X.weight` = base + B @ A * scale, in fp32."""
-    out = {}
-    for key, value in state.items():
-        if ".lora_A." in key or ".lora_B." in key or ".lora_dropout" in key:
-            continue
-        if key.endswith(".base_layer.weight"):
-            module = key.removesuffix(".base_layer.weight")
-            a = state[f"{module}.lora_A.{LORA_ADAPTER}.weight"].float()
-            b = state[f"{module}.lora_B.{LORA_ADAPTER}.weight"].float()
-            out[f"{module}.weight"] = value.float() + (b @ a) * scale
-        else:
-            out[key.replace(".base_layer.", ".")] = value
-    return out
 
 
 def mixed_precision_for(config: TrainConfig) -> str | None:
@@ -196,8 +160,9 @@ class Learner:
             self.model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32
         )
         lm.config.use_cache = False
+        self.lora_config = None  # peft's LoraConfig, with LoRA
         if lora.rank > 0:
-            lm = with_lora(lm, lora)
+            lm, self.lora_config = with_lora(lm, lora)
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         impl = config.logprob_impl
@@ -248,6 +213,8 @@ class Learner:
             self.model, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
                 policy, optimizer, critic, critic_optimizer
             )
+        if lora.rank > 0:  # its trainer state holds the adapters (and a value head), not the frozen base
+            acc.register_save_state_pre_hook(self._trainable_only)
         self.has_critic = spec.critic
         self.step = 0  # optimizer steps taken so far, over the whole run
         self._progress = None  # [done, total, callback] of the batch being trained
@@ -719,7 +686,7 @@ class Learner:
         # the language model only (a PPO value head stays in trainer_state/, with the separate critic)
         lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
         if self.config.lora.rank > 0:
-            lm_state = merged_lora(lm_state, self.config.lora.scale)
+            lm_state = merged(lm_state, self.config.lora.scale)
         weights = {k: v.to(dtype) for k, v in lm_state.items()}
         lm = acc.unwrap_model(self.model).lm
         if bool(getattr(lm.config, "tie_word_embeddings", False)):
@@ -728,6 +695,29 @@ class Learner:
             embed_name = next(name for name, module in lm.named_modules() if module is lm.get_input_embeddings())
             weights[f"{head_name}.weight"] = weights[f"{embed_name}.weight"].clone()
         return weights
+
+    def adapter_weights(self) -> dict | None:
+        """The LoRA adapter's tensors as peft saves them, in the served dtype. Every process must call it
+        (FSDP gathers the shards); the main process gets them, the others None."""
+        acc = self.accelerator
+        state = acc.get_state_dict(self.model)
+        if not acc.is_main_process:
+            return None
+        dtype = DTYPES[self.save_dtype]
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        return {k: v.to(dtype) for k, v in adapter_tensors(lm_state).items()}
+
+    def save_adapter(self, folder: str | os.PathLike, tensors: dict) -> Path:
+        """Write the adapter folder (finetune.lora.write_adapter) of `adapter_weights`. Main process only."""
+        return write_adapter(folder, tensors, self.lora_config, self.model_dir)
+
+    def _trainable_only(self, models: list, weights: list, output_dir: str) -> None:
+        """accelerate's save-state hook with LoRA: the policy's saved weights are its trainable ones (the
+        adapters, a value head); the frozen base is the initial model's, loaded at start."""
+        if not weights:  # FSDP saves through its own path: the whole model
+            return
+        trainable = {n for n, p in models[0].named_parameters() if p.requires_grad}
+        weights[0] = {k: v for k, v in weights[0].items() if k in trainable}
 
     def save_weights(self, folder: str | os.PathLike, weights: dict) -> None:
         """Write `weights` (policy_weights) as a Hugging Face model folder (safetensors, config, tokenizer)
@@ -782,7 +772,27 @@ class Learner:
         The learner must be built from the run's initial model (its
         architecture, tied head included); the weights come from here."""
         folder = Path(folder) / "trainer_state"
-        self.accelerator.load_state(str(folder))
+        if self.config.lora.rank > 0 and self.accelerator.distributed_type != DistributedType.FSDP:
+            self._check_trainable(folder)
+            self.accelerator.load_state(str(folder), strict=False)  # the frozen base is not in it
+        else:
+            self.accelerator.load_state(str(folder))
         progress = json.loads((folder / "progress.json").read_text())
         self.step = int(progress["optimizer_step"])
         return progress
+
+    def _check_trainable(self, folder: Path) -> None:
+        """A LoRA trainer state holds exactly this learner's trainable weights (the same rank and target
+        modules), or resuming from it is refused."""
+        from safetensors import safe_open
+
+        file = folder / "model.safetensors"
+        if not file.is_file():
+            raise ValueError(f"{folder} has no model.safetensors to resume the adapters from")
+        with safe_open(str(file), "pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        ours = {n: tuple(p.shape) for n, p in self.model.named_parameters() if p.requires_grad}
+        if saved != ours:
+            differ = sorted(set(saved.items()) ^ set(ours.items()))[:1]
+            raise ValueError(f"{folder} holds other trainable weights than this learner's LoRA options "
+                             f"(e.g. {differ[0][0]} {list(differ[0][1])}): resume with the run's own options")  # fmt: skip

@@ -6,6 +6,8 @@
                                   - the policy as a Hugging Face folder (config.json, safetensors, tokenizer)
                                     when vLLM reloads from disk, when due (--save-weights-every), with a full
                                     state and at the last batch;
+                                  - adapter/, the LoRA adapter (peft's folder: adapter_config.json written
+                                    last) in every checkpoint of a LoRA run, which the servers load by path;
                                   - transfer.json, the manifest of the weights sent in memory
                                     (finetune.weight_transfer), when a weight-transfer group is joined;
                                   - trainer_state/ (optimizer, RNG, critic) every --save-state-every batches
@@ -47,6 +49,7 @@ LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, w
 TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint a learner can resume from
 WEIGHTS_FILE = "config.json"  # the file of a checkpoint's Hugging Face folder written last: the weights are whole
+ADAPTER_DIR = "adapter"  # in each checkpoint of a LoRA run: the adapter (finetune.lora.write_adapter)
 
 
 def advantages_file(root: str | os.PathLike, index: int) -> Path:
@@ -109,6 +112,15 @@ class RunDir:
     def has_weights(self, index: int) -> bool:
         """Whether checkpoint `index` holds the policy as a whole Hugging Face folder (vLLM can reload it)."""
         return (self.checkpoint(index) / WEIGHTS_FILE).is_file()
+
+    def adapter(self, index: int) -> Path:
+        """checkpoints/N/adapter/: version N's LoRA adapter (a LoRA run)."""
+        return self.checkpoint(index) / ADAPTER_DIR
+
+    def has_adapter(self, index: int) -> bool:
+        from finetune.lora import is_adapter
+
+        return is_adapter(self.adapter(index))
 
     def has_trainer_state(self, index: int) -> bool:
         return (self.checkpoint(index) / TRAINER_STATE_DIR / "progress.json").is_file()

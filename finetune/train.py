@@ -419,7 +419,7 @@ class _Session:
         from accelerate.utils import broadcast_object_list
 
         from finetune.durable import atomic_write_json
-        from finetune.rundir import LEARNER_RECORD, TRANSFER_MANIFEST
+        from finetune.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST
         from finetune.weight_transfer import pack
 
         cfg = self.config
@@ -427,9 +427,12 @@ class _Session:
         self.accelerator.wait_for_everyone()
         tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
         full_state = index % cfg.save_state_every == 0
-        weights = self.learner.policy_weights()  # every process: FSDP gathers
+        lora = cfg.lora.rank > 0  # the servers load each version's adapter by path, nothing else
+        weights = self.learner.adapter_weights() if lora else self.learner.policy_weights()  # every process
         packed = None
-        if self.main_process:
+        if self.main_process and lora:
+            self.learner.save_adapter(tmp / ADAPTER_DIR, weights)
+        elif self.main_process:
             in_memory = self._join_group()
             due = cfg.save_weights_every and index % cfg.save_weights_every == 0
             if not in_memory or full_state or due:
@@ -510,16 +513,18 @@ class _Session:
                 self.learner.save_weights(self.run.checkpoint(self.last), weights)
 
     def finish(self) -> None:
-        """A clean stop: the last version trained gets its full state and its model folder."""
+        """A clean stop: the last version trained gets its full state and its model folder (with LoRA, its
+        adapter is there already)."""
         from accelerate.utils import broadcast_object_list
 
         if self.last is None:
             return
         folder = self.run.checkpoint(self.last)
-        weights = self.learner.policy_weights()
-        if self.main_process and not self.run.has_weights(self.last):
-            self.learner.save_weights(folder, weights)
-        del weights
+        if self.config.lora.rank == 0:  # a LoRA run's checkpoints hold their adapter already
+            weights = self.learner.policy_weights()
+            if self.main_process and not self.run.has_weights(self.last):
+                self.learner.save_weights(folder, weights)
+            del weights
         if self.run.has_trainer_state(self.last):
             return
         aside = folder / ".tmp-state" if self.main_process else None

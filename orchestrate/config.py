@@ -279,6 +279,12 @@ class RLConfig(BaseModel):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     run: RunSection = Field(default_factory=RunSection)
 
+    @property
+    def reference_on_policy(self) -> bool:
+        """A LoRA run whose reference is the initial policy: reference log-probs are the base model's, which
+        the policy servers serve under their plain name (no adapter); no reference server is started."""
+        return self.train.lora.rank > 0 and self.model.reference in (None, self.model.policy)
+
 
 # -- command line ---------------------------------------------------------------
 

@@ -190,6 +190,30 @@ def check_dynamic_sampling(config) -> None:
                           "or more")  # fmt: skip
 
 
+def check_lora(config) -> None:
+    """A LoRA run serves each version as an adapter loaded by path, at a rank vLLM can reserve; its
+    reference (the initial policy) is scored on the policy servers."""
+    from orchestrate.vllm_server import served_lora_rank
+
+    lora, s = config.train.lora, config.server
+    if lora.rank == 0:
+        return
+    try:
+        served_lora_rank(lora.rank)
+    except ValueError as exc:
+        raise ConfigError(f"--train.lora.rank: {exc}") from None
+    if s.weight_transfer != "disk":
+        raise ConfigError(f"--server.weight_transfer: {s.weight_transfer} sends whole weights; a LoRA run "
+                          "(--train.lora.rank) sends only the adapter, loaded by path (megabytes): leave it at disk")  # fmt: skip
+    if config.train.save_weights_every:
+        raise ConfigError("--train.save_weights_every: a LoRA run publishes its adapter in every checkpoint; "
+                          "write a merged model folder of any version with `uv run -m orchestrate.merge`")  # fmt: skip
+    if s.reference_url and config.reference_on_policy and config.train.needs_reference:
+        raise ConfigError("--server.reference_url: with --train.lora.rank the reference (the initial policy) is "
+                          "scored on the policy servers without an adapter, so no reference server is used; leave "
+                          "it out (a reference server serves a --model.reference other than the policy)")  # fmt: skip
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -222,6 +246,7 @@ def check_config(config) -> None:
                      "of the whole distribution (top_p = 1), so tokens sampled from a truncated one would get wrong "
                      "importance ratios and KL; leave it at 1")  # fmt: skip
     check_placement(config)
+    check_lora(config)
     if config.train.max_tokens not in (None, r.max_tokens):
         raise ConfigError(f"--train.max_tokens: {config.train.max_tokens} is not --rollouts.max_tokens {r.max_tokens}, "
                           "the limit outputs were sampled with; leave it out (it follows rollouts.max_tokens)")  # fmt: skip

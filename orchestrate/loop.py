@@ -7,11 +7,11 @@ Each iteration i:
      per-turn rewards; with rollouts.dynamic_sampling, groups without signal are dropped and groups of
      extra seeds played in rounds (orchestrate.dynamic_sampling)
   3. reference pass on the reference server (skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0),
-     over the tapes of the batch
+     over the tapes of the batch; a LoRA run scores it on the policy servers' base model (no adapter)
   4. save the tapes, then the training samples (batches/i) for the trainer
   5. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
-  6. the policy servers get the new weights (no restart): in memory or from the checkpoint folder
-     (orchestrate.weights)
+  6. the policy servers get the new weights (no restart): in memory, from the checkpoint folder, or (LoRA)
+     the checkpoint's adapter (orchestrate.weights)
   7. every `eval.every` iterations: held-out episodes (test split) at eval temperature, tapes saved
   8. metrics line, plot, state.json: the iteration is complete
 
@@ -57,7 +57,7 @@ from orchestrate.run_dir import PHASE_LOCK, RunDir, kill_hook, save_tapes
 from orchestrate.samples import write_samples
 from orchestrate.server_auth import APIKeyMissing, read_api_key
 from orchestrate.trainer import TrainerProcess
-from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer
+from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
@@ -119,6 +119,9 @@ class Loop:
         self.run = run_dir
         self.progress = progress
         self.use_reference = config.train.needs_reference
+        self.lora = config.train.lora.rank > 0  # each version an adapter, served under its own name
+        # a LoRA run's reference is the base model on the policy servers (no reference server)
+        self.reference_on_policy = config.reference_on_policy
         self.loggers: list = []
         self.counts = {"requests": [], "retries": 0, "taken_out": 0}  # policy requests since the last record
 
@@ -163,11 +166,12 @@ class Loop:
             cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
             self.policy_servers = [
                 VLLMServer(served, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
-                           gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i)
+                           gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i,
+                           lora_rank=c.train.lora.rank)
                 for i in range(n)
             ]  # fmt: skip
         servers = list(self.policy_servers)
-        if self.use_reference:
+        if self.use_reference and not self.reference_on_policy:
             if c.server.reference_url:
                 self.reference_server = RemoteServer(c.server.reference_url, name="reference", api_key=key)
             else:
@@ -205,14 +209,14 @@ class Loop:
             server.start(wait=False)  # all start at once
         for server in servers:
             server.wait_ready()
-        if self.use_reference:
+        if self.use_reference and not self.reference_on_policy:
             self.reference_server.sleep()  # GPU: woken for the reference pass only
         for server in self.policy_servers:
             if isinstance(server, RemoteServer):  # one used by an earlier run may hold its weights: reset them
                 server.reload_weights(server.model_root(), verify=False)
 
         self.weights = PolicyWeights(self.run, self.policy_servers, c.server.weight_transfer,
-                                     c.server.weight_transfer_timeout_s, self.trainer)  # fmt: skip
+                                     c.server.weight_transfer_timeout_s, self.trainer, lora=self.lora)  # fmt: skip
         self.stale = self.weights.stale  # policy servers that missed a version (out of the pool until they rejoin)
         self.weights.start()
         self._resume_weights()
@@ -273,12 +277,16 @@ class Loop:
     async def _recover(self, endpoint, exc) -> None:
         await endpoint.recover(self.config.server.max_restarts)
 
-    def _client(self, servers, policy_version: int) -> VLLMClient:
+    def _client(self, servers, policy_version: int, adapters: bool = True) -> VLLMClient:
+        """A client of `servers`; on the policy servers of a LoRA run, each call names its version's adapter
+        (unless `adapters` is off: the base model, as the reference)."""
         policy = servers is self.policy_servers
+        name = self.policy_servers[0].served_model_name if policy else None
+        adapter = (lambda v: adapter_name(name, v) if v else None) if policy and self.lora and adapters else None
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
-            on_rejoin=self._rejoin if policy else None, out=[s for s in servers if s in self.stale],
+            on_rejoin=self._rejoin if policy else None, out=[s for s in servers if s in self.stale], adapter=adapter,
         )  # fmt: skip
 
     def _count(self, client: VLLMClient) -> None:
@@ -315,6 +323,13 @@ class Loop:
         return tapes, clock.wall_s, client.held_s
 
     def _reference(self, tapes: list[Tape]) -> None:
+        if self.reference_on_policy:  # the base model, served under the policy servers' plain name
+
+            async def on_policy():
+                async with self._client(self.policy_servers, policy_version=0, adapters=False) as client:
+                    await annotate_reference(tapes, client, progress=self.progress)
+
+            return asyncio.run(on_policy())
         for server in self.policy_servers:
             server.sleep()
         self.reference_server.wake_up()

@@ -156,19 +156,16 @@ def preflight(config) -> None:
 
 
 def check_lora_targets(folder: Path, targets: list[str]) -> None:
-    """--train.lora.target_modules names modules of the policy: read from its weight files' names (no
-    weight is loaded)."""
-    from safetensors import safe_open
+    """--train.lora.target_modules names matrices inside the policy's layers: read from its weight files'
+    names (no weight is loaded)."""
+    from finetune.lora import layer_projections
 
-    names: set[str] = set()
-    for path in folder.glob("*.safetensors"):
-        with safe_open(path, "pt") as f:
-            names |= {key.rsplit(".", 2)[-2] for key in f.keys() if key.count(".") >= 2}
-    if not names:
+    names = layer_projections(folder)
+    if names is None:
         return  # *.bin weights only: the learner checks when it loads the model
     if missing := [t for t in targets if t not in names]:
-        raise PreflightError(f"--train.lora.target_modules: {', '.join(missing)} not in the model {folder.name}; "
-                             f"its modules with weights include {', '.join(sorted(names))}")  # fmt: skip
+        raise PreflightError(f"--train.lora.target_modules: {', '.join(missing)} is not a matrix inside the layers of "
+                             f"{folder.name}; those are {', '.join(names)}")  # fmt: skip
 
 
 def check_capabilities(config) -> None:
@@ -219,6 +216,18 @@ def check_environment(config) -> None:
 # -- servers given by URL ------------------------------------------------------------
 
 
+def check_served_rank(server, option: str, rank: int) -> None:
+    """A policy server by URL of a LoRA run serves adapters of `rank` (started with LoRA, a max rank as high)."""
+    served = server.served_lora_rank()
+    if served is None:
+        raise PreflightError(f"{option}: {server.url} does not say what LoRA rank it serves, so it was not started "
+                             "with `uv run -m orchestrate.serve`; start it that way")  # fmt: skip
+    if served < rank:
+        how = "without LoRA" if served == 0 else f"with --max-lora-rank {served}"
+        raise PreflightError(f"{option}: {server.url} was started {how}, below --train.lora.rank {rank}; start it "
+                             f"with `uv run -m orchestrate.serve --train.lora.rank {rank} ...`")  # fmt: skip
+
+
 def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     """Each server of --server.policy_urls (and --server.reference_url when a reference pass runs) answers,
     accepts the API key, serves the expected model; a policy server sees the run's checkpoints at the paths
@@ -230,7 +239,7 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
 
     s = config.server
     wanted = [("--server.policy_urls", url, "policy") for url in s.policy_urls]
-    if s.reference_url and config.train.needs_reference:
+    if s.reference_url and config.train.needs_reference and not config.reference_on_policy:
         wanted.append(("--server.reference_url", s.reference_url, "reference"))
     if not wanted:
         return
@@ -252,6 +261,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
                 raise PreflightError(f"{option}: {url}/health answered HTTP {health.status_code}; start the server "
                                      f"with `uv run -m orchestrate.serve --role {role}`")  # fmt: skip
             server.model_root()
+            if role == "policy" and config.train.lora.rank:
+                check_served_rank(server, option, config.train.lora.rank)
             # a policy server reloads weights by path, unless they come in memory (then it needs no files of ours)
             problem = server.sees(folder) if role == "policy" and s.weight_transfer == "disk" else None
         except ServerError as exc:

@@ -49,7 +49,8 @@ def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Pat
     gpus = gpu_slices(devices, 1, s.tensor_parallel_size * s.data_parallel_size)[0] if devices else None
     cpus = parse_cpus(s.cpus) if s.cpus else None
     return VLLMServer(model, log_path=run_dir / "logs" / f"{role}-{port}.log", name=role, config=s,
-                      gpu_ids=gpus, cpus=cpus, seed=config.run.seed, host=host, port=port)  # fmt: skip
+                      gpu_ids=gpus, cpus=cpus, seed=config.run.seed, host=host, port=port,
+                      lora_rank=config.train.lora.rank if role == "policy" else 0)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

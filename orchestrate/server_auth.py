@@ -33,6 +33,7 @@ from urllib.parse import parse_qs
 KEY_ENV = "VLLM_API_KEY"
 MIDDLEWARE = "orchestrate.server_auth.RequireAPIKey"
 STAT_PATH = "/tapeloop/stat"
+LORA_ENV = "TAPELOOP_MAX_LORA_RANK"  # the server's --max-lora-rank (0: no LoRA), told by STAT_PATH
 
 
 class APIKeyMissing(ValueError):
@@ -119,7 +120,8 @@ class RequireAPIKey:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope.get("path") == STAT_PATH and self._authorized(scope):
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            body = json.dumps(folder_fingerprint(query.get("path", [""])[0])).encode()
+            answer = {**folder_fingerprint(query.get("path", [""])[0]), "max_lora_rank": int(os.environ.get(LORA_ENV) or 0)}
+            body = json.dumps(answer).encode()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
             await send({"type": "http.response.body", "body": body})

@@ -28,10 +28,31 @@ import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from orchestrate.processes import format_cpus, spawn, stop
-from orchestrate.server_auth import KEY_ENV, MIDDLEWARE, forbidden_server_arg
+from orchestrate.server_auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
 
 # The name our weight-transfer engine (orchestrate.weight_engine) is registered under in vLLM.
 WEIGHT_ENGINE = "tapeloop"
+
+# The ranks vLLM can reserve for adapters (--max-lora-rank; vllm/config/lora.py MaxLoRARanks, checked by a test).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def served_lora_rank(rank: int) -> int:
+    """The --max-lora-rank a server needs for adapters of `rank` (0: none); ValueError above vLLM's largest."""
+    if rank <= 0:
+        return 0
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"lora.rank {rank} is above the largest rank vLLM serves ({LORA_RANKS[-1]})")
+
+
+def adapter_name(served_model_name: str, version: int) -> str:
+    """The name a LoRA run's version is served under: the base model's name for version 0 (no adapter),
+    else one name per version (reloading an adapter in place under one name can serve stale prefix-cache
+    entries, vLLM #42125)."""
+    return served_model_name if version == 0 else f"{served_model_name}-v{version}"
+
 
 # Any ids in every tokenizer's range; used to check that a weight reload took.
 _PROBE_IDS = list(range(100, 132))
@@ -123,6 +144,7 @@ class VLLMServer:
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
+        lora_rank: int = 0,
     ):
         self.model = str(model)
         self.host = host  # a server of our own listens on loopback only; `orchestrate.serve` may say otherwise
@@ -133,6 +155,7 @@ class VLLMServer:
         self.gpu_ids = gpu_ids
         self.cpus = cpus  # cores the server runs on (CPU: its OpenMP threads bind to them); none: ours
         self.seed = seed
+        self.max_lora_rank = served_lora_rank(lora_rank)  # 0: no adapters (full fine-tuning)
         self.on_gpu = cuda_available()
         self.api_key = secrets.token_hex(16)
         self.port = port
@@ -173,6 +196,12 @@ class VLLMServer:
         if eager:
             cmd.append("--enforce-eager")
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.max_lora_rank:  # a LoRA run: each version is an adapter, loaded by path (orchestrate.weights)
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "2"]
+            from finetune.lora import layer_projections
+
+            if targets := layer_projections(self.model):  # adapters live inside the layers; the head stays plain
+                cmd += ["--lora-target-modules", *targets]
         if c.weight_transfer != "disk":  # our engine (orchestrate.weight_engine), loaded as a vLLM plugin
             cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_ENGINE})]
         if self.on_gpu:
@@ -188,6 +217,9 @@ class VLLMServer:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables /collective_rpc (weight reload) and /reset_prefix_cache
         env[KEY_ENV] = self.api_key
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env[LORA_ENV] = str(self.max_lora_rank)
+        if self.max_lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # enables /v1/load_lora_adapter
         if self.on_gpu:
             if self.gpu_ids is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
@@ -303,11 +335,11 @@ class VLLMServer:
         except httpx.HTTPError as exc:
             raise ServerError(f"{self.base_url} does not answer ({type(exc).__name__}: {exc})") from None
 
-    def probe_logprobs(self) -> list[float]:
-        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights."""
+    def probe_logprobs(self, model: str | None = None) -> list[float]:
+        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights (or of adapter `model`)."""
         body = self._post(
             "/v1/completions",
-            {"model": self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
+            {"model": model or self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
              "prompt_logprobs": 0, "temperature": 1.0},
         ).json()  # fmt: skip
         entries = body["choices"][0]["prompt_logprobs"][1:]
@@ -388,6 +420,14 @@ class RemoteServer(VLLMServer):
         names = ", ".join(repr(m.get("id")) for m in models) or "nothing"
         raise ServerError(f"{self.url} serves {names}, not {self.served_model_name!r}; start it with "
                           f"`uv run -m orchestrate.serve --role {self.served_model_name} ...`")  # fmt: skip
+
+    def served_lora_rank(self) -> int | None:
+        """The --max-lora-rank the server was started with (0: no LoRA; None: it does not say, so it was not
+        started with `uv run -m orchestrate.serve`)."""
+        from orchestrate.server_auth import STAT_PATH
+
+        response = self.get(STAT_PATH, {"path": ""})
+        return int(response.json().get("max_lora_rank", 0)) if response.status_code == 200 else None
 
     def sees(self, folder: str | os.PathLike) -> str | None:
         """None when the server sees `folder` as this machine does (the same files at the same path), else

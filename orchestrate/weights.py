@@ -12,7 +12,13 @@ or nccl the learner broadcasts the version over a process group of its own with 
   matches its manifest), then writes RUN/weights_ack.json. If a server refused or failed, the ack says so:
   the learner writes version N's folder, the servers reload it from disk (a server that cannot is out of the
   pool), and a new generation of the group is formed before the next version.
+
+A LoRA run (`--train.lora.rank`) sends neither: each version is the adapter folder in its checkpoint
+(megabytes), loaded into every server by path under a name of its own (vllm_server.adapter_name: policy-vN;
+version 0 is the base model, served under the plain name, which is also what the reference is scored on).
+The adapter of the version before is unloaded once the new one is in: calls are drained around a swap.
 """
+
 
 from __future__ import annotations
 
@@ -23,12 +29,14 @@ from pathlib import Path
 
 from finetune.durable import atomic_write_json
 from orchestrate.run_dir import RunDir
-from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer
+from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 
 
 class PolicyWeights:
-    def __init__(self, run: RunDir, servers: list[VLLMServer], backend: str, timeout_s: float, trainer):
+    def __init__(self, run: RunDir, servers: list[VLLMServer], backend: str, timeout_s: float, trainer,
+                 lora: bool = False):  # fmt: skip
         self.run = run
+        self.lora = lora  # each version is an adapter, loaded by path (the backend is disk)
         self.servers = servers
         self.backend = backend  # "disk", "gloo" or "nccl"; becomes "disk" when a group cannot form
         self.timeout_s = timeout_s
@@ -125,7 +133,9 @@ class PolicyWeights:
         are in `stale`). Raises when none could."""
         manifest = self.run.transfer_manifest(version) if self.in_memory else None
         failed: list[tuple[VLLMServer, str]] = []
-        if manifest is not None and manifest.get("generation") == self.generation:  # the learner is sending it
+        if self.lora:
+            failed = self._load_adapters(version, verify)
+        elif manifest is not None and manifest.get("generation") == self.generation:  # the learner is sending it
             if self.regroup:  # a server rejoined since the group formed: it cannot take part
                 self._leave_group()  # the learner's broadcast fails at once instead of waiting out its timeout
                 failed = [(s, "a server rejoined: the group is formed anew") for s in self.servers]
@@ -195,9 +205,53 @@ class PolicyWeights:
             self.stale.discard(server)
         return failed
 
+    # -- LoRA: adapters by path -------------------------------------------------------
+
+    def _load_adapters(self, version: int, verify: bool) -> list[tuple[VLLMServer, str]]:
+        """Load version `version`'s adapter into every server, then unload the one served before. With
+        `verify`, the adapter's log-probs on a fixed prompt must differ from the previous version's."""
+        failed = []
+        for server in self.servers:
+            try:
+                before = server.probe_logprobs(adapter_name(server.served_model_name, self.served)) if verify else None
+                self.load_adapter(server, version)
+                if verify and server.probe_logprobs(adapter_name(server.served_model_name, version)) == before:
+                    raise ServerError(f"{server.served_model_name}: the adapter of version {version} serves the "
+                                      f"log-probs of version {self.served}; it may hold the same weights")  # fmt: skip
+                if self.served and self.served != version:
+                    self._unload_adapter(server, self.served)
+            except ServerError as exc:
+                if _answers(server):
+                    raise  # it is up and did not take the adapter: a real error
+                failed.append((server, str(exc).splitlines()[0]))
+                continue
+            self.stale.discard(server)
+        return failed
+
+    def load_adapter(self, server: VLLMServer, version: int) -> None:
+        """Version `version`'s adapter into `server` under its name (replacing one of that name: a server by
+        URL may hold an earlier run's), its prefix cache dropped."""
+        path = self.run.adapter(version).resolve()  # by absolute path: servers elsewhere see the same
+        if not self.run.has_adapter(version):
+            raise ServerError(f"version {version} has no adapter at {path}")
+        server._post("/v1/load_lora_adapter", {"lora_name": adapter_name(server.served_model_name, version),
+                                               "lora_path": str(path), "load_inplace": True})  # fmt: skip
+        server._post("/reset_prefix_cache")  # vLLM #42125: a replaced adapter's cached prefixes are stale
+
+    def _unload_adapter(self, server: VLLMServer, version: int) -> None:
+        try:
+            server._post("/v1/unload_lora_adapter", {"lora_name": adapter_name(server.served_model_name, version)})
+        except ServerError:
+            pass  # not loaded there (a server that rejoined since): nothing to free
+
     def rejoin(self, server: VLLMServer) -> None:
         """A server back in the pool (restarted, or answering again) gets the served version from disk; it
         is not in the group any more, so the next version forms a new generation."""
+        if self.lora:
+            if self.served:
+                self.load_adapter(server, self.served)
+            self.stale.discard(server)
+            return
         if self.served:
             server.reload_weights(self.wait_for_folder(self.served), verify=False)
         self.stale.discard(server)

@@ -418,7 +418,19 @@ def test_lora_trains_only_the_adapters_and_publishes_the_merged_policy(tiny, tmp
     after = learner.logprobs(batch)
     assert not torch.allclose(before[0], after[0]), "the adapters did not move the policy"
 
-    weights = learner.policy_weights()
+    # the adapter folder the servers load: peft puts it on the base model and scores as the learner does
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = learner.save_adapter(tmp_path / "adapter", learner.adapter_weights())
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), folder)
+    peft_learner = Learner(tiny, TrainConfig())
+    peft_learner.accelerator.unwrap_model(peft_learner.model).lm = on_base.merge_and_unload()
+    for a, b in zip(after, peft_learner.logprobs(batch)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+    weights = learner.policy_weights()  # merged: what `orchestrate.merge` writes
     assert not any("lora" in k or "base_layer" in k for k in weights)
     learner.save_weights(tmp_path / "merged", weights)
     merged = Learner(tmp_path / "merged", TrainConfig())
@@ -427,8 +439,11 @@ def test_lora_trains_only_the_adapters_and_publishes_the_merged_policy(tiny, tmp
 
 
 def test_lora_refuses_modules_the_model_does_not_have(tiny):
-    with pytest.raises(ValueError, match="lora.target_modules: qkv_proj not in the model; its linear modules are"):
+    with pytest.raises(ValueError, match="lora.target_modules: qkv_proj is not a linear module inside the model's "
+                       "layers; those are down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):  # fmt: skip
         Learner(tiny, TrainConfig(lora={"rank": 2, "target_modules": ["q_proj", "qkv_proj"]}))
+    with pytest.raises(ValueError, match="lm_head is not a linear module inside the model's layers"):
+        Learner(tiny, TrainConfig(lora={"rank": 2, "target_modules": ["lm_head"]}))
 
 
 def test_lora_resumes_exactly_from_its_trainer_state(tiny, tmp_path):
@@ -438,6 +453,16 @@ def test_lora_resumes_exactly_from_its_trainer_state(tiny, tmp_path):
     batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
     learner.train_batch(batch, 0)
     learner.save_trainer_state(tmp_path / "ck", {"batch": 0})
+    # the state holds the adapters and their optimizer state, not the frozen base
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "ck" / "trainer_state" / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved) and len(saved) == 2 * 2 * 2  # 2 layers
+    with pytest.raises(ValueError, match="holds other trainable weights than this learner's LoRA options"):
+        Learner(tiny, TrainConfig(lr=1e-2, lora={"rank": 4, "target_modules": "q_proj,v_proj"})).load_trainer_state(
+            tmp_path / "ck"
+        )
     resumed = Learner(tiny, cfg)
     assert resumed.load_trainer_state(tmp_path / "ck")["batch"] == 0 and resumed.step == 1
     learner.train_batch(batch, 1)

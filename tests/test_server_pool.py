@@ -268,7 +268,9 @@ def test_the_middleware_answers_what_it_sees_with_the_key_only(tmp_path, monkeyp
         return sent[0]["status"], json.loads(sent[1]["body"])
 
     status, body = get(b"Bearer s3cret")
-    assert status == 200 and body == folder_fingerprint(str(tmp_path)) and body["is_dir"]
+    assert status == 200 and body == {**folder_fingerprint(str(tmp_path)), "max_lora_rank": 0} and body["is_dir"]
+    monkeypatch.setenv("TAPELOOP_MAX_LORA_RANK", "16")  # a LoRA run's policy server says its rank
+    assert get(b"Bearer s3cret")[1]["max_lora_rank"] == 16
     assert get(b"Bearer nope")[0] == 401
     before = body["digest"]
     (tmp_path / "b.txt").write_text("2")

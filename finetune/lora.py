@@ -1,0 +1,153 @@
+"""LoRA adapters (peft) in the learner, and the adapter folder it publishes for vLLM.
+
+With `--train.lora.rank R` the learner injects adapters into the model in place (`with_lora`): the
+model's own weights are frozen and the optimizer holds the adapters only. Each version is published as a
+peft adapter folder (`write_adapter`: adapter_model.safetensors, then adapter_config.json, the file that
+says the folder is whole), which vLLM loads by path (`POST /v1/load_lora_adapter`) and peft loads onto the
+base model (`PeftModel.from_pretrained`). `merged` folds an adapter into the base weights, for a plain
+model folder (`uv run -m orchestrate.merge`).
+
+Names: inside the learner a LoRA layer's tensors are peft's `X.base_layer.weight`,
+`X.lora_A.default.weight` and `X.lora_B.default.weight`; in an adapter file they are
+`base_model.model.X.lora_A.weight` (peft's saved form, which vLLM reads too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+ADAPTER = "default"  # peft's name of the one adapter
+ADAPTER_CONFIG = "adapter_config.json"  # written last: an adapter folder with it is whole
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+SAVED_PREFIX = "base_model.model."  # peft's prefix of the keys in a saved adapter
+
+
+def layer_projections(model_dir: str | os.PathLike) -> list[str] | None:
+    """The short names of the matrices inside the model's layers (q_proj, ..., down_proj for a Llama), read
+    from its safetensors key names (no weight is loaded): what an adapter may target. None: no safetensors.
+    The output head and the embeddings are not among them (vLLM's LoRA path for the head breaks prompt
+    log-probs of batched requests on this version: vllm-project/vllm#16668)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                parts = key.split(".")
+                if "layers" in parts and parts[-1] == "weight" and len(f.get_slice(key).get_shape()) == 2:
+                    names.add(parts[-2])
+    return sorted(names) if files else None
+
+
+def with_lora(lm, lora):
+    """`lm` with LoRA adapters injected in place, and peft's LoraConfig (its target modules resolved). A
+    target module the model does not have is refused with the names it has."""
+    from peft import LoraConfig, get_peft_model
+
+    inside = sorted({n.split(".")[-1] for n, m in lm.named_modules()
+                     if isinstance(m, torch.nn.Linear) and ".layers." in f".{n}."})  # fmt: skip
+    if missing := [t for t in lora.target_modules or [] if t not in inside]:
+        raise ValueError(f"lora.target_modules: {', '.join(missing)} is not a linear module inside the model's "
+                         f"layers; those are {', '.join(inside)}")  # fmt: skip
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.scale * lora.rank, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules or inside, bias="none")  # fmt: skip
+    peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
+    return peft_model.get_base_model(), peft_model.peft_config[ADAPTER]
+
+
+def adapter_tensors(lm_state: dict) -> dict:
+    """The adapter's tensors of a learner's state dict (the language model's keys), named as peft saves
+    them."""
+    out = {}
+    for key, value in lm_state.items():
+        if f".lora_A.{ADAPTER}." in key or f".lora_B.{ADAPTER}." in key:
+            out[SAVED_PREFIX + key.replace(f".{ADAPTER}.", ".")] = value
+    return out
+
+
+def merged(state: dict, scale: float) -> dict:
+    """A learner's state dict with LoRA layers as the plain model's: `X.weight` = base + B @ A * scale,
+    in fp32."""
+    out = {}
+    for key, value in state.items():
+        if ".lora_A." in key or ".lora_B." in key or ".lora_dropout" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            module = key.removesuffix(".base_layer.weight")
+            a = state[f"{module}.lora_A.{ADAPTER}.weight"].float()
+            b = state[f"{module}.lora_B.{ADAPTER}.weight"].float()
+            out[f"{module}.weight"] = value.float() + (b @ a) * scale
+        else:
+            out[key.replace(".base_layer.", ".")] = value
+    return out
+
+
+def write_adapter(folder: str | os.PathLike, tensors: dict, config, base_model: str | os.PathLike) -> Path:
+    """An adapter folder peft and vLLM load: the tensors (adapter_tensors), then adapter_config.json last
+    (moved in from aside, so a folder with it is whole)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    aside = folder.parent / f".tmp-{folder.name}"
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(aside / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})  # fmt: skip
+    saved = config.to_dict()
+    saved["target_modules"] = sorted(saved["target_modules"]) if saved.get("target_modules") else None
+    saved["base_model_name_or_path"] = str(base_model)
+    saved["inference_mode"] = True
+    (aside / ADAPTER_CONFIG).write_text(json.dumps(saved, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    os.replace(aside / ADAPTER_WEIGHTS, folder / ADAPTER_WEIGHTS)
+    os.replace(aside / ADAPTER_CONFIG, folder / ADAPTER_CONFIG)
+    aside.rmdir()
+    return folder
+
+
+def _jsonable(value):
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    if hasattr(value, "value"):  # enums (task_type, peft_type)
+        return value.value
+    return str(value)
+
+
+def is_adapter(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_mismatch(adapter: str | os.PathLike, base: str | os.PathLike) -> str | None:
+    """None when the adapter folder fits the base model folder (its target modules are the model's, each
+    A and B shaped for that module), else what does not fit. Reads shapes only, loads no weights."""
+    from safetensors import safe_open
+
+    adapter, base = Path(adapter), Path(base)
+    if not is_adapter(adapter):
+        return f"{adapter} is not an adapter folder (no {ADAPTER_CONFIG})"
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        return f"{adapter} has no {ADAPTER_WEIGHTS}"
+    shapes = {}
+    for file in sorted(base.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    if not shapes:
+        return f"{base} has no safetensors weights"
+    with safe_open(str(adapter / ADAPTER_WEIGHTS), "pt") as f:
+        for key in f.keys():
+            module = key.removeprefix(SAVED_PREFIX).rsplit(".lora_", 1)[0]
+            weight = shapes.get(f"{module}.weight")
+            if weight is None:
+                return f"the adapter has a layer {module} that {base} does not"
+            out_features, in_features = weight
+            shape = tuple(f.get_slice(key).get_shape())
+            if ".lora_A." in key and shape[1] != in_features or ".lora_B." in key and shape[0] != out_features:
+                return f"the adapter's {key} {list(shape)} does not fit {module} {list(weight)} of {base}"
+    return None
