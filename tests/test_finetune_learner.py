@@ -471,3 +471,21 @@ def test_lora_resumes_exactly_from_its_trainer_state(tiny, tmp_path):
     assert any("lora_A" in name for name in a)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)
+
+
+def test_an_adapter_that_does_not_fit_the_base_is_refused(tiny, tmp_path, capsys):
+    """orchestrate.merge checks the adapter's layers and shapes against the base before it writes anything."""
+    from finetune.learner import Learner
+    from finetune.tiny_model import make_tiny_model
+    from orchestrate import merge
+
+    learner = Learner(tiny, TrainConfig(lora={"rank": 2}))
+    adapter = learner.save_adapter(tmp_path / "adapter", learner.adapter_weights())
+    wider = make_tiny_model(tmp_path / "wider", hidden_size=128, num_layers=2)
+    capsys.readouterr()  # the building's progress bars
+    assert merge.main([str(adapter), "--model", str(wider), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the adapter does not fit the base model: the adapter's base_model.model.model.") and (
+        "does not fit model.layers.0." in err
+    ), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()

