@@ -21,6 +21,8 @@ Publishing, at the first budget:
   (finetune.weight_transfer: what the NCCL broadcast sends; the broadcast itself needs a vLLM server on
   another GPU and is not timed here), plus the full state every --state-every iterations (amortized);
 - the ratio of each to the optimizer step (target: after <= 10%).
+With LoRA (--lora-rank, --lora-8b), what a LoRA version publishes instead: its adapter folder and its trainer
+state (the adapters and their optimizer state only), written and synced.
 Prints a table and writes gpu_learner.json to --out (or $OUT when set).
 """
 
@@ -184,6 +186,8 @@ def main() -> None:
         learner, acc, run = measure(label, work / "model", config, samples, tokens, params)
         if i == 0 and not args.no_publish:
             run["publish"] = publishing(learner, work, run["step_s"], args.state_every, pack)
+        if config.lora.rank:
+            run["publish"] = lora_publishing(learner, work, run["step_s"])
         report["runs"].append(run)
         del learner, acc
         if torch.cuda.is_available():
@@ -200,6 +204,7 @@ def main() -> None:
                                         + (", gradient checkpointing" if args.checkpointing else ""), work / "model8b", config,
                                         samples, tokens, params8, warmup=False)  # fmt: skip
             run["parameters"] = params8
+            run["publish"] = lora_publishing(learner, work, run["step_s"])
             report["runs"].append(run)
         except torch.OutOfMemoryError as exc:
             print(f"8B shape with LoRA: out of memory ({str(exc).splitlines()[0]})", flush=True)
@@ -209,6 +214,29 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_learner.json").write_text(json.dumps(report, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def lora_publishing(learner, work: Path, step_s: float) -> dict:
+    """A LoRA version: its adapter folder (what the servers load, every iteration) and its trainer state (the
+    adapters and their AdamW state, not the frozen base), each gathered, written and synced."""
+    def write_adapter():
+        learner.save_adapter(work / "adapter", learner.adapter_weights())
+        subprocess.run(["sync"], check=False)
+
+    def write_state():
+        learner.save_trainer_state(work / "lora_state", {"batch": 2})
+        subprocess.run(["sync"], check=False)
+
+    _, adapter_s = timed(write_adapter)
+    _, state_s = timed(write_state)
+    out = {"adapter_s": round(adapter_s, 3), "adapter_mib": round(folder_gib(work / "adapter") * 1024, 1),
+           "state_s": round(state_s, 3), "state_mib": round(folder_gib(work / "lora_state") * 1024, 1),
+           "adapter_of_step": round(adapter_s / step_s, 4)}  # fmt: skip
+    print(f"LoRA publishing: adapter {out['adapter_mib']:.1f} MiB in {adapter_s:.2f} s ({adapter_s / step_s:.1%} of "
+          f"the step); trainer state {out['state_mib']:.1f} MiB in {state_s:.2f} s", flush=True)  # fmt: skip
+    shutil.rmtree(work / "adapter", ignore_errors=True)
+    shutil.rmtree(work / "lora_state", ignore_errors=True)
+    return out
 
 
 def publishing(learner, work: Path, step_s: float, state_every: int, pack) -> dict:

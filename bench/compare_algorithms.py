@@ -100,6 +100,18 @@ RECIPES: dict[str, Recipe] = {
 }  # fmt: skip
 
 
+class Study(NamedTuple):
+    """What is compared: named recipes (options added to the preset), the name of the plot and of the title,
+    and the script that made the table. bench/bench_lora.py runs its own study through this script's main."""
+
+    recipes: dict[str, Recipe]
+    name: str
+    made_by: str
+
+
+ALGORITHMS = Study(RECIPES, "algorithms", "bench/compare_algorithms.py")
+
+
 class Refused(Exception):
     """Bad input: one line, exit 2."""
 
@@ -109,16 +121,17 @@ class OneLineParser(argparse.ArgumentParser):
         raise Refused(message)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, study: Study = ALGORITHMS) -> argparse.Namespace:
+    recipes = study.recipes
     parser = OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", type=Path, required=True, help="run directories (OUT/RECIPE), logs, table, plot")
     parser.add_argument("--minutes", type=float, default=30.0, help="wall minutes per recipe (--run.max_minutes)")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
+    parser.add_argument("--recipes", default=",".join(recipes), help=f"comma-separated, of: {', '.join(recipes)}")
     parser.add_argument("--eval-every", type=int, default=3, help="evaluate every N iterations")
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks; default: the preset's (200)")
     parser.add_argument("--marks", default="10,20,30", help="minutes the table reports held-out success at")
     parser.add_argument(
-        "--plot", type=Path, default=None, help="a copy of the plot (OUT/algorithms.png is always written)"
+        "--plot", type=Path, default=None, help=f"a copy of the plot (OUT/{study.name}.png is always written)"
     )
     parser.add_argument(
         "--options", default="", metavar="'OPTIONS'",
@@ -126,11 +139,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--report-only", action="store_true", help="run nothing: table and plot of OUT's runs")
     args = parser.parse_args(argv)
-    args.options = common_options(args.options)
+    args.options = common_options(args.options, study)
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    unknown = [r for r in args.recipes if r not in RECIPES]
+    unknown = [r for r in args.recipes if r not in recipes]
     if unknown or not args.recipes:
-        raise Refused(f"--recipes: unknown recipe {', '.join(map(repr, unknown))} (known: {', '.join(RECIPES)})")
+        raise Refused(f"--recipes: unknown recipe {', '.join(map(repr, unknown))} (known: {', '.join(recipes)})")
     if not 0 < args.minutes < float("inf"):
         raise Refused(f"--minutes: a number of minutes > 0 (got {args.minutes:g})")
     if args.eval_every <= 0:
@@ -150,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 OWN_OPTIONS = ("--preset", "--run-dir", "--run.iterations", "--run.max_minutes", "--eval.every", "--eval.tasks")
 
 
-def common_options(text: str) -> list[str]:
+def common_options(text: str, study: Study = ALGORITHMS) -> list[str]:
     """--options as argv, or Refused naming an option this script or a recipe sets (checked against
     orchestrate.rl's own parser later, in `resolved`)."""
     try:
@@ -158,7 +171,7 @@ def common_options(text: str) -> list[str]:
     except ValueError as exc:
         raise Refused(f"--options: {exc} in {text!r}") from None
     names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
-    taken = {*OWN_OPTIONS, *(o for r in RECIPES.values() for o in r.overrides if o.startswith("--"))}
+    taken = {*OWN_OPTIONS, *(o for r in study.recipes.values() for o in r.overrides if o.startswith("--"))}
     clash = [n for n in names if n in taken]
     if clash:
         raise Refused(f"--options: {', '.join(clash)} is set by this script or by a recipe (see RECIPES)")
@@ -170,13 +183,14 @@ def common_options(text: str) -> list[str]:
 # -- recipes and their run directories -----------------------------------------------------------------------
 
 
-def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes: float) -> list[str]:
+def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes: float,
+                study: Study = ALGORITHMS) -> list[str]:  # fmt: skip
     """orchestrate.rl's arguments for one recipe's run."""
     argv = ["--preset", PRESET, "--run-dir", str(run_dir), "--run.iterations", str(ITERATIONS),
             "--run.max_minutes", f"{max_minutes:g}", "--eval.every", str(args.eval_every)]  # fmt: skip
     if args.eval_tasks is not None:
         argv += ["--eval.tasks", str(args.eval_tasks)]
-    return argv + list(RECIPES[name].overrides) + args.options
+    return argv + list(study.recipes[name].overrides) + args.options
 
 
 def resolved(name: str, argv: list[str]) -> dict:
@@ -308,19 +322,19 @@ def table(rows: dict[str, dict], marks: list[float]) -> str:
     return "\n".join(lines)
 
 
-def runs(out: Path, marks: list[float]) -> dict[str, dict]:
+def runs(out: Path, marks: list[float], study: Study = ALGORITHMS) -> dict[str, dict]:
     """Every recipe's run found in OUT (OUT/RECIPE/metrics.jsonl), summarised at `marks`, in RECIPES' order."""
     rows = {}
-    for name in RECIPES:
+    for name in study.recipes:
         records = read_metrics(out / name / "metrics.jsonl")
         if records:
             rows[name] = summary(records, marks)
     return rows
 
 
-def report(out: Path, marks: list[float], plot_copy: Path | None) -> str:
-    """OUT/table.md and OUT/algorithms.png (copied to `plot_copy`) from every recipe's run found in OUT."""
-    rows = runs(out, marks)
+def report(out: Path, marks: list[float], plot_copy: Path | None, study: Study = ALGORITHMS) -> str:
+    """OUT/table.md and OUT/<study>.png (copied to `plot_copy`) from every recipe's run found in OUT."""
+    rows, recipes, png = runs(out, marks, study), study.recipes, out / f"{study.name}.png"
     if not rows:
         raise Refused(f"--out: no recipe's run in {out} (no {out}/RECIPE/metrics.jsonl); run the recipes first")
     ev = _first_config(out, rows).get("eval") or {}
@@ -332,19 +346,19 @@ def report(out: Path, marks: list[float], plot_copy: Path | None) -> str:
         f"Held-out success of the {PRESET} preset under each recipe, the same wall time each{how}"
         f"{f', with `{common}` added to every recipe' if common else ''}; a cell is "
         "the latest evaluation at or before that minute from the command's start (its iteration and minute). "
-        "Made by bench/compare_algorithms.py.",
+        f"Made by {study.made_by}.",
         "",
         table(rows, marks),
         "",
-        *(f"- {name} ({RECIPES[name].paper}): `{' '.join(RECIPES[name].overrides)}`"
+        *(f"- {name} ({recipes[name].paper}): `{' '.join(recipes[name].overrides)}`"
           + (f" + `{extra[name]}`" if extra[name] and not common else "") for name in rows),
         "",
     ])  # fmt: skip
     atomic_write_text(out / "table.md", text)
-    plot(rows, marks, out / "algorithms.png", common)
-    if plot_copy is not None and plot_copy.resolve() != (out / "algorithms.png").resolve():
+    plot(rows, marks, png, common, study.name)
+    if plot_copy is not None and plot_copy.resolve() != png.resolve():
         plot_copy.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(out / "algorithms.png", plot_copy)
+        shutil.copyfile(png, plot_copy)
     return text
 
 
@@ -357,7 +371,7 @@ def _first_config(out: Path, rows: dict) -> dict:
     return {}
 
 
-def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "") -> None:
+def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "", what: str = "algorithms") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -371,7 +385,7 @@ def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
     ax.set_title(
-        f"{PRESET} preset: algorithms, the same wall time each" + (f"\n(all with {options})" if options else "")
+        f"{PRESET} preset: {what}, the same wall time each" + (f"\n(all with {options})" if options else "")
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
@@ -392,16 +406,16 @@ def writable(out: Path) -> None:
         raise Refused(f"--out: {out} is not a writable folder ({exc.strerror or exc})") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, study: Study = ALGORITHMS) -> int:
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, study)
         writable(args.out)
         if args.report_only:
-            print(report(args.out, args.marks, args.plot))
+            print(report(args.out, args.marks, args.plot, study))
             return 0
         for name in args.recipes:  # every recipe checked before any starts
             run_dir = args.out / name
-            check_run_dir(name, run_dir, resolved(name, recipe_argv(name, args, run_dir, args.minutes)))
+            check_run_dir(name, run_dir, resolved(name, recipe_argv(name, args, run_dir, args.minutes, study)))
     except Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -412,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         left = minutes_left(args.out, name, args.minutes)
         if left > 0:
             print(f"{name}: running {left:.1f} min in {run_dir} (log {log})", flush=True)
-            code = launch(recipe_argv(name, args, run_dir, left), log)
+            code = launch(recipe_argv(name, args, run_dir, left, study), log)
             if code != 0:
                 print(f"{name}: failed (exit {code}); see {log}", flush=True)
                 failed.append(name)
@@ -426,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['iterations']} iterations; held-out {cell(s['untrained'])} -> {cell(evals[-1] if evals else None)}"
               f", best {cell(s['best'])}", flush=True)  # fmt: skip
     try:
-        print(report(args.out, args.marks, args.plot))
+        print(report(args.out, args.marks, args.plot, study))
     except Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if not failed else 1

@@ -37,6 +37,7 @@ class PolicyWeights:
                  lora: bool = False):  # fmt: skip
         self.run = run
         self.lora = lora  # each version is an adapter, loaded by path (the backend is disk)
+        self._probes: dict = {}  # server -> the served adapter's log-probs on the probe (LoRA: checked once)
         self.servers = servers
         self.backend = backend  # "disk", "gloo" or "nccl"; becomes "disk" when a group cannot form
         self.timeout_s = timeout_s
@@ -213,11 +214,15 @@ class PolicyWeights:
         failed = []
         for server in self.servers:
             try:
-                before = server.probe_logprobs(adapter_name(server.served_model_name, self.served)) if verify else None
+                before = self._probes.get(server) if verify else None
+                if verify and before is None:
+                    before = server.probe_logprobs(adapter_name(server.served_model_name, self.served))
                 self.load_adapter(server, version)
-                if verify and server.probe_logprobs(adapter_name(server.served_model_name, version)) == before:
-                    raise ServerError(f"{server.served_model_name}: the adapter of version {version} serves the "
-                                      f"log-probs of version {self.served}; it may hold the same weights")  # fmt: skip
+                if verify:
+                    self._probes[server] = server.probe_logprobs(adapter_name(server.served_model_name, version))
+                    if self._probes[server] == before:
+                        raise ServerError(f"{server.served_model_name}: the adapter of version {version} serves the "
+                                          f"log-probs of version {self.served}; it may hold the same weights")  # fmt: skip
                 if self.served and self.served != version:
                     self._unload_adapter(server, self.served)
             except ServerError as exc:
@@ -231,6 +236,7 @@ class PolicyWeights:
     def load_adapter(self, server: VLLMServer, version: int) -> None:
         """Version `version`'s adapter into `server` under its name (replacing one of that name: a server by
         URL may hold an earlier run's), its prefix cache dropped."""
+        self._probes.pop(server, None)
         path = self.run.adapter(version).resolve()  # by absolute path: servers elsewhere see the same
         if not self.run.has_adapter(version):
             raise ServerError(f"version {version} has no adapter at {path}")
