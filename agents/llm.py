@@ -13,7 +13,8 @@ loads the current weights into it). Only when no server is left, or none
 comes back within `rejoin_timeout_s`, does a request fail. A server error
 (5xx) is retried with backoff. New weights arrive through
 `swap_weights` while episodes run (the asynchronous pipeline): new requests
-wait, those in flight finish, the servers reload, and every call records the
+wait, those in flight finish (or, for LoRA adapters, go on under the old
+adapter's name), the servers reload, and every call records the
 one policy version that produced all of its tokens.
 
 `ReplayLLM` answers from the calls recorded on a tape: re-running an agent
@@ -161,6 +162,8 @@ class VLLMClient:
         self._idle = asyncio.Event()
         self._idle.set()
         self._active = 0
+        self._by_version: dict[int, int] = {}  # calls in flight per version that serves them
+        self._version_left = asyncio.Event()  # set when a call leaves (version_idle checks again)
         self.held_s = 0.0  # seconds calls were held back by weight swaps (drain + reload)
 
     async def aclose(self) -> None:
@@ -178,14 +181,23 @@ class VLLMClient:
 
     # -- weight swaps ------------------------------------------------------
 
-    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int) -> float:
+    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int, drain: bool = True) -> float:
         """Drain, reload, go on: new calls wait, calls in flight finish, `reload()` runs, then calls go on
         served by `version`. Returns the seconds calls were held back.
 
         Draining (rather than reloading between engine steps) keeps one version per call, so a call's
         log-probs are exactly its version's; its cost is the longest call in flight at the swap.
+
+        With `drain` off (a LoRA run: each version is an adapter of its own name, the older one still
+        loaded), nothing waits: calls go on under the old version while `reload()` loads the new one, then
+        new calls name the new one; the old one may be unloaded once `version_idle` says so.
         """
         start = time.perf_counter()
+        if not drain:
+            async with self._weights_lock():
+                await reload()
+                self.policy_version = version
+            return 0.0
         self._gate.clear()
         try:
             await self._idle.wait()
@@ -198,6 +210,12 @@ class VLLMClient:
         self.held_s += held
         return held
 
+    async def version_idle(self, version: int) -> None:
+        """Return once no call served by `version` is in flight (new calls name a newer one)."""
+        while self._by_version.get(version, 0) > 0:
+            self._version_left.clear()
+            await self._version_left.wait()
+
     @property
     def in_flight(self) -> int:
         """Calls sent and not yet answered."""
@@ -209,12 +227,16 @@ class VLLMClient:
             await self._gate.wait()
         self._active += 1
         self._idle.clear()
-        return self.policy_version
+        version = self.policy_version
+        self._by_version[version] = self._by_version.get(version, 0) + 1
+        return version
 
-    def _leave_call(self) -> None:
+    def _leave_call(self, version: int) -> None:
         self._active -= 1
         if self._active == 0:
             self._idle.set()
+        self._by_version[version] -= 1
+        self._version_left.set()
 
     # -- the pool of servers -----------------------------------------------
 
@@ -385,7 +407,7 @@ class VLLMClient:
         try:
             body = await self._post(payload)
         finally:
-            self._leave_call()
+            self._leave_call(version)
         choice = body["choices"][0]
         logprobs = choice.get("logprobs") or {}
         tokens = logprobs.get("tokens") or []

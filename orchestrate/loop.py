@@ -242,12 +242,12 @@ class Loop:
             self.trainer.wait_for_checkpoint(version, progress=self.progress, desc=f"resuming: version {version}")
             self._reload(version)
 
-    def _reload(self, version: int) -> None:
+    def _reload(self, version: int, keep_previous: bool = False) -> None:
         """Serve checkpoint `version` on every policy server (blocking; no call may be in flight), in memory
         or from disk (orchestrate.weights). A reload from disk is checked by a change of log-probs, unless
         the learner recorded that the weights did not change. A server that does not take it is left stale
         (out of the pool until it rejoins with the weights); with none left the run stops."""
-        self.weights.serve(version, verify=self.trainer.weights_changed(version))
+        self.weights.serve(version, verify=self.trainer.weights_changed(version), keep_previous=keep_previous)
         self.served = version
 
     async def _rejoin(self, server) -> None:
@@ -256,21 +256,32 @@ class Loop:
 
     async def _follow_checkpoints(self, client: VLLMClient, stop: asyncio.Event) -> None:
         """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
-        The client drains its calls in flight around the reload, so every call has one version."""
+        The client drains its calls in flight around the reload, so every call has one version; with LoRA
+        it does not: calls in flight finish under the old adapter, unloaded once the last is done."""
+        unloads = []
         while not stop.is_set():
             newest = self.trainer.newest_checkpoint()
             if newest > self.served:
+                old = self.served
 
                 async def reload(v=newest):
-                    await asyncio.to_thread(self._reload, v)
+                    await asyncio.to_thread(self._reload, v, self.lora)
                     for server in list(self.stale):  # missed it: out until it rejoins with these weights
                         client.take_out(server)
 
-                await client.swap_weights(reload, newest)
+                await client.swap_weights(reload, newest, drain=not self.lora)
+                if self.lora:
+
+                    async def unload(v=old):
+                        await client.version_idle(v)
+                        await asyncio.to_thread(self.weights.unload, v)
+
+                    unloads.append(asyncio.create_task(unload()))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except TimeoutError:
                 pass
+        await asyncio.gather(*unloads)  # the episodes are done: no call uses an old adapter
 
     # -- episodes --------------------------------------------------------------------
 

@@ -17,7 +17,8 @@
 5. write them to OUT/tapes/iter_000001.jsonl (browsable with orchestrate.browse),
    their training samples to OUT/batches/000001.jsonl, and run the same
    finetune process as the RL loop (accelerate launch -m finetune.train) on
-   them: OUT/checkpoints/000001/ is the trained model, OUT/metrics.jsonl and
+   them: OUT/checkpoints/000001/ is the trained model (with --train.lora.rank a new
+   adapter, OUT/checkpoints/000001/adapter/: `orchestrate.merge OUT` folds it in), OUT/metrics.jsonl and
    OUT/train_metrics.jsonl its metrics, OUT/logs/ the logs.
 
 The learner is GRPO / REINFORCE with group advantages (reward minus the
@@ -457,6 +458,9 @@ def record_metrics(run, trainer, tapes: list[Tape], read_count: int, start: floa
         f"checkpoint: {checkpoint}  (loss {record.get('train_loss', float('nan')):+.4f}, "
         f"{record.get('train_steps', 0)} optimizer steps)"
     )
+    if (checkpoint / "adapter").is_dir():
+        print(f"its LoRA adapter: {checkpoint / 'adapter'} (one model folder: uv run -m orchestrate.merge "
+              f"{run.root} --out DIR)")  # fmt: skip
 
 
 def _missing_fields(tapes: list[Tape]) -> str | None:

@@ -16,7 +16,9 @@ or nccl the learner broadcasts the version over a process group of its own with 
 A LoRA run (`--train.lora.rank`) sends neither: each version is the adapter folder in its checkpoint
 (megabytes), loaded into every server by path under a name of its own (vllm_server.adapter_name: policy-vN;
 version 0 is the base model, served under the plain name, which is also what the reference is scored on).
-The adapter of the version before is unloaded once the new one is in: calls are drained around a swap.
+The adapter of the version before is unloaded once the new one is in; while episodes run (async_level >= 1)
+calls are not drained around a swap: those in flight finish under the old adapter, which is unloaded when
+the last of them is done.
 """
 
 
@@ -38,6 +40,7 @@ class PolicyWeights:
         self.run = run
         self.lora = lora  # each version is an adapter, loaded by path (the backend is disk)
         self._probes: dict = {}  # server -> the served adapter's log-probs on the probe (LoRA: checked once)
+        self.loaded: set[int] = set()  # LoRA: the versions whose adapters the servers hold (calls use them)
         self.servers = servers
         self.backend = backend  # "disk", "gloo" or "nccl"; becomes "disk" when a group cannot form
         self.timeout_s = timeout_s
@@ -129,13 +132,14 @@ class PolicyWeights:
 
     # -- one version -------------------------------------------------------------------
 
-    def serve(self, version: int, verify: bool = True) -> list[str]:
+    def serve(self, version: int, verify: bool = True, keep_previous: bool = False) -> list[str]:
         """Put version `version` on every policy server; returns the servers that could not take it (they
-        are in `stale`). Raises when none could."""
+        are in `stale`). Raises when none could. LoRA: with `keep_previous` the adapter served before stays
+        loaded (calls still use it) until `unload` is called for it."""
         manifest = self.run.transfer_manifest(version) if self.in_memory else None
         failed: list[tuple[VLLMServer, str]] = []
         if self.lora:
-            failed = self._load_adapters(version, verify)
+            failed = self._load_adapters(version, verify, unload=not keep_previous)
         elif manifest is not None and manifest.get("generation") == self.generation:  # the learner is sending it
             if self.regroup:  # a server rejoined since the group formed: it cannot take part
                 self._leave_group()  # the learner's broadcast fails at once instead of waiting out its timeout
@@ -151,6 +155,8 @@ class PolicyWeights:
             failed = self._reload_all(version, verify=verify)
         for server, _ in failed:
             self.stale.add(server)
+        if self.lora:
+            self.loaded = ((self.loaded | {self.served}) if keep_previous else set()) | {version}
         if len(failed) == len(self.servers):
             raise ServerError(f"no policy server is left to serve version {version} "
                               f"({'; '.join(f'{s.base_url}: {r}' for s, r in failed)})")  # fmt: skip
@@ -208,9 +214,10 @@ class PolicyWeights:
 
     # -- LoRA: adapters by path -------------------------------------------------------
 
-    def _load_adapters(self, version: int, verify: bool) -> list[tuple[VLLMServer, str]]:
-        """Load version `version`'s adapter into every server, then unload the one served before. With
-        `verify`, the adapter's log-probs on a fixed prompt must differ from the previous version's."""
+    def _load_adapters(self, version: int, verify: bool, unload: bool) -> list[tuple[VLLMServer, str]]:
+        """Load version `version`'s adapter into every server, then (with `unload`) unload the one served
+        before. With `verify`, the adapter's log-probs on a fixed prompt must differ from the previous
+        version's."""
         failed = []
         for server in self.servers:
             try:
@@ -223,7 +230,7 @@ class PolicyWeights:
                     if self._probes[server] == before:
                         raise ServerError(f"{server.served_model_name}: the adapter of version {version} serves the "
                                           f"log-probs of version {self.served}; it may hold the same weights")  # fmt: skip
-                if self.served and self.served != version:
+                if unload and self.served and self.served != version:
                     self._unload_adapter(server, self.served)
             except ServerError as exc:
                 if _answers(server):
@@ -244,6 +251,13 @@ class PolicyWeights:
                                                "lora_path": str(path), "load_inplace": True})  # fmt: skip
         server._post("/reset_prefix_cache")  # vLLM #42125: a replaced adapter's cached prefixes are stale
 
+    def unload(self, version: int) -> None:
+        """LoRA: no call uses version `version` any more: every server frees its adapter."""
+        if version in self.loaded and version != self.served:
+            for server in self.servers:
+                self._unload_adapter(server, version)
+            self.loaded.discard(version)
+
     def _unload_adapter(self, server: VLLMServer, version: int) -> None:
         try:
             server._post("/v1/unload_lora_adapter", {"lora_name": adapter_name(server.served_model_name, version)})
@@ -254,8 +268,8 @@ class PolicyWeights:
         """A server back in the pool (restarted, or answering again) gets the served version from disk; it
         is not in the group any more, so the next version forms a new generation."""
         if self.lora:
-            if self.served:
-                self.load_adapter(server, self.served)
+            for version in sorted(v for v in self.loaded if v):  # the served one, and any calls still use
+                self.load_adapter(server, version)
             self.stale.discard(server)
             return
         if self.served:

@@ -324,3 +324,49 @@ def test_gsm8k_shared_test_split_if_present():
     assert sum("," in r for r in raw) > 0  # thousands commas in the file ...
     assert not any("," in t.answer for t in tasks)  # ... none in the gold answers
     assert sum(t.answer.startswith("-") for t in tasks) == sum(r.startswith("-") for r in raw) > 0
+
+
+def test_a_lora_swap_holds_nothing_back_and_the_old_version_is_idle_once_its_calls_are_done():
+    """swap_weights(drain=False), as for LoRA adapters: calls in flight go on under the old adapter's name,
+    calls started after the swap name the new one, nothing waits; version_idle(old) returns only when the
+    last call of the old version has come back."""
+    models = []
+    release = asyncio.Event()
+
+    async def handler(request: httpx.Request):
+        models.append(json.loads(request.content)["model"])
+        if len(models) <= 2:
+            await release.wait()  # the first two stay in flight across the swap
+        return httpx.Response(200, json=completion("x"))
+
+    async def go():
+        client = VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler), policy_version=1,
+                            adapter=lambda v: f"policy-v{v}" if v else None)  # fmt: skip
+
+        def call():
+            return asyncio.create_task(client.complete_ids([1, 2], SamplingParams()))
+
+        first = [call(), call()]
+        while len(models) < 2:
+            await asyncio.sleep(0)
+        loaded = []
+
+        async def reload():
+            loaded.append(client.in_flight)
+
+        held = await client.swap_weights(reload, version=2, drain=False)
+        later = await call()  # answered while the first two are still in flight
+        idle = asyncio.create_task(client.version_idle(1))
+        await asyncio.sleep(0.01)
+        assert not idle.done(), "version 1 reported idle with two of its calls in flight"
+        release.set()
+        calls = await asyncio.gather(*first)
+        await asyncio.wait_for(idle, 1)
+        await client.aclose()
+        return held, loaded, calls, later
+
+    held, loaded, calls, later = run(go())
+    assert held == 0.0 and loaded == [2]  # the new adapter loaded with the two calls still in flight
+    assert models == ["policy-v1", "policy-v1", "policy-v2"]
+    assert [c.policy_version for c in calls] == [1, 1] and later.policy_version == 2
+    assert later.model.endswith(" + adapter policy-v2") and calls[0].model.endswith(" + adapter policy-v1")
