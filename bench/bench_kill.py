@@ -144,7 +144,11 @@ def check_run(run: Path, final: bool = False) -> tuple[list[str], dict]:
             problems.append(f"batches/{path.name} looks complete but is not: {exc}")
     for path in sorted((run / "checkpoints").glob("*")) if (run / "checkpoints").is_dir() else []:
         if path.name.isdigit():
-            if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            adapter = path / "adapter"  # a LoRA run's version
+            if adapter.is_dir():
+                if not (adapter / "adapter_config.json").is_file() or not any(adapter.glob("*.safetensors")):
+                    problems.append(f"checkpoints/{path.name}/adapter looks complete but lacks its config or weights")
+            elif not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
                 problems.append(f"checkpoints/{path.name} looks complete but lacks config or weights")
         else:
             facts["partial_files"] += 1
@@ -320,6 +324,7 @@ class Bench:
             "--train.kl_coef", str(self.args.kl_coef), "--train.lr", "1e-3", *by_url,
             "--server.weight_transfer", self.args.weight_transfer,
             "--train.save_state_every", str(self.args.state_every),
+            *(["--train.lora.rank", str(self.args.lora_rank)] if self.args.lora_rank else []),
         ]  # fmt: skip
 
     def start(self, kill_at: str | None, local: bool = False) -> tuple[subprocess.Popen, Path]:
@@ -566,6 +571,8 @@ def main() -> int:
         "design, and steps_trained_twice counts them",
     )
     parser.add_argument("--kl-coef", type=float, default=0.01, help="> 0: the reference phase exists")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: a LoRA run (adapters loaded by path; the reference on the policy server)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="save the table and every event here")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     args = parser.parse_args()
@@ -573,6 +580,9 @@ def main() -> int:
     unknown = [p for p in args.phases if p not in LOOP_PHASES]
     if unknown or not args.phases:
         parser.error(f"--phases: {', '.join(unknown) or 'none given'}; choose from {', '.join(LOOP_PHASES)}")
+    if args.lora_rank < 0 or args.lora_rank and (args.servers == "url" or args.weight_transfer != "disk"):
+        parser.error("--lora-rank: a rank >= 0, with local servers and --weight-transfer disk (a LoRA run's "
+                     "adapters are loaded by path; its reference is its policy server)")
     if args.kl_coef <= 0:
         parser.error("--kl-coef: must be > 0 (the reference phase is one of those killed)")
     rng = random.Random(args.seed)

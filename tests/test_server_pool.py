@@ -175,7 +175,7 @@ def test_a_server_that_missed_a_reload_starts_out_and_rejoins_with_the_weights()
 class FakeVLLM(BaseHTTPRequestHandler):
     """/health, /v1/models and tapeloop's /tapeloop/stat behind a key, as a server from orchestrate.serve."""
 
-    key, model, blind = "s3cret", "policy", False
+    key, model, blind, lora_rank = "s3cret", "policy", False, 0
 
     def do_GET(self):
         if self.headers.get("Authorization") != f"Bearer {self.key}":
@@ -186,9 +186,9 @@ class FakeVLLM(BaseHTTPRequestHandler):
         if url.path == "/v1/models":
             return self._send(200, {"data": [{"id": self.model, "root": "/models/x"}]})
         if url.path == "/tapeloop/stat":
-            path = parse_qs(url.query)["path"][0]
+            path = parse_qs(url.query).get("path", [""])[0]
             seen = {"path": path, "is_dir": False, "digest": None} if self.blind else folder_fingerprint(path)
-            return self._send(200, seen)
+            return self._send(200, {**seen, "max_lora_rank": self.lora_rank})
         return self._send(404, {})
 
     def _send(self, status, body):
@@ -219,8 +219,22 @@ def fake_server():
         server.server_close()
 
 
-def remote_config(*urls, **server):
-    return RLConfig.model_validate({"server": {"policy_urls": list(urls), **server}})
+def remote_config(*urls, lora_rank: int = 0, **server):
+    return RLConfig.model_validate({"server": {"policy_urls": list(urls), **server},
+                                    "train": {"lora": {"rank": lora_rank}}})  # fmt: skip
+
+
+def test_a_lora_run_needs_servers_by_url_that_serve_its_rank(fake_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    run = tmp_path / "runs" / "new"
+    check_remote_servers(remote_config(fake_server(lora_rank=16), lora_rank=16), run)
+    check_remote_servers(remote_config(fake_server(lora_rank=32), lora_rank=16), run)
+    with pytest.raises(PreflightError, match=r"^--server.policy_urls: http://127.0.0.1:\d+ was started without LoRA, "
+                       "below --train.lora.rank 16; start it with `uv run -m orchestrate.serve --train.lora.rank 16"):  # fmt: skip
+        check_remote_servers(remote_config(fake_server(), lora_rank=16), run)
+    with pytest.raises(PreflightError, match="was started with --max-lora-rank 8, below --train.lora.rank 16"):
+        check_remote_servers(remote_config(fake_server(lora_rank=8), lora_rank=16), run)
+    check_remote_servers(remote_config(fake_server(lora_rank=0)), run)  # full fine-tuning: any server
 
 
 def test_servers_by_url_are_checked_before_the_run(fake_server, tmp_path, monkeypatch):
