@@ -6,7 +6,7 @@ on a free port with a per-server API key, its output written to a log file.
 It stays up for the whole run: new weights are swapped in with
 `reload_weights` (about 1 s) instead of a restart (about a minute on CPU).
 
-On CPU the defaults are those measured in DESIGN.md: fp32 (bf16 is slow
+On CPU the defaults are measured ones (docs/rollouts.md): fp32 (bf16 is slow
 without AMX and its log-probs drift from the trainer's), eager mode (start-up
 28 s instead of minutes), an explicit KV-cache size and thread binding.
 """

@@ -118,3 +118,42 @@ def test_options_named_in_the_docs_exist(rl_options):
             if not name.startswith(NOT_OPTIONS) and not known:
                 unknown.add(f"{page.relative_to(ROOT)}: {name}{wildcard}")
     assert not unknown, f"options named in the docs that orchestrate.rl does not have: {sorted(unknown)}"
+
+
+def test_the_readme_console_line_is_what_the_loop_prints(capsys):
+    """The example line of the README is the loop's own format (orchestrate.loop.Loop._report), for the
+    values it shows."""
+    from orchestrate.config import RLConfig
+    from orchestrate.loop import Loop
+
+    shown = next(line.strip() for line in README.read_text().splitlines() if line.startswith("    iter 3/30 "))
+    loop = Loop.__new__(Loop)
+    loop.config, loop.loggers = RLConfig.model_validate({"run": {"iterations": 30}}), []
+    loop._report({
+        "iteration": 3, "reward_mean": 0.25, "success_rate": 0.312, "turns_mean": 1.0, "parse_failure_rate": 0.06,
+        "completion_tokens_mean": 23, "train_loss": -0.001, "trainer_busy_frac": 0.85, "generator_busy_frac": 0.12,
+        "time_generate": 8.5, "time_reward": 0.1, "time_reference": 0.0, "time_train": 58.6, "time_weight_sync": 1.5,
+        "time_eval": 0.0, "time_other": 0.0,
+    })  # fmt: skip
+    assert capsys.readouterr().out.strip() == shown
+
+
+def test_the_readme_environment_example_is_an_environment(tmp_path, monkeypatch):
+    """The README's own environment, as a user saves it: built by id with an option, both splits apart, the
+    right answer rewarded, a wrong one not, one without \\boxed{} a format error."""
+    from agents.envs import make_env
+
+    code = re.search(r"```python\n(# my_env\.py.*?)```", README.read_text(), re.DOTALL).group(1)
+    (tmp_path / "my_env.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("module:my_env:Reverse", {"length": 4}, split="train", run_seed=1)
+    question, _ = env.reset(seed=7)
+    word = question.split("Reverse the letters of ", 1)[1].split(".", 1)[0]
+    assert len(word) == 4
+    assert env.step(f"It is \\boxed{{{word[::-1]}}}")[1:3] == (1.0, True)
+    env.reset(seed=7)
+    assert env.step(f"\\boxed{{{word}x}}")[1] == 0.0 or word == word[::-1]
+    env.reset(seed=7)
+    assert env.step(word[::-1])[4] == {"success": False, "format_error": True}
+    test = make_env("module:my_env:Reverse", {"length": 4}, split="test", run_seed=1)
+    assert [test.reset(seed=s)[0] for s in range(5)] != [env.reset(seed=s)[0] for s in range(5)]

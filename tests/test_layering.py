@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, checked on the source: every module's imports, parsed (ast).
+"""The layering rules (README.md, "Layout"), checked on the source: every module's imports, parsed (ast).
 
     tapes  <-  agents  <-  orchestrate  --(subprocess, files)-->  finetune
 

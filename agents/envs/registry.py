@@ -57,12 +57,8 @@ def register_prefix(prefix: str, resolver: Callable[[str], EnvEntry]) -> None:
 
 def _load_builtins() -> None:
     # Importing a module registers its environments; each is light (no model, no data).
-    for name in ("math", "countdown", "guess_the_number", "code", "qa", "reasoning_gym", "gem", "custom"):
-        try:
-            importlib.import_module(f"agents.envs.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"agents.envs.{name}":
-                raise
+    for name in ("math", "countdown", "guess_the_number", "code", "qa", "reasoning_gym", "gem"):
+        importlib.import_module(f"agents.envs.{name}")
 
 
 def entry(env_id: str) -> EnvEntry:
