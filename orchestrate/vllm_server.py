@@ -335,11 +335,11 @@ class VLLMServer:
         except httpx.HTTPError as exc:
             raise ServerError(f"{self.base_url} does not answer ({type(exc).__name__}: {exc})") from None
 
-    def probe_logprobs(self, model: str | None = None) -> list[float]:
-        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights (or of adapter `model`)."""
+    def probe_logprobs(self) -> list[float]:
+        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights."""
         body = self._post(
             "/v1/completions",
-            {"model": model or self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
+            {"model": self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
              "prompt_logprobs": 0, "temperature": 1.0},
         ).json()  # fmt: skip
         entries = body["choices"][0]["prompt_logprobs"][1:]

@@ -39,7 +39,6 @@ class PolicyWeights:
                  lora: bool = False):  # fmt: skip
         self.run = run
         self.lora = lora  # each version is an adapter, loaded by path (the backend is disk)
-        self._probes: dict = {}  # server -> the served adapter's log-probs on the probe (LoRA: checked once)
         self.loaded: set[int] = set()  # LoRA: the versions whose adapters the servers hold (calls use them)
         self.servers = servers
         self.backend = backend  # "disk", "gloo" or "nccl"; becomes "disk" when a group cannot form
@@ -139,7 +138,7 @@ class PolicyWeights:
         manifest = self.run.transfer_manifest(version) if self.in_memory else None
         failed: list[tuple[VLLMServer, str]] = []
         if self.lora:
-            failed = self._load_adapters(version, verify, unload=not keep_previous)
+            failed = self._load_adapters(version, unload=not keep_previous)
         elif manifest is not None and manifest.get("generation") == self.generation:  # the learner is sending it
             if self.regroup:  # a server rejoined since the group formed: it cannot take part
                 self._leave_group()  # the learner's broadcast fails at once instead of waiting out its timeout
@@ -214,22 +213,14 @@ class PolicyWeights:
 
     # -- LoRA: adapters by path -------------------------------------------------------
 
-    def _load_adapters(self, version: int, verify: bool, unload: bool) -> list[tuple[VLLMServer, str]]:
+    def _load_adapters(self, version: int, unload: bool) -> list[tuple[VLLMServer, str]]:
         """Load version `version`'s adapter into every server, then (with `unload`) unload the one served
-        before. With `verify`, the adapter's log-probs on a fixed prompt must differ from the previous
-        version's."""
+        before. No log-prob check as after a reload from disk: the adapter has a name of its own, so a call
+        is served by it or refused, never by the weights before."""
         failed = []
         for server in self.servers:
             try:
-                before = self._probes.get(server) if verify else None
-                if verify and before is None:
-                    before = server.probe_logprobs(adapter_name(server.served_model_name, self.served))
                 self.load_adapter(server, version)
-                if verify:
-                    self._probes[server] = server.probe_logprobs(adapter_name(server.served_model_name, version))
-                    if self._probes[server] == before:
-                        raise ServerError(f"{server.served_model_name}: the adapter of version {version} serves the "
-                                          f"log-probs of version {self.served}; it may hold the same weights")  # fmt: skip
                 if unload and self.served and self.served != version:
                     self._unload_adapter(server, self.served)
             except ServerError as exc:
@@ -243,7 +234,6 @@ class PolicyWeights:
     def load_adapter(self, server: VLLMServer, version: int) -> None:
         """Version `version`'s adapter into `server` under its name (replacing one of that name: a server by
         URL may hold an earlier run's), its prefix cache dropped."""
-        self._probes.pop(server, None)
         path = self.run.adapter(version).resolve()  # by absolute path: servers elsewhere see the same
         if not self.run.has_adapter(version):
             raise ServerError(f"version {version} has no adapter at {path}")
