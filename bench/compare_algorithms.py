@@ -7,7 +7,8 @@ Held-out success at 10, 20 and 30 minutes of GRPO, Dr. GRPO, DAPO, GSPO, RLOO, R
         [--eval-every 3] [--eval-tasks N] [--marks 10,20,30] [--options='--train.steps_per_epoch 4']
         [--plot PNG] [--report-only]
 
-Each recipe of RECIPES (options added to the embedded preset, with its paper) is one real run of
+Each recipe of RECIPES (`--train.algorithm NAME` for every algorithm of the registry, finetune.algorithms,
+with its paper) is one real run of
 `orchestrate.rl` (vLLM server, accelerate-launched trainer; this interpreter, so `uv run python` makes it
 `uv run -m orchestrate.rl`), one after the other, in OUT/RECIPE, for --minutes of wall time
 (`--run.max_minutes`; `--run.iterations` is set out of reach), evaluated every --eval-every iterations on the
@@ -47,6 +48,7 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from finetune.algorithms import ALGORITHMS  # noqa: E402
 from finetune.durable import atomic_write_text  # noqa: E402
 from orchestrate.metrics import read_metrics  # noqa: E402
 
@@ -56,48 +58,12 @@ ITERATIONS = 100_000  # out of reach: the time budget ends each run
 
 class Recipe(NamedTuple):
     overrides: tuple[str, ...]  # added to the embedded preset (lr 1e-5, kl_coef 0, 16 tasks x 4 at T 0.7,
-    paper: str  #                  128 new tokens, `train.aggregation token`, one optimizer step per batch)
+    paper: str  #                  128 new tokens, one optimizer step per batch)
 
 
-# Every recipe, as docs/training.md defines them. The preset has no KL term (kl_coef 0), so none adds one.
-RECIPES: dict[str, Recipe] = {
-    # The GRPO paper's: PPO-clip (0.2) on the token ratio, group baseline with std, each sequence's token mean
-    # averaged over sequences (`aggregation sequence`; the preset's token mean is DAPO's, and Dr. GRPO's below).
-    "grpo": Recipe(
-        ("--train.algorithm", "grpo", "--train.baseline", "group", "--train.aggregation", "sequence"),
-        "arXiv:2402.03300",
-    ),
-    # docs/training.md: "`normalize_std false`: Dr. GRPO" (finetune/config.py: "false: Dr. GRPO"). Dr. GRPO also
-    # drops GRPO's per-sequence 1/|o_i|: `aggregation token` (one normaliser for every token of a step, the
-    # step's token count where the paper takes a constant), not `sequence`, which is the length bias it removes.
-    "dr_grpo": Recipe(
-        ("--train.baseline", "group", "--train.normalize_std", "false", "--train.aggregation", "token"),
-        "arXiv:2503.20783",
-    ),
-    # docs/training.md: clip-higher 0.28, token mean, overlong shaping, dynamic sampling. The paper's soft
-    # overlong buffer is 4096 of 20480 tokens, a fifth: 26 of the preset's 128 (train.max_tokens follows
-    # rollouts.max_tokens).
-    "dapo": Recipe(
-        ("--train.grpo.clip_eps_high", "0.28", "--train.aggregation", "token", "--train.overlong_buffer", "26",
-         "--rollouts.dynamic_sampling", "true"),
-        "arXiv:2503.14476",
-    ),  # fmt: skip
-    # docs/training.md: "the paper averages over sequences: use it with --train.aggregation sequence"; its
-    # clip range is the paper's 3e-4 / 4e-4 (the defaults of train.gspo).
-    "gspo": Recipe(("--train.algorithm", "gspo", "--train.aggregation", "sequence"), "arXiv:2507.18071"),
-    # RLOO's paper trains the leave-one-out advantage with plain REINFORCE (no ratio, no clip): docs/training.md
-    # cites it for the `reinforce` loss.
-    "rloo": Recipe(("--train.algorithm", "reinforce", "--train.baseline", "rloo"), "arXiv:2402.14740"),
-    # REINFORCE++'s paper keeps PPO's clipped surrogate (and a token-level KL in the reward, 0 here as in the
-    # preset) and takes the baseline over the whole batch: the `grpo` loss with the reinforce_pp estimator.
-    "reinforce_pp": Recipe(("--train.algorithm", "grpo", "--train.baseline", "reinforce_pp"), "arXiv:2501.03262"),
-    # docs/training.md pairs Williams' REINFORCE with the `none` estimator (the return itself): log-prob x
-    # return, no baseline, no ratio (with a baseline it would be rloo above, or GRPO's advantages without a clip).
-    "reinforce": Recipe(("--train.algorithm", "reinforce", "--train.baseline", "none"), "Williams 1992"),
-    # A critic (separate, initialised from the policy) and GAE advantages; the train.ppo defaults, as in
-    # docs/results.md's PPO run.
-    "ppo": Recipe(("--train.algorithm", "ppo",), "arXiv:1707.06347"),
-}  # fmt: skip
+# Every registered algorithm (finetune.algorithms: its loss, estimator, aggregation and paper's options), by
+# name. The preset has no KL term (kl_coef 0), so none adds one.
+RECIPES: dict[str, Recipe] = {name: Recipe(("--train.algorithm", name), a.paper) for name, a in ALGORITHMS.items()}
 
 
 class Study(NamedTuple):

@@ -8,10 +8,12 @@ refused with one line naming the field, before any model is loaded.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from finetune.algorithms import ALGORITHMS, upgrade_train, with_algorithm
+from finetune.algorithms import listing as algorithm_listing
 from finetune.estimators import ESTIMATORS, overlong_penalty
 from finetune.losses import LOSSES, LossConfig, LossSpec
 
@@ -64,7 +66,12 @@ class _TrainOptions(BaseModel):
 
     algorithm: str = Field(
         "grpo",
-        description="the loss, by name: "
+        description="the algorithm, by name (finetune.algorithms): " + algorithm_listing() + ". It sets loss, "
+        "estimator, aggregation and its paper's options; any of them given too is taken as given.",
+    )
+    loss: str = Field(
+        "grpo",
+        description="the loss, by name (set by algorithm): "
         + _listing(LOSSES)
         + ". Its options are the section of the same name (--train.ppo.vf_coef 0.5).",
     )
@@ -94,10 +101,10 @@ class _TrainOptions(BaseModel):
         description="token: mean over all completion tokens of a step; sequence: mean over "
         "sequences of each sequence's token mean.",
     )
-    baseline: str = Field(
+    estimator: str = Field(
         "group",
-        description="the advantage estimator, by name (finetune.estimators; any combines with any algorithm, "
-        "ppo's critic excepted): " + _listing(ESTIMATORS) + ".",
+        description="the advantage estimator, by name (set by algorithm; finetune.estimators; any combines with "
+        "any loss, ppo's critic excepted): " + _listing(ESTIMATORS) + ".",
     )
     gamma: float = Field(
         1.0,
@@ -197,14 +204,28 @@ class _TrainOptions(BaseModel):
         "trainer's probability before the batch's first update, and its ratio is taken against p_trainer.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_settings(cls, data: Any) -> Any:
+        """The chosen algorithm's settings where not given (runs saved before algorithms were registered are
+        upgraded first: their algorithm was the loss, their baseline the estimator)."""
+        return with_algorithm(upgrade_train(data)) if isinstance(data, dict) else data
+
     @field_validator("algorithm")
+    @classmethod
+    def _algorithm_registered(cls, value: str) -> str:
+        if value not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {value!r}: one of {', '.join(ALGORITHMS)}")
+        return value
+
+    @field_validator("loss")
     @classmethod
     def _registered(cls, value: str) -> str:
         if value not in LOSSES:
-            raise ValueError(f"unknown algorithm {value!r}: one of {', '.join(LOSSES)}")
+            raise ValueError(f"unknown loss {value!r}: one of {', '.join(LOSSES)}")
         return value
 
-    @field_validator("baseline")
+    @field_validator("estimator")
     @classmethod
     def _estimator_registered(cls, value: str) -> str:
         if value not in ESTIMATORS:
@@ -226,22 +247,22 @@ class _TrainOptions(BaseModel):
     def _only_the_chosen_section(self) -> _TrainOptions:
         for name in LOSSES:
             section = getattr(self, name, None)
-            if name != self.algorithm and section is not None and section != type(section)():
+            if name != self.loss and section is not None and section != type(section)():
                 raise ValueError(
-                    f"{name}: options of algorithm {name!r} are changed, but the algorithm is "
-                    f"{self.algorithm!r} (choose algorithm {name}, or leave them out)"
+                    f"{name}: options of loss {name!r} are changed, but the loss is {self.loss!r} (algorithm "
+                    f"{self.algorithm}; choose an algorithm with loss {name}, or leave them out)"
                 )
         return self
 
     @property
-    def loss(self) -> LossSpec:
+    def loss_spec(self) -> LossSpec:
         """The chosen loss: its function, options class and whether it trains a critic."""
-        return LOSSES[self.algorithm]
+        return LOSSES[self.loss]
 
     @property
     def loss_options(self) -> LossConfig:
-        """The chosen algorithm's options (its section)."""
-        return getattr(self, self.algorithm)
+        """The chosen loss's options (its section)."""
+        return getattr(self, self.loss)
 
     def shaped_reward(self, reward: float, length: int) -> float:
         """A turn's reward as the estimators see it: the environment's, plus DAPO's soft overlong punishment
@@ -286,7 +307,7 @@ TrainConfig = create_model(
     __doc__="Hyper-parameters of the learner and how to run them: the shared options, then one section per "
     "registered loss (finetune.losses.register_loss) holding that loss's own options.",
     **{
-        name: (spec.config, Field(default_factory=spec.config, description=f"options of algorithm {name}"))
+        name: (spec.config, Field(default_factory=spec.config, description=f"options of loss {name}"))
         for name, spec in LOSSES.items()
     },
 )

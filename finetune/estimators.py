@@ -1,8 +1,8 @@
 """Advantage estimators: from the rewards of a batch's turns to one advantage per turn.
 
 The learner first turns each episode's per-turn rewards into returns (discount gamma:
-G_t = r_t + gamma G_{t+1}), then the chosen estimator (`--train.baseline NAME`) turns the returns
-into advantages; the loss (finetune.losses, `--train.algorithm`) then trains on them, so any
+G_t = r_t + gamma G_{t+1}), then the chosen estimator (`--train.estimator NAME`, set by `--train.algorithm`) turns the returns
+into advantages; the loss (finetune.losses, `--train.loss`) then trains on them, so any
 estimator combines with any loss (PPO's critic excepted: its advantages are GAE on the critic's
 values, finetune.losses.gae).
 
@@ -67,7 +67,7 @@ ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
 def register_estimator(name: str, needs: Sequence[Column] = (), paper: str = "", group_relative: bool = False):
-    """Register `fn(episodes) -> {episode: {turn index: advantage}}` as `--train.baseline NAME`;
+    """Register `fn(episodes) -> {episode: {turn index: advantage}}` as `--train.estimator NAME`;
     `group_relative`: the advantages of a group whose returns G_0 are all equal are all 0."""
 
     def wrap(fn):

@@ -169,7 +169,7 @@ class Learner:
         if impl == "auto":
             impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
         self.pad_id = lm.config.pad_token_id if isinstance(lm.config.pad_token_id, int) else 0
-        spec, options = config.loss, config.loss_options
+        spec, options = config.loss_spec, config.loss_options
         head = spec.critic and getattr(options, "critic", "separate") == "head"
         policy = PolicyLogProbs(
             lm, impl, config.logit_chunk_tokens, value_head=head, entropy_grad=config.entropy_coef > 0
@@ -253,7 +253,7 @@ class Learner:
             [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
             [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
             [sample.group_id for sample in samples],
-            cfg.baseline, cfg.gamma, cfg.normalize_std, cfg.std_eps,
+            cfg.estimator, cfg.gamma, cfg.normalize_std, cfg.std_eps,
             lengths=[[t.length for t in sample.all_turns] for sample in samples],
         )  # fmt: skip
         critic = None
@@ -550,7 +550,7 @@ class Learner:
                 x.values = out.values if self.critic is None else self._forward_values(mb, seqs)
                 x.old_values = torch.cat([old_values[r] for r in rows]).to(dev)
                 x.returns = torch.cat([targets[r] for r in rows]).to(dev)
-            result = cfg.loss.fn(x, cfg.loss_options)
+            result = cfg.loss_spec.fn(x, cfg.loss_options)
             # Gradients are averaged over processes; the weights already
             # divide by the step's totals, so undo the average.
             acc.backward(result.loss * acc.num_processes)

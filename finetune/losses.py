@@ -12,11 +12,11 @@ tokens, `behaviour_logp` those of the policy that sampled them (vLLM),
 `ref_logp` those of the reference model. Losses are to be minimised.
 
 A loss is a function `(LossInputs, its options) -> LossOutputs` registered
-with `register_loss(name, OptionsClass, paper=...)`: the training config then has an
-`algorithm` of that name and a section of its options (finetune.config), and
+with `register_loss(name, OptionsClass, paper=...)`: the training config then has a
+`loss` of that name (set by an algorithm, finetune.algorithms) and a section of its options (finetune.config), and
 the learner reports every term the loss returns. grpo, reinforce, gspo and ppo
 (with a critic: `gae`, `value_loss`) are defined so below. The advantages they
-get come from an estimator of finetune.estimators (`--train.baseline`), any of
+get come from an estimator of finetune.estimators (`--train.estimator`), any of
 which combines with any loss (ppo's critic excepted: GAE).
 """
 
@@ -159,7 +159,7 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, config: type[LossConfig], critic: bool = False, paper: str = ""):
-    """Register `fn(inputs, options) -> LossOutputs` as `--train.algorithm NAME`, its options as
+    """Register `fn(inputs, options) -> LossOutputs` as `--train.loss NAME`, its options as
     `--train.NAME.OPTION` (the fields of `config`). Adding a loss is this: one function, one config class.
     `paper` (an arXiv id) shows in --help beside the first line of the function's docstring."""
 

@@ -100,7 +100,7 @@ class RolloutSection(BaseModel):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling (arXiv:2503.14476): drop groups whose attempts all earn the same "
-        "return (no advantage under a group-relative train.baseline) and fill the batch with groups of extra tasks",
+        "return (no advantage under a group-relative train.estimator) and fill the batch with groups of extra tasks",
     )
     max_extra_tasks: int | None = Field(
         None,
@@ -341,6 +341,7 @@ def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
     except ConfigError as exc:
         dotted = str(exc).split(":")[0]
         raise ConfigError(f"{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
+    with_rollouts_of_algorithm(data)
     follow_max_tokens(data)
     try:
         config = RLConfig.model_validate(data)
@@ -348,6 +349,26 @@ def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
         raise ConfigError(_environment_line(exc) or error_line(exc, whole=f"preset {preset!r}")) from None
     check_config(config)
     return config
+
+
+def with_rollouts_of_algorithm(data: dict) -> None:
+    """What the chosen algorithm (finetune.algorithms) sets beyond the learner, where not given: rollouts
+    options (DAPO's dynamic sampling) and its overlong buffer as a fraction of rollouts.max_tokens (in place,
+    before validation; the learner's own options are set by TrainConfig)."""
+    from finetune.algorithms import ALGORITHMS
+
+    train, rollouts = data.get("train", {}), data.setdefault("rollouts", {})
+    if not isinstance(train, dict) or not isinstance(rollouts, dict):
+        return
+    algorithm = ALGORITHMS.get(train.get("algorithm", "grpo"))
+    if algorithm is None:
+        return  # refused by validation, naming the algorithms
+    for name, value in algorithm.rollouts.items():
+        rollouts.setdefault(name, value)
+    if algorithm.overlong_fraction and "overlong_buffer" not in train:
+        limit = train.get("max_tokens") or rollouts.get("max_tokens", RolloutSection.model_fields["max_tokens"].default)
+        if isinstance(limit, int):
+            train["overlong_buffer"] = round(limit * algorithm.overlong_fraction)
 
 
 def follow_max_tokens(data: dict) -> None:
@@ -368,6 +389,17 @@ def _environment_line(exc: ValidationError) -> str | None:
         return None
     field, _, msg = msg.partition(": ")
     return f"--env.{field}: {msg}"
+
+
+# Options renamed since a run could have used them: refused with the new name.
+RENAMED = {"--train.baseline": "--train.estimator (the advantage estimator; --train.algorithm sets it)"}
+
+
+def refuse_renamed(argv: list[str]) -> None:
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name in RENAMED:
+            raise ConfigError(f"{name}: renamed {RENAMED[name]}")
 
 
 ENV_OPTION = "--env.options."
@@ -402,8 +434,13 @@ MOVED_TO_TRAINER = ("accelerate_config", "num_processes", "timeout_s")
 
 def upgrade_saved(saved: dict) -> dict:
     """A run's saved config.json in today's shape: train.accelerate_config, train.num_processes and
-    train.timeout_s of runs started before the trainer section become trainer.*, and a run started before
-    dynamic sampling had it off, so such a run resumes."""
+    train.timeout_s of runs started before the trainer section become trainer.*, a run started before
+    dynamic sampling had it off, and one started before algorithms were registered had train.algorithm name
+    the loss and train.baseline the estimator (finetune.algorithms.upgrade_train), so such a run resumes."""
+    from finetune.algorithms import upgrade_train
+
+    if isinstance(saved.get("train"), dict):
+        saved = {**saved, "train": upgrade_train(saved["train"])}
     rollouts = saved.get("rollouts")
     if isinstance(rollouts, dict) and "dynamic_sampling" not in rollouts:
         saved = {**saved, "rollouts": {**rollouts, "dynamic_sampling": False, "max_extra_tasks": None}}
@@ -424,6 +461,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLCon
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         refuse_repeated(argv, {"--iterations": "--run.iterations"})
+        refuse_renamed(argv)
         argv, env_options = split_env_options(argv)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")

@@ -176,11 +176,11 @@ def check_dynamic_sampling(config) -> None:
                               "sampling, which is off; add --rollouts.dynamic_sampling true or leave it out")  # fmt: skip
         return
     relative = [name for name, spec in ESTIMATORS.items() if spec.group_relative]
-    if not ESTIMATORS[train.baseline].group_relative:
-        raise ConfigError(f"--rollouts.dynamic_sampling: train.baseline {train.baseline} is not group-relative, so "
+    if not ESTIMATORS[train.estimator].group_relative:
+        raise ConfigError(f"--rollouts.dynamic_sampling: train.estimator {train.estimator} is not group-relative, so "
                           "a group whose attempts all earn the same return still has advantages and dropping it "
-                          f"changes training; use --train.baseline {' or '.join(relative)}, or leave it off")  # fmt: skip
-    if train.loss.critic:
+                          f"changes training; use --train.estimator {' or '.join(relative)}, or leave it off")  # fmt: skip
+    if train.loss_spec.critic:
         raise ConfigError(f"--rollouts.dynamic_sampling: train.algorithm {train.algorithm} takes its advantages from "
                           "its critic (GAE), not from the group, so a group whose attempts all earn the same return "
                           "still has advantages; leave dynamic sampling off with a critic")  # fmt: skip
@@ -236,11 +236,11 @@ def check_config(config) -> None:
     if s.kv_cache_gib > memory_gib:
         raise ConfigError(f"--server.kv_cache_gib: {s.kv_cache_gib} GiB is more than this machine's memory "
                           f"({memory_gib:.0f} GiB)")  # fmt: skip
-    baseline = config.train.baseline
-    if "group" in ESTIMATORS[baseline].needs and not config.train.loss.critic and r.attempts < 2:
+    estimator = config.train.estimator
+    if "group" in ESTIMATORS[estimator].needs and not config.train.loss_spec.critic and r.attempts < 2:
         raise ConfigError(f"--rollouts.attempts: {r.attempts} attempt per task leaves every group of one, so every "
-                          f"group-baseline advantage ({config.train.algorithm}, train.baseline {baseline}) is 0 and nothing "
-                          "is learned; use 2 or more (or --train.baseline none)")  # fmt: skip
+                          f"group-baseline advantage ({config.train.algorithm}, train.estimator {estimator}) is 0 and nothing "
+                          "is learned; use 2 or more (or --train.algorithm reinforce: no baseline)")  # fmt: skip
     if r.top_p < 1:
         raise ConfigError(f"--rollouts.top_p: {r.top_p} is refused for training rollouts: the trainer computes log-probs "
                      "of the whole distribution (top_p = 1), so tokens sampled from a truncated one would get wrong "

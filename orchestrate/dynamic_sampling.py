@@ -1,6 +1,6 @@
 """Dynamic sampling (DAPO, arXiv:2503.14476 section 3.2): keep only groups that carry a learning signal.
 
-Under a group-relative estimator (`--train.baseline group` or `rloo`) a group whose attempts all earn
+Under a group-relative estimator (`--train.estimator group` or `rloo`) a group whose attempts all earn
 the same return gets advantage 0 everywhere: it costs a training step and teaches nothing. With
 `--rollouts.dynamic_sampling` such groups are dropped from the batch and the batch is filled with
 groups of extra tasks, in rounds, until it holds `tasks_per_iteration` groups with signal or

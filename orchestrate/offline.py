@@ -26,8 +26,8 @@ group's mean): samples train only where the attempts at one task earned
 different rewards, and the recorded behaviour log-probs make the step
 off-policy-correct (clipped importance ratio). A filter that leaves every
 group with equal rewards would train nothing, and is refused, unless the
-advantages are the rewards themselves: `--filter 'reward>0' --train.baseline
-none --train.algorithm reinforce` is rejection-sampling fine-tuning.
+advantages are the rewards themselves: `--filter 'reward>0' --train.algorithm
+reinforce` (no baseline) is rejection-sampling fine-tuning.
 
 Bad input is refused before anything loads, with one line naming the option
 (exit status 2).
@@ -381,11 +381,11 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     kept = [t for t in tapes if keep(t)]
     if not kept:
         raise OfflineError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
-    if "group" in ESTIMATORS[train.baseline].needs and not groups_with_signal(kept):
+    if "group" in ESTIMATORS[train.estimator].needs and not groups_with_signal(kept):
         raise OfflineError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
-                           "(--train.baseline none --train.algorithm reinforce: rejection-sampling fine-tuning)")  # fmt: skip
+                           "(--train.algorithm reinforce, no baseline: rejection-sampling fine-tuning)")  # fmt: skip
     return kept
 
 

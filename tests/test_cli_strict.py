@@ -71,7 +71,7 @@ def test_top_p_message_says_why(tmp_path, folder_model, refused):
 def test_a_group_of_one_is_fine_without_a_group_baseline(folder_model):
     from orchestrate.config import resolve
 
-    config = resolve("embedded", {"rollouts.attempts": "1", "train.baseline": "none", "train.algorithm": "reinforce"})
+    config = resolve("embedded", {"rollouts.attempts": "1", "train.algorithm": "reinforce"})
     assert config.rollouts.attempts == 1
 
 

@@ -80,7 +80,9 @@ def test_a_resumed_runs_minutes_add_up_its_commands():
     assert [(m, r["iteration"]) for m, r in ca.timeline(records)] == [(1.0, 0), (2.0, 1), (2.5, 2), (3.5, 3)]
 
 
-def test_every_recipe_is_accepted_by_the_command_line_and_sets_what_it_says():
+def test_every_registered_algorithm_is_a_recipe_and_sets_what_its_paper_does():
+    """The bench's recipes are the registry's algorithms (finetune.algorithms), each resolved by the command
+    line's own parser: its loss, estimator, aggregation and paper's options (DAPO's reach the rollouts)."""
     args = ca.parse_args(["--out", "/nonexistent"])
     train = {}
     for name in ca.RECIPES:
@@ -89,10 +91,10 @@ def test_every_recipe_is_accepted_by_the_command_line_and_sets_what_it_says():
         assert config["eval"]["every"] == 3 and config["eval"]["tasks"] == 200  # the preset's 200
         assert config["train"]["kl_coef"] == 0.0  # the preset's: none adds a KL term
         t, r = config["train"], config["rollouts"]
-        train[name] = (t["algorithm"], t["baseline"], t["aggregation"], t["normalize_std"],
+        train[name] = (t["loss"], t["estimator"], t["aggregation"], t["normalize_std"],
                        t["grpo"]["clip_eps_high"], t["overlong_buffer"], t["max_tokens"], r["dynamic_sampling"])  # fmt: skip
     assert train == {
-        "grpo": ("grpo", "group", "sequence", True, 0.2, 0, None, False),
+        "grpo": ("grpo", "group", "token", True, 0.2, 0, None, False),
         "dr_grpo": ("grpo", "group", "token", False, 0.2, 0, None, False),
         "dapo": ("grpo", "group", "token", True, 0.28, 26, 128, True),
         "gspo": ("gspo", "group", "sequence", True, 0.2, 0, None, False),
@@ -202,7 +204,7 @@ def test_a_run_directory_of_another_recipe_is_refused_before_anything_starts(tmp
     write_run(out, "rloo", [(T0, [(0, 60.0, 0.3)])], config=ppo)
     code, line = bad(capsys, ["--out", out, "--recipes", "grpo,rloo"])
     assert code == 2 and line.startswith(f"error: recipe rloo: {out / 'rloo'} holds a run with other settings ("), line
-    assert "--train.algorithm" in line and "--train.baseline" in line and "--run.max_minutes" not in line
+    assert "--train.algorithm" in line and "--train.estimator" in line and "--run.max_minutes" not in line
     assert launched == []  # grpo, which is fine, did not start either
 
     # the same recipe with another --eval-every is not this run; with another --minutes it is
@@ -231,7 +233,7 @@ def test_options_reach_every_recipe_and_are_named_in_the_marker_table_and_plot(t
     text = (out / "table.md").read_text()
     assert "with `--train.steps_per_epoch 4 --train.lr 2e-5` added to every recipe;" in text
     assert (
-        "- grpo (arXiv:2402.03300): `--train.algorithm grpo --train.baseline group --train.aggregation sequence`\n"
+        "- grpo (arXiv:2402.03300): `--train.algorithm grpo`\n"
         in text
     )
     capsys.readouterr()
@@ -245,8 +247,8 @@ def test_options_reach_every_recipe_and_are_named_in_the_marker_table_and_plot(t
     (out / "gspo.done").write_text(json.dumps({"minutes": 30.0}))
     text = ca.report(out, [10.0, 20.0, 30.0], None)
     assert "added to every recipe" not in text
-    assert "--train.aggregation sequence` + `--train.steps_per_epoch 4 --train.lr 2e-5`" in text
-    assert "- gspo (arXiv:2507.18071): `--train.algorithm gspo --train.aggregation sequence`\n" in text
+    assert "--train.algorithm grpo` + `--train.steps_per_epoch 4 --train.lr 2e-5`" in text
+    assert "- gspo (arXiv:2507.18071): `--train.algorithm gspo`\n" in text
 
 
 def test_report_only_without_runs_is_refused(tmp_path, capsys):

@@ -114,3 +114,53 @@ def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_pa
     run_dir.config_path.write_text(json.dumps(old))
     with pytest.raises(rl._Refused, match="--trainer.num_processes"):
         rl._check_resume(run_dir, current)
+
+
+def old_train(current: dict, **changes) -> dict:
+    """A run's train section as saved before algorithms were registered: `algorithm` named the loss and
+    `baseline` the estimator; no `loss`, no `estimator`."""
+    train = {k: v for k, v in current["train"].items() if k not in ("loss", "estimator")}
+    return {**current, "train": {**train, **changes}}
+
+
+def test_a_run_saved_before_algorithms_were_registered_resumes_as_it_ran():
+    from orchestrate.config import upgrade_saved
+    from orchestrate.run_dir import config_differences
+
+    # RLOO as it was spelled then: the reinforce loss with the rloo baseline
+    now = resolve("embedded", {"train.algorithm": "reinforce", "train.estimator": "rloo"}).model_dump(mode="json")
+    saved = old_train(now, algorithm="reinforce", baseline="rloo")
+    assert config_differences(upgrade_saved(saved), now) == []
+    upgraded = RLConfig.model_validate(upgrade_saved(saved)).train
+    assert (upgraded.algorithm, upgraded.loss, upgraded.estimator) == ("reinforce", "reinforce", "rloo")
+    # the learner reads an old train_config.json the same way
+    from finetune.config import TrainConfig
+
+    assert TrainConfig.model_validate(saved["train"]) == upgraded
+    # a GSPO run saved then had the token mean (the default then); the algorithm's own is the sequence mean,
+    # so resuming it takes the option that says so, and the refusal names it
+    gspo = resolve("embedded", {"train.algorithm": "gspo"}).model_dump(mode="json")
+    old_gspo = old_train(gspo, algorithm="gspo", baseline="group", aggregation="token")
+    assert config_differences(upgrade_saved(old_gspo), gspo) == ["train.aggregation"]
+    same = resolve("embedded", {"train.algorithm": "gspo", "train.aggregation": "token"}).model_dump(mode="json")
+    assert config_differences(upgrade_saved(old_gspo), same) == []
+
+
+def test_the_old_estimator_option_is_refused_with_its_new_name(rl_cli):
+    code, line = rl_cli(["--train.baseline", "rloo"])
+    assert code == 2 and line == "error: --train.baseline: renamed --train.estimator (the advantage estimator; " \
+        "--train.algorithm sets it)"
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])
+def test_each_algorithm_users_know_is_one_option(name):
+    """The eight names of the README resolve (what each sets: tests/test_compare_algorithms.py); an option the
+    user gives wins over the algorithm's."""
+    from finetune.algorithms import ALGORITHMS
+
+    config = resolve("embedded", {"train.algorithm": name})
+    a = ALGORITHMS[name]
+    assert (config.train.loss, config.train.estimator, config.train.aggregation) == (a.loss, a.estimator, a.aggregation)
+    mine = resolve("embedded", {"train.algorithm": name, "train.aggregation": "sequence" if a.aggregation == "token"
+                                else "token"})  # fmt: skip
+    assert mine.train.aggregation != a.aggregation

@@ -237,8 +237,8 @@ def test_generate_without_the_option_is_unchanged(tmp_path):
 @pytest.mark.parametrize(
     "extra, words",
     [
-        (["--train.baseline", "batch"], ["--rollouts.dynamic_sampling", "baseline batch", "group or rloo"]),
-        (["--train.baseline", "reinforce_pp"], ["--rollouts.dynamic_sampling", "reinforce_pp"]),
+        (["--train.estimator", "batch"], ["--rollouts.dynamic_sampling", "estimator batch", "group or rloo"]),
+        (["--train.algorithm", "reinforce_pp"], ["--rollouts.dynamic_sampling", "reinforce_pp"]),
         (["--train.algorithm", "ppo"], ["--rollouts.dynamic_sampling", "critic"]),
         (["--rollouts.attempts", "1"], ["--rollouts.dynamic_sampling", "1 attempt"]),
     ],
@@ -262,7 +262,7 @@ def test_extra_tasks_count_in_the_tapes_limit_and_rloo_is_accepted():
     with pytest.raises(ConfigError, match="--rollouts.attempts: 1024 tasks"):
         resolve("embedded", {"rollouts.dynamic_sampling": "true", "rollouts.tasks_per_iteration": "512",
                              "rollouts.attempts": "1500"})  # fmt: skip
-    config = resolve("embedded", {"rollouts.dynamic_sampling": "true", "train.baseline": "rloo"})
+    config = resolve("embedded", {"rollouts.dynamic_sampling": "true", "train.estimator": "rloo"})
     assert config.rollouts.max_extra_tasks == config.rollouts.tasks_per_iteration
 
 

@@ -71,7 +71,7 @@ def test_an_unknown_estimator_is_refused():
     with pytest.raises(ValueError, match="rloo"):
         turn_advantages(TURNS, EPISODES, GROUPS, "loo")
     with pytest.raises(ValueError, match="unknown advantage estimator 'loo'"):
-        TrainConfig(baseline="loo")
+        TrainConfig(estimator="loo")
 
 
 def test_overlong_penalty_is_dapos_eq_13_by_hand():
@@ -209,7 +209,7 @@ def test_overlong_shaping_and_filtering_in_the_learner(tiny):
 
     # max_tokens 4, buffer 2: outputs of 2, 3, 4 tokens lose 0, 0.5, 1 of their reward 1 -> 1, 0.5, 0
     # (group mean 0.5: advantages (+0.5, 0, -0.5) / sample std 0.5 = +1, 0, -1)
-    learner = Learner(tiny, TrainConfig(lr=1e-3, baseline="group", overlong_buffer=2, max_tokens=4))
+    learner = Learner(tiny, TrainConfig(lr=1e-3, estimator="group", overlong_buffer=2, max_tokens=4))
     batch = _samples(learner, [[10, 11], [12, 13, 14], [15, 16, 17, 18]], [1.0, 1.0, 1.0])
     (m,) = learner.train_batch(batch)
     turns = [c["turns"][0] for c in learner.credit]
@@ -248,7 +248,7 @@ def test_help_lists_every_estimator_and_loss_and_an_unknown_name_is_refused():
         assert f"{name}: {spec.doc.rstrip('.')} ({spec.paper})" in text, name
     for option in ("--entropy-coef", "--max-tokens", "--overlong-buffer", "--overlong-penalty", "--overlong-filter"):
         assert option in text
-    for option, value in (("--baseline", "loo"), ("--algorithm", "gspo2")):
+    for option, value in (("--estimator", "loo"), ("--algorithm", "gspo2")):
         bad = subprocess.run(
             [*run, "--model", "m", "--run-dir", "r", "--print-config", option, value],
             cwd=ROOT,

@@ -158,7 +158,7 @@ def test_positive_advantage_raises_its_tokens_after_one_step(tiny):
     assert (after > before).all(), (before, after)
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "reinforce"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])  # the grpo and the reinforce loss, group-relative
 def test_equal_rewards_leave_the_weights_unchanged(tiny, algorithm):
     learner = Learner(tiny, TrainConfig(lr=1e-2, algorithm=algorithm))
     batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [0.3] * 4))
@@ -172,7 +172,7 @@ def test_equal_rewards_leave_the_weights_unchanged(tiny, algorithm):
 def test_no_baseline_trains_on_the_rewards_themselves(tiny):
     # Rejection-sampling fine-tuning: only rewarded samples kept, all with reward 1. With the group
     # baseline they would train nothing; with baseline "none" their log-probs rise.
-    learner = Learner(tiny, TrainConfig(lr=1e-3, algorithm="reinforce", baseline="none"))
+    learner = Learner(tiny, TrainConfig(lr=1e-3, algorithm="reinforce"))  # estimator none
     batch = with_behaviour(learner, group([GOOD, BAD], [1.0, 1.0]))
     before = [lp.sum().item() for lp in learner.logprobs(batch)]
     (m,) = learner.train_batch(batch)

@@ -131,7 +131,7 @@ def test_every_registered_loss_has_its_section_in_the_config():
         assert issubclass(spec.config, LossConfig)
         assert TrainConfig.model_fields[name].annotation is spec.config
     cfg = TrainConfig(algorithm="ppo", ppo={"vf_coef": 0.25})
-    assert cfg.loss is LOSSES["ppo"] and cfg.loss.critic and cfg.loss_options.vf_coef == 0.25
+    assert cfg.loss_spec is LOSSES["ppo"] and cfg.loss_spec.critic and cfg.loss_options.vf_coef == 0.25
     assert TrainConfig.model_validate(cfg.model_dump()) == cfg  # the trainer's config file round-trips
     with pytest.raises(ValueError, match="ppo"):
         TrainConfig(algorithm="grpo", ppo={"vf_coef": 0.25})
@@ -300,10 +300,10 @@ def my_loss(x: LossInputs, c: MyOptions) -> LossOutputs:
     return LossOutputs(loss=(x.weights * pg).sum(), terms={"pg_loss": (x.weights * pg).sum().detach()})
 
 from finetune.config import TrainConfig
-cfg = TrainConfig(algorithm="mine", mine={"beta": 0.2})
+cfg = TrainConfig(loss="mine", mine={"beta": 0.2})
 x = LossInputs(logp=torch.tensor([-1.0, -2.0]), behaviour_logp=torch.zeros(2), advantages=torch.tensor([1.0, -1.0]),
                weights=torch.tensor([0.5, 0.5]))
-print(cfg.loss_options.beta, float(cfg.loss.fn(x, cfg.loss_options).loss))
+print(cfg.loss_options.beta, float(cfg.loss_spec.fn(x, cfg.loss_options).loss))
 '''
     out = subprocess.run(
         [sys.executable, "-c", code],
