@@ -9,10 +9,9 @@ an algorithm names a combination of the two and the options its paper sets. Choo
 options; any of them given too (`--train.algorithm dapo --train.grpo.clip_eps_high 0.3`) is taken as given.
 The resolved options are what a run saves (config.json, train_config.json), so a run resumes as it ran.
 
-An algorithm may set options beyond the learner's: `rollouts` (DAPO's dynamic sampling) is applied by the
-RL loop's config, and `overlong_fraction` (DAPO's soft overlong buffer, a fraction of the sampling limit)
-becomes train.overlong_buffer once the limit is known (rollouts.max_tokens in the loop, train.max_tokens
-for the learner alone).
+An algorithm may set options beyond the learner's, applied by the RL loop's config: `rollouts` (DAPO's
+dynamic sampling) and `overlong_fraction` (DAPO's soft overlong buffer, a fraction of the sampling limit,
+rollouts.max_tokens, which becomes train.overlong_buffer; the learner alone is given the buffer).
 
 Adding one is one `register_algorithm(...)` call; `--help` lists them, bench/compare_algorithms.py runs them
 side by side, docs/training.md describes them.
@@ -67,12 +66,13 @@ def _set_default(data: dict, dotted: str, value: Any) -> None:
 def upgrade_train(data: dict) -> dict:
     """Train options saved before algorithms were registered: `algorithm` named the loss and `baseline` the
     estimator. Returns them as loss, estimator and the algorithm of the loss's name (every saved option is
-    explicit, so the run resolves as it ran)."""
+    explicit, so the run resolves as it ran); a copy of the sampling limit (`max_tokens`) is dropped."""
     from finetune.losses import LOSSES
 
-    if "baseline" not in data and "loss" in data:
+    if "baseline" not in data and "loss" in data and "max_tokens" not in data:
         return data
     data = dict(data)
+    data.pop("max_tokens", None)  # the sampling limit: rollouts.max_tokens, recorded on every turn since
     if "baseline" in data:
         data.setdefault("estimator", data.pop("baseline"))
     if "loss" not in data and data.get("algorithm") in LOSSES:
@@ -88,9 +88,6 @@ def with_algorithm(train: dict) -> dict:
     train = dict(train)
     for dotted, value in algorithm.settings().items():
         _set_default(train, dotted, value)
-    limit = train.get("max_tokens")
-    if algorithm.overlong_fraction and "overlong_buffer" not in train and isinstance(limit, int):
-        train["overlong_buffer"] = round(limit * algorithm.overlong_fraction)
     return train
 
 

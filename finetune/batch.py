@@ -54,6 +54,12 @@ class Turn(BaseModel):
     start: int = Field(ge=0, description="Where the output starts in completion_ids.")
     length: int = Field(ge=1, description="Sampled tokens of the output.")
     reward: Finite = Field(description="Reward the environment gave this turn's action.")
+    truncated: bool | None = Field(
+        default=None, description="The output was cut by the sampling limit (its finish reason 'length'); none: not recorded."
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="The sampling limit of the call (what overlong shaping measures against)."
+    )
 
 
 class Sample(BaseModel):

@@ -123,23 +123,19 @@ class _TrainOptions(BaseModel):
         description="Entropy bonus: coef x the policy's per-token entropy (aggregated like the loss) is "
         "subtracted from the loss; 0: none (entropy is reported every step either way).",
     )
-    max_tokens: int | None = Field(
-        None,
-        gt=0,
-        description="The sampling limit of one LLM call (rollouts.max_tokens), which overlong_buffer and "
-        "overlong_filter measure outputs against; the RL loop sets it from rollouts.max_tokens when they are on.",
-    )
     overlong_buffer: int = Field(
         0,
         ge=0,
         description="DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13): an output longer than "
-        "max_tokens - overlong_buffer tokens loses reward linearly, overlong_penalty at max_tokens; 0: off.",
+        "max_tokens - overlong_buffer tokens loses reward linearly, overlong_penalty at max_tokens (the "
+        "call's sampling limit, recorded on each turn); 0: off.",
     )
     overlong_penalty: float = Field(1.0, ge=0, description="The reward an output of max_tokens tokens loses.")
     overlong_filter: bool = Field(
         False,
-        description="DAPO's overlong filtering: a sample with an output cut at max_tokens is not trained on "
-        "(it still counts in its group's baseline), counted as overlong_masked.",
+        description="DAPO's overlong filtering: a sample with an output cut by the sampling limit (its finish "
+        "reason, recorded on each turn) is not trained on (it still counts in its group's baseline), counted as "
+        "overlong_masked.",
     )
     token_budget: int = Field(
         2048,
@@ -233,17 +229,6 @@ class _TrainOptions(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _overlong_knows_the_limit(self) -> _TrainOptions:
-        if (self.overlong_buffer or self.overlong_filter) and self.max_tokens is None:
-            raise ValueError(
-                "max_tokens: overlong_buffer / overlong_filter need the sampling limit (set max_tokens to "
-                "rollouts.max_tokens)"
-            )
-        if self.max_tokens is not None and self.overlong_buffer > self.max_tokens:
-            raise ValueError(f"overlong_buffer: {self.overlong_buffer} is more than max_tokens {self.max_tokens}")
-        return self
-
-    @model_validator(mode="after")
     def _only_the_chosen_section(self) -> _TrainOptions:
         for name in LOSSES:
             section = getattr(self, name, None)
@@ -264,12 +249,16 @@ class _TrainOptions(BaseModel):
         """The chosen loss's options (its section)."""
         return getattr(self, self.loss)
 
-    def shaped_reward(self, reward: float, length: int) -> float:
+    def shaped_reward(self, reward: float, length: int, max_tokens: int | None) -> float:
         """A turn's reward as the estimators see it: the environment's, plus DAPO's soft overlong punishment
-        of its output of `length` tokens when overlong_buffer is on."""
+        of its output of `length` tokens against its call's sampling limit `max_tokens`, when overlong_buffer
+        is on."""
         if not self.overlong_buffer:
             return float(reward)
-        return float(reward) + overlong_penalty(length, self.max_tokens, self.overlong_buffer, self.overlong_penalty)
+        if max_tokens is None:
+            raise ValueError("overlong_buffer: a turn has no sampling limit recorded (a batch written before turns "
+                             "carried it): write its batch again from its tapes")  # fmt: skip
+        return float(reward) + overlong_penalty(length, max_tokens, self.overlong_buffer, self.overlong_penalty)
 
     @property
     def needs_reference(self) -> bool:

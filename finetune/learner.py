@@ -248,7 +248,7 @@ class Learner:
                 "kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
                 "them with the reference model, or set it to 0"
             )
-        shaped = [[cfg.shaped_reward(t.reward, t.length) for t in sample.all_turns] for sample in samples]
+        shaped = [[cfg.shaped_reward(t.reward, t.length, t.max_tokens) for t in sample.all_turns] for sample in samples]
         returns, turn_adv = turn_advantages(
             [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
             [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
@@ -289,7 +289,7 @@ class Learner:
             for i, (sample, sample_returns, sample_adv) in enumerate(zip(samples, returns, turn_adv))
         ]  # fmt: skip
         rewards = torch.tensor([sample.reward for sample in samples], dtype=torch.float64)
-        # Overlong filtering: samples with an output cut at max_tokens counted in the baseline, not trained on.
+        # Overlong filtering: samples with an output cut by the limit counted in the baseline, not trained on.
         trained = [i for i, s in enumerate(samples) if not (cfg.overlong_filter and self._cut(s))]
         if cfg.overlong_filter:
             lag_stats = {**lag_stats, "overlong_masked": len(samples) - len(trained)}
@@ -333,8 +333,12 @@ class Learner:
         return metrics
 
     def _cut(self, sample: Sample) -> bool:
-        """Whether an output of the sample reached max_tokens (cut by the limit: overlong filtering)."""
-        return any(t.length >= self.config.max_tokens for t in sample.all_turns)
+        """Whether an output of the sample was cut by its sampling limit (its finish reason: overlong
+        filtering)."""
+        if any(t.truncated is None for t in sample.all_turns):
+            raise ValueError(f"overlong_filter: sample {sample.sample_id} does not record whether its outputs were cut "
+                             "(a batch written before turns carried it): write its batch again from its tapes")  # fmt: skip
+        return any(t.truncated for t in sample.all_turns)
 
     @torch.no_grad()
     def _fingerprint(self) -> torch.Tensor:
@@ -369,7 +373,7 @@ class Learner:
             offset = 0
             for t in sample.all_turns:
                 offset += t.length
-                r[offset - 1] += cfg.shaped_reward(t.reward, t.length)  # DAPO's overlong shaping, when on
+                r[offset - 1] += cfg.shaped_reward(t.reward, t.length, t.max_tokens)  # DAPO's overlong shaping, when on
             if options.kl_in_reward:
                 r -= options.kl_in_reward * (
                     torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)

@@ -342,7 +342,6 @@ def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
         dotted = str(exc).split(":")[0]
         raise ConfigError(f"{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
     with_rollouts_of_algorithm(data)
-    follow_max_tokens(data)
     try:
         config = RLConfig.model_validate(data)
     except ValidationError as exc:
@@ -366,19 +365,9 @@ def with_rollouts_of_algorithm(data: dict) -> None:
     for name, value in algorithm.rollouts.items():
         rollouts.setdefault(name, value)
     if algorithm.overlong_fraction and "overlong_buffer" not in train:
-        limit = train.get("max_tokens") or rollouts.get("max_tokens", RolloutSection.model_fields["max_tokens"].default)
+        limit = rollouts.get("max_tokens", RolloutSection.model_fields["max_tokens"].default)
         if isinstance(limit, int):
             train["overlong_buffer"] = round(limit * algorithm.overlong_fraction)
-
-
-def follow_max_tokens(data: dict) -> None:
-    """The learner's overlong shaping and filtering measure outputs against rollouts.max_tokens: when either is
-    on and train.max_tokens is not given, it is set from the rollouts' (in place, before validation)."""
-    train, rollouts = data.get("train"), data.get("rollouts", {})
-    if not isinstance(train, dict) or not isinstance(rollouts, dict) or train.get("max_tokens") is not None:
-        return
-    if train.get("overlong_buffer") or train.get("overlong_filter"):
-        train["max_tokens"] = rollouts.get("max_tokens", RolloutSection.model_fields["max_tokens"].default)
 
 
 def _environment_line(exc: ValidationError) -> str | None:
@@ -392,14 +381,17 @@ def _environment_line(exc: ValidationError) -> str | None:
 
 
 # Options renamed since a run could have used them: refused with the new name.
-RENAMED = {"--train.baseline": "--train.estimator (the advantage estimator; --train.algorithm sets it)"}
+RENAMED = {
+    "--train.baseline": "renamed --train.estimator (the advantage estimator; --train.algorithm sets it)",
+    "--train.max_tokens": "removed: the sampling limit is --rollouts.max_tokens, recorded on every LLM call",
+}
 
 
 def refuse_renamed(argv: list[str]) -> None:
     for arg in argv:
         name = arg.split("=", 1)[0]
         if name in RENAMED:
-            raise ConfigError(f"{name}: renamed {RENAMED[name]}")
+            raise ConfigError(f"{name}: {RENAMED[name]}")
 
 
 ENV_OPTION = "--env.options."

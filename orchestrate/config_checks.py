@@ -247,9 +247,9 @@ def check_config(config) -> None:
                      "importance ratios and KL; leave it at 1")  # fmt: skip
     check_placement(config)
     check_lora(config)
-    if config.train.max_tokens not in (None, r.max_tokens):
-        raise ConfigError(f"--train.max_tokens: {config.train.max_tokens} is not --rollouts.max_tokens {r.max_tokens}, "
-                          "the limit outputs were sampled with; leave it out (it follows rollouts.max_tokens)")  # fmt: skip
+    if config.train.overlong_buffer > r.max_tokens:
+        raise ConfigError(f"--train.overlong_buffer: {config.train.overlong_buffer} tokens is more than --rollouts.max_tokens "
+                          f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip
     check_gpus(config)
     lag, level = config.train.max_lag, config.run.async_level
     if lag is not None and lag < level:

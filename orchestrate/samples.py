@@ -54,7 +54,8 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         for call in segment:
             completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
             turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
-                          "reward": rewards[call.turn - 1]})  # fmt: skip
+                          "reward": rewards[call.turn - 1], "truncated": call.finish_reason == "length",
+                          "max_tokens": call.sampling.max_tokens})  # fmt: skip
             completion += call.output_token_ids
             behaviour += call.logprobs
             if require_ref:

@@ -92,16 +92,16 @@ def test_every_registered_algorithm_is_a_recipe_and_sets_what_its_paper_does():
         assert config["train"]["kl_coef"] == 0.0  # the preset's: none adds a KL term
         t, r = config["train"], config["rollouts"]
         train[name] = (t["loss"], t["estimator"], t["aggregation"], t["normalize_std"],
-                       t["grpo"]["clip_eps_high"], t["overlong_buffer"], t["max_tokens"], r["dynamic_sampling"])  # fmt: skip
+                       t["grpo"]["clip_eps_high"], t["overlong_buffer"], r["dynamic_sampling"])  # fmt: skip
     assert train == {
-        "grpo": ("grpo", "group", "token", True, 0.2, 0, None, False),
-        "dr_grpo": ("grpo", "group", "token", False, 0.2, 0, None, False),
-        "dapo": ("grpo", "group", "token", True, 0.28, 26, 128, True),
-        "gspo": ("gspo", "group", "sequence", True, 0.2, 0, None, False),
-        "rloo": ("reinforce", "rloo", "token", True, 0.2, 0, None, False),
-        "reinforce_pp": ("grpo", "reinforce_pp", "token", True, 0.2, 0, None, False),
-        "reinforce": ("reinforce", "none", "token", True, 0.2, 0, None, False),
-        "ppo": ("ppo", "group", "token", True, 0.2, 0, None, False),
+        "grpo": ("grpo", "group", "token", True, 0.2, 0, False),
+        "dr_grpo": ("grpo", "group", "token", False, 0.2, 0, False),
+        "dapo": ("grpo", "group", "token", True, 0.28, 26, True),
+        "gspo": ("gspo", "group", "sequence", True, 0.2, 0, False),
+        "rloo": ("reinforce", "rloo", "token", True, 0.2, 0, False),
+        "reinforce_pp": ("grpo", "reinforce_pp", "token", True, 0.2, 0, False),
+        "reinforce": ("reinforce", "none", "token", True, 0.2, 0, False),
+        "ppo": ("ppo", "group", "token", True, 0.2, 0, False),
     }
 
 

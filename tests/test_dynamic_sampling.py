@@ -22,12 +22,12 @@ from orchestrate.metrics import read_metrics
 from orchestrate.rollouts import EnvSpec, new_tape
 from orchestrate.run_dir import RunDir, save_tapes
 from tapes.store import read_tapes
-from tapes.tape import EnvAction, EnvObservation, LLMCall
+from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams
 
 SPEC = EnvSpec("math:arithmetic", {}, "train", 0)
 
 
-def episode(seed, rewards, *, iteration=1, n_tokens=3, error=None):
+def episode(seed, rewards, *, iteration=1, n_tokens=3, error=None, max_tokens=128):
     """One attempt at `seed`: one LLM call and one observation per turn reward (None: an episode whose
     environment failed)."""
     tape = new_tape(SPEC, seed, iteration=iteration, group_id=f"{iteration}:train:{seed}", policy_version=0)
@@ -35,7 +35,8 @@ def episode(seed, rewards, *, iteration=1, n_tokens=3, error=None):
         rewards = [rewards]
     for turn, reward in enumerate(rewards, start=1):
         ids = list(range(n_tokens))
-        call = LLMCall(output_token_ids=ids, prompt_token_ids=[1, 2], logprobs=[-1.0] * len(ids), turn=turn)
+        call = LLMCall(output_token_ids=ids, prompt_token_ids=[1, 2], logprobs=[-1.0] * len(ids), turn=turn,
+                       sampling=SamplingParams(max_tokens=max_tokens))  # fmt: skip
         tape.append(EnvAction(text="x", turn=turn), llm_call=call)
         tape.append(EnvObservation(text="y", turn=turn, reward=reward, terminated=turn == len(rewards)))
     tape.metadata.turns = len(rewards)
@@ -134,9 +135,9 @@ def test_signal_is_the_return_the_estimators_compare():
     turns = group([0.0, 1.0], [1.0, 0.0])
     assert not has_signal(turns, TRAIN)
     assert has_signal(turns, TrainConfig(gamma=0.9))
-    # overlong shaping (max_tokens 10, buffer 4): 10 tokens lose the whole penalty, 4 tokens nothing
-    shaped = TrainConfig(overlong_buffer=4, max_tokens=10)
-    long_and_short = [episode(0, 1.0, n_tokens=10), episode(0, 1.0, n_tokens=4)]
+    # overlong shaping (the calls' limit 10, buffer 4): 10 tokens lose the whole penalty, 4 tokens nothing
+    shaped = TrainConfig(overlong_buffer=4)
+    long_and_short = [episode(0, 1.0, n_tokens=10, max_tokens=10), episode(0, 1.0, n_tokens=4, max_tokens=10)]
     assert has_signal(long_and_short, shaped) and not has_signal(long_and_short, TRAIN)
 
 

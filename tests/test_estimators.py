@@ -84,22 +84,28 @@ def test_overlong_penalty_is_dapos_eq_13_by_hand():
     assert overlong_penalty(100, 100, 0) == 0.0  # buffer 0: off
 
 
-def test_overlong_options_need_the_sampling_limit():
-    with pytest.raises(ValueError, match="max_tokens"):
-        TrainConfig(overlong_buffer=16)
-    with pytest.raises(ValueError, match="max_tokens"):
-        TrainConfig(overlong_filter=True)
-    assert TrainConfig(overlong_buffer=16, max_tokens=64).overlong_penalty == 1.0
-
-
-def test_the_rl_config_takes_max_tokens_from_the_rollouts():
+def test_the_sampling_limit_has_one_owner_recorded_on_every_turn(rl_cli, tmp_path):
+    """rollouts.max_tokens is the limit; each turn of a batch carries it and whether its output was cut (the
+    call's finish reason), so the learner reads them; the learner's old copy of the limit is refused."""
     from orchestrate.config import ConfigError, resolve
+    from orchestrate.samples import tape_samples
+    from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
 
-    config = resolve("embedded", {"train.overlong_buffer": "8", "rollouts.max_tokens": "96"})
-    assert config.train.max_tokens == 96
-    assert resolve("embedded", {}).train.max_tokens is None  # off: not needed
-    with pytest.raises(ConfigError, match="^--train.max_tokens: 50 is not --rollouts.max_tokens 96"):
-        resolve("embedded", {"train.overlong_filter": "true", "train.max_tokens": "50", "rollouts.max_tokens": "96"})
+    tape = Tape()
+    for turn, finish in ((1, "length"), (2, "stop")):
+        call = LLMCall(prompt_token_ids=[1, 2] if turn == 1 else [1, 2, 3, 4, 5, 6], output_token_ids=[3, 4],
+                       logprobs=[-1.0, -1.0], turn=turn, finish_reason=finish, sampling=SamplingParams(max_tokens=2))  # fmt: skip
+        tape.append(EnvAction(text="x", turn=turn), llm_call=call)
+        tape.append(EnvObservation(text="y", turn=turn, reward=float(turn - 1), terminated=turn == 2))
+    tape.metadata.reward, tape.metadata.turns = 1.0, 2
+    (sample,) = tape_samples(tape, require_ref=False)
+    assert [(t["truncated"], t["max_tokens"]) for t in sample["turns"]] == [(True, 2), (False, 2)]
+    assert resolve("embedded", {"train.overlong_buffer": "8"}).train.overlong_buffer == 8
+    with pytest.raises(ConfigError, match="^--train.overlong_buffer: 200 tokens is more than --rollouts.max_tokens 128"):
+        resolve("embedded", {"train.overlong_buffer": "200"})
+    code, line = rl_cli(["--run-dir", tmp_path / "r", "--train.max_tokens", "96"])
+    assert code == 2 and line == ("error: --train.max_tokens: removed: the sampling limit is --rollouts.max_tokens, "
+                                  "recorded on every LLM call")  # fmt: skip
 
 
 # ---- gspo ------------------------------------------------------------------------------------
@@ -192,13 +198,15 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def _samples(learner, completions, rewards):
-    from finetune.batch import Sample
+def _samples(learner, completions, rewards, limit=4):
+    """One-turn samples sampled with `limit` new tokens: an output of `limit` tokens was cut by it."""
+    from finetune.batch import Sample, Turn
 
     samples = [
-        Sample(prompt_ids=[40, 41, 42], completion_ids=c, behaviour_logprobs=[0.0] * len(c), reward=r, group_id="g")
+        Sample(prompt_ids=[40, 41, 42], completion_ids=c, behaviour_logprobs=[0.0] * len(c), reward=r, group_id="g",
+               turns=[Turn(index=0, start=0, length=len(c), reward=r, truncated=len(c) == limit, max_tokens=limit)])
         for c, r in zip(completions, rewards)
-    ]
+    ]  # fmt: skip
     return [
         s.model_copy(update={"behaviour_logprobs": lp.tolist()}) for s, lp in zip(samples, learner.logprobs(samples))
     ]
@@ -207,17 +215,17 @@ def _samples(learner, completions, rewards):
 def test_overlong_shaping_and_filtering_in_the_learner(tiny):
     from finetune.learner import Learner
 
-    # max_tokens 4, buffer 2: outputs of 2, 3, 4 tokens lose 0, 0.5, 1 of their reward 1 -> 1, 0.5, 0
+    # the calls' limit 4, buffer 2: outputs of 2, 3, 4 tokens lose 0, 0.5, 1 of their reward 1 -> 1, 0.5, 0
     # (group mean 0.5: advantages (+0.5, 0, -0.5) / sample std 0.5 = +1, 0, -1)
-    learner = Learner(tiny, TrainConfig(lr=1e-3, estimator="group", overlong_buffer=2, max_tokens=4))
+    learner = Learner(tiny, TrainConfig(lr=1e-3, estimator="group", overlong_buffer=2))
     batch = _samples(learner, [[10, 11], [12, 13, 14], [15, 16, 17, 18]], [1.0, 1.0, 1.0])
     (m,) = learner.train_batch(batch)
     turns = [c["turns"][0] for c in learner.credit]
     assert [t["overlong_penalty"] for t in turns] == [0.0, -0.5, -1.0]
     assert [t["return"] for t in turns] == [1.0, 0.5, 0.0]
     assert [t["advantage"] for t in turns] == pytest.approx([1.0, 0.0, -1.0], abs=1e-5)
-    # filtering: the 4-token output (cut at max_tokens) counts in the baseline but is not trained on
-    learner = Learner(tiny, TrainConfig(lr=1e-3, overlong_filter=True, max_tokens=4))
+    # filtering: the 4-token output (cut by the limit: its finish reason) counts in the baseline, is not trained on
+    learner = Learner(tiny, TrainConfig(lr=1e-3, overlong_filter=True))
     batch = _samples(learner, [[10, 11], [12, 13, 14], [15, 16, 17, 18]], [1.0, 0.0, 0.0])
     (m,) = learner.train_batch(batch)
     assert m["overlong_masked"] == 1 and m["samples"] == 2 and m["completion_tokens"] == 5
@@ -246,7 +254,7 @@ def test_help_lists_every_estimator_and_loss_and_an_unknown_name_is_refused():
     text = " ".join(out.stdout.split())
     for name, spec in [*ESTIMATORS.items(), *LOSSES.items()]:
         assert f"{name}: {spec.doc.rstrip('.')} ({spec.paper})" in text, name
-    for option in ("--entropy-coef", "--max-tokens", "--overlong-buffer", "--overlong-penalty", "--overlong-filter"):
+    for option in ("--entropy-coef", "--overlong-buffer", "--overlong-penalty", "--overlong-filter"):
         assert option in text
     for option, value in (("--estimator", "loo"), ("--algorithm", "gspo2")):
         bad = subprocess.run(
