@@ -130,27 +130,3 @@ class Arithmetic:
         """The first `count` distinct held-out problems (None: 500)."""
         stream = self._stream("test", 0)
         return [next(stream) for _ in range(500 if count is None else count)]
-
-
-class Gsm8k:
-    """GSM8K with the same interface: a seeded, reshuffled-per-epoch train order and the test split."""
-
-    def __init__(self, train_source: str, test_source: str, seed: int = 0):
-        self.train_source, self.test_source, self.seed = train_source, test_source, seed
-        self._train: list[Task] | None = None
-
-    def train(self, start: int, count: int) -> list[Task]:
-        if self._train is None:
-            self._train = load_gsm8k(self.train_source, "train")
-        n = len(self._train)
-        out = []
-        for position in range(start, start + count):
-            epoch, index = divmod(position, n)
-            order = list(range(n))
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            out.append(self._train[order[index]])
-        return out
-
-    def test_set(self, count: int | None) -> list[Task]:
-        tasks = load_gsm8k(self.test_source, "test")
-        return tasks if count is None else tasks[:count]
