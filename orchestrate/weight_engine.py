@@ -11,14 +11,18 @@ The wire format is the learner's (finetune.weight_transfer). Unlike vLLM's own N
 received whole into staging buffers and checked against its manifest before any weight is loaded: a
 partial or corrupted transfer raises (the route answers HTTP 500) and the server goes on holding the
 version it had, never a mix of two.
+
+The same entry point installs faster LoRA ops into a LoRA run's servers on CPU (orchestrate.cpu_lora).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
+from orchestrate.server_auth import LORA_ENV
 from orchestrate.vllm_server import WEIGHT_ENGINE
 
 
@@ -29,6 +33,10 @@ def register() -> None:
 
     if WEIGHT_ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(WEIGHT_ENGINE, __name__, "TapeloopWeightEngine")
+    if os.environ.get(LORA_ENV, "0") != "0":  # a LoRA run's server on CPU: one matmul per adapter
+        from orchestrate.cpu_lora import install
+
+        install()
 
 
 from vllm.distributed.weight_transfer.base import (  # noqa: E402  (after register: the entry point needs no vLLM class)
