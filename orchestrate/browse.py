@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlparse
 
 from finetune.kl import k3
 from finetune.rundir import advantages_file, read_advantages
-from orchestrate.dynamic_sampling import DROPPED_BY, DROPPED_FIELD
+from orchestrate.dynamic_sampling import DROPPED_BY
 from orchestrate.run_dir import RunDir
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
@@ -228,7 +228,7 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
         "reward": meta.get("reward"),
         "reward_reason": meta.get("reward_reason", ""),
         "error": meta.get("error"),
-        "dropped": meta.get(DROPPED_FIELD),  # left out of the batch (dynamic sampling)
+        "dropped": meta.get("dropped"),  # left out of the batch (dynamic sampling): TapeMetadata.dropped
         "env_id": str(env.get("id") or ""),
         "turns": meta.get("turns") or sum(s.get("kind") == "env_action" for s in steps) or len(calls),
         "success": meta.get("success"),

@@ -22,8 +22,7 @@ groups of extra tasks, in rounds, until it holds `tasks_per_iteration` groups wi
   first n groups, as without dynamic sampling (every advantage 0; the trainer steps as it does on any
   such batch), and only the extra groups are dropped.
 - Tapes: every tape generated is saved; those of a group left out of the batch carry
-  `metadata.dropped = "dynamic_sampling"` (an extra metadata field, kept through the JSON round
-  trip), and the batch is written from the tapes without it, so a resumed run writes the same batch.
+  `metadata.dropped = "dynamic_sampling"` (a field of tapes.tape.TapeMetadata), and the batch is written from the tapes without it, so a resumed run writes the same batch.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from finetune.estimators import episode_returns
 from orchestrate.samples import tape_samples
 from tapes.tape import Tape
 
-DROPPED_FIELD = "dropped"  # the tape metadata field (extra: tapes.tape.OpenTapeModel keeps it)
 DROPPED_BY = "dynamic_sampling"
 # Returns spreading by at most this much are equal: float noise of sums of equal rewards (an absolute
 # bound; rewards are O(1)). The group estimator then gives 0 or, normalised by std + 1e-6, under 1e-3.
@@ -53,11 +51,11 @@ def iteration_seeds(iteration: int, rollouts) -> tuple[list[int], list[int]]:
 
 def dropped(tape: Tape) -> bool:
     """Whether the tape was left out of its iteration's batch by dynamic sampling."""
-    return (tape.metadata.model_extra or {}).get(DROPPED_FIELD) == DROPPED_BY
+    return tape.metadata.dropped == DROPPED_BY
 
 
 def mark_dropped(tape: Tape) -> None:
-    setattr(tape.metadata, DROPPED_FIELD, DROPPED_BY)
+    tape.metadata.dropped = DROPPED_BY
 
 
 def groups_of(tapes: list[Tape]) -> dict[str, list[Tape]]:

@@ -23,7 +23,6 @@ from pathlib import Path
 from finetune.kl import k3
 from finetune.rundir import advantages_file, read_advantages
 from orchestrate.browse import TAPE_FILE, credit_for, episode_view
-from orchestrate.dynamic_sampling import DROPPED_FIELD
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 
@@ -242,7 +241,7 @@ def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
     adv = advantages_file(root, iteration)
     advantages = read_advantages(root, iteration) if adv.is_file() else None
     kind = "rollout" if match.group(1) == "iter" else "eval"
-    dropped = (tape.metadata.model_extra or {}).get(DROPPED_FIELD)
+    dropped = tape.metadata.dropped
     return credit_for(kind, tape.metadata.error, tape.metadata.id, advantages, f"{adv.parent.name}/{adv.name}",
                       dropped)  # fmt: skip
 

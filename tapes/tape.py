@@ -244,6 +244,9 @@ class TapeMetadata(OpenTapeModel):
     turns: int = Field(0, description="agent turns (LLM calls that acted) in the episode")
     terminated: bool = False
     truncated: bool = False
+    dropped: str | None = Field(
+        None, description="why the tape was left out of its iteration's batch ('dynamic_sampling'); none: it was not"
+    )
 
 
 class Tape(OpenTapeModel):
