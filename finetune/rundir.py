@@ -44,6 +44,23 @@ from finetune.batch import list_batches
 from finetune.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
+
+# RUN/train_metrics.jsonl holds one record per optimizer step (a batch that takes none: one record with samples
+# 0). The orchestrator folds a batch's records into its line of metrics.jsonl: STEP_METRICS averaged, as
+# train_NAME; BATCH_METRICS, the same on every record of a batch, copied.
+STEP_METRICS = (
+    "loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr", "tokens_per_s",
+    "padding_frac",
+    "mismatch_abs_logp", "tis_ratio_mean", "tis_ratio_max",  # training-inference mismatch, a batch's first step
+    "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance",  # PPO's critic
+)  # fmt: skip
+BATCH_METRICS = ("lag_mean", "lag_max", "stale_dropped", "overlong_masked")  # staleness, overlong filtering
+
+
+def optimizer_steps(records: list[dict]) -> int:
+    """How many of a batch's train_metrics records are optimizer steps (not the record of a batch that took
+    none)."""
+    return sum(r.get("samples", 0) > 0 for r in records)
 ADVANTAGES_DIR = "advantages"
 LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, weights_changed}
 TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory

@@ -21,10 +21,9 @@ through files in the run folder only:
    appears complete or not at all. Only the newest full state is kept.
 3. After the checkpoint appears, the batch's per-step metrics are appended to
    RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
-   step, step_in_batch, loss, pg_loss, kl, entropy, clip_frac, ratio_mean,
-   ratio_max, ratio_min, adv_mean, adv_std, adv_min, adv_max,
-   zero_adv_frac, reward_mean, grad_norm, lr, samples, completion_tokens,
-   tokens, padding_frac, micro_batches, seconds, tokens_per_s), and
+   step, step_in_batch, samples, seconds and the figures of
+   finetune.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
+   reports: ratio_min, the advantages' statistics, tokens), and
    RUN/trainer_state.json is replaced (atomically) with
    {status, last_batch, checkpoint, optimizer_step, batch_in_progress, pid,
    updated}; status is loading | waiting | training | stopped | failed
@@ -419,7 +418,7 @@ class _Session:
         from accelerate.utils import broadcast_object_list
 
         from finetune.durable import atomic_write_json
-        from finetune.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST
+        from finetune.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST, optimizer_steps
         from finetune.weight_transfer import pack
 
         cfg = self.config
@@ -446,7 +445,7 @@ class _Session:
         if not self.main_process:
             return None
         # published with the checkpoint: whether this batch moved the weights (the loop reads it to reload)
-        record = {"batch": index, "samples": len(samples), "steps": sum("loss" in m for m in metrics),
+        record = {"batch": index, "samples": len(samples), "steps": optimizer_steps(metrics),
                   "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
         atomic_write_json(tmp / LEARNER_RECORD, record)
         self.run.write_advantages(index, self.learner.credit)  # before the checkpoint: it marks the batch done

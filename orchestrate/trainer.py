@@ -28,6 +28,7 @@ from pathlib import Path
 
 from finetune.config import TrainConfig
 from finetune.durable import atomic_write_text, read_jsonl
+from finetune.rundir import BATCH_METRICS, STEP_METRICS, optimizer_steps
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
 from orchestrate.progress import progress_bar
@@ -36,37 +37,6 @@ from orchestrate.vllm_server import cuda_available, log_tail
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
-
-
-# Per-step trainer metrics averaged into the iteration's line of metrics.jsonl.
-TRAIN_KEYS = (
-    "loss",
-    "pg_loss",
-    "kl",
-    "entropy",
-    "clip_frac",
-    "ratio_mean",
-    "ratio_max",
-    "grad_norm",
-    "lr",
-    "tokens_per_s",
-    "padding_frac",
-    # training-inference mismatch, measured in a batch's first step
-    "mismatch_abs_logp",
-    "tis_ratio_mean",
-    "tis_ratio_max",
-    # PPO's critic (absent otherwise)
-    "value_loss",
-    "vf_clip_frac",
-    "value_mean",
-    "returns_mean",
-    "explained_variance",
-)
-
-
-# Per-batch figures of the samples' staleness (the learner's lag = its version - the generating one), and the
-# samples left out by overlong filtering.
-BATCH_KEYS = ("lag_mean", "lag_max", "stale_dropped", "overlong_masked")
 
 
 class TrainerError(RuntimeError):
@@ -320,13 +290,13 @@ class TrainerProcess:
         if not steps:
             return {}
         out = {
-            "train_steps": len([s for s in steps if "loss" in s]),
+            "train_steps": optimizer_steps(steps),
             "train_seconds": sum(s.get("seconds", 0.0) for s in steps),
         }
-        for key in BATCH_KEYS:  # the same on every step of a batch
+        for key in BATCH_METRICS:  # the same on every step of a batch
             if isinstance(steps[0].get(key), (int, float)):
                 out[key] = steps[0][key]
-        for key in TRAIN_KEYS:
+        for key in STEP_METRICS:
             values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
             if values:
                 out[f"train_{key}"] = sum(values) / len(values)

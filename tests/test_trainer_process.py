@@ -36,9 +36,10 @@ def test_trainer_metrics_are_averaged_per_iteration(tmp_path, tiny_model_dir):
     run = RunDir(tmp_path / "run")
     run.create()
     lines = [
-        {"batch": 1, "loss": 1.0, "kl": 0.5, "seconds": 2.0},
-        {"batch": 1, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
-        {"batch": 2, "loss": 9.0, "seconds": 5.0},
+        {"batch": 1, "samples": 4, "loss": 1.0, "kl": 0.5, "seconds": 2.0},
+        {"batch": 1, "samples": 4, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
+        {"batch": 1, "samples": 0, "seconds": 0.0},  # no step (every sample cut or stale): not a step
+        {"batch": 2, "samples": 4, "loss": 9.0, "seconds": 5.0},
     ]
     run.train_metrics.write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
     m = TrainerProcess(run, tiny_model_dir, TrainConfig()).iteration_metrics(1)
