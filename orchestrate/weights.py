@@ -220,7 +220,7 @@ class PolicyWeights:
         failed = []
         for server in self.servers:
             try:
-                self.load_adapter(server, version)
+                self.load_adapter(server, version, fresh=version > self.served)
                 if unload and self.served and self.served != version:
                     self._unload_adapter(server, self.served)
             except ServerError as exc:
@@ -231,15 +231,18 @@ class PolicyWeights:
             self.stale.discard(server)
         return failed
 
-    def load_adapter(self, server: VLLMServer, version: int) -> None:
-        """Version `version`'s adapter into `server` under its name (replacing one of that name: a server by
-        URL may hold an earlier run's), its prefix cache dropped."""
+    def load_adapter(self, server: VLLMServer, version: int, fresh: bool = False) -> None:
+        """Version `version`'s adapter into `server` under its name, replacing one of that name (a server by
+        URL may hold an earlier run's, a server that rejoins an older copy): then its prefix cache is
+        dropped, since vLLM keys cached prefixes by the adapter's name (vLLM #42125). `fresh`: the name is
+        new to this server (one of ours, the next version), so nothing cached can be stale."""
         path = self.run.adapter(version).resolve()  # by absolute path: servers elsewhere see the same
         if not self.run.has_adapter(version):
             raise ServerError(f"version {version} has no adapter at {path}")
         server._post("/v1/load_lora_adapter", {"lora_name": adapter_name(server.served_model_name, version),
                                                "lora_path": str(path), "load_inplace": True})  # fmt: skip
-        server._post("/reset_prefix_cache")  # vLLM #42125: a replaced adapter's cached prefixes are stale
+        if not fresh or isinstance(server, RemoteServer):
+            server._post("/reset_prefix_cache")
 
     def unload(self, version: int) -> None:
         """LoRA: no call uses version `version` any more: every server frees its adapter."""
