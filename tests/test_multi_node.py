@@ -156,8 +156,18 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
 
 
+def adapter(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+
+
 @pytest.mark.slow
-def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_dir, lora):
+    """One process and two 'machines' (torchrun, gloo) train the same batch to the same weights: every weight,
+    or with LoRA the adapter, whose trainer state rank 0 saves at the stop holds the adapters only."""
+    config = CONFIG.model_copy(update={"lora": TrainConfig(lora={"rank": lora}).lora}) if lora else CONFIG
     samples = hand_built_batch(tiny_model_dir)
     one = RunDir(tmp_path / "one")
     two = RunDir(tmp_path / "two")
@@ -166,8 +176,8 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
         write_batch(run.batch(1), samples)
     config = tmp_path / "multi_cpu.yaml"
     config.write_text(MULTI_CPU_YAML)
-    local = TrainerProcess(one, tiny_model_dir, CONFIG, TrainerSection(timeout_s=300))
-    remote = TrainerProcess(two, tiny_model_dir, CONFIG, TrainerSection(
+    local = TrainerProcess(one, tiny_model_dir, config, TrainerSection(timeout_s=300))
+    remote = TrainerProcess(two, tiny_model_dir, config, TrainerSection(
         launch="external", accelerate_config=str(config), num_processes=2, num_machines=2,
         main_process_ip="127.0.0.1", main_process_port=free_port(), timeout_s=300))  # fmt: skip
     machines = []
@@ -179,8 +189,9 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
             log = open(tmp_path / f"machine{rank}.log", "wb")
             machines.append(subprocess.Popen(["bash", "-c", command], stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True))  # fmt: skip
-        expected = weights(local.wait_for_checkpoint(1))
-        got = weights(remote.wait_for_checkpoint(1))
+        read = adapter if lora else weights
+        expected = read(local.wait_for_checkpoint(1))
+        got = read(remote.wait_for_checkpoint(1))
         remote.stop()  # the stop file: both machines exit after the batch
         for rank, machine in enumerate(machines):
             assert machine.wait(timeout=120) == 0, (tmp_path / f"machine{rank}.log").read_text()[-3000:]
@@ -195,9 +206,17 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
     assert json.loads(two.trainer_state.read_text())["status"] == "stopped"
     last_beat = LearnerRunDir(two.root).read_heartbeat()
     assert last_beat["status"] == "stopped" and last_beat["num_processes"] == 2
-    initial = weights(tiny_model_dir)
-    name = "model.layers.1.self_attn.q_proj.weight"
-    assert (expected[name] - initial[name]).abs().max() > 1e-3  # the batch moved the weights
+    if lora:
+        from safetensors import safe_open
+
+        with safe_open(str(two.checkpoint(1) / "trainer_state" / "model.safetensors"), "pt") as f:
+            assert sorted(f.keys()) and all(".lora_A." in k or ".lora_B." in k for k in f.keys())
+        name = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+        assert expected[name].abs().max() > 1e-4  # the batch moved the adapter (B starts at 0)
+    else:
+        initial = weights(tiny_model_dir)
+        name = "model.layers.1.self_attn.q_proj.weight"
+        assert (expected[name] - initial[name]).abs().max() > 1e-3  # the batch moved the weights
     # same global batch, each rank's loss weighted by the step's totals, gradients summed over ranks:
     # the update of one process
     worst = max(float((got[k] - v).abs().max()) for k, v in expected.items())
