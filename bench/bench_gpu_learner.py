@@ -219,6 +219,7 @@ def main() -> None:
 def lora_publishing(learner, work: Path, step_s: float) -> dict:
     """A LoRA version: its adapter folder (what the servers load, every iteration) and its trainer state (the
     adapters and their AdamW state, not the frozen base), each gathered, written and synced."""
+
     def write_adapter():
         learner.save_adapter(work / "adapter", learner.adapter_weights())
         subprocess.run(["sync"], check=False)

@@ -581,8 +581,10 @@ def main() -> int:
     if unknown or not args.phases:
         parser.error(f"--phases: {', '.join(unknown) or 'none given'}; choose from {', '.join(LOOP_PHASES)}")
     if args.lora_rank < 0 or args.lora_rank and (args.servers == "url" or args.weight_transfer != "disk"):
-        parser.error("--lora-rank: a rank >= 0, with local servers and --weight-transfer disk (a LoRA run's "
-                     "adapters are loaded by path; its reference is its policy server)")
+        parser.error(
+            "--lora-rank: a rank >= 0, with local servers and --weight-transfer disk (a LoRA run's "
+            "adapters are loaded by path; its reference is its policy server)"
+        )
     if args.kl_coef <= 0:
         parser.error("--kl-coef: must be > 0 (the reference phase is one of those killed)")
     rng = random.Random(args.seed)

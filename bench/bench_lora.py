@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +107,7 @@ class MemorySampler(threading.Thread):
         while not self.stop.wait(2.0):
             tree = _children()
 
-            def below(pid):
+            def below(pid, tree=tree):
                 todo, seen = [pid], []
                 while todo:
                     p = todo.pop()
@@ -165,7 +164,7 @@ def costs(out: Path, arms: list[str], last_minute: float) -> str:
             continue
         hours = sum(r["time_total"] for r in its) / 3600
 
-        def mean(key):
+        def mean(key, its=its):
             return f"{statistics.fmean(r.get(key, 0.0) for r in its):.2f}"
 
         mib = published_mib(out / arm)
@@ -221,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             its = [r for r in read_metrics(out / name / "metrics.jsonl") if r.get("iteration", 0) > 0]
             if its:
                 ranked.append((statistics.fmean(r.get("reward_mean", 0.0) for r in its[-3:]), name))
-        text += "\n\nmean training reward, last 3 iterations: " + ", ".join(f"{n} {r:+.3f}" for r, n in sorted(ranked, reverse=True))
+        text += "\n\nmean training reward, last 3 iterations: " + ", ".join(
+            f"{n} {r:+.3f}" for r, n in sorted(ranked, reverse=True)
+        )
     print("\n" + text)
     (out / "costs.md").write_text(text + "\n")
     return code

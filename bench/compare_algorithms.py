@@ -350,9 +350,7 @@ def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "
         ax.axvline(m, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
-    ax.set_title(
-        f"{PRESET} preset: {what}, the same wall time each" + (f"\n(all with {options})" if options else "")
-    )
+    ax.set_title(f"{PRESET} preset: {what}, the same wall time each" + (f"\n(all with {options})" if options else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()

@@ -55,7 +55,8 @@ class Turn(BaseModel):
     length: int = Field(ge=1, description="Sampled tokens of the output.")
     reward: Finite = Field(description="Reward the environment gave this turn's action.")
     truncated: bool | None = Field(
-        default=None, description="The output was cut by the sampling limit (its finish reason 'length'); none: not recorded."
+        default=None,
+        description="The output was cut by the sampling limit (its finish reason 'length'); none: not recorded.",
     )
     max_tokens: int | None = Field(
         default=None, ge=1, description="The sampling limit of the call (what overlong shaping measures against)."

@@ -36,8 +36,8 @@ from finetune.batch import Sample
 from finetune.config import TrainConfig
 from finetune.estimators import turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
-from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, value_loss
 from finetune.lora import adapter_tensors, merged, with_lora, write_adapter
+from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, value_loss
 from finetune.microbatch import MicroBatch, micro_batches
 
 TOKENIZER_FILES = (

@@ -61,6 +61,8 @@ def optimizer_steps(records: list[dict]) -> int:
     """How many of a batch's train_metrics records are optimizer steps (not the record of a batch that took
     none)."""
     return sum(r.get("samples", 0) > 0 for r in records)
+
+
 ADVANTAGES_DIR = "advantages"
 LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, weights_changed}
 TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory

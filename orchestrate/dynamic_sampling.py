@@ -72,7 +72,12 @@ def episode_scores(tapes: list[Tape], train) -> list[float]:
     turns, ids = [], []
     for tape in tapes:
         for sample in tape_samples(tape, require_ref=False):
-            turns.append([(t["index"], train.shaped_reward(t["reward"], t["length"], t.get("max_tokens"))) for t in sample["turns"]])
+            turns.append(
+                [
+                    (t["index"], train.shaped_reward(t["reward"], t["length"], t.get("max_tokens")))
+                    for t in sample["turns"]
+                ]
+            )
             ids.append(sample["episode_id"])
     return [r[min(r)] for r in episode_returns(turns, ids, train.gamma).values() if r]
 

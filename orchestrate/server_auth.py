@@ -120,7 +120,10 @@ class RequireAPIKey:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope.get("path") == STAT_PATH and self._authorized(scope):
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            answer = {**folder_fingerprint(query.get("path", [""])[0]), "max_lora_rank": int(os.environ.get(LORA_ENV) or 0)}
+            answer = {
+                **folder_fingerprint(query.get("path", [""])[0]),
+                "max_lora_rank": int(os.environ.get(LORA_ENV) or 0),
+            }
             body = json.dumps(answer).encode()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip

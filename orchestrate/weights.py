@@ -21,7 +21,6 @@ calls are not drained around a swap: those in flight finish under the old adapte
 the last of them is done.
 """
 
-
 from __future__ import annotations
 
 import socket

@@ -232,10 +232,7 @@ def test_options_reach_every_recipe_and_are_named_in_the_marker_table_and_plot(t
         assert marker == {"minutes": 30.0, "options": ["--train.steps_per_epoch", "4", "--train.lr", "2e-5"]}
     text = (out / "table.md").read_text()
     assert "with `--train.steps_per_epoch 4 --train.lr 2e-5` added to every recipe;" in text
-    assert (
-        "- grpo (arXiv:2402.03300): `--train.algorithm grpo`\n"
-        in text
-    )
+    assert "- grpo (arXiv:2402.03300): `--train.algorithm grpo`\n" in text
     capsys.readouterr()
 
     # the same run directories with other options are another experiment: refused before anything starts

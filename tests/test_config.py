@@ -148,8 +148,11 @@ def test_a_run_saved_before_algorithms_were_registered_resumes_as_it_ran():
 
 def test_the_old_estimator_option_is_refused_with_its_new_name(rl_cli):
     code, line = rl_cli(["--train.baseline", "rloo"])
-    assert code == 2 and line == "error: --train.baseline: renamed --train.estimator (the advantage estimator; " \
-        "--train.algorithm sets it)"
+    assert (
+        code == 2
+        and line
+        == "error: --train.baseline: renamed --train.estimator (the advantage estimator; --train.algorithm sets it)"
+    )
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])

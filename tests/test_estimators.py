@@ -101,7 +101,9 @@ def test_the_sampling_limit_has_one_owner_recorded_on_every_turn(rl_cli, tmp_pat
     (sample,) = tape_samples(tape, require_ref=False)
     assert [(t["truncated"], t["max_tokens"]) for t in sample["turns"]] == [(True, 2), (False, 2)]
     assert resolve("embedded", {"train.overlong_buffer": "8"}).train.overlong_buffer == 8
-    with pytest.raises(ConfigError, match="^--train.overlong_buffer: 200 tokens is more than --rollouts.max_tokens 128"):
+    with pytest.raises(
+        ConfigError, match="^--train.overlong_buffer: 200 tokens is more than --rollouts.max_tokens 128"
+    ):
         resolve("embedded", {"train.overlong_buffer": "200"})
     code, line = rl_cli(["--run-dir", tmp_path / "r", "--train.max_tokens", "96"])
     assert code == 2 and line == ("error: --train.max_tokens: removed: the sampling limit is --rollouts.max_tokens, "
