@@ -162,7 +162,7 @@ class Learner:
         lm.config.use_cache = False
         self.lora_config = None  # peft's LoraConfig, with LoRA
         if lora.rank > 0:
-            lm, self.lora_config = with_lora(lm, lora)
+            lm, self.lora_config = with_lora(lm, lora, config.seed)
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         impl = config.logprob_impl

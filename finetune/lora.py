@@ -45,9 +45,10 @@ def layer_projections(model_dir: str | os.PathLike) -> list[str] | None:
     return sorted(names) if files else None
 
 
-def with_lora(lm, lora):
+def with_lora(lm, lora, seed: int = 0):
     """`lm` with LoRA adapters injected in place, and peft's LoraConfig (its target modules resolved). A
-    target module the model does not have is refused with the names it has."""
+    target module the model does not have is refused with the names it has. The adapters' initial A
+    matrices are drawn from `seed` (the same in every process and every run of the same options)."""
     from peft import LoraConfig, get_peft_model
 
     inside = sorted({n.split(".")[-1] for n, m in lm.named_modules()
@@ -57,7 +58,9 @@ def with_lora(lm, lora):
                          f"layers; those are {', '.join(inside)}")  # fmt: skip
     config = LoraConfig(r=lora.rank, lora_alpha=lora.scale * lora.rank, lora_dropout=lora.dropout,
                         target_modules=lora.target_modules or inside, bias="none")  # fmt: skip
-    peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
     return peft_model.get_base_model(), peft_model.peft_config[ADAPTER]
 
 

@@ -167,7 +167,7 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
 def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_dir, lora):
     """One process and two 'machines' (torchrun, gloo) train the same batch to the same weights: every weight,
     or with LoRA the adapter, whose trainer state rank 0 saves at the stop holds the adapters only."""
-    config = CONFIG.model_copy(update={"lora": TrainConfig(lora={"rank": lora}).lora}) if lora else CONFIG
+    train = CONFIG.model_copy(update={"lora": TrainConfig(lora={"rank": lora}).lora}) if lora else CONFIG
     samples = hand_built_batch(tiny_model_dir)
     one = RunDir(tmp_path / "one")
     two = RunDir(tmp_path / "two")
@@ -176,8 +176,8 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
         write_batch(run.batch(1), samples)
     config = tmp_path / "multi_cpu.yaml"
     config.write_text(MULTI_CPU_YAML)
-    local = TrainerProcess(one, tiny_model_dir, config, TrainerSection(timeout_s=300))
-    remote = TrainerProcess(two, tiny_model_dir, config, TrainerSection(
+    local = TrainerProcess(one, tiny_model_dir, train, TrainerSection(timeout_s=300))
+    remote = TrainerProcess(two, tiny_model_dir, train, TrainerSection(
         launch="external", accelerate_config=str(config), num_processes=2, num_machines=2,
         main_process_ip="127.0.0.1", main_process_port=free_port(), timeout_s=300))  # fmt: skip
     machines = []
