@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
 from finetune.algorithms import ALGORITHMS, upgrade_train, with_algorithm
 from finetune.algorithms import listing as algorithm_listing
@@ -207,25 +207,13 @@ class _TrainOptions(BaseModel):
         upgraded first: their algorithm was the loss, their baseline the estimator)."""
         return with_algorithm(upgrade_train(data)) if isinstance(data, dict) else data
 
-    @field_validator("algorithm")
+    @field_validator("algorithm", "loss", "estimator")
     @classmethod
-    def _algorithm_registered(cls, value: str) -> str:
-        if value not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {value!r}: one of {', '.join(ALGORITHMS)}")
-        return value
-
-    @field_validator("loss")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        if value not in LOSSES:
-            raise ValueError(f"unknown loss {value!r}: one of {', '.join(LOSSES)}")
-        return value
-
-    @field_validator("estimator")
-    @classmethod
-    def _estimator_registered(cls, value: str) -> str:
-        if value not in ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {value!r}: one of {', '.join(ESTIMATORS)}")
+    def _registered(cls, value: str, info: ValidationInfo) -> str:
+        registry, what = {"algorithm": (ALGORITHMS, "algorithm"), "loss": (LOSSES, "loss"),
+                          "estimator": (ESTIMATORS, "advantage estimator")}[info.field_name]  # fmt: skip
+        if value not in registry:
+            raise ValueError(f"unknown {what} {value!r}: one of {', '.join(registry)}")
         return value
 
     @model_validator(mode="after")

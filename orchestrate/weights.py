@@ -196,19 +196,24 @@ class PolicyWeights:
                 time.sleep(0.1)
         return self.run.checkpoint(version).resolve()  # by absolute path: servers elsewhere see the same
 
-    def _reload_all(self, version: int, verify: bool) -> list[tuple[VLLMServer, str]]:
-        path = self.wait_for_folder(version)
+    def _on_every_server(self, put) -> list[tuple[VLLMServer, str]]:
+        """put(server) on every server: one that fails and does not answer is out (returned, with why), one
+        that answers and fails raises (it is up and did not take the weights: a real error)."""
         failed = []
         for server in self.servers:
             try:
-                server.reload_weights(path, verify=verify)
+                put(server)
             except ServerError as exc:
                 if _answers(server):
-                    raise  # it is up and did not take the weights: a real error
+                    raise
                 failed.append((server, str(exc).splitlines()[0]))
                 continue
             self.stale.discard(server)
         return failed
+
+    def _reload_all(self, version: int, verify: bool) -> list[tuple[VLLMServer, str]]:
+        path = self.wait_for_folder(version)
+        return self._on_every_server(lambda server: server.reload_weights(path, verify=verify))
 
     # -- LoRA: adapters by path -------------------------------------------------------
 
@@ -216,19 +221,13 @@ class PolicyWeights:
         """Load version `version`'s adapter into every server, then (with `unload`) unload the one served
         before. No log-prob check as after a reload from disk: the adapter has a name of its own, so a call
         is served by it or refused, never by the weights before."""
-        failed = []
-        for server in self.servers:
-            try:
-                self.load_adapter(server, version, fresh=version > self.served)
-                if unload and self.served and self.served != version:
-                    self._unload_adapter(server, self.served)
-            except ServerError as exc:
-                if _answers(server):
-                    raise  # it is up and did not take the adapter: a real error
-                failed.append((server, str(exc).splitlines()[0]))
-                continue
-            self.stale.discard(server)
-        return failed
+
+        def put(server: VLLMServer) -> None:
+            self.load_adapter(server, version, fresh=version > self.served)
+            if unload and self.served and self.served != version:
+                self._unload_adapter(server, self.served)
+
+        return self._on_every_server(put)
 
     def load_adapter(self, server: VLLMServer, version: int, fresh: bool = False) -> None:
         """Version `version`'s adapter into `server` under its name, replacing one of that name (a server by
