@@ -116,7 +116,7 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_
         (["--rescore"], "--filter", "every group of the 16 kept tapes has equal rewards"),  # the tiny model never wins
         (["--train.lr", "-1"], "--train.lr", "greater than 0"),
         (["--tapes", "EVAL"], "--tapes", "4 tapes were sampled at temperature 0"),
-        (["--train.algorithm", "ppx"], "--train.algorithm", "unknown algorithm 'ppx': one of grpo, reinforce"),
+        (["--train.algorithm", "ppx"], "--train.algorithm", "unknown algorithm 'ppx': one of grpo, dr_grpo, dapo"),
         (["--reward", "no_such_module:f"], "--reward", "cannot import"),
         (["--model", "/nonexistent/model"], "--model", "no such folder"),
     ],
