@@ -40,6 +40,12 @@ class LoraOptions(BaseModel):
         description="Names of the modules that get adapters (e.g. q_proj,v_proj); none: every linear layer of "
         "the model but the output head (the attention and MLP projections).",
     )
+    start_from: str | None = Field(
+        None,
+        description="An adapter folder (peft's, e.g. RUN/checkpoints/N/adapter) whose weights the adapters start "
+        "from, instead of fresh ones; its rank, alpha and target modules must be these (orchestrate.offline "
+        "--model ADAPTER sets them from it).",
+    )
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ from finetune.batch import Sample
 from finetune.config import TrainConfig
 from finetune.estimators import turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
-from finetune.lora import adapter_tensors, merged, with_lora, write_adapter
+from finetune.lora import adapter_tensors, load_adapter_weights, merged, with_lora, write_adapter
 from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, value_loss
 from finetune.microbatch import MicroBatch, micro_batches
 
@@ -163,6 +163,8 @@ class Learner:
         self.lora_config = None  # peft's LoraConfig, with LoRA
         if lora.rank > 0:
             lm, self.lora_config = with_lora(lm, lora, config.seed)
+            if lora.start_from:
+                load_adapter_weights(lm, lora.start_from)
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         impl = config.logprob_impl

@@ -64,6 +64,40 @@ def with_lora(lm, lora, seed: int = 0):
     return peft_model.get_base_model(), peft_model.peft_config[ADAPTER]
 
 
+def load_adapter_weights(lm, folder: str | os.PathLike) -> None:
+    """Copy an adapter folder's A and B into `lm`'s injected adapters (with_lora), in place. ValueError
+    naming the first difference when the folder's tensors are not exactly the injected ones (names, shapes)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"lora.start_from: {folder} has no {ADAPTER_WEIGHTS}")
+    saved = load_file(str(folder / ADAPTER_WEIGHTS))
+    params = {SAVED_PREFIX + n.replace(f".{ADAPTER}.", "."): p for n, p in lm.named_parameters()
+              if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}  # fmt: skip
+    if differ := sorted(set(saved) ^ set(params)):
+        where = "the folder" if differ[0] in saved else "these lora options"
+        raise ValueError(f"lora.start_from: {folder} does not fit the adapters of these lora options: {differ[0]} "
+                         f"is only in {where} (rank, target modules and base model must be the folder's)")  # fmt: skip
+    for key, param in params.items():
+        if tuple(saved[key].shape) != tuple(param.shape):
+            raise ValueError(f"lora.start_from: {folder}'s {key} is {list(saved[key].shape)}, these lora options "
+                             f"make it {list(param.shape)} (the folder's rank is another)")  # fmt: skip
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(saved[key].to(param.dtype))
+
+
+def adapter_options(folder: str | os.PathLike) -> dict:
+    """The lora options (finetune.config.LoraOptions) an adapter folder was trained with, start_from it."""
+    saved = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+    options = {"rank": int(saved["r"]), "alpha": float(saved.get("lora_alpha") or 2 * saved["r"]),
+               "dropout": float(saved.get("lora_dropout") or 0.0), "start_from": str(Path(folder).resolve())}  # fmt: skip
+    if targets := saved.get("target_modules"):
+        options["target_modules"] = sorted([targets] if isinstance(targets, str) else targets)
+    return options
+
+
 def adapter_tensors(lm_state: dict) -> dict:
     """The adapter's tensors of a learner's state dict (the language model's keys), named as peft saves
     them."""

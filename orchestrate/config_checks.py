@@ -205,6 +205,10 @@ def check_lora(config) -> None:
     if s.weight_transfer != "disk":
         raise ConfigError(f"--server.weight_transfer: {s.weight_transfer} sends whole weights; a LoRA run "
                           "(--train.lora.rank) sends only the adapter, loaded by path (megabytes): leave it at disk")  # fmt: skip
+    if lora.start_from:
+        raise ConfigError("--train.lora.start_from: an RL run's version 0 is --model.policy; to start from an "
+                          "adapter, fold it in (`uv run -m orchestrate.merge ADAPTER --out DIR`) and pass "
+                          "--model.policy DIR (orchestrate.offline --model ADAPTER trains an adapter on)")  # fmt: skip
     if config.train.save_weights_every:
         raise ConfigError("--train.save_weights_every: a LoRA run publishes its adapter in every checkpoint; "
                           "write a merged model folder of any version with `uv run -m orchestrate.merge`")  # fmt: skip

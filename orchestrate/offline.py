@@ -18,7 +18,8 @@
    their training samples to OUT/batches/000001.jsonl, and run the same
    finetune process as the RL loop (accelerate launch -m finetune.train) on
    them: OUT/checkpoints/000001/ is the trained model (with --train.lora.rank a new
-   adapter, OUT/checkpoints/000001/adapter/: `orchestrate.merge OUT` folds it in), OUT/metrics.jsonl and
+   adapter, OUT/checkpoints/000001/adapter/: `orchestrate.merge OUT` folds it in; with --model ADAPTER_DIR
+   that adapter trained on, on its base), OUT/metrics.jsonl and
    OUT/train_metrics.jsonl its metrics, OUT/logs/ the logs.
 
 The learner is GRPO / REINFORCE with group advantages (reward minus the
@@ -60,6 +61,7 @@ from finetune.cli import (
 )
 from finetune.config import TrainConfig
 from finetune.estimators import ESTIMATORS
+from finetune.lora import ADAPTER_CONFIG, adapter_mismatch, adapter_options, is_adapter
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.progress import progress_bar
 from orchestrate.run_dir import RunDir, save_tapes
@@ -206,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
     parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
-    parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy)")
+    parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy), or an "
+                        "adapter folder (e.g. RUN/checkpoints/N/adapter) to train on, on its base model")
     parser.add_argument(
         "--rescore",
         action="store_true",
@@ -273,9 +276,22 @@ def resolve(args: argparse.Namespace):
         except (OSError, json.JSONDecodeError) as exc:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
+    train_base = dict(run_config.get("train", {}))
+    model_name = args.model or (run_config.get("model") or {}).get("policy")
+    adapter = None
+    if args.model and is_adapter(args.model):  # train this adapter on, on its base model
+        adapter = Path(args.model)
+        if given_lora := sorted(k for k in overrides if k.startswith("train.lora.")):
+            raise OfflineError(f"--{given_lora[0]}: --model {adapter} is an adapter, whose folder sets the LoRA "
+                               "options; leave them out (or pass its base model as --model for a new adapter)")  # fmt: skip
+        model_name = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or (
+            (run_config.get("model") or {}).get("policy"))  # fmt: skip
+        if not model_name:
+            raise OfflineError(f"--model: {adapter}/{ADAPTER_CONFIG} names no base model and no run config does")
+        train_base["lora"] = adapter_options(adapter)
     train = _section(
         TrainConfig,
-        run_config.get("train", {}),
+        train_base,
         {k: v for k, v in overrides.items() if k.startswith("train.")},
         "train",
     )
@@ -295,13 +311,14 @@ def resolve(args: argparse.Namespace):
         raise OfflineError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
 
-    model_name = args.model or (run_config.get("model") or {}).get("policy")
     if not model_name:
         raise OfflineError("--model: no run config.json to take the initial policy from; pass --model")
     try:
         model_dir = resolve_model(model_name)
     except ModelNotAvailable as exc:
         raise OfflineError(f"--model: {exc}") from None
+    if adapter is not None and (problem := adapter_mismatch(adapter, model_dir)):
+        raise OfflineError(f"--model: the adapter does not fit its base model: {problem}")
     reference_dir = None
     if args.reference:
         try:

@@ -200,6 +200,7 @@ def test_browse_port_out_of_range(bad_run, port):
     (["--train.lora.rank", "600"], ["--train.lora.rank", "above the largest rank vLLM serves (512)"]),
     (["--train.lora.rank", "8", "--server.weight_transfer", "gloo"], ["--server.weight_transfer", "only the adapter"]),
     (["--train.lora.rank", "8", "--train.save_weights_every", "2"], ["--train.save_weights_every", "orchestrate.merge"]),
+    (["--train.lora.rank", "8", "--train.lora.start_from", "/tmp"], ["--train.lora.start_from", "orchestrate.merge"]),
     (["--train.lora.rank", "8", "--server.reference_url", "http://127.0.0.1:9", "--train.kl_coef", "0.01"],
      ["--server.reference_url", "scored on the policy servers"]),
     (["--server.weight_transfer", "nccl"], ["--server.weight_transfer", "no GPU"]),

@@ -489,3 +489,29 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused(tiny, tmp_path, capsys
         "does not fit model.layers.0." in err
     ), err
     assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_lora_starts_from_an_adapter_folder_and_refuses_one_of_another_rank(tiny, tmp_path):
+    """lora.start_from (orchestrate.offline --model ADAPTER): the adapters start as the folder's, so the
+    learner scores as the one that wrote it; a folder of another rank is refused, naming what differs."""
+    from finetune.lora import adapter_options
+
+    cfg = TrainConfig(lr=1e-2, lora={"rank": 2, "alpha": 8, "target_modules": "q_proj,v_proj"})
+    learner = Learner(tiny, cfg)
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    learner.train_batch(batch, 0)
+    folder = learner.save_adapter(tmp_path / "adapter", learner.adapter_weights())
+    options = adapter_options(folder)
+    assert options == {"rank": 2, "alpha": 8.0, "dropout": 0.0, "start_from": str(folder.resolve()),
+                       "target_modules": ["q_proj", "v_proj"]}  # fmt: skip
+    fresh = Learner(tiny, TrainConfig(lr=1e-2, lora={"rank": 2, "alpha": 8, "target_modules": "q_proj,v_proj"}))
+    continued = Learner(tiny, TrainConfig(lr=1e-2, lora=options))
+    trained, before, after = learner.logprobs(batch), fresh.logprobs(batch), continued.logprobs(batch)
+    assert not torch.allclose(trained[0], before[0])
+    for a, b in zip(trained, after):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"lora.start_from: .*adapter's base_model.model.model.layers.0.self_attn."
+                       r"q_proj.lora_A.weight is \[2, 64\], these lora options make it \[4, 64\]"):  # fmt: skip
+        Learner(tiny, TrainConfig(lora={**options, "rank": 4}))
+    with pytest.raises(ValueError, match=r"lora.start_from: .* does not fit .*k_proj.* is only in these lora options"):
+        Learner(tiny, TrainConfig(lora={**options, "target_modules": ["q_proj", "k_proj", "v_proj"]}))
