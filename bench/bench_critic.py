@@ -46,7 +46,7 @@ def replay(run: Path, setting: dict, batches: list[Path], threads: int) -> list[
     import torch
 
     from agents.models import resolve_model
-    from finetune.batch import read_batch
+    from contract.batch import read_batch
     from finetune.config import TrainConfig
     from finetune.learner import Learner
 
@@ -97,7 +97,7 @@ def main() -> int:
         parser.error(str(exc))
     if args.batches < 2:
         parser.error("--batches: at least 2")
-    from finetune.batch import list_batches
+    from contract.batch import list_batches
 
     batches = [path for _, path in sorted(list_batches(run / "batches").items())][: args.batches]
     if len(batches) < 2:

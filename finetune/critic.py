@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from finetune.batch import Sample
+    from contract.batch import Sample
 else:
     torch = lazy_import("torch")
 

@@ -32,7 +32,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from finetune.batch import Sample
+from contract.batch import Sample
 from finetune.config import TrainConfig
 from finetune.critic import CriticBatch
 from finetune.estimators import turn_advantages
@@ -667,7 +667,7 @@ class Learner:
     def save_weights(self, folder: str | os.PathLike, weights: dict) -> None:
         """Write `weights` (policy_weights) as a Hugging Face model folder (safetensors, config, tokenizer)
         that vLLM and transformers load. Main process only. The files are written aside and moved in with
-        config.json last: a folder whose config.json is there is whole (finetune.rundir.WEIGHTS_FILE)."""
+        config.json last: a folder whose config.json is there is whole (contract.rundir.WEIGHTS_FILE)."""
         folder = Path(folder)
         aside = folder / ".tmp-weights"
         shutil.rmtree(aside, ignore_errors=True)
@@ -704,7 +704,7 @@ class Learner:
 
     def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
         """A Hugging Face model folder plus trainer_state/. Not atomic by itself: write into a temp folder
-        and rename (finetune.rundir)."""
+        and rename (contract.rundir)."""
         weights = self.policy_weights()
         if weights is not None:
             self.save_weights(folder, weights)

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.kl import k3
 from finetune.critic import Critic, CriticOptions, value_loss
-from finetune.kl import k3
 from finetune.lazy import lazy_import
 
 if TYPE_CHECKING:

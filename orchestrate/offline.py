@@ -48,7 +48,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from finetune.cli import (
+from contract.cli import (
     StrictParser,
     add_options,
     check_bools,
@@ -59,12 +59,13 @@ from finetune.cli import (
     parse_value,
     refuse_repeated,
 )
+from contract.rundir import RunDir
 from finetune.config import TrainConfig
 from finetune.estimators import ESTIMATORS
 from finetune.lora import ADAPTER_CONFIG, adapter_mismatch, adapter_options, is_adapter
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.progress import progress_bar
-from orchestrate.run_dir import RunDir, save_tapes
+from orchestrate.run_dir import save_tapes
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
@@ -208,8 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
     parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
-    parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy), or an "
-                        "adapter folder (e.g. RUN/checkpoints/N/adapter) to train on, on its base model")
+    parser.add_argument(
+        "--model",
+        help="model to train (default: the run's initial policy, model.policy), or an "
+        "adapter folder (e.g. RUN/checkpoints/N/adapter) to train on, on its base model",
+    )
     parser.add_argument(
         "--rescore",
         action="store_true",

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from finetune.batch import Sample, batch_file, read_batch, write_batch
+from contract.batch import Sample, batch_file, read_batch, write_batch
 from finetune.config import TrainConfig
 from finetune.critic import explained_variance, gae, value_loss
 from finetune.losses import LOSSES, LossConfig, LossInputs, PPOConfig, grpo_loss, ppo_loss

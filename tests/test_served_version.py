@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from agents.llm import VLLMClient
+from contract.rundir import RunDir
 from orchestrate.config import RLConfig
 from orchestrate.loop import Loop, build_agent
 from orchestrate.rollouts import EnvSpec
-from orchestrate.run_dir import RunDir
 from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from agents.llm import NoServerLeft, VLLMClient
-from finetune.cli import OptionError
+from contract.cli import OptionError
 from orchestrate.config import RLConfig
 from orchestrate.config_checks import check_gpus, gpu_slices
 from orchestrate.metrics import server_metrics
@@ -366,6 +366,9 @@ class Reloadable(Server):
     def alive(self):
         return self.up
 
+    def answers(self):
+        return self.up
+
     async def recover(self, max_restarts):
         pass  # a server elsewhere: nothing to restart
 
@@ -378,8 +381,8 @@ class Reloadable(Server):
 
 
 def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_checkpoint(tmp_path):
+    from contract.rundir import RunDir
     from orchestrate.loop import Loop
-    from orchestrate.run_dir import RunDir
     from orchestrate.vllm_server import ServerError
 
     class Trainer:
