@@ -246,16 +246,22 @@ class Loop:
     async def _recover(self, endpoint, exc) -> None:
         await endpoint.recover(self.config.server.max_restarts)
 
-    def _client(self, servers, policy_version: int, adapters: bool = True) -> VLLMClient:
-        """A client of `servers`; on the policy servers of a LoRA run, each call names its version's adapter
-        (unless `adapters` is off: the base model, as the reference)."""
-        policy = servers is self.policy_servers
-        name = self.policy_servers[0].served_model_name if policy else None
-        adapter = (lambda v: adapter_name(name, v) if v else None) if policy and self.lora and adapters else None
+    def _client(self, role: str, policy_version: int = 0) -> VLLMClient:
+        """A client for `role`: "policy" (the policy servers; in a LoRA run each call names its version's
+        adapter), "base" (the policy servers' base model, no adapter: a LoRA run's reference) or "reference"
+        (the reference server)."""
+        if role not in ("policy", "base", "reference"):
+            raise ValueError(f"role {role!r}: policy, base or reference")
+        servers = [self.reference_server] if role == "reference" else self.policy_servers
+        adapter = None
+        if role == "policy" and self.lora:
+            name = self.policy_servers[0].served_model_name
+            adapter = lambda v: adapter_name(name, v) if v else None  # noqa: E731 - version 0 is the base
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
-            on_rejoin=self._rejoin if policy else None, out=[s for s in servers if s in self.stale], adapter=adapter,
+            on_rejoin=self._rejoin if role != "reference" else None, out=[s for s in servers if s in self.stale],
+            adapter=adapter,
         )  # fmt: skip
 
     def _count(self, client: VLLMClient) -> None:
@@ -272,7 +278,7 @@ class Loop:
         """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
         seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
         clock = EnvClock()
-        async with self._client(self.policy_servers, policy_version=self.served) as client:
+        async with self._client("policy", policy_version=self.served) as client:
             stop = asyncio.Event()
             watcher = asyncio.create_task(self._follow_checkpoints(client, stop)) if follow else None
             try:
@@ -295,7 +301,7 @@ class Loop:
         if self.reference_on_policy:  # the base model, served under the policy servers' plain name
 
             async def on_policy():
-                async with self._client(self.policy_servers, policy_version=0, adapters=False) as client:
+                async with self._client("base") as client:
                     await annotate_reference(tapes, client, progress=self.progress)
 
             return asyncio.run(on_policy())
@@ -305,7 +311,7 @@ class Loop:
         try:
 
             async def go():
-                async with self._client([self.reference_server], policy_version=0) as client:
+                async with self._client("reference") as client:
                     await annotate_reference(tapes, client, progress=self.progress)
 
             asyncio.run(go())
