@@ -349,12 +349,6 @@ class RunDir:
     def write_state(self, **fields) -> None:
         atomic_write_json(self.trainer_state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
 
-    def read_state(self) -> dict | None:
-        try:
-            return json.loads(self.trainer_state.read_text())
-        except FileNotFoundError:
-            return None
-
     def write_heartbeat(self, **fields) -> None:
         """One beat: fields such as {trainer_id, beat, status, num_processes}, with the host and pid. The
         reader compares beats, never clocks: the trainer's machine and the orchestrator's may disagree on the

@@ -17,7 +17,6 @@ docs/multi-node.md.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
@@ -225,11 +224,8 @@ class TrainerProcess:
         )
 
     def status(self) -> dict:
-        """The trainer's trainer_state.json ({} while there is none or it is being replaced)."""
-        try:
-            return json.loads(self.run.trainer_state.read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
+        """The trainer's trainer_state.json ({} while there is none or it cannot be read)."""
+        return self.run.read_json(self.run.trainer_state)
 
     def newest_checkpoint(self) -> int:
         """The newest checkpoint the trainer has published (0: none yet)."""
