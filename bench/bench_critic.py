@@ -8,7 +8,7 @@ RUN_DIR is any run directory with batches/ (a PPO run's, or a GRPO run's: the sa
 policy that made them differs). Each setting builds the learner the trainer builds (finetune.learner.Learner,
 the run's train_config.json with the setting's ppo options, the separate critic initialised from the model),
 then for each batch in order: explained variance, value mean and return mean of the critic's values as the
-batch arrives (Learner._gae), then `critic_steps` optimizer steps of the critic alone on the batch
+batch arrives (Learner.critic_batch), then `critic_steps` optimizer steps of the critic alone on the batch
 (Learner.critic_step; 1 stands for the critic's share of the loop's one PPO step per batch). The policy is
 not trained: the batches are fixed, so its updates could not change what the critic sees.
 
@@ -46,7 +46,7 @@ def replay(run: Path, setting: dict, batches: list[Path], threads: int) -> list[
     import torch
 
     from agents.models import resolve_model
-    from finetune.batch import read_batch
+    from contract.batch import read_batch
     from finetune.config import TrainConfig
     from finetune.learner import Learner
 
@@ -60,12 +60,13 @@ def replay(run: Path, setting: dict, batches: list[Path], threads: int) -> list[
     model = resolve_model(json.loads((run / "config.json").read_text())["model"]["policy"])
     learner = Learner(model, config)
     if setting["head_init"] == "normal":
-        head = learner.accelerator.unwrap_model(learner.critic).value_head
+        head = learner.accelerator.unwrap_model(learner.value_model).value_head
         torch.nn.init.normal_(head.weight, std=head.in_features**-0.5)
     rows = []
     for path in batches:
         samples = read_batch(path)
-        _, critic, stats = learner._gae(samples)
+        critic = learner.critic_batch(samples)
+        stats = critic.stats
         t0 = time.perf_counter()
         losses = [learner.critic_step(samples, critic)["value_loss"] for _ in range(setting["critic_steps"])]
         rows.append({**stats, "value_loss": losses[0], "seconds": time.perf_counter() - t0})
@@ -96,7 +97,7 @@ def main() -> int:
         parser.error(str(exc))
     if args.batches < 2:
         parser.error("--batches: at least 2")
-    from finetune.batch import list_batches
+    from contract.batch import list_batches
 
     batches = [path for _, path in sorted(list_batches(run / "batches").items())][: args.batches]
     if len(batches) < 2:

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from finetune.batch import Sample  # noqa: E402
+from contract.batch import Sample  # noqa: E402
 from finetune.microbatch import micro_batches  # noqa: E402
 from orchestrate.samples import tapes_to_samples  # noqa: E402
 from tapes.store import read_tapes  # noqa: E402

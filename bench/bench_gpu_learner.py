@@ -86,7 +86,7 @@ def build_model(folder: Path, config) -> int:
 
 
 def gsm8k_batch(vocab: int, tasks: int, attempts: int, prompt=(120, 220), completion=(64, 512), seed: int = 0):
-    from finetune.batch import Sample
+    from contract.batch import Sample
 
     rng = random.Random(seed)
     samples = []

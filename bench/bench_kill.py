@@ -62,8 +62,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from finetune.durable import PARTIAL_SUFFIX, read_jsonl  # noqa: E402
-from orchestrate.run_dir import KILL_AT_ENV, LOOP_PHASES, RunDir  # noqa: E402
+from contract.durable import PARTIAL_SUFFIX, read_jsonl  # noqa: E402
+from contract.rundir import LOOP_PHASES, RunDir  # noqa: E402
+from orchestrate.run_dir import KILL_AT_ENV  # noqa: E402
 from orchestrate.run_lock import RunDirInUse, RunLock  # noqa: E402
 from tapes.store import read_tapes  # noqa: E402
 

@@ -35,7 +35,7 @@ import torch
 from transformers import AutoTokenizer
 
 from agents.models import resolve_model
-from finetune.batch import Sample
+from contract.batch import Sample
 from finetune.config import TrainConfig
 from finetune.learner import Learner
 from finetune.microbatch import micro_batches

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from agents.models import resolve_model, untied_copy
+from contract.durable import atomic_write_json
+from contract.rundir import LEARNER_RECORD, TRANSFER_MANIFEST, RunDir
 from finetune.config import TrainConfig
-from finetune.durable import atomic_write_json
 from finetune.learner import Learner
-from finetune.rundir import LEARNER_RECORD, TRANSFER_MANIFEST, RunDir
 from finetune.weight_transfer import WeightSender, pack
 from orchestrate.vllm_server import ServerConfig, VLLMServer
 from orchestrate.weights import PolicyWeights

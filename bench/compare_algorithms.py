@@ -48,8 +48,8 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contract.durable import atomic_write_text  # noqa: E402
 from finetune.algorithms import ALGORITHMS  # noqa: E402
-from finetune.durable import atomic_write_text  # noqa: E402
 from orchestrate.metrics import read_metrics  # noqa: E402
 
 PRESET = "embedded"
@@ -178,9 +178,10 @@ def resolved(name: str, argv: list[str]) -> dict:
 def check_run_dir(name: str, run_dir: Path, config: dict) -> None:
     """A run directory already there must hold this recipe's run with these options (those a resume may
     change aside: orchestrate.rl's RESUMABLE, the time budget among them)."""
+    from contract.rundir import RunDir, RunDirError
     from orchestrate.config import upgrade_saved
     from orchestrate.rl import RESUMABLE
-    from orchestrate.run_dir import RunDir, RunDirError, config_differences
+    from orchestrate.run_dir import config_differences
 
     try:
         saved = RunDir(run_dir).saved_config()

@@ -257,7 +257,7 @@ class _TrainOptions(BaseModel):
     @property
     def needs_reference(self) -> bool:
         """Whether training needs reference log-probs (a KL term in the loss or in the reward)."""
-        return self.kl_coef > 0 or float(getattr(self.loss_options, "kl_in_reward", 0.0)) > 0
+        return self.kl_coef > 0 or self.loss_options.needs_reference()
 
     @model_validator(mode="after")
     def _schedule_has_length(self) -> _TrainOptions:

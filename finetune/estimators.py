@@ -4,7 +4,7 @@ The learner first turns each episode's per-turn rewards into returns (discount g
 G_t = r_t + gamma G_{t+1}), then the chosen estimator (`--train.estimator NAME`, set by `--train.algorithm`) turns the returns
 into advantages; the loss (finetune.losses, `--train.loss`) then trains on them, so any
 estimator combines with any loss (PPO's critic excepted: its advantages are GAE on the critic's
-values, finetune.losses.gae).
+values, finetune.critic.gae).
 
 An estimator is a function `(Episodes) -> {episode: {turn index: advantage}}` registered with
 `register_estimator(name, needs=..., paper=..., group_relative=...)`. `needs` names the columns it

@@ -3,7 +3,7 @@
 `Learner.train_batch` is one iteration of the chosen loss (finetune.losses:
 GRPO, REINFORCE, GSPO, PPO): per-turn returns (discount gamma) and advantages
 (the chosen estimator, see `estimators.turn_advantages`; with PPO's
-critic, token-level GAE on the critic's values instead, see `losses.gae`;
+critic, token-level GAE on the critic's values instead, see finetune.critic;
 kept in `self.credit` for the run directory), then `epochs` passes over the
 batch, each cut into `steps_per_epoch` optimizer steps, each step
 accumulated over length-sorted micro-batches (token budget). The loss gets
@@ -32,12 +32,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from finetune.batch import Sample
+from contract.batch import Sample
 from finetune.config import TrainConfig
+from finetune.critic import CriticBatch
 from finetune.estimators import turn_advantages
 from finetune.logprobs import PolicyLogProbs, ValueModel
 from finetune.lora import adapter_tensors, load_adapter_weights, merged, with_lora, write_adapter
-from finetune.losses import LossInputs, explained_variance, gae, tis_weights, token_weights, value_loss
+from finetune.losses import LossInputs, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
 
 TOKENIZER_FILES = (
@@ -171,8 +172,11 @@ class Learner:
         if impl == "auto":
             impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
         self.pad_id = lm.config.pad_token_id if isinstance(lm.config.pad_token_id, int) else 0
-        spec, options = config.loss_spec, config.loss_options
-        head = spec.critic and getattr(options, "critic", "separate") == "head"
+        spec = config.loss_spec
+        # a loss with a critic (PPO's, finetune.critic) takes its advantages from it, not from an estimator
+        self.critic = (spec.critic(config.loss_options, config.gamma, config.std_eps, config.shaped_reward)
+                       if spec.critic is not None else None)  # fmt: skip
+        head = self.critic is not None and self.critic.value_head
         policy = PolicyLogProbs(
             lm, impl, config.logit_chunk_tokens, value_head=head, entropy_grad=config.entropy_coef > 0
         )
@@ -187,37 +191,36 @@ class Learner:
             }
         ]
         if head:
-            groups.append({"params": list(policy.value_head.parameters()), "base_lr": options.critic_lr})
+            groups.append({"params": list(policy.value_head.parameters()), "base_lr": self.critic.lr})
         optimizer = torch.optim.AdamW(
             groups, lr=config.lr_at(0), betas=betas, eps=eps, weight_decay=config.weight_decay
         )
-        critic = critic_optimizer = None
-        if spec.critic and not head:
+        value_model = value_optimizer = None
+        if self.critic is not None and not head:
             # oat's choice: a separate value model, initialised from the policy's weights
             body = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
             body.config.use_cache = False
             if config.gradient_checkpointing:
                 body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            critic = ValueModel(body)
-            del body  # the critic keeps the body; the LM head goes
-            critic.train()
-            critic_optimizer = torch.optim.AdamW(
-                [{"params": list(critic.parameters()), "base_lr": options.critic_lr}],
-                lr=options.critic_lr,
+            value_model = ValueModel(body)
+            del body  # the value model keeps the body; the LM head goes
+            value_model.train()
+            value_optimizer = torch.optim.AdamW(
+                [{"params": list(value_model.parameters()), "base_lr": self.critic.lr}],
+                lr=self.critic.lr,
                 betas=betas,
                 eps=eps,
                 weight_decay=config.weight_decay,
             )
-        if critic is None:
+        if value_model is None:
             self.model, self.optimizer = acc.prepare(policy, optimizer)
-            self.critic = self.critic_optimizer = None
+            self.value_model = self.value_optimizer = None
         else:
-            self.model, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
-                policy, optimizer, critic, critic_optimizer
+            self.model, self.optimizer, self.value_model, self.value_optimizer = acc.prepare(
+                policy, optimizer, value_model, value_optimizer
             )
         if lora.rank > 0:  # its trainer state holds the adapters (and a value head), not the frozen base
             acc.register_save_state_pre_hook(self._trainable_only)
-        self.has_critic = spec.critic
         self.step = 0  # optimizer steps taken so far, over the whole run
         self._progress = None  # [done, total, callback] of the batch being trained
         self._trainer_old = None  # per sample: the trainer's log-probs before the batch's first update (TIS)
@@ -258,21 +261,12 @@ class Learner:
             cfg.estimator, cfg.gamma, cfg.normalize_std, cfg.std_eps,
             lengths=[[t.length for t in sample.all_turns] for sample in samples],
         )  # fmt: skip
-        critic = None
-        batch_stats: dict[str, float] = {}
-        if self.has_critic:
-            advantages, critic, batch_stats = self._gae(samples)
-            # a turn's advantage is the mean of its tokens' (what the browser shows); its value the critic's
-            # value before its first token
-            turn_adv, turn_values, offset = [], [], 0
-            for sample, adv, old in zip(samples, advantages, critic[0]):
-                offset = 0
-                turn_adv.append([])
-                turn_values.append([])
-                for t in sample.all_turns:
-                    turn_adv[-1].append(float(adv[offset : offset + t.length].mean()))
-                    turn_values[-1].append(float(old[offset]))
-                    offset += t.length
+        critic = None  # the critic's CriticBatch, with one
+        batch_stats: dict[str, float | None] = {}
+        if self.critic is not None:
+            critic = self.critic.batch(samples, self._values(samples))
+            advantages, batch_stats = critic.advantages, critic.stats
+            turn_adv, turn_values = critic.per_turn(samples)
         else:
             advantages = [
                 torch.tensor(
@@ -362,61 +356,6 @@ class Learner:
         stats["stale_dropped"] = len(samples) - len(kept)
         return kept, stats
 
-    def _gae(self, samples: list[Sample]):
-        """PPO's advantages: the critic's values of every trained token as the batch arrived, token-level GAE
-        over each episode (its samples' turns in order), whitened over the batch if asked.
-
-        Returns (advantages, (old values, returns), batch stats), the first two one tensor per sample."""
-        cfg, options = self.config, self.config.loss_options
-        old_values = self._values(samples)
-        rewards = []
-        for sample in samples:
-            r = torch.zeros(sample.n_trained, dtype=torch.float64)
-            offset = 0
-            for t in sample.all_turns:
-                offset += t.length
-                r[offset - 1] += cfg.shaped_reward(t.reward, t.length, t.max_tokens)  # DAPO's overlong shaping, when on
-            if options.kl_in_reward:
-                r -= options.kl_in_reward * (
-                    torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
-                    - torch.tensor(sample.ref_logprobs, dtype=torch.float64)
-                )
-            rewards.append(r)
-        # an episode's samples, in the order of their turns
-        episodes: dict[str, list[int]] = {}
-        for i, sample in enumerate(samples):
-            episodes.setdefault(sample.episode_id or f"#{i}", []).append(i)
-        advantages: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        targets: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for members in episodes.values():
-            members.sort(key=lambda i: samples[i].all_turns[0].index)
-            ends = [k == t.length - 1 for i in members for t in samples[i].all_turns for k in range(t.length)]
-            adv, ret = gae(
-                torch.cat([rewards[i] for i in members]).tolist(),
-                torch.cat([old_values[i] for i in members]).tolist(),
-                ends,
-                cfg.gamma,
-                options.gae_lambda,
-            )
-            offset = 0
-            for i in members:
-                n = samples[i].n_trained
-                advantages[i] = torch.tensor(adv[offset : offset + n], dtype=torch.float32)
-                targets[i] = torch.tensor(ret[offset : offset + n], dtype=torch.float32)
-                offset += n
-        flat_values, flat_returns = torch.cat(old_values), torch.cat(targets)
-        stats = {
-            "value_mean": float(flat_values.mean()),
-            "returns_mean": float(flat_returns.mean()),
-        }
-        ev = explained_variance(flat_values, flat_returns)
-        stats["explained_variance"] = ev if math.isfinite(ev) else None  # None: the returns were all equal
-        if options.whiten_advantages:
-            flat = torch.cat(advantages).double()
-            mean, std = flat.mean(), (flat.std() if len(flat) > 1 else torch.tensor(0.0, dtype=torch.float64))
-            advantages = [((a.double() - mean) / (std + cfg.std_eps)).float() for a in advantages]
-        return advantages, (old_values, targets), stats
-
     @torch.no_grad()
     def _values(self, samples: list[Sample]) -> list[torch.Tensor]:
         """The critic's value before each trained token of each sample (no update)."""
@@ -436,8 +375,8 @@ class Learner:
             mb.cols.to(dev),
         )
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
-        if self.critic is not None:
-            return self.critic(*args, attention_mask=mask)
+        if self.value_model is not None:
+            return self.value_model(*args, attention_mask=mask)
         inv_temp = torch.ones(len(mb.targets), device=dev)
         return self.model(*args, mb.targets.to(dev), inv_temp, False, mask).values
 
@@ -445,7 +384,7 @@ class Learner:
         """This step's learning rates: the schedule's factor times each parameter group's own lr."""
         cfg = self.config
         lr = cfg.lr_at(self.step)
-        for optimizer in (self.optimizer, self.critic_optimizer):
+        for optimizer in (self.optimizer, self.value_optimizer):
             if optimizer is not None:
                 for group in optimizer.param_groups:
                     group["lr"] = group.get("base_lr", cfg.lr) * lr / cfg.lr
@@ -552,10 +491,9 @@ class Learner:
                 entropy_coef=cfg.entropy_coef,
             )
             if critic is not None:
-                old_values, targets = critic
-                x.values = out.values if self.critic is None else self._forward_values(mb, seqs)
-                x.old_values = torch.cat([old_values[r] for r in rows]).to(dev)
-                x.returns = torch.cat([targets[r] for r in rows]).to(dev)
+                x.values = out.values if self.value_model is None else self._forward_values(mb, seqs)
+                old_values, returns = critic.rows(rows)
+                x.old_values, x.returns = old_values.to(dev), returns.to(dev)
             result = cfg.loss_spec.fn(x, cfg.loss_options)
             # Gradients are averaged over processes; the weights already
             # divide by the step's totals, so undo the average.
@@ -566,7 +504,7 @@ class Learner:
         """A context that holds back the gradient all-reduce of every trained model unless sync."""
         stack = ExitStack()
         if not sync:
-            for model in [self.model] + ([self.critic] if self.critic is not None else []):
+            for model in [self.model] + ([self.value_model] if self.value_model is not None else []):
                 stack.enter_context(self.accelerator.no_sync(model))
         return stack
 
@@ -617,14 +555,19 @@ class Learner:
             progress[0] = min(progress[1], progress[0] + sum(mb.completion_lengths) * self.accelerator.num_processes)
             progress[2](progress[0], progress[1])
 
-    def critic_step(self, samples: list[Sample], critic) -> dict:
-        """One optimizer step of the separate critic alone on samples (the policy is not touched): the clipped
-        value loss against `critic` = (old values, returns), one tensor each per sample, as `_gae` gives them,
-        aggregated like the policy's loss. Returns value_loss and critic_grad_norm."""
+    def critic_batch(self, samples: list[Sample]) -> CriticBatch:
+        """The critic's advantages, old values and returns of `samples` as they are now (no update)."""
         if self.critic is None:
-            raise ValueError("critic_step needs the separate critic (ppo.critic separate)")
+            raise ValueError(f"loss {self.config.loss} has no critic")
+        return self.critic.batch(samples, self._values(samples))
+
+    def critic_step(self, samples: list[Sample], critic: CriticBatch) -> dict:
+        """One optimizer step of the separate value model alone on samples (the policy is not touched): the
+        clipped value loss against `critic` (critic_batch's), aggregated like the policy's loss. Returns
+        value_loss and critic_grad_norm (bench/bench_critic.py replays a run's batches through it)."""
+        if self.value_model is None:
+            raise ValueError("critic_step needs the separate value model (ppo.critic separate)")
         cfg, acc, dev = self.config, self.accelerator, self.accelerator.device
-        old_values, targets = critic
         n_completion = sum(s.n_trained for s in samples)
         mine = self._my_share(self._micro_batches(samples))
         total = 0.0
@@ -632,12 +575,8 @@ class Learner:
             weights = token_weights(mb.completion_lengths, cfg.aggregation, n_completion, len(samples)) * scale
             with self._no_sync(k == len(mine) - 1):
                 values = self._forward_values(mb, samples)
-                vl, _ = value_loss(
-                    values,
-                    torch.cat([old_values[i] for i in mb.indices]).to(dev),
-                    torch.cat([targets[i] for i in mb.indices]).to(dev),
-                    cfg.loss_options.value_clip,
-                )
+                old_values, returns = critic.rows(mb.indices)
+                vl, _ = self.critic.value_loss(values, old_values.to(dev), returns.to(dev))
                 loss = (weights.to(dev) * vl).sum()
                 acc.backward(loss * acc.num_processes)
             total += float(loss.detach())
@@ -651,17 +590,17 @@ class Learner:
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        critic_norm = self._step_critic() if self.critic is not None else None
+        critic_norm = self._step_critic() if self.value_model is not None else None
         self.step += 1
         return grad_norm, critic_norm
 
     def _step_critic(self) -> torch.Tensor:
-        """Clip the separate critic's gradients (grad_clip 0: measure only), step and zero its optimizer;
-        returns its gradient norm."""
+        """Clip the separate value model's gradients (grad_clip 0: measure only), step and zero its
+        optimizer; returns its gradient norm."""
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-        norm = self.accelerator.clip_grad_norm_(self.critic.parameters(), max_norm)
-        self.critic_optimizer.step()
-        self.critic_optimizer.zero_grad(set_to_none=True)
+        norm = self.accelerator.clip_grad_norm_(self.value_model.parameters(), max_norm)
+        self.value_optimizer.step()
+        self.value_optimizer.zero_grad(set_to_none=True)
         return norm
 
     @torch.no_grad()
@@ -728,7 +667,7 @@ class Learner:
     def save_weights(self, folder: str | os.PathLike, weights: dict) -> None:
         """Write `weights` (policy_weights) as a Hugging Face model folder (safetensors, config, tokenizer)
         that vLLM and transformers load. Main process only. The files are written aside and moved in with
-        config.json last: a folder whose config.json is there is whole (finetune.rundir.WEIGHTS_FILE)."""
+        config.json last: a folder whose config.json is there is whole (contract.rundir.WEIGHTS_FILE)."""
         folder = Path(folder)
         aside = folder / ".tmp-weights"
         shutil.rmtree(aside, ignore_errors=True)
@@ -765,7 +704,7 @@ class Learner:
 
     def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
         """A Hugging Face model folder plus trainer_state/. Not atomic by itself: write into a temp folder
-        and rename (finetune.rundir)."""
+        and rename (contract.rundir)."""
         weights = self.policy_weights()
         if weights is not None:
             self.save_weights(folder, weights)

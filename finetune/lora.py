@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from contract.rundir import ADAPTER_CONFIG
+
 ADAPTER = "default"  # peft's name of the one adapter
-ADAPTER_CONFIG = "adapter_config.json"  # written last: an adapter folder with it is whole
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SAVED_PREFIX = "base_model.model."  # peft's prefix of the keys in a saved adapter
 

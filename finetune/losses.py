@@ -15,7 +15,7 @@ A loss is a function `(LossInputs, its options) -> LossOutputs` registered
 with `register_loss(name, OptionsClass, paper=...)`: the training config then has a
 `loss` of that name (set by an algorithm, finetune.algorithms) and a section of its options (finetune.config), and
 the learner reports every term the loss returns. grpo, reinforce, gspo and ppo
-(with a critic: `gae`, `value_loss`) are defined so below. The advantages they
+(with a critic: finetune.critic) are defined so below. The advantages they
 get come from an estimator of finetune.estimators (`--train.estimator`), any of
 which combines with any loss (ppo's critic excepted: GAE).
 """
@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from finetune.kl import k3
+from contract.kl import k3
+from finetune.critic import Critic, CriticOptions, value_loss
 from finetune.lazy import lazy_import
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class LossInputs:
 
     `weights` aggregate per-token terms into the step's loss (see `token_weights`). `kl_logp` are the
     policy's untempered log-probs for the KL to the reference (None: `logp`, sampled at T = 1). The
-    critic's fields are set for losses registered with `critic=True` only.
+    critic's fields are set for losses registered with a critic (finetune.critic) only.
     """
 
     logp: Tensor  # trainer's log-probs of the sampled tokens (with grad), at the sampling temperature
@@ -144,13 +145,17 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def needs_reference(self) -> bool:
+        """Whether these options need reference log-probs besides kl_coef (a KL penalty in the reward)."""
+        return False
+
 
 @dataclass(frozen=True)
 class LossSpec:
     name: str
     fn: Callable[[LossInputs, LossConfig], LossOutputs]
     config: type[LossConfig]
-    critic: bool  # trains a value model beside the policy (advantages from GAE, not from returns)
+    critic: type[Critic] | None  # a learned critic gives the advantages (finetune.critic), not an estimator
     doc: str
     paper: str = ""  # where it comes from: an arXiv id, or a reference when there is none
 
@@ -158,10 +163,12 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, config: type[LossConfig], critic: bool = False, paper: str = ""):
+def register_loss(name: str, config: type[LossConfig], critic: type[Critic] | None = None, paper: str = ""):
     """Register `fn(inputs, options) -> LossOutputs` as `--train.loss NAME`, its options as
     `--train.NAME.OPTION` (the fields of `config`). Adding a loss is this: one function, one config class.
-    `paper` (an arXiv id) shows in --help beside the first line of the function's docstring."""
+    `paper` (an arXiv id) shows in --help beside the first line of the function's docstring. A loss with a
+    `critic` (finetune.critic.Critic; its options class then has CriticOptions's fields) gets the critic's
+    values, old values and returns in LossInputs and its advantages from the critic."""
 
     def wrap(fn: Callable[[LossInputs, LossConfig], LossOutputs]):
         if name in LOSSES:
@@ -267,54 +274,11 @@ def gspo_loss(x: LossInputs, c: GSPOConfig) -> LossOutputs:
     return _policy_outputs(x, pg, ratio.detach(), (clipped_obj < unclipped).detach())
 
 
-class PPOConfig(ClipConfig):
-    critic: Literal["separate", "head"] = Field(
-        "separate",
-        description="separate: a value model initialised from the policy, with its own optimizer "
-        "(oat's choice; twice the weights in memory); head: a linear value head on the policy's last hidden "
-        "state, trained through the shared body with vf_coef",
-    )
-    critic_lr: float = Field(
-        1e-4,
-        gt=0,
-        description="learning rate of the critic (the separate model or the value head); measured on the "
-        "embedded preset: at 1e-5 its values stay near 0, at 1e-4 they follow the returns' mean (docs/results.md)",
-    )
-    gae_lambda: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        description="GAE lambda over the tokens (1: Monte-Carlo "
-        "returns minus the value; lower bootstraps more from the critic)",
-    )
-    vf_coef: float = Field(0.5, ge=0, description="weight of the value loss")
-    value_clip: float = Field(
-        0.2,
-        ge=0,
-        description="the value may move at most this far from its value when "
-        "the batch arrived (clipped value loss, as in PPO2); 0: no clipping",
-    )
-    whiten_advantages: bool = Field(True, description="normalise the batch's token advantages to mean 0, std 1")
-    kl_in_reward: float = Field(
-        0.0,
-        ge=0,
-        description="subtract this x (behaviour log-prob - reference "
-        "log-prob) from each token's reward (needs the reference pass)",
-    )
+class PPOConfig(CriticOptions, ClipConfig):
+    """PPO's options: the clipped objective's and its critic's (finetune.critic.CriticOptions)."""
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
-    """Per token: (0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), clipped), where `clipped`
-    marks tokens whose clipped term is the larger (the value gets no gradient there). c = 0: no clipping."""
-    plain = (values - returns) ** 2
-    if not value_clip:
-        return 0.5 * plain, torch.zeros_like(plain, dtype=torch.bool)
-    moved = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-    clipped_sq = (moved - returns) ** 2
-    return 0.5 * torch.maximum(plain, clipped_sq), (clipped_sq > plain).detach()
-
-
-@register_loss("ppo", PPOConfig, critic=True, paper="arXiv:1707.06347")
+@register_loss("ppo", PPOConfig, critic=Critic, paper="arXiv:1707.06347")
 def ppo_loss(x: LossInputs, c: PPOConfig) -> LossOutputs:
     """PPO with a learned critic: the clipped policy term on GAE advantages, plus vf_coef x the clipped value
     loss, plus kl_coef x k3 to the reference."""
@@ -326,38 +290,3 @@ def ppo_loss(x: LossInputs, c: PPOConfig) -> LossOutputs:
     out = _policy_outputs(x, pg, ratio, clipped, extra=c.vf_coef * v_sum, terms={"value_loss": v_sum.detach()})
     out.token_means["vf_clip_frac"] = v_clipped.to(x.logp.dtype)
     return out
-
-
-def gae(
-    rewards: Sequence[float], values: Sequence[float], turn_ends: Sequence[bool], gamma: float, lam: float
-) -> tuple[list[float], list[float]]:
-    """Token-level GAE over the trained tokens of one episode: (advantages, returns), one per token.
-
-    `values[k]` is the critic's V before token k; `rewards[k]` the reward given after token k (a turn's
-    reward sits at its last token, plus any per-token KL penalty); `turn_ends[k]` marks the last token of a
-    turn. The discount `gamma` applies between turns, as for the turn returns (G_t = r_t + gamma G_{t+1}):
-    within a turn tokens are not discounted; `lam` applies per token. After the last token the value is 0:
-    an episode that ended, truncated or not, is not bootstrapped (the environment tokens between turns are
-    context, not steps).
-        delta_k = r_k + g_k V_{k+1} - V_k,   A_k = delta_k + g_k lam A_{k+1},   g_k = gamma if turn_ends[k] else 1
-    returns = A + V (the critic's targets).
-    """
-    n = len(rewards)
-    adv = [0.0] * n
-    next_value, next_adv = 0.0, 0.0
-    for k in reversed(range(n)):
-        g = gamma if turn_ends[k] else 1.0
-        delta = float(rewards[k]) + g * next_value - float(values[k])
-        next_adv = delta + g * lam * next_adv
-        adv[k] = next_adv
-        next_value = float(values[k])
-    return adv, [a + float(v) for a, v in zip(adv, values)]
-
-
-def explained_variance(values: Tensor, returns: Tensor) -> float:
-    """1 - Var(R - V) / Var(R): 1 when the critic predicts the returns, 0 when it predicts their mean,
-    negative when worse. NaN when the returns are all equal."""
-    var = returns.double().var(unbiased=False)
-    if len(returns) < 2 or float(var) == 0.0:
-        return float("nan")
-    return float(1 - (returns.double() - values.double()).var(unbiased=False) / var)

@@ -6,12 +6,12 @@
 It imports nothing from the rest of tapeloop; it talks to the orchestrator
 through files in the run folder only:
 
-1. The orchestrator writes RUN/batches/NNNNNN.jsonl (finetune.batch.write_batch:
+1. The orchestrator writes RUN/batches/NNNNNN.jsonl (contract.batch.write_batch:
    one sample per line, temp file + rename, so a visible file is complete).
 2. The learner polls for the lowest-numbered batch above the last one it
    trained, trains on it (epochs x steps_per_epoch optimizer steps), then
    writes RUN/checkpoints/NNNNNN/ with learner.json and, as due (see
-   finetune.rundir): a Hugging Face folder (config.json, model.safetensors,
+   contract.rundir): a Hugging Face folder (config.json, model.safetensors,
    generation_config.json, tokenizer files) that vLLM and transformers load;
    transfer.json when the weights go to the servers in memory
    (finetune.weight_transfer: the learner then broadcasts them and waits for
@@ -22,7 +22,7 @@ through files in the run folder only:
 3. After the checkpoint appears, the batch's per-step metrics are appended to
    RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
    step, step_in_batch, samples, seconds and the figures of
-   finetune.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
+   contract.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
    reports: ratio_min, the advantages' statistics, tokens), and
    RUN/trainer_state.json is replaced (atomically) with
    {status, last_batch, checkpoint, optimizer_step, batch_in_progress, pid,
@@ -40,7 +40,7 @@ through files in the run folder only:
    or the --parent-pid process dies, so it never outlives the orchestrator.
    SIGTERM / SIGKILL are safe at any time: nothing visible is half-written.
 6. The main process rewrites RUN/trainer_heartbeat.json every
-   --heartbeat-seconds (a counter and a status, finetune.rundir), and once
+   --heartbeat-seconds (a counter and a status, contract.rundir), and once
    more as it exits (status stopped or failed): how an orchestrator that did
    not start the trainer (--trainer.launch external, on other machines)
    knows it is there and alive.
@@ -74,7 +74,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from finetune.cli import (
+from contract.cli import (
     OptionError,
     StrictParser,
     add_options,
@@ -310,8 +310,8 @@ class _Session:
     def __init__(self, args: argparse.Namespace, config: TrainConfig):
         from accelerate import Accelerator
 
+        from contract.rundir import RunDir
         from finetune.learner import mixed_precision_for
-        from finetune.rundir import RunDir
 
         self.args, self.config = args, config
         self.run = RunDir(args.run_dir)
@@ -382,7 +382,7 @@ class _Session:
 
     def train(self, index: int, path: str) -> None:
         """Train batch `index`, then publish its checkpoint (with the learner's record and advantages)."""
-        from finetune.batch import read_batch
+        from contract.batch import read_batch
 
         samples = read_batch(path)
         log.info("batch %d: %d samples from %s", index, len(samples), path)
@@ -417,8 +417,8 @@ class _Session:
         as the checkpoint's model folder, which the servers reload."""
         from accelerate.utils import broadcast_object_list
 
-        from finetune.durable import atomic_write_json
-        from finetune.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST, optimizer_steps
+        from contract.durable import atomic_write_json
+        from contract.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST, optimizer_steps
         from finetune.weight_transfer import pack
 
         cfg = self.config
@@ -530,7 +530,7 @@ class _Session:
         aside = Path(broadcast_object_list([str(aside) if aside else None])[0])
         self.learner.save_trainer_state(aside, {"batch": self.last, "samples": None})
         if self.main_process:
-            from finetune.durable import fsync_tree
+            from contract.durable import fsync_tree
 
             fsync_tree(aside)
             os.rename(aside / "trainer_state", folder / "trainer_state")

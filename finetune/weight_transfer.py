@@ -4,7 +4,7 @@ With `--server.weight_transfer gloo` (CPU) or `nccl` (GPUs) the learner does not
 iteration for vLLM to reload: its main process sends the policy's weights, in the served dtype, to every
 policy server over a torch.distributed process group of its own (rank 0: the learner; ranks 1..: the
 servers' workers, whose engine is orchestrate.weight_engine). The run folder carries the rest of the
-protocol (file names in finetune.rundir):
+protocol (file names in contract.rundir):
 
 1. The orchestrator hosts the group's TCP store and writes RUN/weight_group.json: {generation, backend,
    host, port, world_size, timeout_s}. The learner joins a generation it has not joined yet, between

@@ -13,7 +13,7 @@ and a small summary per line, redone only when the file changes), lists are
 paged, and a tape is read from its offset when it is asked for. Only the
 layout of the run directory is known here (tapes/iter_*.jsonl,
 tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/, and the
-learner's advantages/NNNNNN.jsonl read with `finetune.rundir.read_advantages`),
+learner's advantages/NNNNNN.jsonl read with `contract.rundir.read_advantages`),
 so this module imports nothing from agents or the rest of orchestrate. It lives
 here, not in tapes/, because it reads the learner's files (finetune owns them)
 and tapes, the bottom layer, imports nothing of ours.
@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from finetune.kl import k3
-from finetune.rundir import advantages_file, read_advantages
+from contract.kl import k3
+from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.dynamic_sampling import DROPPED_BY
-from orchestrate.run_dir import RunDir
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 

@@ -23,7 +23,7 @@ from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
-from finetune.cli import (
+from contract.cli import (
     StrictParser,
     add_options,
     check_bools,

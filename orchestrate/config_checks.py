@@ -3,7 +3,7 @@
 Each refuses with a ConfigError whose message is one line starting with the
 option (`--rollouts.attempts: ...`), before anything is loaded or written:
 
-- the command line taken literally (finetune.cli: no abbreviations, no option
+- the command line taken literally (contract.cli: no abbreviations, no option
   given twice, `true`/`false` only for booleans, no Infinity / NaN anywhere);
 - sizes within reason (LIMITS), and max_tokens within server.max_model_len;
 - settings the learner cannot train with: one attempt per task under a group
@@ -20,11 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from finetune.cli import OptionError, check_finite
+from contract.cli import OptionError, check_finite
 from finetune.estimators import ESTIMATORS
 
 # A bad preset, option or value; the message is one line naming it. The same class as the command-line
-# checks of finetune.cli raise (no abbreviations, no option twice, numbers that are numbers), so a caller
+# checks of contract.cli raise (no abbreviations, no option twice, numbers that are numbers), so a caller
 # catches one.
 ConfigError = OptionError
 

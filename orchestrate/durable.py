@@ -1,4 +1,4 @@
-"""metrics.jsonl as state.json knows it, when a run resumes (the writes themselves: finetune.durable).
+"""metrics.jsonl as state.json knows it, when a run resumes (the writes themselves: contract.durable).
 
 `repair_jsonl` runs when a run resumes: it drops the torn tail and the
 records the state file does not count yet (a crash between the metrics
@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from finetune.durable import atomic_write_bytes
+from contract.durable import atomic_write_bytes
 
 
 def repair_jsonl(path: str | os.PathLike, keep: Callable[[dict], bool]) -> int:

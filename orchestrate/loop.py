@@ -22,7 +22,7 @@ run.iterations, and the run ends; the same command resumes it, with a new budget
 Steps whose files already exist are not redone, so a run killed at any point
 resumes where it stopped and completed iterations stay as they were.
 
-phase.json in the run directory names the step the loop is in (orchestrate.run_dir.LOOP_PHASES:
+phase.json in the run directory names the step the loop is in (contract.rundir.LOOP_PHASES:
 rollouts, reference, samples, training, weight_reload, eval, metrics_state); bench/bench_kill.py kills the
 loop inside each of them, with the test hook orchestrate.run_dir.kill_hook.
 """
@@ -39,21 +39,16 @@ from agents.chat import ChatTokens
 from agents.envs import capabilities
 from agents.llm import VLLMClient
 from agents.models import resolve_model, untied_copy
+from contract.rundir import RunDir
 from orchestrate.config import RLConfig
 from orchestrate.config_checks import gpu_slices
 from orchestrate.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
-from orchestrate.metrics import (
-    PHASES,
-    append_metrics,
-    plot_metrics,
-    read_metrics,
-    rollout_metrics,
-    server_metrics,
-)
+from orchestrate.metrics import rollout_metrics, server_metrics
 from orchestrate.processes import parse_cpus
 from orchestrate.reference import annotate_reference
+from orchestrate.report import Reporter, Timer, busy_fractions
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
-from orchestrate.run_dir import PHASE_LOCK, RunDir, kill_hook, save_tapes
+from orchestrate.run_dir import PHASE_LOCK, kill_hook, save_tapes
 from orchestrate.samples import write_samples
 from orchestrate.server_auth import APIKeyMissing, read_api_key
 from orchestrate.trainer import TrainerProcess
@@ -61,24 +56,6 @@ from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapt
 from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
-
-
-class Timer:
-    """Seconds per phase of one iteration."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.spent = {phase: 0.0 for phase in PHASES}
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.spent[phase] += seconds
-
-    def record(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.start
-        out = {f"time_{k}": round(v, 3) for k, v in self.spent.items()}
-        out["time_other"] = round(max(0.0, wall - sum(self.spent.values())), 3)
-        out["time_total"] = round(wall, 3)
-        return out
 
 
 def build_agent(config: RLConfig, tokenizer) -> ChatAgent:
@@ -96,23 +73,6 @@ def eval_size(config: RLConfig) -> int:
     return size if size is not None else 500
 
 
-def busy_fractions(record: dict) -> dict[str, float]:
-    """How an iteration's wall time was spent by the trainer (training, else waiting for a batch) and by the
-    policy servers (generating train and evaluation episodes, else idle). With async_level 0 the two busy
-    fractions add up to at most 1; overlap lifts both."""
-    wall = record.get("time_total") or 0.0
-    if wall <= 0:
-        return {}
-    training = min(wall, record.get("train_seconds", 0.0))
-    generating = min(wall, record.get("time_generate", 0.0) + record.get("time_eval", 0.0))
-    return {
-        "trainer_busy_frac": round(training / wall, 4),
-        "generator_busy_frac": round(generating / wall, 4),
-        "trainer_wait_s": round(wall - training, 3),
-        "generator_idle_s": round(wall - generating, 3),
-    }
-
-
 class Loop:
     def __init__(self, config: RLConfig, run_dir: RunDir, progress: bool = True):
         self.config = config
@@ -122,8 +82,8 @@ class Loop:
         self.lora = config.train.lora.rank > 0  # each version an adapter, served under its own name
         # a LoRA run's reference is the base model on the policy servers (no reference server)
         self.reference_on_policy = config.reference_on_policy
-        self.loggers: list = []
         self.counts = {"requests": [], "retries": 0, "taken_out": 0}  # policy requests since the last record
+        self.reporter = Reporter(config, run_dir, self.elapsed_s)
 
     def _enter(self, iteration: int, phase: str) -> None:
         """The loop is now in `phase` of `iteration`: phase.json says so (and the test hook may fire)."""
@@ -220,8 +180,6 @@ class Loop:
         self.stale = self.weights.stale  # policy servers that missed a version (out of the pool until they rejoin)
         self.weights.start()
         self._resume_weights()
-        self._open_loggers()
-        stack.callback(self._close_loggers)
 
     # -- weights -------------------------------------------------------------------
 
@@ -288,16 +246,22 @@ class Loop:
     async def _recover(self, endpoint, exc) -> None:
         await endpoint.recover(self.config.server.max_restarts)
 
-    def _client(self, servers, policy_version: int, adapters: bool = True) -> VLLMClient:
-        """A client of `servers`; on the policy servers of a LoRA run, each call names its version's adapter
-        (unless `adapters` is off: the base model, as the reference)."""
-        policy = servers is self.policy_servers
-        name = self.policy_servers[0].served_model_name if policy else None
-        adapter = (lambda v: adapter_name(name, v) if v else None) if policy and self.lora and adapters else None
+    def _client(self, role: str, policy_version: int = 0) -> VLLMClient:
+        """A client for `role`: "policy" (the policy servers; in a LoRA run each call names its version's
+        adapter), "base" (the policy servers' base model, no adapter: a LoRA run's reference) or "reference"
+        (the reference server)."""
+        if role not in ("policy", "base", "reference"):
+            raise ValueError(f"role {role!r}: policy, base or reference")
+        servers = [self.reference_server] if role == "reference" else self.policy_servers
+        adapter = None
+        if role == "policy" and self.lora:
+            name = self.policy_servers[0].served_model_name
+            adapter = lambda v: adapter_name(name, v) if v else None  # noqa: E731 - version 0 is the base
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
-            on_rejoin=self._rejoin if policy else None, out=[s for s in servers if s in self.stale], adapter=adapter,
+            on_rejoin=self._rejoin if role != "reference" else None, out=[s for s in servers if s in self.stale],
+            adapter=adapter,
         )  # fmt: skip
 
     def _count(self, client: VLLMClient) -> None:
@@ -314,7 +278,7 @@ class Loop:
         """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
         seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
         clock = EnvClock()
-        async with self._client(self.policy_servers, policy_version=self.served) as client:
+        async with self._client("policy", policy_version=self.served) as client:
             stop = asyncio.Event()
             watcher = asyncio.create_task(self._follow_checkpoints(client, stop)) if follow else None
             try:
@@ -337,7 +301,7 @@ class Loop:
         if self.reference_on_policy:  # the base model, served under the policy servers' plain name
 
             async def on_policy():
-                async with self._client(self.policy_servers, policy_version=0, adapters=False) as client:
+                async with self._client("base") as client:
                     await annotate_reference(tapes, client, progress=self.progress)
 
             return asyncio.run(on_policy())
@@ -347,7 +311,7 @@ class Loop:
         try:
 
             async def go():
-                async with self._client([self.reference_server], policy_version=0) as client:
+                async with self._client("reference") as client:
                     await annotate_reference(tapes, client, progress=self.progress)
 
             asyncio.run(go())
@@ -439,14 +403,14 @@ class Loop:
         record.update(self.timer.record())
         record.update(busy_fractions(record))
         self.timer = Timer()
-        self._write_record(record)
+        self.reporter.write(record)
         state = self.run.load_state()
         state.completed_iteration = j
         if "eval_success_rate" in record:
             state.evaluated.append(j)
         self.run.save_state(state)  # the iteration is complete
         self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(self.served)})
-        self._report(record)
+        self.reporter.show(record)
 
     def evaluate(self, i: int) -> dict:
         path = self.run.eval_tapes(i)
@@ -469,13 +433,6 @@ class Loop:
         limit = self.config.run.max_minutes
         return limit is not None and self.elapsed_s() >= 60 * limit
 
-    def _write_record(self, record: dict) -> None:
-        now = time.time()  # when it was done: unix time, and seconds since this command started
-        record.update(wall_time=round(now, 3), elapsed_s=round(self.elapsed_s(now), 3))
-        append_metrics(self.run.metrics_path, record)
-        if record["iteration"]:
-            plot_metrics(read_metrics(self.run.metrics_path), self.run.plots / "curves.png")
-
     def __call__(self) -> int:
         c = self.config
         state = self.run.load_state()
@@ -487,6 +444,8 @@ class Loop:
 
         with ExitStack() as stack:
             _exit_on_sigterm()
+            self.reporter.open()
+            stack.callback(self.reporter.close)
             self._enter(state.completed_iteration, "starting")
             self._start(stack)
             if c.eval.every and state.completed_iteration == 0 and 0 not in state.evaluated:
@@ -494,10 +453,10 @@ class Loop:
                 start = time.perf_counter()
                 record = {"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)}
                 self._enter(0, "metrics_state")
-                self._write_record(record)
+                self.reporter.write(record)
                 state.evaluated.append(0)
                 self.run.save_state(state)
-                self._report(record)
+                self.reporter.show(record)
             # Iteration i's batch is generated by a policy version >= i - 1 - async_level: after writing
             # batch i, wait for checkpoint i - async_level (async_level 0: checkpoint i, the synchronous loop).
             # Out of time (run.max_minutes), no new batch is generated; those generated (async_level ahead)
@@ -517,45 +476,6 @@ class Loop:
                   f"{c.run.iterations}, {self.elapsed_s() / 60:.1f} minutes after the start; the same command "
                   f"resumes it.", flush=True)  # fmt: skip
         return 0
-
-    def _report(self, r: dict) -> None:
-        parts = [f"iter {r['iteration']}/{self.config.run.iterations}"]
-        for key, label, fmt in [
-            ("reward_mean", "reward", "{:+.3f}"), ("success_rate", "success", "{:.3f}"), ("turns_mean", "turns", "{:.1f}"),
-            ("parse_failure_rate", "unparsed", "{:.2f}"), ("completion_tokens_mean", "len", "{:.0f}"),
-            ("kl_ref", "kl", "{:.4f}"), ("train_loss", "loss", "{:+.4f}"), ("eval_success_rate", "EVAL", "{:.3f}"),
-        ]:  # fmt: skip
-            if r.get(key) is not None:
-                parts.append(f"{label} {fmt.format(r[key])}")
-        if r.get("trainer_busy_frac") is not None:
-            parts.append(f"busy: trainer {r['trainer_busy_frac']:.0%} gen {r['generator_busy_frac']:.0%}")
-        times = " ".join(f"{p} {r[f'time_{p}']:.1f}s" for p in (*PHASES, "other") if r.get(f"time_{p}"))
-        print("  ".join(parts) + (f"  | {times}" if times else ""), flush=True)
-        for logger in self.loggers:
-            logger(r)
-
-    def _open_loggers(self) -> None:
-        c = self.config.run
-        if c.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(self.run.root / "tensorboard"))
-            self.loggers.append(lambda r: [writer.add_scalar(k, v, r["iteration"]) for k, v in r.items()
-                                           if isinstance(v, (int, float))])  # fmt: skip
-            self._tb = writer
-        if c.wandb:
-            import wandb
-
-            wandb.init(project="tapeloop", name=self.run.root.name, config=self.config.model_dump(), resume="allow")
-            self.loggers.append(lambda r: wandb.log(r, step=r["iteration"]))
-
-    def _close_loggers(self) -> None:
-        if getattr(self, "_tb", None) is not None:
-            self._tb.close()
-        if self.config.run.wandb:
-            import wandb
-
-            wandb.finish()
 
 
 def _exit_on_sigterm() -> None:

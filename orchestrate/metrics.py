@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from finetune.kl import k3
+from contract.kl import k3
 from tapes.tape import EnvObservation, Tape, ToolCallAction, ToolResultObservation
 
 # Where an iteration's time goes; "other" is the rest of its wall time.
@@ -71,8 +71,8 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
 
 
 def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it: whole or not at all, a torn tail cut first (finetune/durable.py)."""
-    from finetune.durable import append_line
+    """Append one JSON line and fsync it: whole or not at all, a torn tail cut first (contract/durable.py)."""
+    from contract.durable import append_line
 
     append_line(path, json.dumps(record))
 

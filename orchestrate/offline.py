@@ -44,11 +44,12 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from finetune.cli import (
+from contract.cli import (
     StrictParser,
     add_options,
     check_bools,
@@ -59,12 +60,13 @@ from finetune.cli import (
     parse_value,
     refuse_repeated,
 )
+from contract.rundir import RunDir
 from finetune.config import TrainConfig
 from finetune.estimators import ESTIMATORS
 from finetune.lora import ADAPTER_CONFIG, adapter_mismatch, adapter_options, is_adapter
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.progress import progress_bar
-from orchestrate.run_dir import RunDir, save_tapes
+from orchestrate.run_dir import save_tapes
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
@@ -208,8 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", required=True, help="output directory (a new one, or one without a checkpoint)")
     parser.add_argument("--iterations", help="of a run directory, only these iterations: N or A-B")
-    parser.add_argument("--model", help="model to train (default: the run's initial policy, model.policy), or an "
-                        "adapter folder (e.g. RUN/checkpoints/N/adapter) to train on, on its base model")
+    parser.add_argument(
+        "--model",
+        help="model to train (default: the run's initial policy, model.policy), or an "
+        "adapter folder (e.g. RUN/checkpoints/N/adapter) to train on, on its base model",
+    )
     parser.add_argument(
         "--rescore",
         action="store_true",
@@ -258,7 +263,24 @@ def _section(cls, base: dict, overrides: dict, prefix: str):
         raise OfflineError(error_line(exc, f"{prefix}.")) from None
 
 
-def resolve(args: argparse.Namespace):
+@dataclass(frozen=True)
+class Inputs:
+    """What the command line asks for, checked: the tape files, the filter, the output directory, the
+    learner's options, the trainer's launch, the reference server's options, the models, the re-scoring."""
+
+    files: list[Path]
+    keep: Callable[[Tape], bool]
+    out: Path
+    train: TrainConfig
+    launch: TrainerSection
+    server: ServerSection
+    model_dir: Path
+    reference_dir: Path | None
+    reward_fn: Callable | None
+    iterations: tuple[int, int] | None
+
+
+def resolve(args: argparse.Namespace) -> Inputs:
     """Check every option before anything heavy loads; OfflineError names the first bad one."""
     iterations = parse_range(args.iterations)
     keep = parse_filter(args.filter)
@@ -326,7 +348,8 @@ def resolve(args: argparse.Namespace):
         except ModelNotAvailable as exc:
             raise OfflineError(f"--reference: {exc}") from None
     reward_fn = load_reward(args.reward, args.rescore)
-    return files, keep, out, train, trainer, server, model_dir, reference_dir, reward_fn, iterations
+    return Inputs(files, keep, out, train, trainer, server, Path(model_dir), reference_dir and Path(reference_dir),
+                  reward_fn, iterations)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,25 +361,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        files, keep, out, train, launch, server, model_dir, reference_dir, reward_fn, iterations = resolve(args)
-        tapes = read(files, iterations, progress=not args.no_progress)
+        given = resolve(args)
+        tapes = read(given.files, given.iterations, progress=not args.no_progress)
         read_count = len(tapes)
-        tapes = score_and_filter(tapes, reward_fn, keep, args.filter, train, progress=not args.no_progress)
-        require_ref = check_reference(tapes, train, reference_dir)
-        run = open_out(out)
+        tapes = score_and_filter(tapes, given.reward_fn, given.keep, args.filter, given.train,
+                                 progress=not args.no_progress)  # fmt: skip
+        require_ref = check_reference(tapes, given.train, given.reference_dir)
+        run = open_out(given.out)
     except OfflineError as exc:
         parser.exit(2, f"error: {exc}\n")
     run.save_config({
-        "tapes": [str(f) for f in files], "iterations": args.iterations, "filter": args.filter,
-        "rescore": args.rescore, "reward": args.reward, "reference": str(reference_dir) if reference_dir else None,
-        "model": {"policy": str(model_dir)}, "train": train.model_dump(mode="json"),
-        "trainer": launch.model_dump(mode="json"),
+        "tapes": [str(f) for f in given.files], "iterations": args.iterations, "filter": args.filter,
+        "rescore": args.rescore, "reward": args.reward,
+        "reference": str(given.reference_dir) if given.reference_dir else None,
+        "model": {"policy": str(given.model_dir)}, "train": given.train.model_dump(mode="json"),
+        "trainer": given.launch.model_dump(mode="json"),
     })  # fmt: skip
     from orchestrate.trainer import TrainerError, TrainerProcess
 
-    trainer = TrainerProcess(run, model_dir, train, launch)
+    trainer = TrainerProcess(run, given.model_dir, given.train, given.launch)
     try:
-        checkpoint = train_once(trainer, tapes, require_ref, reference_dir, server,
+        checkpoint = train_once(trainer, tapes, require_ref, given.reference_dir, given.server,
                                 f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
                                 progress=not args.no_progress)  # fmt: skip
     except OfflineError as exc:

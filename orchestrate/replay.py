@@ -27,8 +27,8 @@ from pathlib import Path
 
 from agents.agent import ChatAgent, summarize
 from agents.llm import LLMError, ReplayLLM
+from contract.rundir import RunDir
 from orchestrate.rollouts import EnvSpec
-from orchestrate.run_dir import RunDir
 from tapes.diff import TapeDiff, diff_tapes
 from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata, ToolCallAction

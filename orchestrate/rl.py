@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from contract.rundir import RunDir, RunDirError
 from orchestrate.config import parse_args, upgrade_saved
 from orchestrate.durable import repair_metrics
 from orchestrate.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
-from orchestrate.run_dir import RunDir, RunDirError, config_differences
+from orchestrate.run_dir import config_differences
 from orchestrate.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed: its length (iterations, and the time budget: a job under a

@@ -82,7 +82,7 @@ def tapes_to_samples(tapes: list[Tape], require_ref: bool) -> list[dict]:
 
 def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
     """Write the batch file the finetune process trains on (its own format and atomic writer)."""
-    from finetune.batch import write_batch
+    from contract.batch import write_batch
 
     samples = tapes_to_samples(tapes, require_ref)
     if not samples:

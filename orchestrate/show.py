@@ -20,8 +20,8 @@ import re
 import sys
 from pathlib import Path
 
-from finetune.kl import k3
-from finetune.rundir import advantages_file, read_advantages
+from contract.kl import k3
+from contract.rundir import advantages_file, read_advantages
 from orchestrate.browse import TAPE_FILE, credit_for, episode_view
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape

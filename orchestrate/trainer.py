@@ -3,7 +3,7 @@
 Launched once per run with `accelerate launch -m finetune.train`, it stays
 alive across iterations (model and optimizer in memory), trains each batch
 file the orchestrator writes and answers with a checkpoint folder. The two
-talk only through files in the run directory (see finetune/rundir.py).
+talk only through files in the run directory (see contract/rundir.py).
 If the trainer dies, the run stops with the tail of its log and the command
 that resumes.
 
@@ -17,7 +17,6 @@ docs/multi-node.md.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
@@ -26,13 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+from contract.durable import atomic_write_text, read_jsonl
+from contract.rundir import BATCH_METRICS, STEP_METRICS, RunDir, optimizer_steps
 from finetune.config import TrainConfig
-from finetune.durable import atomic_write_text, read_jsonl
-from finetune.rundir import BATCH_METRICS, STEP_METRICS, optimizer_steps
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
 from orchestrate.progress import progress_bar
-from orchestrate.run_dir import RunDir
 from orchestrate.vllm_server import cuda_available, log_tail
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,11 +224,8 @@ class TrainerProcess:
         )
 
     def status(self) -> dict:
-        """The trainer's trainer_state.json ({} while there is none or it is being replaced)."""
-        try:
-            return json.loads(self.run.trainer_state.read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
+        """The trainer's trainer_state.json ({} while there is none or it cannot be read)."""
+        return self.run.read_json(self.run.trainer_state)
 
     def newest_checkpoint(self) -> int:
         """The newest checkpoint the trainer has published (0: none yet)."""

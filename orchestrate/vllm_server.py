@@ -277,6 +277,16 @@ class VLLMServer:
         self.restarts += 1
         self.start()
 
+    def answers(self) -> bool:
+        """Whether the server answers its health check now (blocking; a server that failed a request and
+        answers this is up and refused it)."""
+        if not self.alive():
+            return False
+        try:
+            return httpx.get(self.base_url + "/health", headers=self.headers, timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def healthy(self) -> bool:
         if not self.alive():
             return False

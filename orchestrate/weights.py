@@ -28,8 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from finetune.durable import atomic_write_json
-from orchestrate.run_dir import RunDir
+from contract.durable import atomic_write_json
+from contract.rundir import RunDir
 from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 
 
@@ -204,7 +204,7 @@ class PolicyWeights:
             try:
                 put(server)
             except ServerError as exc:
-                if _answers(server):
+                if server.answers():
                     raise
                 failed.append((server, str(exc).splitlines()[0]))
                 continue
@@ -268,17 +268,3 @@ class PolicyWeights:
         self.stale.discard(server)
         if self.in_memory:
             self.regroup = True
-
-
-def _answers(server) -> bool:
-    """Whether a server answers its health check now (blocking)."""
-    import httpx
-
-    if hasattr(server, "alive") and not server.alive():
-        return False
-    if not hasattr(server, "healthy"):
-        return True  # a stand-in
-    try:
-        return httpx.get(server.base_url + "/health", headers=server.headers, timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False

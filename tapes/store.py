@@ -2,7 +2,7 @@
 
 This module knows the format only: how a file is made durable is the
 writer's caller's choice (the run directory writes tape files with
-finetune.durable.AtomicFile: under a `.partial` name, renamed when whole, so a
+contract.durable.AtomicFile: under a `.partial` name, renamed when whole, so a
 crash never leaves a file that looks complete but is not). Reading streams line by line (a run's files can be large) and a bad line
 is refused with an error naming the file and the line.
 
@@ -28,7 +28,7 @@ class TapeFileError(ValueError):
 
 class TapeWriter:
     """Writes tapes, one JSON line each, to a text file object: the caller chooses how the file is made
-    durable (the run directory passes finetune.durable.AtomicFile: written under `.partial`, renamed when
+    durable (the run directory passes contract.durable.AtomicFile: written under `.partial`, renamed when
     whole). With a path, a new plain file is written (for tools and tests; it must not exist).
     """
 

@@ -259,7 +259,7 @@ def test_environment_failure_is_flagged_not_scored(tokenizer):
 
 
 def test_samples_round_trip_through_the_finetune_format(tmp_path, tokenizer):
-    from finetune.batch import read_batch
+    from contract.batch import read_batch
 
     answer = arithmetic().make().reset(0)[1]["answer"]
     llm = ScriptedLLM([(f"\\boxed{{{answer}}}", "stop"), ("\\boxed{-1}", "stop")])

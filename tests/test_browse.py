@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from agents.agent import summarize
-from finetune.rundir import RunDir, read_advantages
+from contract.rundir import RunDir, read_advantages
 from orchestrate.browse import INFRA_FAILURE, RunIndex, episode_credit, serve
 from orchestrate.samples import tape_samples
 from tapes.store import read_tapes, write_tapes

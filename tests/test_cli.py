@@ -1,4 +1,4 @@
-"""finetune.cli: the one generator of argparse options from a config model, and the one error line."""
+"""contract.cli: the one generator of argparse options from a config model, and the one error line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from finetune.cli import (
+from contract.cli import (
     OptionError,
     StrictParser,
     add_options,

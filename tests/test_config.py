@@ -94,9 +94,9 @@ def test_config_error_is_one_line():
 def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_path):
     """RLConfig holds the learner's TrainConfig whole (train) and how it is run beside it (trainer); a run
     dir whose config.json was written before (train.timeout_s, ...) resumes with the same settings."""
+    from contract.rundir import RunDir
     from finetune.config import TrainConfig
     from orchestrate import rl
-    from orchestrate.run_dir import RunDir
 
     config = resolve("embedded", {"trainer.timeout_s": "99", "train.lr": "3e-6"})
     assert type(config.train) is TrainConfig and config.trainer.timeout_s == 99

@@ -120,16 +120,16 @@ def test_options_named_in_the_docs_exist(rl_options):
     assert not unknown, f"options named in the docs that orchestrate.rl does not have: {sorted(unknown)}"
 
 
-def test_the_readme_console_line_is_what_the_loop_prints(capsys):
-    """The example line of the README is the loop's own format (orchestrate.loop.Loop._report), for the
+def test_the_readme_console_line_is_what_the_loop_prints(capsys, tmp_path):
+    """The example line of the README is the loop's own format (orchestrate.report.Reporter.show), for the
     values it shows."""
+    from contract.rundir import RunDir
     from orchestrate.config import RLConfig
-    from orchestrate.loop import Loop
+    from orchestrate.report import Reporter
 
     shown = next(line.strip() for line in README.read_text().splitlines() if line.startswith("    iter 3/30 "))
-    loop = Loop.__new__(Loop)
-    loop.config, loop.loggers = RLConfig.model_validate({"run": {"iterations": 30}}), []
-    loop._report({
+    reporter = Reporter(RLConfig.model_validate({"run": {"iterations": 30}}), RunDir(tmp_path), lambda now: 0.0)
+    reporter.show({
         "iteration": 3, "reward_mean": 0.25, "success_rate": 0.312, "turns_mean": 1.0, "parse_failure_rate": 0.06,
         "completion_tokens_mean": 23, "train_loss": -0.001, "trainer_busy_frac": 0.85, "generator_busy_frac": 0.12,
         "time_generate": 8.5, "time_reward": 0.1, "time_reference": 0.0, "time_train": 58.6, "time_weight_sync": 1.5,

@@ -62,8 +62,8 @@ def test_resume_repairs_torn_tail_and_uncounted_records(tmp_path):
 
 def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch, folder_model):
     """A crash between the metrics append and state.json: the resumed run does not duplicate the record."""
+    from contract.rundir import RunDir, RunState
     from orchestrate import loop, rl
-    from orchestrate.run_dir import RunDir, RunState
 
     seen = []
 
@@ -110,10 +110,11 @@ def synced(monkeypatch):
 
 
 def test_directory_synced_after_every_rename(tmp_path, synced):
-    from finetune.batch import write_batch
-    from finetune.durable import atomic_write_text
-    from finetune.rundir import RunDir as TrainerRunDir
-    from orchestrate.run_dir import RunDir, RunState, save_tapes
+    from contract.batch import write_batch
+    from contract.durable import atomic_write_text
+    from contract.rundir import RunDir, RunState
+    from contract.rundir import RunDir as TrainerRunDir
+    from orchestrate.run_dir import save_tapes
     from tests.test_tapes import make_tape
 
     run = RunDir(tmp_path / "run")
@@ -142,9 +143,9 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
 
 
 def test_train_config_is_written_atomically(tmp_path, monkeypatch):
+    from contract.rundir import RunDir
     from finetune.config import TrainConfig
     from orchestrate import trainer as trainer_module
-    from orchestrate.run_dir import RunDir
 
     run = RunDir(tmp_path / "run")
     run.create()
@@ -162,10 +163,10 @@ def test_train_config_is_written_atomically(tmp_path, monkeypatch):
 
 def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
     """train_metrics.jsonl torn by a kill mid-write: the reader skips the half line, a resumed trainer's next
-    record starts on a line of its own (the same append as metrics.jsonl: finetune.durable.append_line)."""
+    record starts on a line of its own (the same append as metrics.jsonl: contract.durable.append_line)."""
+    from contract.rundir import RunDir
+    from contract.rundir import RunDir as TrainerRunDir
     from finetune.config import TrainConfig
-    from finetune.rundir import RunDir as TrainerRunDir
-    from orchestrate.run_dir import RunDir
     from orchestrate.trainer import TrainerProcess
 
     run = TrainerRunDir(tmp_path)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.batch import read_batch
+from contract.batch import read_batch
+from contract.rundir import RunDir
 from finetune.config import TrainConfig
 from orchestrate.config import ConfigError, RLConfig, resolve
 from orchestrate.dynamic_sampling import (
@@ -20,7 +21,7 @@ from orchestrate.dynamic_sampling import (
 )
 from orchestrate.metrics import read_metrics
 from orchestrate.rollouts import EnvSpec, new_tape
-from orchestrate.run_dir import RunDir, save_tapes
+from orchestrate.run_dir import save_tapes
 from tapes.store import read_tapes
 from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams
 
@@ -160,7 +161,8 @@ class Trainer:
 
 
 def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
-    from orchestrate.loop import Loop, Timer
+    from orchestrate.loop import Loop
+    from orchestrate.report import Timer
 
     config = RLConfig.model_validate({
         "rollouts": {"tasks_per_iteration": 2, "attempts": 2, "dynamic_sampling": True, "max_extra_tasks": extra},

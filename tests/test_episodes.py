@@ -12,7 +12,7 @@ import torch
 
 from agents.agent import AgentConfig, ChatAgent, Example, turn_rewards
 from agents.chat import ChatTokens
-from finetune.batch import Sample
+from contract.batch import Sample
 from finetune.estimators import discounted_returns, turn_advantages
 from finetune.microbatch import micro_batches
 from orchestrate.samples import tape_samples

@@ -202,7 +202,7 @@ def tiny(tmp_path_factory):
 
 def _samples(learner, completions, rewards, limit=4):
     """One-turn samples sampled with `limit` new tokens: an output of `limit` tokens was cut by it."""
-    from finetune.batch import Sample, Turn
+    from contract.batch import Sample, Turn
 
     samples = [
         Sample(prompt_ids=[40, 41, 42], completion_ids=c, behaviour_logprobs=[0.0] * len(c), reward=r, group_id="g",

@@ -1,4 +1,4 @@
-"""The batch file format (finetune/batch.py) and the micro-batching (finetune/microbatch.py)."""
+"""The batch file format (contract/batch.py) and the micro-batching (finetune/microbatch.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from finetune.batch import BatchFormatError, Sample, batch_file, list_batches, read_batch, write_batch
+from contract.batch import BatchFormatError, Sample, batch_file, list_batches, read_batch, write_batch
 from finetune.microbatch import micro_batches, plan
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from finetune.batch import Sample
+from contract.batch import Sample
 from finetune.config import TrainConfig
 from finetune.learner import Learner
 from finetune.logprobs import PolicyLogProbs

@@ -28,8 +28,8 @@ import math
 import pytest
 import torch
 
+from contract.kl import k3
 from finetune.estimators import group_advantages
-from finetune.kl import k3
 from finetune.losses import (
     LOSSES,
     LossInputs,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.batch import Sample, batch_file, read_batch, write_batch
+from contract.batch import Sample, batch_file, read_batch, write_batch
 from finetune.config import TrainConfig
 from finetune.tiny_model import make_tiny_model
 

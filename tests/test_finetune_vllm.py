@@ -38,7 +38,7 @@ import httpx
 import pytest
 import torch
 
-from finetune.batch import Sample
+from contract.batch import Sample
 from finetune.config import TrainConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -80,7 +80,7 @@ def one_step(learner, model_dir, batch_index: int) -> None:
 
 def write_checkpoint(learner, run_dir, index: int):
     """The learner's checkpoint, written the way finetune.train writes it (temp folder + rename)."""
-    from finetune.rundir import RunDir
+    from contract.rundir import RunDir
 
     run = RunDir(run_dir)
     tmp = run.temp_checkpoint(index)
@@ -234,7 +234,7 @@ def _join(weights, sender, run) -> None:
 def in_memory(trained, tmp_path_factory):
     """The orchestrator's PolicyWeights over the module's server, and the learner's WeightSender (this
     process plays the learner's main process: rank 0 of the group)."""
-    from finetune.rundir import RunDir
+    from contract.rundir import RunDir
     from finetune.weight_transfer import WeightSender
     from orchestrate.weights import PolicyWeights
 
@@ -252,8 +252,8 @@ def _publish(run, learner, sender, index: int, corrupt: bool = False):
     thread, the broadcast and the wait for the ack (the model folder written if the ack is not good)."""
     import threading
 
-    from finetune.durable import atomic_write_json
-    from finetune.rundir import LEARNER_RECORD, TRANSFER_MANIFEST
+    from contract.durable import atomic_write_json
+    from contract.rundir import LEARNER_RECORD, TRANSFER_MANIFEST
     from finetune.weight_transfer import pack
 
     weights = learner.policy_weights()

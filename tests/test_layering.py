@@ -1,10 +1,13 @@
-"""The layering rules (README.md, "Layout"), checked on the source: every module's imports, parsed (ast).
+r"""The layering rules (README.md, "Layout"), checked on the source: every module's imports, parsed (ast).
 
     tapes  <-  agents  <-  orchestrate  --(subprocess, files)-->  finetune
+                                 \                                /
+                                  '-------->  contract  <--------'
 
-tapes is the bottom layer and imports nothing of ours; agents builds on tapes only; finetune stands alone
-(it runs as its own process and owns its file formats); orchestrate may use all three; nothing imports
-orchestrate (tests and bench may). Imports inside functions and under `if TYPE_CHECKING` count too: a
+tapes is the bottom layer and imports nothing of ours; agents builds on tapes only; contract (what the two
+processes share: the run directory's names, the batch format, durable writes, the command-line generator,
+KL) imports nothing of ours; finetune uses contract only (it runs as its own process); orchestrate may use
+all of them; nothing imports orchestrate (tests and bench may). Imports inside functions and under `if TYPE_CHECKING` count too: a
 lazy import is still an edge.
 """
 
@@ -18,14 +21,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tapes", "agents", "orchestrate", "finetune")
+PACKAGES = ("tapes", "contract", "agents", "orchestrate", "finetune")
 
 # What each package may import of ours (itself always).
 ALLOWED = {
     "tapes": set(),
+    "contract": set(),
     "agents": {"tapes"},
-    "finetune": set(),
-    "orchestrate": {"tapes", "agents", "finetune"},
+    "finetune": {"contract"},
+    "orchestrate": {"tapes", "contract", "agents", "finetune"},
 }
 
 
@@ -55,7 +59,7 @@ def imported_packages(source: str, own: str) -> set[tuple[int, str]]:
 def test_the_checker_sees_every_kind_of_import():
     source = (
         "import tapes.tape\n"
-        "from finetune.kl import k3\n"
+        "from contract.kl import k3\n"
         "def f():\n"
         "    from orchestrate import loop\n"
         "    import importlib\n"
@@ -64,7 +68,7 @@ def test_the_checker_sees_every_kind_of_import():
         "import torch, json\n"
     )
     assert imported_packages(source, own="tapes") == {
-        (1, "tapes"), (2, "finetune"), (4, "orchestrate"), (6, "agents"), (7, "tapes")}  # fmt: skip
+        (1, "tapes"), (2, "contract"), (4, "orchestrate"), (6, "agents"), (7, "tapes")}  # fmt: skip
 
 
 @pytest.mark.parametrize("package", PACKAGES)

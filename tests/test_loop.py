@@ -111,7 +111,7 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
     version behind the trainer. The trainer reports the critic's metrics and writes the advantages it used with
     the critic's values, and the checkpoint vLLM loads is the policy alone (the critic lives in trainer_state/,
     resumable). Three iterations: batch 3 is generated while batch 2 trains, the steady state. (The synchronous loop's kills, in every phase, are bench/bench_kill.py's.)"""
-    from finetune.rundir import read_advantages
+    from contract.rundir import read_advantages
 
     run = tmp_path / "run"
     # batches of one sample per optimizer step keep the trainer busy long enough to be caught in the act
@@ -228,7 +228,7 @@ def test_game_preset_two_iterations_chain_every_call_and_replay(tmp_path):
     replays identically against the environment."""
     import asyncio
 
-    from finetune.rundir import read_advantages
+    from contract.rundir import read_advantages
     from orchestrate.replay import agent_from_run_config, replay_tape
 
     run = tmp_path / "run"

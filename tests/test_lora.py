@@ -46,7 +46,7 @@ def servers(tiny_model_dir, tmp_path_factory):
 
 def publish(learner, run, index: int) -> None:
     """Checkpoint `index` as finetune.train publishes a LoRA version: its adapter, then the rename."""
-    from finetune.rundir import ADAPTER_DIR, LEARNER_RECORD
+    from contract.rundir import ADAPTER_DIR, LEARNER_RECORD
 
     tmp = run.temp_checkpoint(index)
     learner.save_adapter(tmp / ADAPTER_DIR, learner.adapter_weights())
@@ -67,8 +67,8 @@ def test_each_version_is_served_as_its_adapter_and_the_old_one_unloaded(servers,
     """PolicyWeights (lora) loads version N's adapter as policy-vN: the server then samples what the learner
     computes (importance ratio 1 within 1e-3); the base name still serves the base model; the adapter before
     is unloaded; a server that rejoins gets the served adapter again (replacing one of the same name)."""
+    from contract.rundir import RunDir
     from finetune.learner import Learner
-    from finetune.rundir import RunDir
     from orchestrate.weights import PolicyWeights
 
     policy, _ = servers
@@ -120,10 +120,10 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
     the same names: replaced). Its checkpoints hold adapters, its trainer state the adapters only, its tapes
     name the adapter that served each call; `orchestrate.merge` folds version 1 in, and transformers on the
     merged folder gives the log-probs vLLM sampled iteration 2 with."""
-    from finetune.batch import Sample
+    from contract.batch import Sample
+    from contract.rundir import RunDir
     from finetune.learner import Learner
     from orchestrate import merge, show
-    from orchestrate.run_dir import RunDir
     from tapes.store import read_tapes
 
     policy, _ = servers

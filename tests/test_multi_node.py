@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.batch import Sample, write_batch
+from contract.batch import Sample, write_batch
+from contract.rundir import RunDir
 from finetune.config import TrainConfig
-from finetune.rundir import RunDir as LearnerRunDir
 from orchestrate.config import ConfigError, TrainerSection, resolve
-from orchestrate.run_dir import RunDir
 from orchestrate.trainer import TrainerError, TrainerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +30,7 @@ def external(tmp_path, **launch) -> TrainerProcess:
 
 
 def beat(run, trainer_id: str = "t1", n: int = 1, status: str = "alive") -> None:
-    LearnerRunDir(run.root).write_heartbeat(trainer_id=trainer_id, beat=n, status=status, num_processes=2)
+    RunDir(run.root).write_heartbeat(trainer_id=trainer_id, beat=n, status=status, num_processes=2)
 
 
 def test_external_start_prints_one_command_per_machine_and_starts_nothing(tmp_path, capsys):
@@ -204,7 +203,7 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
     steps = [json.loads(line) for line in two.train_metrics.read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["micro_batches"] > 2 for m in steps)
     assert json.loads(two.trainer_state.read_text())["status"] == "stopped"
-    last_beat = LearnerRunDir(two.root).read_heartbeat()
+    last_beat = RunDir(two.root).read_heartbeat()
     assert last_beat["status"] == "stopped" and last_beat["num_processes"] == 2
     if lora:
         from safetensors import safe_open

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_phase_file_is_one_whole_record_replaced_at_each_phase(tmp_path):
-    from orchestrate.run_dir import RunDir
+    from contract.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
     run.create()

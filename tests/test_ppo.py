@@ -10,19 +10,10 @@ import signal
 import pytest
 import torch
 
-from finetune.batch import Sample, batch_file, read_batch, write_batch
+from contract.batch import Sample, batch_file, read_batch, write_batch
 from finetune.config import TrainConfig
-from finetune.losses import (
-    LOSSES,
-    LossConfig,
-    LossInputs,
-    PPOConfig,
-    explained_variance,
-    gae,
-    grpo_loss,
-    ppo_loss,
-    value_loss,
-)
+from finetune.critic import explained_variance, gae, value_loss
+from finetune.losses import LOSSES, LossConfig, LossInputs, PPOConfig, grpo_loss, ppo_loss
 from finetune.tiny_model import make_tiny_model
 
 # ---- GAE ------------------------------------------------------------------------------------
@@ -211,7 +202,8 @@ def test_ppo_on_multi_turn_episodes_puts_each_turns_reward_at_its_last_token(tin
             {"index": 1, "start": 4, "length": 3, "reward": 2.0},
         ],
     )
-    advantages, (old, returns), _ = learner._gae([sample])
+    critic = learner.critic_batch([sample])
+    advantages, old, returns = critic.advantages, critic.old_values, critic.returns
     assert old[0].tolist() == [0.0] * 5
     # turn 1: 1 + 0.5 * 2 = 2; turn 2: 2
     assert advantages[0].tolist() == pytest.approx([2, 2, 2, 2, 2]) and returns[0].tolist() == pytest.approx([2] * 5)
@@ -250,7 +242,9 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
     for index, samples in enumerate(batches, 1):
         learner.train_batch(samples, index)
     policy = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
-    critic = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.critic).state_dict().items()}
+    critic = {
+        k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.value_model).state_dict().items()
+    }
 
     run = tmp_path / "run"
     write_batch(batch_file(run / "batches", 1), batches[0])
@@ -269,7 +263,7 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
     assert not any("value_head" in k for k in weights(run / "checkpoints" / "000002"))
     resumed = Learner(tiny, cfg)
     resumed.load_trainer_state(run / "checkpoints" / "000002")
-    got = resumed.accelerator.unwrap_model(resumed.critic).state_dict()
+    got = resumed.accelerator.unwrap_model(resumed.value_model).state_dict()
     for k, v in critic.items():
         torch.testing.assert_close(got[k], v, atol=1e-6, rtol=0, msg=k)
     assert resumed.step == learner.step == 4
@@ -325,12 +319,13 @@ def test_critic_step_trains_the_critic_alone(tiny):
     learner = Learner(tiny, cfg)
     samples = constant_batch(0)
     before = learner._fingerprint()
-    _, critic, stats = learner._gae(samples)
+    critic = learner.critic_batch(samples)
+    stats = critic.stats
     assert stats["value_mean"] == pytest.approx(0.0, abs=1e-6) and stats["returns_mean"] == pytest.approx(1.0)
     losses = [learner.critic_step(samples, critic)["value_loss"] for _ in range(5)]
     assert losses[0] == pytest.approx(0.5)  # 0.5 (V - R)^2 with V = 0, R = 1, averaged over tokens
     assert losses[-1] < 0.5 * losses[0], losses
     assert torch.equal(learner._fingerprint(), before)
     head = Learner(tiny, TrainConfig(algorithm="ppo", token_budget=256, ppo={"critic": "head"}))
-    with pytest.raises(ValueError, match="separate critic"):
+    with pytest.raises(ValueError, match="separate value model"):
         head.critic_step(samples, critic)

@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from agents.llm import VLLMClient
+from contract.rundir import RunDir
 from orchestrate.config import RLConfig
 from orchestrate.loop import Loop, build_agent
 from orchestrate.rollouts import EnvSpec
-from orchestrate.run_dir import RunDir
 from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams
@@ -75,8 +75,10 @@ def loop(tmp_path):
     loop.weights = PolicyWeights(run, loop.policy_servers, "disk", 60, loop.trainer)  # reloads from folders
     loop.stale = loop.weights.stale
 
-    def client(servers, policy_version):  # the loop's client, its HTTP answered here
-        return VLLMClient(servers, loop.tokenizer, policy_version=policy_version, transport=httpx.MockTransport(answer))
+    def client(role, policy_version=0):  # the loop's client, its HTTP answered here
+        assert role == "policy"
+        return VLLMClient(loop.policy_servers, loop.tokenizer, policy_version=policy_version,
+                          transport=httpx.MockTransport(answer))  # fmt: skip
 
     loop._client = client
     return loop

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from agents.llm import NoServerLeft, VLLMClient
-from finetune.cli import OptionError
+from contract.cli import OptionError
 from orchestrate.config import RLConfig
 from orchestrate.config_checks import check_gpus, gpu_slices
 from orchestrate.metrics import server_metrics
@@ -366,6 +366,9 @@ class Reloadable(Server):
     def alive(self):
         return self.up
 
+    def answers(self):
+        return self.up
+
     async def recover(self, max_restarts):
         pass  # a server elsewhere: nothing to restart
 
@@ -378,8 +381,8 @@ class Reloadable(Server):
 
 
 def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_checkpoint(tmp_path):
+    from contract.rundir import RunDir
     from orchestrate.loop import Loop
-    from orchestrate.run_dir import RunDir
     from orchestrate.vllm_server import ServerError
 
     class Trainer:
@@ -405,7 +408,7 @@ def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_chec
 
     async def go():
         b.up = True  # b answers again: the next client starts it out, and it rejoins after loading checkpoint 1
-        client = loop._client(loop.policy_servers, policy_version=1)
+        client = loop._client("policy", policy_version=1)
         client._http = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
         client.health_interval_s = 0.01
         async with client:

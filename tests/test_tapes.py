@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from finetune.durable import PARTIAL_SUFFIX, AtomicFile
+from contract.durable import PARTIAL_SUFFIX, AtomicFile
 from tapes import (
     FinalAnswerAction,
     LLMCall,
@@ -105,7 +105,7 @@ def test_missing_field_is_refused(tmp_path):
 
 
 def test_tape_files_of_a_run_are_atomic_and_written_once(tmp_path):
-    """The run writes tape files through finetune.durable.AtomicFile: readable while they grow under
+    """The run writes tape files through contract.durable.AtomicFile: readable while they grow under
     .partial, complete only when renamed; a crash leaves no complete-looking file."""
     path = tmp_path / "iter.jsonl"
     f = AtomicFile(path)

@@ -9,9 +9,10 @@ import json
 
 import pytest
 
+from contract.rundir import RunDir
 from orchestrate import loop as loop_module
+from orchestrate import report as report_module
 from orchestrate.metrics import read_metrics
-from orchestrate.run_dir import RunDir
 from orchestrate.weights import PolicyWeights
 from tests.test_dynamic_sampling import episode
 
@@ -69,7 +70,7 @@ def fake_loop(monkeypatch):
     monkeypatch.setattr(loop_module.Loop, "_start", start)
     monkeypatch.setattr(loop_module.Loop, "_rollouts", rollouts)
     monkeypatch.setattr(loop_module, "_exit_on_sigterm", lambda: None)
-    monkeypatch.setattr(loop_module, "plot_metrics", lambda records, path: None)  # matplotlib: seconds
+    monkeypatch.setattr(report_module, "plot_metrics", lambda records, path: None)  # matplotlib: seconds
     return trainers
 
 

@@ -3,9 +3,9 @@ and the command that resumes."""
 
 import pytest
 
+from contract.rundir import RunDir
 from finetune.config import TrainConfig
 from orchestrate.config import TrainerSection
-from orchestrate.run_dir import RunDir
 from orchestrate.trainer import TrainerError, TrainerProcess
 
 

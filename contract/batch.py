@@ -39,7 +39,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from finetune.durable import atomic_write_text
+from contract.durable import atomic_write_text
 
 BATCH_NAME = re.compile(r"^(\d+)\.jsonl$")
 Finite = Annotated[float, Field(allow_inf_nan=False)]

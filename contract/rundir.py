@@ -1,6 +1,22 @@
-"""The files the learner shares with the orchestrator, in one run folder.
+"""The run directory: one folder per run, every file in it named here, each written atomically.
 
-    RUN/batches/000003.jsonl      written by the orchestrator (finetune.batch.write_batch)
+The orchestrator's files:
+
+    RUN/config.json               the resolved config
+    RUN/state.json                the last completed iteration (resume starts after it) and the evaluated ones
+    RUN/phase.json                what the orchestrator is doing now: {"iteration", "phase", "since", "pid"}
+    RUN/tapes/iter_000003.jsonl   rollout tapes of iteration 3
+    RUN/tapes/eval_000005.jsonl   evaluation tapes after iteration 5 (eval_000000: before training)
+    RUN/metrics.jsonl             one line per iteration
+    RUN/plots/curves.png          redrawn every iteration
+    RUN/logs/                     vLLM server logs, and trainer.log: the trainer launcher's output (tracebacks)
+
+An iteration is complete when state.json says so; every file of it was written before that. Files of an
+unfinished iteration are either complete (and reused on resume) or carry a temporary name.
+
+The files the learner shares with the orchestrator:
+
+    RUN/batches/000003.jsonl      written by the orchestrator (contract.batch.write_batch)
     RUN/checkpoints/000003/       written by the learner after training batch 3: learner.json (whether the
                                   weights changed, read by the orchestrator before it serves them), then
                                   - the policy as a Hugging Face folder (config.json, safetensors, tokenizer)
@@ -27,7 +43,8 @@
 
 Everything that appears complete is complete: files are written to a temp
 name and renamed, folders are built under checkpoints/.tmp-000003, fsynced,
-then renamed. See finetune.train for the protocol as a whole.
+then renamed. See finetune.train for the learner's side of the protocol, orchestrate.loop for the
+orchestrator's. This module imports nothing of the project's but contract.
 """
 
 from __future__ import annotations
@@ -40,8 +57,15 @@ import socket
 import time
 from pathlib import Path
 
-from finetune.batch import list_batches
-from finetune.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
+from pydantic import BaseModel, Field, ValidationError
+
+from contract.batch import list_batches
+from contract.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
+
+# What phase.json names, in the order of an iteration (see orchestrate/loop.py): "starting" before the first
+# iteration (servers and trainer starting; iteration 0's evaluation is "eval"), "done" after the last one.
+# The file is left as it was when the orchestrator stops or is killed: its "pid" tells whether it still runs.
+LOOP_PHASES = ("rollouts", "reference", "samples", "training", "weight_reload", "eval", "metrics_state")
 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 
@@ -69,6 +93,7 @@ TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint a learner can resume from
 WEIGHTS_FILE = "config.json"  # the file of a checkpoint's Hugging Face folder written last: the weights are whole
 ADAPTER_DIR = "adapter"  # in each checkpoint of a LoRA run: the adapter (finetune.lora.write_adapter)
+ADAPTER_CONFIG = "adapter_config.json"  # peft's; written last (finetune.lora): an adapter folder with it is whole
 
 
 def advantages_file(root: str | os.PathLike, index: int) -> Path:
@@ -89,12 +114,32 @@ def read_advantages(root: str | os.PathLike, index: int) -> dict[str, list[dict]
     return out
 
 
+class RunState(BaseModel):
+    """state.json: the orchestrator's progress."""
+
+    completed_iteration: int = Field(0, ge=0)
+    evaluated: list[int] = []
+
+
+class RunDirError(ValueError):
+    """A run directory file that cannot be read as what it should be; one line saying what to do."""
+
+
 class RunDir:
-    """The one owner of the files the orchestrator and the learner share (the orchestrator's
-    orchestrate.run_dir.RunDir adds its own files to these)."""
+    """The one owner of a run directory's names, for the orchestrator and the learner alike."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        # the orchestrator's
+        self.tapes = self.root / "tapes"
+        self.logs = self.root / "logs"
+        self.launcher_log = self.logs / "trainer.log"  # the trainer launcher's stdout/stderr (tracebacks)
+        self.plots = self.root / "plots"
+        self.config_path = self.root / "config.json"
+        self.state_path = self.root / "state.json"
+        self.metrics_path = self.root / "metrics.jsonl"
+        self.phase_path = self.root / "phase.json"
+        # shared with the learner
         self.batches = self.root / "batches"
         self.checkpoints = self.root / "checkpoints"
         self.advantages = self.root / ADVANTAGES_DIR
@@ -107,6 +152,73 @@ class RunDir:
         self.weight_group = self.root / "weight_group.json"
         self.weights_ack = self.root / "weights_ack.json"
         self.weights_request = self.root / "weights_request.json"
+
+    # ---- the orchestrator's files ----------------------------------------------------------------------
+
+    def create(self) -> None:
+        for folder in (self.tapes, self.batches, self.checkpoints, self.logs, self.plots):
+            folder.mkdir(parents=True, exist_ok=True)
+        fsync_dir(self.root)  # the new folders survive a power loss with the files about to go in them
+
+    def iteration_tapes(self, iteration: int) -> Path:
+        return self.tapes / f"iter_{iteration:06d}.jsonl"
+
+    def eval_tapes(self, iteration: int) -> Path:
+        return self.tapes / f"eval_{iteration:06d}.jsonl"
+
+    def load_state(self) -> RunState:
+        if not self.state_path.exists():
+            return RunState()
+        try:
+            return RunState.model_validate_json(self.state_path.read_bytes())
+        except (OSError, ValidationError) as exc:
+            reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else exc
+            raise RunDirError(f"{self.state_path} is not a run state ({reason}); restore it, or pass a new "
+                              "--run-dir") from None  # fmt: skip
+
+    def save_state(self, state: RunState) -> None:
+        atomic_write_text(self.state_path, state.model_dump_json(indent=2) + "\n")
+
+    def write_phase(self, iteration: int, phase: str) -> None:
+        """phase.json: the orchestrator entered `phase` of `iteration` now (replaced atomically, so a reader
+        always sees a whole record; for people and scripts watching a run)."""
+        record = {"iteration": iteration, "phase": phase, "since": round(time.time(), 3), "pid": os.getpid()}
+        atomic_write_json(self.phase_path, record, indent=None)
+
+    def read_phase(self) -> dict | None:
+        """phase.json's record (None before the first phase)."""
+        try:
+            return json.loads(self.phase_path.read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def saved_config(self) -> dict | None:
+        if not self.config_path.exists():
+            return None
+        try:
+            config = json.loads(self.config_path.read_bytes())
+        except (OSError, ValueError) as exc:  # not JSON, not UTF-8, unreadable
+            raise RunDirError(f"{self.config_path} is not readable JSON ({exc}); restore it, or pass a new "
+                              "--run-dir") from None  # fmt: skip
+        if not isinstance(config, dict):
+            raise RunDirError(f"{self.config_path} holds a {type(config).__name__}, not a run config; restore "
+                              "it, or pass a new --run-dir")  # fmt: skip
+        return config
+
+    def save_config(self, config: dict) -> None:
+        atomic_write_json(self.config_path, config)
+
+    def prune_checkpoints(self, keep: int, protect: set[Path] = frozenset()) -> None:
+        """Delete all but the newest `keep` checkpoints (never one in `protect`, nor the newest one with a
+        trainer state: the learner resumes from it)."""
+        complete = self.published()
+        with_state = [i for i in complete if self.has_trainer_state(i)]
+        protect = set(protect) | ({self.checkpoint(with_state[-1])} if with_state else set())
+        for old in complete[:-keep] if keep > 0 else complete:
+            if self.checkpoint(old) not in protect:
+                shutil.rmtree(self.checkpoint(old), ignore_errors=True)
+
+    # ---- shared with the learner ---------------------------------------------------------------------
 
     def batch(self, index: int) -> Path:
         return self.batches / f"{index:06d}.jsonl"
@@ -137,9 +249,7 @@ class RunDir:
         return self.checkpoint(index) / ADAPTER_DIR
 
     def has_adapter(self, index: int) -> bool:
-        from finetune.lora import is_adapter
-
-        return is_adapter(self.adapter(index))
+        return (self.adapter(index) / ADAPTER_CONFIG).is_file()
 
     def has_trainer_state(self, index: int) -> bool:
         return (self.checkpoint(index) / TRAINER_STATE_DIR / "progress.json").is_file()
@@ -239,12 +349,6 @@ class RunDir:
     def write_state(self, **fields) -> None:
         atomic_write_json(self.trainer_state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
 
-    def read_state(self) -> dict | None:
-        try:
-            return json.loads(self.trainer_state.read_text())
-        except FileNotFoundError:
-            return None
-
     def write_heartbeat(self, **fields) -> None:
         """One beat: fields such as {trainer_id, beat, status, num_processes}, with the host and pid. The
         reader compares beats, never clocks: the trainer's machine and the orchestrator's may disagree on the
@@ -257,5 +361,5 @@ class RunDir:
         return self.read_json(self.trainer_heartbeat)
 
     def append_metrics(self, record: dict) -> None:
-        """One whole line per call; a line torn by a kill mid-write is cut before the next (finetune.durable)."""
+        """One whole line per call; a line torn by a kill mid-write is cut before the next (contract.durable)."""
         append_line(self.train_metrics, json.dumps(record))
