@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from finetune.algorithms import ALGORITHMS, upgrade_train, with_algorithm
 from finetune.algorithms import listing as algorithm_listing
@@ -294,3 +303,29 @@ TrainConfig = create_model(
         for name, spec in LOSSES.items()
     },
 )
+
+
+def own_choices(saved: dict) -> dict:
+    """Of a saved train config (a dump: every field there), the options that differ from what its algorithm
+    sets by default, without the algorithm: what to keep when another algorithm is given on top of it
+    (offline training on a run's tapes). DAPO's overlong buffer, set from the sampling limit, goes too."""
+    old = saved.get("algorithm", "grpo")
+    try:
+        defaults = TrainConfig.model_validate({"algorithm": old}).model_dump(mode="json")
+    except ValidationError:
+        return {k: v for k, v in saved.items() if k != "algorithm"}
+
+    def differ(ours: dict, base: dict) -> dict:
+        out = {}
+        for key, value in ours.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                if nested := differ(value, base[key]):
+                    out[key] = nested
+            elif key not in base or base[key] != value:
+                out[key] = value
+        return out
+
+    chosen = differ({k: v for k, v in saved.items() if k != "algorithm"}, defaults)
+    if ALGORITHMS.get(old) is not None and ALGORITHMS[old].overlong_fraction:
+        chosen.pop("overlong_buffer", None)
+    return chosen

@@ -61,7 +61,7 @@ from contract.cli import (
     refuse_repeated,
 )
 from contract.rundir import RunDir
-from finetune.config import TrainConfig
+from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
 from finetune.lora import ADAPTER_CONFIG, adapter_mismatch, adapter_options, is_adapter
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
@@ -299,6 +299,8 @@ def resolve(args: argparse.Namespace) -> Inputs:
             raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
     train_base = dict(run_config.get("train", {}))
+    if "train.algorithm" in overrides and parse_value(overrides["train.algorithm"]) != train_base.get("algorithm"):
+        train_base = own_choices(train_base)  # another algorithm: its own loss, estimator and settings
     model_name = args.model or (run_config.get("model") or {}).get("policy")
     adapter = None
     if args.model and is_adapter(args.model):  # train this adapter on, on its base model

@@ -167,3 +167,16 @@ def test_each_algorithm_users_know_is_one_option(name):
     mine = resolve("embedded", {"train.algorithm": name, "train.aggregation": "sequence" if a.aggregation == "token"
                                 else "token"})  # fmt: skip
     assert mine.train.aggregation != a.aggregation
+
+
+def test_another_algorithm_on_a_saved_config_sets_its_own_settings():
+    """Offline training on a run's tapes with --train.algorithm X: the saved dump keeps only the run's own
+    choices (here lr), so X's loss, estimator and settings apply, not the old algorithm's."""
+    from finetune.config import TrainConfig, own_choices
+
+    saved = TrainConfig(algorithm="dapo", overlong_buffer=10, lr=3e-4).model_dump(mode="json")
+    changed = TrainConfig.model_validate({**own_choices(saved), "algorithm": "reinforce"})
+    assert (changed.loss, changed.estimator, changed.grpo.clip_eps_high, changed.overlong_buffer, changed.lr) == (
+        "reinforce", "none", 0.2, 0, 3e-4)  # fmt: skip
+    changed = TrainConfig.model_validate({**own_choices(TrainConfig().model_dump(mode="json")), "algorithm": "dr_grpo"})
+    assert changed.normalize_std is False and changed.estimator == "group"

@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -169,3 +170,29 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
     assert merge.main([str(run), "--version", "7", "--out", str(tmp_path / "m7")]) == 2
     assert "holds the adapters of versions 1, 2" in capsys.readouterr().err
     assert not (tmp_path / "m7").exists()
+
+    # offline training on, from version 2's adapter (its base, rank and targets read from the folder): at a
+    # learning rate of 1e-9 the adapter it writes is version 2's (a fresh one would have B = 0)
+    from safetensors.torch import load_file
+
+    from orchestrate import offline
+
+    adapter = rd.adapter(2)
+    with pytest.raises(SystemExit) as refused:
+        offline.main(["--tapes", str(run), "--iterations", "2", "--model", str(adapter), "--train.lora.rank", "4",
+                      "--out", str(tmp_path / "bad")])  # fmt: skip
+    assert refused.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --train.lora.rank: --model") and "is an adapter" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+    off = tmp_path / "offline"
+    assert offline.main(["--tapes", str(run), "--iterations", "2", "--model", str(adapter), "--train.lr", "1e-9",
+                         "--train.algorithm", "reinforce",  # the tiny model's groups have equal rewards
+                         "--out", str(off), "--no-progress"]) == 0  # fmt: skip
+    saved = json.loads((off / "config.json").read_text())
+    assert Path(saved["model"]["policy"]).resolve() == Path(tiny_model_dir).resolve()
+    assert saved["train"]["lora"]["start_from"] == str(adapter.resolve()) and saved["train"]["lora"]["rank"] == RANK
+    ours, theirs = load_file(str(RunDir(off).adapter(1) / "adapter_model.safetensors")), load_file(
+        str(adapter / "adapter_model.safetensors"))  # fmt: skip
+    assert ours.keys() == theirs.keys() and max(t.abs().max() for k, t in theirs.items() if ".lora_B." in k) > 5e-3
+    assert max((ours[k].float() - theirs[k].float()).abs().max().item() for k in ours) < 1e-3
