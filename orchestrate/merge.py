@@ -28,8 +28,8 @@ class MergeError(ValueError):
 def adapter_and_base(source: Path, version: int | None, model: str | None) -> tuple[Path, Path, str]:
     """The adapter folder, the base model folder and a name for what is merged (checked to fit)."""
     from agents.models import resolve_model
-    from contract.rundir import RunDir
-    from finetune.lora import ADAPTER_CONFIG, adapter_mismatch, is_adapter
+    from contract.rundir import ADAPTER_CONFIG, RunDir
+    from finetune.lora import adapter_mismatch, is_adapter
 
     if not source.exists():
         raise MergeError(f"{source}: no such run directory or adapter folder")

@@ -60,10 +60,10 @@ from contract.cli import (
     parse_value,
     refuse_repeated,
 )
-from contract.rundir import RunDir
+from contract.rundir import ADAPTER_CONFIG, RunDir
 from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
-from finetune.lora import ADAPTER_CONFIG, adapter_mismatch, adapter_options, is_adapter
+from finetune.lora import adapter_mismatch, adapter_options, is_adapter
 from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.progress import progress_bar
 from orchestrate.run_dir import save_tapes
