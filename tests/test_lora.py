@@ -25,24 +25,18 @@ RANK = 8
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir, tmp_path_factory):
+def servers(tiny_model_dir, tiny_servers, tmp_path_factory):
+    """A policy server with LoRA enabled, and the session's tiny reference server (the same base model)."""
     from agents.models import untied_copy
     from orchestrate.vllm_server import ServerConfig, VLLMServer
 
     logs = tmp_path_factory.mktemp("vllm")
     config = ServerConfig(max_model_len=1024, kv_cache_gib=1)
     policy = VLLMServer(untied_copy(tiny_model_dir), log_path=logs / "policy.log", config=config, lora_rank=RANK)
-    reference = VLLMServer(tiny_model_dir, log_path=logs / "reference.log", name="reference", config=config)
+    reference = tiny_servers[1]
     assert "--enable-lora" in policy.command() and "--enable-lora" not in reference.command()
-    for server in (policy, reference):
-        server.start(wait=False)
-    try:
-        for server in (policy, reference):
-            server.wait_ready()
+    with policy:
         yield policy, reference
-    finally:
-        policy.stop()
-        reference.stop()
 
 
 def publish(learner, run, index: int) -> None:

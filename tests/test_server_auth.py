@@ -91,30 +91,28 @@ def test_rl_refuses_extra_args_with_a_port():
 
 
 @pytest.mark.vllm
-def test_real_server_refuses_control_routes_without_the_key(tiny_model_dir, tmp_path):
+def test_real_server_refuses_control_routes_without_the_key(tiny_policy_server, tmp_path):
     from finetune.tiny_model import make_tiny_model
 
     other = make_tiny_model(tmp_path / "other", hidden_size=256, num_layers=2, seed=1)
-    server = VLLMServer(tiny_model_dir, log_path=tmp_path / "server.log",
-                        config=ServerConfig(max_model_len=256, kv_cache_gib=1))  # fmt: skip
-    with server:
-        # the key is in no process's command line (ps shows those to every user)
-        pids = [server.process.pid] + [int(p) for p in os.listdir("/proc") if p.isdigit()]
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    assert server.api_key.encode() not in f.read(), pid
-            except OSError:
-                continue
-        base = server.base_url
-        for path, body in [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(other)}}),
-                           ("/reset_prefix_cache", None), ("/sleep", None), ("/pause", None),
-                           ("/abort_requests", {}), ("/update_weights", {}), ("/v1/completions", {})]:  # fmt: skip
-            r = httpx.post(base + path, json=body, timeout=30)
-            assert r.status_code in (401, 403), (path, r.status_code, r.text[:200])
-            r = httpx.post(base + path, json=body, headers={"Authorization": "Bearer not-the-key"}, timeout=30)
-            assert r.status_code in (401, 403), (path, r.status_code)
-        assert httpx.get(base + "/health", timeout=10).status_code in (401, 403)
-        # with the key: a reload still works and changes the weights (reload_weights checks log-probs changed)
-        seconds = server.reload_weights(other)
-        assert seconds > 0
+    server = tiny_policy_server
+    # the key is in no process's command line (ps shows those to every user)
+    pids = [server.process.pid] + [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert server.api_key.encode() not in f.read(), pid
+        except OSError:
+            continue
+    base = server.base_url
+    for path, body in [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(other)}}),
+                       ("/reset_prefix_cache", None), ("/sleep", None), ("/pause", None),
+                       ("/abort_requests", {}), ("/update_weights", {}), ("/v1/completions", {})]:  # fmt: skip
+        r = httpx.post(base + path, json=body, timeout=30)
+        assert r.status_code in (401, 403), (path, r.status_code, r.text[:200])
+        r = httpx.post(base + path, json=body, headers={"Authorization": "Bearer not-the-key"}, timeout=30)
+        assert r.status_code in (401, 403), (path, r.status_code)
+    assert httpx.get(base + "/health", timeout=10).status_code in (401, 403)
+    # with the key: a reload still works and changes the weights (reload_weights checks log-probs changed)
+    seconds = server.reload_weights(other)
+    assert seconds > 0
