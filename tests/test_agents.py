@@ -21,6 +21,9 @@ class Endpoint:
         self.base_url = f"http://{name}"
         self.headers = {}
 
+    async def healthy(self):
+        return True
+
 
 def completion(text, n_tokens=3, finish="stop"):
     return {

@@ -163,6 +163,7 @@ class Trainer:
 def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
     from orchestrate.loop import Loop
     from orchestrate.report import Timer
+    from orchestrate.servers import Servers
 
     config = RLConfig.model_validate({
         "rollouts": {"tasks_per_iteration": 2, "attempts": 2, "dynamic_sampling": True, "max_extra_tasks": extra},
@@ -171,9 +172,10 @@ def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
     run = RunDir(tmp_path / "run")
     run.create()
     loop = Loop(config, run, progress=False)
-    loop.train_env, loop.generated, loop.timer, loop.trainer, loop.served = SPEC, {}, Timer(), Trainer(), 0
+    loop.train_env, loop.generated, loop.timer, loop.trainer = SPEC, {}, Timer(), Trainer()
     loop.started, loop.run.write_phase = 0.0, lambda *a: None
     loop.calls, loop.annotated = [], []
+    loop.servers = Servers(config, run, None, [], progress=False)
 
     async def rollouts(spec, seeds, attempts, iteration, sampling, desc, follow=False):
         loop.calls.append((list(seeds), follow))
@@ -185,7 +187,7 @@ def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
             for call in tape.llm_calls:
                 call.ref_logprobs = [-2.0] * len(call.output_token_ids)
 
-    loop._rollouts, loop._reference = rollouts, reference
+    loop._rollouts, loop.servers.score_reference = rollouts, reference
     return loop
 
 

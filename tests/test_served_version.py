@@ -12,7 +12,7 @@ from contract.rundir import RunDir
 from orchestrate.config import RLConfig
 from orchestrate.loop import Loop, build_agent
 from orchestrate.rollouts import EnvSpec
-from orchestrate.weights import PolicyWeights
+from orchestrate.servers import Servers
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams
 
@@ -31,6 +31,9 @@ class Server:
 
     def __init__(self):
         self.loaded = []
+
+    async def healthy(self):
+        return True
 
     def reload_weights(self, path, verify=True):
         self.loaded.append(path.name)
@@ -71,16 +74,15 @@ def loop(tmp_path):
     loop.train_env, loop.test_env = EnvSpec.from_config(config, "train"), EnvSpec.from_config(config, "test")
     loop.eval_episodes = 3
     loop.eval_sampling = SamplingParams(temperature=0.0, max_tokens=4)
-    loop.policy_servers, loop.trainer, loop.served = [Server(), Server()], Trainer(), 0
-    loop.weights = PolicyWeights(run, loop.policy_servers, "disk", 60, loop.trainer)  # reloads from folders
-    loop.stale = loop.weights.stale
+    loop.servers = Servers(config, run, loop.tokenizer, [Server(), Server()], progress=False)
+    loop.servers.use(Trainer())  # reloads from folders
 
-    def client(role, policy_version=0):  # the loop's client, its HTTP answered here
+    def client(role, policy_version=0):  # the servers' client, its HTTP answered here
         assert role == "policy"
-        return VLLMClient(loop.policy_servers, loop.tokenizer, policy_version=policy_version,
+        return VLLMClient(loop.servers.policy, loop.tokenizer, policy_version=policy_version,
                           transport=httpx.MockTransport(answer))  # fmt: skip
 
-    loop._client = client
+    loop.servers.client = client
     return loop
 
 
@@ -99,8 +101,8 @@ def test_evaluation_names_the_served_version_before_and_after_training(loop):
     for i in (1, 2):
         loop.run.checkpoint(i).mkdir(parents=True)
         (loop.run.checkpoint(i) / "config.json").write_text("{}")  # the learner published checkpoint i
-        loop._reload(i)  # what the loop does once checkpoint i is written
-        assert [s.loaded[-1] for s in loop.policy_servers] == [loop.run.checkpoint(i).name] * 2
+        loop.servers.serve(i)  # what the loop does once checkpoint i is written
+        assert [s.loaded[-1] for s in loop.servers.policy] == [loop.run.checkpoint(i).name] * 2
         loop.evaluate(i)
         after = list(read_tapes(loop.run.eval_tapes(i)))
         assert versions(after) == ({i}, {i}), f"evaluation after iteration {i}"

@@ -382,44 +382,41 @@ class Reloadable(Server):
 
 def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_checkpoint(tmp_path):
     from contract.rundir import RunDir
-    from orchestrate.loop import Loop
+    from orchestrate.servers import Servers
     from orchestrate.vllm_server import ServerError
 
     class Trainer:
         def weights_changed(self, version):
             return True
 
-    from orchestrate.weights import PolicyWeights
-
     run = RunDir(tmp_path / "run")
     for version in (1, 2):  # the learner published checkpoints 1 and 2 as model folders
         run.checkpoint(version).mkdir(parents=True)
         (run.checkpoint(version) / "config.json").write_text("{}")
-    loop = Loop(RLConfig(), run, progress=False)
     a, b = Reloadable("a"), Reloadable("b")
-    loop.policy_servers, loop.trainer, loop.served, loop.tokenizer = [a, b], Trainer(), 0, None
-    loop.weights = PolicyWeights(run, loop.policy_servers, "disk", 60, loop.trainer)
-    loop.stale = loop.weights.stale
+    servers = Servers(RLConfig(), run, None, [a, b], progress=False)
+    servers.use(Trainer())
     b.up = False
-    loop._reload(1)
-    assert loop.served == 1 and a.loaded == ["000001"] and loop.stale == {b}
+    servers.serve(1)
+    assert servers.served == 1 and a.loaded == ["000001"] and servers.stale == {b}
 
     cluster = Cluster(a, b)
 
     async def go():
         b.up = True  # b answers again: the next client starts it out, and it rejoins after loading checkpoint 1
-        client = loop._client("policy", policy_version=1)
+        client = servers.client("policy", policy_version=1)
         client._http = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
         client.health_interval_s = 0.01
         async with client:
             await calls(client, 3)
             await until(lambda: client.up_endpoints() == [a, b])
-            loop._count(client)
+            servers.count(client)
 
     asyncio.run(go())
-    assert b.loaded == ["000001"] and not loop.stale
-    assert loop.counts["taken_out"] == 1 and sum(loop.counts["requests"]) == 3
+    assert b.loaded == ["000001"] and not servers.stale
+    record = servers.take_metrics()
+    assert record["server_taken_out"] == 1 and record["server_0_requests"] + record["server_1_requests"] == 3
 
     a.up = b.up = False
     with pytest.raises(ServerError, match="no policy server is left to serve version 2"):
-        loop._reload(2)
+        servers.serve(2)

