@@ -13,9 +13,11 @@ loads the current weights into it). Only when no server is left, or none
 comes back within `rejoin_timeout_s`, does a request fail. A server error
 (5xx) is retried with backoff. New weights arrive through
 `swap_weights` while episodes run (the asynchronous pipeline): new requests
-wait, those in flight finish (or, for LoRA adapters, go on under the old
-adapter's name), the servers reload, and every call records the
-one policy version that produced all of its tokens.
+wait, and those in flight either finish first, so that each call records
+the one policy version that produced all of its tokens, or (in-flight swaps)
+are paused between two engine steps and go on under the new weights, the call
+recording the token where its version changed; LoRA adapters need neither:
+calls in flight go on under the old adapter's name.
 
 `ReplayLLM` answers from the calls recorded on a tape: re-running an agent
 with it gives the same tape back, which is how a change to an agent is
@@ -27,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
 
-from tapes.tape import LLMCall, SamplingParams, Tape
+from tapes.tape import LLMCall, SamplingParams, Tape, VersionChange
 
 
 class Endpoint(Protocol):
@@ -75,6 +78,18 @@ async def _healthy(endpoint: Endpoint) -> bool:
         return bool(await endpoint.healthy())
     except Exception:  # noqa: BLE001 - a health check that fails is a server that is not healthy
         return False
+
+
+class _Flight:
+    """A call being generated: the server and request id of its current attempt, and the versions that took
+    over during it (mark_versions)."""
+
+    __slots__ = ("endpoint", "request", "changes")
+
+    def __init__(self):
+        self.endpoint: Endpoint | None = None
+        self.request: str | None = None
+        self.changes: list[VersionChange] = []
 
 
 class _Member:
@@ -164,6 +179,7 @@ class VLLMClient:
         self._by_version: dict[int, int] = {}  # calls in flight per version that serves them
         self._version_left = asyncio.Event()  # set when a call leaves (version_idle checks again)
         self.held_s = 0.0  # seconds calls were held back by weight swaps (drain + reload)
+        self._flights: set[_Flight] = set()  # generating calls: their server and request id, versions
 
     async def aclose(self) -> None:
         tasks = [m.reviving for m in self._members if m.reviving] + ([self._monitor] if self._monitor else [])
@@ -180,26 +196,31 @@ class VLLMClient:
 
     # -- weight swaps ------------------------------------------------------
 
-    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int, drain: bool = True) -> float:
-        """Drain, reload, go on: new calls wait, calls in flight finish, `reload()` runs, then calls go on
-        served by `version`. Returns the seconds calls were held back.
+    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int, mode: str = "drain") -> float:
+        """New weights while calls run: `reload()` puts `version` on the servers, and calls started from then
+        on are served by it. Returns the seconds calls were held back. `mode`:
 
-        Draining (rather than reloading between engine steps) keeps one version per call, so a call's
-        log-probs are exactly its version's; its cost is the longest call in flight at the swap.
-
-        With `drain` off (a LoRA run: each version is an adapter of its own name, the older one still
-        loaded), nothing waits: calls go on under the old version while `reload()` loads the new one, then
-        new calls name the new one; the old one may be unloaded once `version_idle` says so.
+        - "drain": new calls wait, the calls in flight finish, `reload()` runs, calls go on. One version per
+          call, so a call's log-probs are exactly its version's; the cost is the longest call in flight.
+        - "keep": new calls wait only while `reload()` runs; it pauses the servers between two engine steps
+          with the calls in flight kept, swaps the weights, says with `mark_versions` how many tokens each
+          call had sampled, and resumes them: a call may span two versions (LLMCall.version_changes).
+        - "adapter" (a LoRA run: each version an adapter of its own name, the older one still loaded):
+          nothing waits; calls go on under the old version while `reload()` loads the new one, then new
+          calls name the new one; the old one may be unloaded once `version_idle` says so.
         """
+        if mode not in ("drain", "keep", "adapter"):
+            raise ValueError(f"swap mode {mode!r}: drain, keep or adapter")
         start = time.perf_counter()
-        if not drain:
+        if mode == "adapter":
             async with self._weights_lock():
                 await reload()
                 self.policy_version = version
             return 0.0
         self._gate.clear()
         try:
-            await self._idle.wait()
+            if mode == "drain":
+                await self._idle.wait()
             async with self._weights_lock():  # a server rejoining meanwhile loads the weights after this
                 await reload()
                 self.policy_version = version
@@ -208,6 +229,22 @@ class VLLMClient:
         held = time.perf_counter() - start
         self.held_s += held
         return held
+
+    def mark_versions(self, endpoint: Endpoint, lengths: dict[str, int], version: int) -> int:
+        """`endpoint` now serves `version` under the calls it had in flight (paused: "keep" above), which had
+        sampled `lengths` tokens each (by vLLM's request id, which holds ours: orchestrate.worker_ext). A
+        call the engine had not started is not in `lengths`, nor is one it finished: recorded as they began
+        (the older version, the cautious side for the learner's lag). Returns the calls marked."""
+        marked = 0
+        for flight in self._flights:
+            if flight.endpoint is not endpoint or flight.request is None:
+                continue
+            mine = f"cmpl-{flight.request}-"
+            n = next((n for request, n in lengths.items() if request.startswith(mine)), None)
+            if n is not None:
+                flight.changes.append(VersionChange(token=n, version=version))
+                marked += 1
+        return marked
 
     async def version_idle(self, version: int) -> None:
         """Return once no call served by `version` is in flight (new calls name a newer one)."""
@@ -322,13 +359,14 @@ class VLLMClient:
             self._changed.clear()
             await self._changed.wait()
 
-    async def _send(self, member: _Member, payload: dict[str, Any]) -> httpx.Response:
+    async def _send(self, member: _Member, payload: dict[str, Any], request: str | None = None) -> httpx.Response:
         """POST to one server; _TakenOut when the server is taken out before it answers."""
         endpoint = member.endpoint
+        headers = {**endpoint.headers, "X-Request-Id": request} if request else endpoint.headers
         post = asyncio.ensure_future(self._http.post(
             endpoint.base_url + "/v1/completions",
             json={"model": endpoint.served_model_name, **payload},  # payload's model: an adapter
-            headers=endpoint.headers,
+            headers=headers,
         ))  # fmt: skip
         out = asyncio.ensure_future(member.out.wait())
         try:
@@ -343,16 +381,21 @@ class VLLMClient:
 
     # -- requests --------------------------------------------------------
 
-    async def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, payload: dict[str, Any], flight: _Flight | None = None) -> dict[str, Any]:
         """POST /v1/completions to the least-busy server that is up; a server that cannot be reached is
-        taken out and the request goes to another (or waits for one to come back)."""
+        taken out and the request goes to another (or waits for one to come back). A `flight` follows
+        where the call runs, under which request id (each attempt its own; a retry starts afresh)."""
         async with self._limit:
             last: Exception | None = None
             for attempt in range(self.max_retries + 1):
                 member = await self._pick()
                 member.in_flight += 1
+                request = None
+                if flight is not None:
+                    request = uuid.uuid4().hex
+                    flight.endpoint, flight.request, flight.changes = member.endpoint, request, []
                 try:
-                    response = await self._send(member, payload)
+                    response = await self._send(member, payload, request)
                     if 400 <= response.status_code < 500:
                         raise RequestRejected(f"HTTP {response.status_code}: {response.text[:500]}")
                     response.raise_for_status()
@@ -403,9 +446,12 @@ class VLLMClient:
         if adapter:
             payload["model"] = adapter  # instead of the server's base name
         start = time.perf_counter()
+        flight = _Flight()
+        self._flights.add(flight)
         try:
-            body = await self._post(payload)
+            body = await self._post(payload, flight)
         finally:
+            self._flights.discard(flight)
             self._leave_call(version)
         choice = body["choices"][0]
         logprobs = choice.get("logprobs") or {}
@@ -413,14 +459,16 @@ class VLLMClient:
         values = logprobs.get("token_logprobs") or []
         if len(tokens) != len(values) or any(v is None for v in values):
             raise LLMError(f"vLLM returned {len(tokens)} tokens but {len(values)} log-probs")
+        output_ids = [_token_id(t) for t in tokens]
         return LLMCall(
             model=f"{self.model} + adapter {adapter}" if adapter else self.model,
             policy_version=version,
+            version_changes=[c for c in flight.changes if c.token < len(output_ids)],  # none after the last
             messages=list(messages or []),
             prompt_text=prompt_text,
             prompt_token_ids=prompt_ids,
             output_text=choice.get("text", ""),
-            output_token_ids=[_token_id(t) for t in tokens],
+            output_token_ids=output_ids,
             logprobs=[float(v) for v in values],
             finish_reason=choice.get("finish_reason"),
             sampling=sampling,

@@ -3,6 +3,10 @@
     uv run python bench/bench_async.py [--iterations 10] [--levels 0,1,2] [--eval-every 5]
                                        [--root /tmp/bench_async] [--plot bench/async_levels.png]
 
+A level written with an `i` (`--levels 1,1i`) is that level with `--run.in_flight_swaps`: new weights enter
+the server under the calls in flight instead of after draining them; the table then compares the seconds
+calls were held back per iteration (time_weight_sync) and the share of calls that spanned two versions.
+
 Each level is one real run (`python -m orchestrate.rl`, the embedded preset: vLLM server, reference
 server, accelerate-launched trainer), one after the other, with the policy server and the trainer on
 disjoint CPU cores (`--server.cpus` / `--trainer.cpus`, as separate accelerators would be). From each run's
@@ -39,7 +43,10 @@ GEN_PHASES = ("generate", "reward", "reference", "weight_sync", "eval")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--levels", default="0,1,2", help="comma-separated async levels; the first is the baseline")
+    parser.add_argument(
+        "--levels", default="0,1,2",
+        help="comma-separated async levels, each optionally with an i (in-flight swaps); the first is the baseline",
+    )  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--root", type=Path, default=Path("/tmp/bench_async"), help="run directories (replaced)")
@@ -52,12 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--extra", default="", help="more orchestrate.rl options, e.g. '--rollouts.tasks_per_iteration 8'"
     )
     args = parser.parse_args(argv)
-    try:
-        args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--levels: comma-separated integers, got {args.levels!r}")
-    if not args.levels or min(args.levels) < 0:
-        parser.error("--levels: one or more integers >= 0")
+    args.levels = [x.strip() for x in args.levels.split(",") if x.strip()]
+    if not args.levels or not all(x.removesuffix("i").isdigit() for x in args.levels):
+        parser.error(f"--levels: comma-separated integers >= 0, each optionally with an i, got {args.levels!r}")
+    if any(x.endswith("i") and int(x[:-1]) == 0 for x in args.levels):
+        parser.error("--levels: in-flight swaps (i) need a level of 1 or more")
     if args.iterations <= 0 or args.eval_every <= 0 or args.eval_tasks <= 0:
         parser.error("--iterations, --eval-every and --eval-tasks must be > 0")
     cores = sorted(os.sched_getaffinity(0))
@@ -67,13 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_level(level: int, args: argparse.Namespace) -> list[dict]:
+def run_level(level: str, args: argparse.Namespace) -> list[dict]:
     run = args.root / f"level{level}"
     shutil.rmtree(run, ignore_errors=True)
     command = [
         sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--iterations", str(args.iterations),
-        "--run.async_level", str(level), "--eval.every", str(args.eval_every), "--eval.tasks", str(args.eval_tasks),
+        "--run.async_level", level.removesuffix("i"), "--eval.every", str(args.eval_every),
+        "--eval.tasks", str(args.eval_tasks),
     ]  # fmt: skip
+    if level.endswith("i"):
+        command += ["--run.in_flight_swaps", "true"]
     if not args.no_pin:  # half the cores each: the server first, the trainer the rest
         half = len(args.cores) // 2
         command += ["--server.cpus", ",".join(map(str, args.cores[:half])),
@@ -91,7 +100,7 @@ def run_level(level: int, args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def read_level(level: int, args: argparse.Namespace) -> list[dict]:
+def read_level(level: str, args: argparse.Namespace) -> list[dict]:
     path = args.root / f"level{level}" / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"--report-only: no {path} (run the levels first)")
@@ -143,6 +152,7 @@ def summarise(records: list[dict]) -> dict:
         "iteration_s": statistics.median(r.get("time_total", 0.0) for r in train),
         "phases": [(sum(r.get(f"time_{p}", 0.0) for p in GEN_PHASES if p != "eval"), r.get("train_seconds", 0.0),
                     r.get("time_eval", 0.0)) for r in train],
+        "held_s": mean("time_weight_sync"), "swapped": mean("swapped_call_rate"),
     }  # fmt: skip
 
 
@@ -150,17 +160,24 @@ def minutes_to_reach(evals: list[tuple[float, int, float]], target: float) -> fl
     return next((m for m, i, s in evals if i > 0 and s >= target), None)
 
 
-def report(results: dict[int, dict]) -> None:
-    print("\nlevel | iterations/hour | trainer busy | generator busy | held-out success (minutes)")
+def report(results: dict[str, dict]) -> None:
+    print("\nlevel | iterations/hour | trainer busy | generator busy | weight swap s/it | calls over 2 versions | "
+          "held-out success (minutes)")  # fmt: skip
     for level, s in results.items():
         evals = ", ".join(f"it{i} {v:.3f} ({m:.1f})" for m, i, v in s["evals"])
         print(
             f"{level:>5} | {s['iterations_per_hour']:15.1f} | {s['trainer_busy']:12.0%} | "
-            f"{s['generator_busy']:14.0%} | {evals}"
+            f"{s['generator_busy']:14.0%} | {s['held_s']:16.2f} | {s['swapped']:21.1%} | {evals}"
         )
-    levels = list(results)
+    for level in [k for k in results if k.endswith("i") and k[:-1] in results]:
+        drained, kept = results[level[:-1]], results[level]
+        print(f"\nin-flight swaps at level {level[:-1]}: calls held back {kept['held_s']:.2f} s per iteration against "
+              f"{drained['held_s']:.2f} s draining; iterations per hour x{kept['iterations_per_hour'] / drained['iterations_per_hour']:.2f}")  # fmt: skip
+    levels = [k for k in results if not k.endswith("i")]  # the drained levels, measured against the first
+    if not levels:
+        return
     base = results[levels[0]]
-    one = results.get(1)
+    one = results.get("1")
     if one is None:
         return
     speedup = one["iterations_per_hour"] / base["iterations_per_hour"]
@@ -168,7 +185,7 @@ def report(results: dict[int, dict]) -> None:
     # the same schedule on two accelerators, from level 0's measured phase times (this run's iterations and
     # evaluations: the pipeline's fill and drain and the evaluations' stalls included)
     sync_s = schedule_seconds(base["phases"], 0)
-    busy_bound = {k: sum(t for _, t, _ in base["phases"]) / schedule_seconds(base["phases"], k) for k in levels}
+    busy_bound = {k: sum(t for _, t, _ in base["phases"]) / schedule_seconds(base["phases"], int(k)) for k in levels}
     print(f"\nlevel 1 / level {levels[0]} iterations per hour: x{speedup:.2f} (target >= 1.5)")
     print(
         f"  level {levels[0]} per iteration: generation side {base['gen_s']:.1f} s, training {base['train_s']:.1f} s,"
@@ -176,11 +193,11 @@ def report(results: dict[int, dict]) -> None:
     )
     for k in levels[1:]:
         print(f"  the schedule of these {len(base['phases'])} iterations and their evaluations at level {k} on two "
-              f"accelerators, from level {levels[0]}'s phase times: x{sync_s / schedule_seconds(base['phases'], k):.2f}"
+              f"accelerators, from level {levels[0]}'s phase times: x{sync_s / schedule_seconds(base['phases'], int(k)):.2f}"
               f" (measured here: x{results[k]['iterations_per_hour'] / base['iterations_per_hour']:.2f}), trainer "
               f"busy {busy_bound[k]:.0%}")  # fmt: skip
     print(
-        f"level 1 trainer busy: {one['trainer_busy']:.0%} of wall time (target >= 80%; {busy_bound.get(1, 0):.0%} "
+        f"level 1 trainer busy: {one['trainer_busy']:.0%} of wall time (target >= 80%; {busy_bound.get('1', 0):.0%} "
         f"on two accelerators by the schedule above). Here the orchestrator (tokenising, the environment, the "
         f"HTTP client) has no core of its own and slows the side it shares a core with, and each evaluation "
         f"stops generation while the trainer, at most one batch ahead, runs out of work."
@@ -201,7 +218,7 @@ def report(results: dict[int, dict]) -> None:
             )
 
 
-def plot(results: dict[int, dict], path: Path) -> None:
+def plot(results: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,7 +230,8 @@ def plot(results: dict[int, dict], path: Path) -> None:
             [m for m, _, _ in s["evals"]],
             [v for _, _, v in s["evals"]],
             marker="o",
-            label=f"async_level {level}: {s['iterations_per_hour']:.0f} it/h",
+            label=f"async_level {level.removesuffix('i')}{' in-flight' * level.endswith('i')}: "
+            f"{s['iterations_per_hour']:.0f} it/h",
         )
     ax.set_xlabel("wall minutes (after the first evaluation)")
     ax.set_ylabel("held-out success")

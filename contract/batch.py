@@ -112,6 +112,13 @@ class Sample(BaseModel):
         description="Optional: the policy version (checkpoint number; 0 = initial) that "
         "generated it, the oldest of its calls'. The learner's lag = its own version - this.",
     )
+    version_changes: list[tuple[int, int]] | None = Field(
+        default=None,
+        description="Optional: where newer weights took over, as (index among the sampled tokens, in "
+        "behaviour_logprobs' order; the version that sampled it and those after it), in order: a later "
+        "turn's call served by a newer version, or new weights swapped in under a call in flight "
+        "(--run.in_flight_swaps). None or empty: every sampled token is policy_version's.",
+    )
 
     @model_validator(mode="after")
     def _lengths_match(self) -> Sample:
@@ -143,6 +150,16 @@ class Sample(BaseModel):
     def n_trained(self) -> int:
         """Tokens trained on: those inside turns."""
         return len(self.completion_ids) if self.turns is None else sum(t.length for t in self.turns)
+
+    def token_versions(self) -> list[int | None]:
+        """The policy version that sampled each trained token (None: unknown)."""
+        versions, version, changes = [], self.policy_version, iter(self.version_changes or [])
+        change = next(changes, None)
+        for i in range(self.n_trained):
+            while change is not None and change[0] <= i:
+                version, change = change[1], next(changes, None)
+            versions.append(version)
+        return versions
 
     def trained_positions(self) -> list[int]:
         """Positions in completion_ids of the tokens trained on, in order."""

@@ -78,7 +78,7 @@ STEP_METRICS = (
     "mismatch_abs_logp", "tis_ratio_mean", "tis_ratio_max",  # training-inference mismatch, a batch's first step
     "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance",  # PPO's critic
 )  # fmt: skip
-BATCH_METRICS = ("lag_mean", "lag_max", "stale_dropped", "overlong_masked")  # staleness, overlong filtering
+BATCH_METRICS = ("lag_mean", "lag_max", "lag_token_mean", "stale_dropped", "overlong_masked")  # staleness, overlong
 
 
 def optimizer_steps(records: list[dict]) -> int:

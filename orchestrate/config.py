@@ -260,6 +260,12 @@ class RunSection(BaseModel):
         description="policy versions generation may run ahead of training "
         "(0: synchronous; K: iteration i's batch comes from version >= i - 1 - K)",
     )
+    in_flight_swaps: bool = Field(
+        False,
+        description="with async_level >= 1: new weights enter the policy servers between two engine steps, the "
+        "calls in flight paused and resumed on them, instead of waiting for those calls to finish; a call "
+        "then records the token where its version changed (tapes' LLMCall.version_changes)",
+    )
     wandb: bool = Field(False, description="also log metrics to Weights & Biases (needs `wandb` installed)")
     tensorboard: bool = Field(False, description="also log metrics to TensorBoard (needs `tensorboard` installed)")
 

@@ -260,6 +260,12 @@ def check_config(config) -> None:
         raise ConfigError(f"--train.max_lag: {lag} is below --run.async_level {level}, so batches generated "
                      f"{lag + 1}..{level} versions back would be thrown away; leave it out (it follows "
                      "run.async_level) or raise it")  # fmt: skip
+    if config.run.in_flight_swaps and not level:
+        raise ConfigError("--run.in_flight_swaps: new weights arrive while episodes run only with --run.async_level "
+                          "1 or more; raise it or leave the option out")  # fmt: skip
+    if config.run.in_flight_swaps and config.train.lora.rank:
+        raise ConfigError("--run.in_flight_swaps: a LoRA run never pauses its calls (each version is an adapter of "
+                          "its own name: calls in flight finish under the old one); leave the option out")  # fmt: skip
     if "search" in config.env.tools and not config.env.search.corpus:
         raise ConfigError("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
                           "line with 'text' (and optional 'title', 'id')")  # fmt: skip

@@ -63,6 +63,9 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
         out["tool_episode_rate"] = sum(n > 0 for n in tool_calls) / len(ok)
         # share of tool calls whose run failed (exception, non-zero exit, timeout, limit)
         out["tool_error_rate"] = sum(bool(s.info.get("tool_error")) for s in results) / max(1, len(results))
+    swapped = [c for c in calls if c.version_changes]
+    if swapped:  # --run.in_flight_swaps: calls that new weights took over before they ended
+        out["swapped_call_rate"] = len(swapped) / len(calls)
     with_ref = [c for c in calls if c.ref_logprobs]
     if with_ref:  # k3 estimate of KL(policy || reference) on the sampled tokens
         kls = [k3(p, r) for c in with_ref for p, r in zip(c.logprobs, c.ref_logprobs)]

@@ -51,7 +51,12 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         prompt = segment[0].prompt_token_ids
         completion: list[int] = []
         turns, behaviour, ref = [], [], []
+        version, changes = segment[0].policy_version, []  # the version of each sampled token, where it changes
         for call in segment:
+            for token, v in [(0, call.policy_version)] + [(c.token, c.version) for c in call.version_changes]:
+                if v != version:
+                    changes.append((len(behaviour) + token, v))
+                    version = v
             completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
             turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
                           "reward": rewards[call.turn - 1], "truncated": call.finish_reason == "length",
@@ -72,6 +77,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "temperature": segment[0].sampling.temperature,
             "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
             "policy_version": min(call.policy_version for call in segment),
+            "version_changes": changes or None,
         })  # fmt: skip
     return samples
 

@@ -116,6 +116,7 @@ class Servers:
             self.reference.sleep()  # GPU: woken for the reference pass only
         for server in self.policy:
             if isinstance(server, RemoteServer):
+                server.resume()  # an orchestrator killed during an in-flight swap may have left it paused
                 server.reload_weights(server.model_root(), verify=False)
         self.use(trainer)
         self.resume()
@@ -156,8 +157,10 @@ class Servers:
 
     async def follow(self, client: VLLMClient, stop: asyncio.Event) -> None:
         """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
-        The client drains its calls in flight around the reload, so every call has one version; with LoRA
-        it does not: calls in flight finish under the old adapter, unloaded once the last is done."""
+        The client drains its calls in flight around the reload, so every call has one version; with
+        `--run.in_flight_swaps` they are paused between two engine steps instead (`swap_in_flight`); with
+        LoRA nothing waits: calls in flight finish under the old adapter, unloaded once the last is done."""
+        mode = "adapter" if self.lora else "keep" if self.config.run.in_flight_swaps else "drain"
         unloads = []
         while not stop.is_set():
             newest = self.trainer.newest_checkpoint()
@@ -165,11 +168,14 @@ class Servers:
                 old = self.served
 
                 async def reload(v=newest):
-                    await asyncio.to_thread(self.serve, v, self.lora)
+                    if mode == "keep":
+                        await self.swap_in_flight(client, v)
+                    else:
+                        await asyncio.to_thread(self.serve, v, self.lora)
                     for server in list(self.stale):  # missed it: out until it rejoins with these weights
                         client.take_out(server)
 
-                await client.swap_weights(reload, newest, drain=not self.lora)
+                await client.swap_weights(reload, newest, mode=mode)
                 if self.lora:
 
                     async def unload(v=old):
@@ -182,6 +188,48 @@ class Servers:
             except TimeoutError:
                 pass
         await asyncio.gather(*unloads)  # the episodes are done: no call uses an old adapter
+
+    async def swap_in_flight(self, client: VLLMClient, version: int) -> None:
+        """Version `version` under the calls in flight: every policy server pauses between two engine steps
+        with its requests kept and says how many tokens each has sampled; the weights are swapped (no
+        log-prob check: a paused server answers no probe); the client records on each call the token from
+        which `version` sampled (`VLLMClient.mark_versions`); the paused requests drop the KV the old
+        weights computed, so that the new ones compute it again, and the servers resume. A server that
+        fails is resumed all the same and left stale (out of the pool until it rejoins)."""
+        paused, lengths = [], {}
+
+        def pause_and_swap() -> None:
+            for server in self.policy:
+                if server in self.stale:
+                    continue
+                try:
+                    server.pause()
+                    paused.append(server)
+                    lengths[server] = server.output_lengths()
+                except ServerError:
+                    self.weights.stale.add(server)
+            self.weights.serve(version, verify=False)
+
+        def recompute_and_resume() -> None:
+            for server in paused:
+                try:
+                    if server not in self.stale:
+                        server.recompute()
+                except ServerError:
+                    self.weights.stale.add(server)
+                finally:
+                    try:
+                        server.resume()
+                    except ServerError:
+                        self.weights.stale.add(server)
+
+        try:
+            await asyncio.to_thread(pause_and_swap)
+            for server, n in lengths.items():
+                if server not in self.stale:
+                    client.mark_versions(server, n, version)
+        finally:
+            await asyncio.to_thread(recompute_and_resume)
 
     # -- calls -------------------------------------------------------------------------------
 

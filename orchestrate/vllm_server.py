@@ -32,6 +32,7 @@ from orchestrate.server_auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_ser
 
 # The name our weight-transfer engine (orchestrate.weight_engine) is registered under in vLLM.
 WEIGHT_ENGINE = "tapeloop"
+WORKER_EXTENSION = "orchestrate.worker_ext.OutputLengths"
 
 # The ranks vLLM can reserve for adapters (--max-lora-rank; vllm/config/lora.py MaxLoRARanks, checked by a test).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -192,6 +193,8 @@ class VLLMServer:
             "--disable-uvicorn-access-log",
             # sampled-token log-probs of the distribution actually sampled (logits / T), as the trainer computes them
             "--logprobs-mode", "processed_logprobs",
+            # how many tokens each request has sampled, asked while paused for an in-flight weight swap
+            "--worker-extension-cls", WORKER_EXTENSION,
         ]  # fmt: skip
         if eager:
             cmd.append("--enforce-eager")
@@ -372,6 +375,30 @@ class VLLMServer:
                 "the checkpoint may hold the same weights or was not read"
             )
         return seconds
+
+    # -- new weights under calls in flight (--run.in_flight_swaps) ----------------------
+
+    def pause(self) -> None:
+        """Stop between two engine steps, the requests kept where they are (vLLM's `/pause?mode=keep`)."""
+        self._post("/pause?mode=keep")
+
+    def output_lengths(self) -> dict[str, int]:
+        """While paused: tokens sampled so far by each request the engine has started, by vLLM's request id
+        (`<our X-Request-Id>` inside it; orchestrate.worker_ext)."""
+        lengths: dict[str, int] = {}
+        for result in self._post("/collective_rpc", {"method": "output_lengths"}).json()["results"]:
+            for request, n in (result or {}).items():  # one per worker; tensor-parallel ones agree
+                lengths[request] = max(n, lengths.get(request, 0))
+        return lengths
+
+    def recompute(self) -> None:
+        """After new weights under paused requests: their cached KV was computed by the old weights; drop it
+        (and every prefix cached) so that they recompute it with the new ones when resumed."""
+        if not self._post("/reset_prefix_cache?reset_running_requests=true").json().get("success"):
+            raise ServerError(f"{self.served_model_name}: the prefix cache was not reset under the paused requests")
+
+    def resume(self) -> None:
+        self._post("/resume")
 
     def sleep(self) -> None:
         """Free GPU memory for the other server (a no-op on CPU)."""

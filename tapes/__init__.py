@@ -19,6 +19,7 @@ from tapes.tape import (
     TapeMetadata,
     TaskStep,
     Thought,
+    VersionChange,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "TapeMetadata",
     "TapeWriter",
     "TaskStep",
+    "VersionChange",
     "Thought",
     "read_tapes",
     "write_tapes",

@@ -70,12 +70,25 @@ class SamplingParams(OpenTapeModel):
     stop: list[str] = Field(default_factory=list)
 
 
+class VersionChange(OpenTapeModel):
+    """New weights swapped in while a call was generating (`--run.in_flight_swaps`): output tokens from
+    `token` on were sampled by `version`."""
+
+    token: int = Field(ge=0, description="index in output_token_ids of the first token the new weights sampled")
+    version: int = Field(ge=0, description="the policy version that sampled it and the tokens after it")
+
+
 class LLMCall(OpenTapeModel):
     """One LLM call, kept whole: what went in, what came out, how, and from which weights."""
 
     id: str = Field(default_factory=new_id, description="referenced by StepMetadata.prompt_id")
     model: str = Field("", description="model name or folder that served the call")
-    policy_version: int = Field(0, description="training iteration whose weights served the call (0 = initial)")
+    policy_version: int = Field(
+        0, description="training iteration whose weights served the call (0 = initial); its first token's"
+    )
+    version_changes: list[VersionChange] = Field(
+        default_factory=list, description="new weights that took over during the call, in order (none: one version)"
+    )
     messages: list[dict[str, JsonValue]] = Field(default_factory=list, description="chat messages of the prompt")
     prompt_text: str = Field("", description="the prompt after the chat template")
     prompt_token_ids: list[int] = Field(default_factory=list)
@@ -97,6 +110,21 @@ class LLMCall(OpenTapeModel):
         description="whether prompt_token_ids are exactly the previous call's prompt + output ids followed "
         "by more tokens (None for the first call of an episode); False means the conversation was re-rendered",
     )
+
+    def token_versions(self) -> list[int]:
+        """The policy version that sampled each output token."""
+        versions, version, changes = [], self.policy_version, iter(self.version_changes)
+        change = next(changes, None)
+        for i in range(len(self.output_token_ids)):
+            while change is not None and change.token <= i:
+                version, change = change.version, next(changes, None)
+            versions.append(version)
+        return versions
+
+    @property
+    def newest_version(self) -> int:
+        """The version of its last token: the newest weights that took part."""
+        return self.version_changes[-1].version if self.version_changes else self.policy_version
 
 
 class StepMetadata(OpenTapeModel):

@@ -330,7 +330,7 @@ def test_gsm8k_shared_test_split_if_present():
 
 
 def test_a_lora_swap_holds_nothing_back_and_the_old_version_is_idle_once_its_calls_are_done():
-    """swap_weights(drain=False), as for LoRA adapters: calls in flight go on under the old adapter's name,
+    """swap_weights(mode="adapter"), as for LoRA adapters: calls in flight go on under the old adapter's name,
     calls started after the swap name the new one, nothing waits; version_idle(old) returns only when the
     last call of the old version has come back."""
     models = []
@@ -357,7 +357,7 @@ def test_a_lora_swap_holds_nothing_back_and_the_old_version_is_idle_once_its_cal
         async def reload():
             loaded.append(client.in_flight)
 
-        held = await client.swap_weights(reload, version=2, drain=False)
+        held = await client.swap_weights(reload, version=2, mode="adapter")
         later = await call()  # answered while the first two are still in flight
         idle = asyncio.create_task(client.version_idle(1))
         await asyncio.sleep(0.01)

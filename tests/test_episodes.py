@@ -6,6 +6,7 @@ one training sample whose environment tokens are not trained on.
 """
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -198,6 +199,22 @@ def test_an_episode_is_one_sample_with_environment_tokens_masked(tokenizer):
         assert mb.targets.tolist() == trained
         flat = mb.input_ids[mb.rows, mb.cols + 1].tolist()  # the token after each predicting position
         assert flat == trained, layout
+
+
+def test_a_sample_keeps_where_versions_changed_across_turns_and_inside_a_call(tokenizer):
+    """The first call changed from version 1 to 2 at its token 2 (new weights under it), the second was served
+    by version 3: the sample's changes count sampled tokens (the environment's tokens between are not)."""
+    from tapes.tape import VersionChange
+
+    tape, _, _ = play(tokenizer, [("too low", 0.0, False), ("yes", 1.0, True)], ["\\boxed{5}", "\\boxed{7}"])
+    first, second = tape.llm_calls
+    n = len(first.output_token_ids)
+    first.policy_version, first.version_changes = 1, [VersionChange(token=2, version=2)]
+    second.policy_version = 3
+    (raw,) = tape_samples(tape, require_ref=False)
+    sample = Sample.model_validate(json.loads(json.dumps(raw)))  # as the learner reads it from the batch file
+    assert sample.policy_version == 1 and sample.version_changes == [(2, 2), (n, 3)]
+    assert sample.token_versions() == [1, 1] + [2] * (n - 2) + [3] * len(second.output_token_ids)
 
 
 def test_a_re_rendered_prompt_cuts_the_episode_into_samples_of_one_episode(tokenizer):

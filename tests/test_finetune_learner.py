@@ -317,13 +317,18 @@ def test_shared_prefix_rows_stop_growing_when_attention_would_cost_more():
 
 
 def test_lag_is_the_trainers_version_minus_the_generating_one_and_max_lag_drops(tiny):
-    """Batch 5 trains version 4: samples of versions 4, 3, 2 have lags 0, 1, 2; max_lag 1 drops the last."""
+    """Batch 5 trains version 4: samples of versions 4, 3, 2 have lags 0, 1, 2; max_lag 1 drops the last.
+    The version-3 sample had version 4 swapped in under it from its second token: the token lag counts it."""
     learner = Learner(tiny, TrainConfig(lr=1e-3, max_lag=1))
     samples = group([GOOD, BAD, GOOD, BAD], [1.0, 0.0, 1.0, 0.0])
     samples = [s.model_copy(update={"policy_version": v}) for s, v in zip(samples, [4, 3, 2, None])]
+    samples[1] = samples[1].model_copy(update={"version_changes": [(1, 4)]})
+    assert samples[1].token_versions() == [3] + [4] * (samples[1].n_trained - 1)
     metrics = learner.train_batch(with_behaviour(learner, samples), batch_index=5)
     m = metrics[0]
-    assert m["lag_mean"] == pytest.approx((0 + 1 + 2) / 3) and m["lag_max"] == 2
+    assert m["lag_mean"] == pytest.approx((0 + 1 + 2) / 3) and m["lag_max"] == 2  # by each sample's oldest token
+    lags = [0] * samples[0].n_trained + [1] + [0] * (samples[1].n_trained - 1) + [2] * samples[2].n_trained
+    assert m["lag_token_mean"] == pytest.approx(sum(lags) / len(lags))
     assert m["stale_dropped"] == 1 and m["samples"] == 3  # the unknown version is kept
     assert len(learner.credit) == 3
 

@@ -12,7 +12,7 @@ import types
 import typing
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import EnvObservation, LLMCall, SamplingParams, Step, StepMetadata, Tape, TapeMetadata
@@ -51,6 +51,8 @@ def value_for(annotation, rng: random.Random):
         return {rng.choice(STRINGS) + str(i): rand_json(rng) for i in range(rng.randrange(5))}
     if origin is list:
         return [value_for(args[0], rng) for _ in range(rng.randrange(6))]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return random_model(annotation, rng)
     if annotation is bool:
         return rng.choice([True, False])
     if annotation is int:
@@ -65,6 +67,9 @@ def value_for(annotation, rng: random.Random):
 def random_model(cls, rng: random.Random, **fixed):
     values = {name: value_for(field.annotation, rng) for name, field in cls.model_fields.items()
               if name not in fixed and field.annotation is not typing.ClassVar}  # fmt: skip
+    for name, field in cls.model_fields.items():  # a bounded int (ge=0) at its extremes within the bound
+        if field.annotation is int and name in values and any(type(m).__name__ == "Ge" for m in field.metadata):
+            values[name] = abs(values[name])
     return cls(**values, **fixed)
 
 
