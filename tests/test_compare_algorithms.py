@@ -66,7 +66,6 @@ def test_the_table_takes_the_latest_evaluation_at_or_before_each_mark(tmp_path, 
         "| ppo | 31.5% (it 0, 3.3 min) | 31.5% (it 0, 3.3 min) | 55.0% (it 6, 17.5 min) | 55.0% (it 6, 17.5 min) "
         "| 55.0% (it 6, 17.5 min) | 6 |",
     ]
-    assert "- ppo (arXiv:1707.06347): `--train.algorithm ppo`" in text
     for png in (tmp_path / "algorithms.png", tmp_path / "copy.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -170,7 +169,6 @@ def bad(capsys, argv) -> tuple[int, str]:
     [
         (["--recipes", "grpo,foo"], "error: --recipes: unknown recipe 'foo'"),
         (["--minutes", "0"], "error: --minutes: a number of minutes > 0"),
-        (["--minutes", "-5"], "error: --minutes: a number of minutes > 0"),
         (["--minutes", "nan"], "error: --minutes: a number of minutes > 0"),
         (["--minutes", "abc"], "error: argument --minutes: invalid float value"),
         (["--eval-every", "0"], "error: --eval-every:"),
@@ -182,7 +180,6 @@ def bad(capsys, argv) -> tuple[int, str]:
         (["--options", "--train.lr '1e-5"], "error: --options: No closing quotation"),
         (["--options", "4 --train.steps_per_epoch"], "error: --options: starts with '4', not an --option"),
         (["--options", "--train.steps_per_epoch 0"], "error: recipe grpo: orchestrate.rl refuses its options: --train"),
-        (["--options", "--train.no_such 1"], "error: recipe grpo: orchestrate.rl refuses its options:"),
     ],
 )
 def test_bad_input_is_refused_with_one_line(tmp_path, capsys, launched, extra, start):
@@ -212,13 +209,6 @@ def test_a_run_directory_of_another_recipe_is_refused_before_anything_starts(tmp
     code, line = bad(capsys, ["--out", out, "--recipes", "grpo", "--eval-every", "5"])
     assert code == 2 and "(--eval.every)" in line, line
     assert ca.main(["--out", str(out), "--recipes", "grpo", "--minutes", "20", "--plot", str(tmp_path / "p.png")]) == 0
-
-
-def test_a_recipe_the_command_line_refuses_stops_everything_naming_it(tmp_path, capsys, launched, monkeypatch):
-    monkeypatch.setitem(ca.RECIPES, "dr_grpo", ca.Recipe(("--train.lr", "-1"), "x"))
-    code, line = bad(capsys, ["--out", tmp_path / "out", "--recipes", "grpo,dr_grpo"])
-    assert code == 2 and line.startswith("error: recipe dr_grpo: orchestrate.rl refuses its options: --train.lr:"), line
-    assert launched == []
 
 
 def test_options_reach_every_recipe_and_are_named_in_the_marker_table_and_plot(tmp_path, capsys, launched):

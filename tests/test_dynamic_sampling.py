@@ -16,12 +16,10 @@ from orchestrate.dynamic_sampling import (
     dynamic_metrics,
     has_signal,
     iteration_seeds,
-    mark_dropped,
     sample_dynamically,
 )
 from orchestrate.metrics import read_metrics
 from orchestrate.rollouts import EnvSpec, new_tape
-from orchestrate.run_dir import save_tapes
 from tapes.store import read_tapes
 from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams
 
@@ -142,16 +140,6 @@ def test_signal_is_the_return_the_estimators_compare():
     assert has_signal(long_and_short, shaped) and not has_signal(long_and_short, TRAIN)
 
 
-def test_the_mark_survives_the_tape_file(tmp_path):
-    tapes = [episode(0, 1.0), episode(0, 1.0), episode(1, 0.0)]
-    mark_dropped(tapes[0])
-    mark_dropped(tapes[1])
-    save_tapes(tmp_path / "t.jsonl", tapes)
-    back = list(read_tapes(tmp_path / "t.jsonl"))
-    assert [dropped(t) for t in back] == [True, True, False]
-    assert back[0].model_dump(mode="json")["metadata"]["dropped"] == "dynamic_sampling"
-
-
 # -- the loop's generate() and record, its rollouts faked ---------------------------------------------------
 
 
@@ -203,6 +191,9 @@ def test_generate_saves_every_tape_and_trains_on_the_kept_groups(tmp_path, async
     saved = list(read_tapes(loop.run.iteration_tapes(2)))
     assert [(t.context["env"]["seed"], dropped(t)) for t in saved] == [
         (4, True), (4, True), (5, False), (5, False), (6, True), (6, True), (7, False), (7, False)]  # fmt: skip
+    assert saved[0].model_dump(mode="json")["metadata"]["dropped"] == "dynamic_sampling"  # the mark on file
+    # dropped groups' calls carry no reference log-probs (they are not trained on); the batch's do
+    assert all((c.ref_logprobs is None) == dropped(t) for t in saved for c in t.llm_calls)
     batch = read_batch(loop.run.batch(2))
     assert sorted(s.group_id for s in batch) == ["2:train:5", "2:train:5", "2:train:7", "2:train:7"]
     assert {s.episode_id for s in batch} == {t.metadata.id for t in saved if not dropped(t)}
@@ -218,14 +209,6 @@ def test_generate_saves_every_tape_and_trains_on_the_kept_groups(tmp_path, async
     record = read_metrics(again.run.metrics_path)[-1]
     assert (record["dynamic_extra_tasks"], record["dynamic_dropped_groups"], record["dynamic_kept_groups"]) == (2, 2, 2)
     assert record["tapes"] == 8  # rollout metrics count every tape generated
-
-
-def test_generate_without_signal_writes_the_first_groups(tmp_path):
-    loop = make_loop(tmp_path, {0: [1, 1], 1: [0, 0], 2: [1, 1], 3: [0, 0]})
-    loop.generate(1)
-    assert [c[0] for c in loop.calls] == [[0, 1], [2, 3]]
-    batch = read_batch(loop.run.batch(1))
-    assert sorted({s.group_id for s in batch}) == ["1:train:0", "1:train:1"]  # trained as without the option
 
 
 def test_generate_without_the_option_is_unchanged(tmp_path):
@@ -278,15 +261,6 @@ def test_group_relative_is_declared_on_the_registration():
     with pytest.raises(ValueError, match="group_relative"):
         register_estimator("not-grouped", group_relative=True)(lambda x: {})
     assert "not-grouped" not in ESTIMATORS
-
-
-def test_the_reference_tapes_get_annotated_only_in_the_batch_but_all_are_saved(tmp_path):
-    """With a reference pass, the dropped groups' calls carry no reference log-probs (they are not trained on)."""
-    loop = make_loop(tmp_path, {0: [1, 1], 1: [0, 1], 2: [1, 0], 3: [0, 0]}, kl=0.01)
-    loop.generate(1)
-    saved = list(read_tapes(loop.run.iteration_tapes(1)))
-    assert {dropped(t) for t in saved} == {True, False}
-    assert all((c.ref_logprobs is None) == dropped(t) for t in saved for c in t.llm_calls)
 
 
 def test_a_run_saved_before_dynamic_sampling_resumes_with_it_off():

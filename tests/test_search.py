@@ -255,11 +255,6 @@ def test_a_scripted_episode_searches_then_answers(qa, corpus):
     obs, reward, terminated, _, info = env.step(f"From the passages: \\boxed{{{answer}}}")
     assert reward == 1.0 and terminated and info["success"] and info["tool_calls"] == 1
 
-    env.reset(seed=seed)
-    env.step("<search>something unrelated about goats</search>")
-    obs, reward, terminated, _, info = env.step("\\boxed{Estmark}")
-    assert reward == 0.0 and terminated and not info["success"] and info["em"] == 0.0
-
 
 class ScriptedLLM:
     def __init__(self, tokenizer, texts):
@@ -368,16 +363,18 @@ def test_search_from_the_command_line_is_recorded_for_replay(qa, corpus):
         resolve("embedded", {"env.id": "qa", "env.options.questions": qa["questions"], "env.options.reward": "bleu"})
 
 
-def test_preflight_refuses_a_bad_corpus_or_questions_file_naming_the_option(qa, tmp_path):
+def test_preflight_refuses_a_bad_corpus_or_questions_file_naming_the_option(qa, tmp_path, rl_cli):
     from orchestrate.config import resolve
-    from orchestrate.preflight import PreflightError, check_environment, check_qa_questions, check_search_corpus
+    from orchestrate.preflight import PreflightError, check_environment, check_qa_questions
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(PreflightError, match=r"^--env\.search\.corpus: .*empty\.jsonl holds no passages$"):
-        check_search_corpus(SearchConfig(corpus=str(empty)))
-    with pytest.raises(PreflightError, match=r"^--env\.search\.corpus: .*missing\.jsonl: No such file"):
-        check_search_corpus(SearchConfig(corpus=str(tmp_path / "missing.jsonl")))
+    # the command line: one line naming the option, before the run directory is made
+    run_dir = tmp_path / "run"
+    code, line = rl_cli(["--env.id", "qa", "--env.options.questions", qa["questions"], "--env.tools", "search",
+                         "--env.search.corpus", empty, "--run-dir", run_dir])  # fmt: skip
+    assert code == 2 and line == f"error: --env.search.corpus: {empty} holds no passages", line
+    assert not run_dir.exists()
     with pytest.raises(PreflightError, match=r"^--env\.options\.questions: .*empty\.jsonl holds no questions$"):
         check_qa_questions(str(empty), "--env.options.questions")
     bad = tmp_path / "bad.jsonl"
@@ -390,17 +387,3 @@ def test_preflight_refuses_a_bad_corpus_or_questions_file_naming_the_option(qa, 
     config = resolve("embedded", {"env.id": "qa", "env.options.questions": str(one)})
     with pytest.raises(PreflightError, match="test_fraction"):
         check_environment(config)
-
-
-def test_the_command_line_refuses_an_empty_corpus_in_one_line(qa, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "orchestrate.rl", "--env.id", "qa", "--env.options.questions",
-                          qa["questions"], "--env.tools", "search", "--env.search.corpus", str(empty), "--run-dir",
-                          str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                         check=False)  # fmt: skip
-    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1] == f"error: --env.search.corpus: {empty} holds no passages"
-    assert not run_dir.exists()
