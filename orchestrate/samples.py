@@ -28,6 +28,8 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
     if tape.metadata.error:
         return []  # an infrastructure failure is not a zero reward: not trained on
     if tape.metadata.reward is None:
+        if not any(c.output_token_ids for c in tape.llm_calls):
+            return []  # nothing was sampled (the prompt filled the context, say): nothing to train on
         raise SampleError(f"tape {tape.metadata.id} has no reward: score it before making samples")
     rewards = turn_rewards(tape)
     calls = [c for c in tape.llm_calls if c.output_token_ids]
@@ -92,5 +94,6 @@ def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
 
     samples = tapes_to_samples(tapes, require_ref)
     if not samples:
-        raise SampleError(f"no tape of {len(tapes)} can be trained on (each failed: see their metadata.error)")
+        why = sorted({t.metadata.error or t.metadata.reward_reason or "nothing sampled" for t in tapes})
+        raise SampleError(f"no tape of {len(tapes)} can be trained on: {'; '.join(why[:3])}")
     return write_batch(path, samples)

@@ -239,3 +239,17 @@ def test_infrastructure_failure_is_left_out_of_training(tokenizer):
     tape, _, _ = play(tokenizer, [("yes", 1.0, True)], ["\\boxed{7}"])
     tape.metadata.error = "RuntimeError: sandbox could not start"
     assert tape_samples(tape, require_ref=False) == []
+
+
+def test_a_tape_whose_prompt_filled_the_context_is_not_trained_on_and_the_run_says_why(tmp_path):
+    """No call was made (the prompt + max_tokens did not fit): no sample, and a batch of only such tapes is
+    refused naming the reason, not with 'no reward'."""
+    from orchestrate.samples import SampleError, write_samples
+    from tapes.tape import Tape
+
+    tape = Tape(steps=[])
+    tape.metadata.reward_reason = "context full: 179 prompt tokens + 400 new > max_model_len 512"
+    assert tape.metadata.reward is None and tape_samples(tape, require_ref=False) == []
+    with pytest.raises(SampleError, match="no tape of 1 can be trained on: context full: 179 prompt tokens"):
+        write_samples(tmp_path / "batch.jsonl", [tape], require_ref=False)
+    assert not (tmp_path / "batch.jsonl").exists()
