@@ -53,12 +53,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         prompt = segment[0].prompt_token_ids
         completion: list[int] = []
         turns, behaviour, ref = [], [], []
-        version, changes = segment[0].policy_version, []  # the version of each sampled token, where it changes
         for call in segment:
-            for token, v in [(0, call.policy_version)] + [(c.token, c.version) for c in call.version_changes]:
-                if v != version:
-                    changes.append((len(behaviour) + token, v))
-                    version = v
             completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
             turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
                           "reward": rewards[call.turn - 1], "truncated": call.finish_reason == "length",
@@ -67,6 +62,10 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             behaviour += call.logprobs
             if require_ref:
                 ref += call.ref_logprobs
+        # where the version of the sampled tokens changes (a later turn's newer call, or new weights under a call)
+        oldest = min(call.policy_version for call in segment)
+        versions = [v for call in segment for v in call.token_versions()]
+        changes = [(i, v) for i, v in enumerate(versions) if v != (versions[i - 1] if i else oldest)]
         samples.append({
             "prompt_ids": prompt,
             "completion_ids": completion,
@@ -78,7 +77,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "episode_id": tape.metadata.id,
             "temperature": segment[0].sampling.temperature,
             "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
-            "policy_version": min(call.policy_version for call in segment),
+            "policy_version": oldest,
             "version_changes": changes or None,
         })  # fmt: skip
     return samples
