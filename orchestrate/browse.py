@@ -45,6 +45,7 @@ from urllib.parse import parse_qs, urlparse
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.dynamic_sampling import DROPPED_BY
+from tapes import legacy
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
@@ -102,16 +103,10 @@ def credit_for(
 def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
     """The episode as a conversation: the environment's first observation, then per turn the agent's action
     (its LLM call's index in tape.llm_calls), the environment's answer with the turn's reward and end flags,
-    and the learner's reward, return and advantage for the turn (`credit`, None if not trained on).
-
-    Tapes made before episodes (task, reasoning_thought, final_answer_action, parse_failure steps) read as
-    one observation and one turn per LLM call, the tape's reward on the last turn."""
-    legacy = not any(isinstance(step, (EnvObservation, EnvAction)) for step in tape.steps)
-    first, turns = _read_steps(tape, legacy)
-    _add_unreferenced_calls(tape, turns, legacy)
+    and the learner's reward, return and advantage for the turn (`credit`, None if not trained on)."""
+    first, turns = _read_steps(tape)
+    _add_unreferenced_calls(tape, turns)
     ordered = [turns[n] for n in sorted(turns)]
-    if legacy and ordered and tape.metadata.reward is not None:
-        ordered[-1]["reward"] = tape.metadata.reward
     _add_credit(ordered, credit)
     return {"first_observation": first, "turns": ordered, "end": _episode_end(tape, ordered)}
 
@@ -125,7 +120,7 @@ def _turn_of(turns: dict[int, dict], number: int) -> dict:
     return turns[number]
 
 
-def _read_steps(tape: Tape, legacy: bool) -> tuple[dict | None, dict[int, dict]]:
+def _read_steps(tape: Tape) -> tuple[dict | None, dict[int, dict]]:
     """The first observation and the turns by number, from the tape's steps in order."""
     call_index = {call.id: i for i, call in enumerate(tape.llm_calls)}
     first: dict | None = None
@@ -143,19 +138,15 @@ def _read_steps(tape: Tape, legacy: bool) -> tuple[dict | None, dict[int, dict]]
             t["call"] = call_index.get(step.metadata.prompt_id)
             if isinstance(step, ToolCallAction):  # the turn called a tool: which, and with what
                 t["tool"], t["tool_call"] = step.tool, step.call
-        elif step.kind == "task" and first is None:
-            first = {"text": step.text, "info": {}}
         else:
-            first = _other_step(tape, step, turns, first, call_index.get(step.metadata.prompt_id), legacy)
+            first = _other_step(tape, step, turns, first, call_index.get(step.metadata.prompt_id))
     return first, turns
 
 
-def _other_step(
-    tape: Tape, step, turns: dict[int, dict], first: dict | None, i: int | None, legacy: bool
-) -> dict | None:
-    """An older or custom step: shown within the turn of the call `i` that made it (before any turn: with
-    the first observation, which it returns)."""
-    number = (i + 1 if legacy else tape.llm_calls[i].turn) if i is not None else max(turns, default=0)
+def _other_step(tape: Tape, step, turns: dict[int, dict], first: dict | None, i: int | None) -> dict | None:
+    """A custom step: shown within the turn of the call `i` that made it (before any turn: with the first
+    observation, which it returns)."""
+    number = tape.llm_calls[i].turn if i is not None else max(turns, default=0)
     if not number:
         first = first or {"text": "", "info": {}}
         first.setdefault("steps", []).append(step.model_dump(exclude={"metadata"}))
@@ -164,16 +155,14 @@ def _other_step(
     t["steps"].append(step.model_dump(exclude={"metadata"}))
     if t["call"] is None and i is not None:
         t["call"] = i
-    if step.kind == "parse_failure":
-        t["format_error"] = True
     return first
 
 
-def _add_unreferenced_calls(tape: Tape, turns: dict[int, dict], legacy: bool) -> None:
+def _add_unreferenced_calls(tape: Tape, turns: dict[int, dict]) -> None:
     """A call no step points at still shows, in its turn."""
     for i, call in enumerate(tape.llm_calls):
         if i not in {t["call"] for t in turns.values()}:
-            t = _turn_of(turns, i + 1 if legacy else call.turn)
+            t = _turn_of(turns, call.turn)
             if t["call"] is None:
                 t["call"] = i
 
@@ -200,20 +189,18 @@ def _episode_end(tape: Tape, ordered: list[dict]) -> dict:
 
 
 def summarize(data: dict, file: str, index: int, kind: str) -> dict:
-    """What a tape list shows and filters on, from one parsed tape line."""
+    """What a tape list shows and filters on, from one parsed tape line (a tape written before episodes
+    in today's shape: tapes/legacy.py)."""
+    data = legacy.upgrade(data)
     meta = data.get("metadata") or {}
     steps = data.get("steps") or []
     calls = data.get("llm_calls") or []
     context = data.get("context")
     env = context.get("env") if isinstance(context, dict) and isinstance(context.get("env"), dict) else {}
     observations = [s for s in steps if s.get("kind") == "env_observation"]
-    task = next((s for s in steps if s.get("kind") == "task" or (s.get("kind") == "env_observation"
-                                                                   and not s.get("turn"))), None)  # fmt: skip
-    answer = next((s.get("answer") for s in reversed(steps) if s.get("kind") == "final_answer_action"), None)
+    task = next((s for s in observations if not s.get("turn")), None)
     cut = any(c.get("finish_reason") == "length" for c in calls)
-    format_error = any((s.get("info") or {}).get("format_error") for s in observations) or any(
-        s.get("kind") == "parse_failure" for s in steps
-    )
+    format_error = any((s.get("info") or {}).get("format_error") for s in observations)
     terminated, truncated = bool(meta.get("terminated")), bool(meta.get("truncated")) or cut
     return {
         "file": file,
@@ -235,11 +222,10 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
         "truncated": truncated,  # the episode was cut (turn limit, context full) or an output was cut
         "cut": cut,  # an output was cut by max_tokens
         "end": "truncated" if truncated else "terminated" if terminated else "",
-        "format_error": format_error,  # some action could not be parsed (or an older tape's parse_failure)
+        "format_error": format_error,  # some action could not be parsed
         "length": sum(len(c.get("output_token_ids") or []) for c in calls),
         "steps": len(steps),
         "calls": len(calls),
-        "answer": answer,
         "question": ((task or {}).get("text") or "")[:200],
     }
 

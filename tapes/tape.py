@@ -11,7 +11,9 @@ token ids vLLM actually sampled (nothing is re-tokenized).
 Step kinds are open: subclass `Step` (or `Observation` / `Thought` /
 `Action`) with a `kind: Literal["..."]` field and the class registers itself;
 `Tape.model_validate` turns each step dict back into its class by `kind` and
-refuses a kind it does not know.
+refuses a kind it does not know. Tapes written before episodes (their `task`,
+`reasoning_thought`, `final_answer_action` and `parse_failure` steps) are
+read in today's shape: `tapes/legacy.py`.
 
 Every float is written back as it was read. JSON has no NaN or infinity, yet
 a log-prob of -inf is legitimate vLLM output and a reward may be NaN, so
@@ -36,7 +38,9 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny, field_validator, model_validator
+
+from tapes import legacy
 
 
 def new_id() -> str:
@@ -183,36 +187,6 @@ class Action(Step):
     """What the agent does: answers, calls a tool."""
 
 
-class TaskStep(Observation):
-    """The task to solve, as posed to the agent."""
-
-    kind: Literal["task"] = "task"
-    text: str
-    data: dict[str, JsonValue] = Field(default_factory=dict, description="task fields the agent may use")
-
-
-class ReasoningThought(Thought):
-    """Free-text reasoning the model wrote before its answer."""
-
-    kind: Literal["reasoning_thought"] = "reasoning_thought"
-    reasoning: str
-
-
-class FinalAnswerAction(Action):
-    """The agent's final answer (for math: the last \\boxed{} value)."""
-
-    kind: Literal["final_answer_action"] = "final_answer_action"
-    answer: str
-
-
-class ParseFailureStep(Action):
-    """The LLM output could not be turned into the expected steps."""
-
-    kind: Literal["parse_failure"] = "parse_failure"
-    error: str
-    output: str = Field("", description="the raw text that failed to parse")
-
-
 class EnvObservation(Observation):
     """What the environment said: the first observation (turn 0, from reset) or its answer to the action of
     `turn`, with that action's reward and whether the episode ended there."""
@@ -284,6 +258,11 @@ class Tape(OpenTapeModel):
     context: JsonValue = None
     steps: list[SerializeAsAny[Step]] = Field(default_factory=list)
     llm_calls: list[LLMCall] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, data: Any) -> Any:
+        return legacy.upgrade(data)  # a tape written before episodes, in today's shape
 
     @field_validator("steps", mode="before")
     @classmethod

@@ -31,14 +31,10 @@ from tapes.store import read_tapes, write_tapes
 from tapes.tape import (
     EnvAction,
     EnvObservation,
-    FinalAnswerAction,
     LLMCall,
-    ParseFailureStep,
-    ReasoningThought,
     SamplingParams,
     Tape,
     TapeMetadata,
-    TaskStep,
     ToolCallAction,
     ToolResultObservation,
 )
@@ -309,12 +305,11 @@ def synthetic_tape(i: int, iteration: int) -> Tape:
     tape = Tape()
     tape.metadata.task_id, tape.metadata.group_id = f"task-{i // 4}", f"{iteration}:task-{i // 4}"
     tape.metadata.iteration, tape.metadata.reward = iteration, float(i % 3 - 1)
-    tape.append(TaskStep(text=f"What is {i} + 1?"))
-    if i % 5 == 0:
-        tape.append(ParseFailureStep(error="no \\boxed{} answer", output=call.output_text), llm_call=call)
-    else:
-        tape.append(ReasoningThought(reasoning="x"), llm_call=call)
-        tape.append(FinalAnswerAction(answer=str(i + 1)), llm_call=call)
+    tape.append(EnvObservation(text=f"What is {i} + 1?"))
+    tape.append(EnvAction(text=call.output_text), llm_call=call)
+    failed = {"format_error": True, "reason": "no \\boxed{} answer"} if i % 5 == 0 else {}
+    tape.append(EnvObservation(text="no answer" if failed else f"answer {i + 1}", turn=1, reward=tape.metadata.reward,
+                               terminated=True, info=failed))  # fmt: skip
     return tape
 
 
@@ -391,7 +386,6 @@ def test_browse_command_prints_its_address_and_refuses_a_non_run(tmp_path):
 
 
 def test_show_prints_one_tape(tmp_path):
-    """A tape made before episodes (task, reasoning, final answer steps) still shows: one turn per call."""
     path = tmp_path / "iter_000001.jsonl"
     write_tapes(path, [synthetic_tape(i, 1) for i in range(3)])
     out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path), "--index", "1", "--tokens", "--steps"],
@@ -399,16 +393,14 @@ def test_show_prints_one_tape(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "What is 1 + 1?" in text and "reward +0" in text
-    assert (
-        text.index("[environment] reset") < text.index("[agent] turn 1") < text.index("final_answer_action: answer 2")
-    )
+    assert text.index("[environment] reset") < text.index("[agent] turn 1") < text.index("answer 2")
     assert "turn 1: reward +0" in text and "learner" not in text  # not in a run directory: nothing said
-    assert text.index("1. task") < text.index("2. reasoning_thought") < text.index("3. final_answer_action")
+    assert text.index("1. env_observation") < text.index("2. env_action") < text.index("3. env_observation")
     assert "logprob  -0.1000  ref  -0.2000" in text
     out = subprocess.run(
         [sys.executable, "-m", "orchestrate.show", str(path), "--index", "0"], capture_output=True, text=True
     )
-    assert out.returncode == 0 and "parse_failure: error no \\boxed{} answer" in out.stdout
+    assert out.returncode == 0 and "no \\boxed{} answer" in out.stdout
     out = subprocess.run(
         [sys.executable, "-m", "orchestrate.show", str(path), "--index", "7"], capture_output=True, text=True
     )
