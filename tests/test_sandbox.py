@@ -3,6 +3,7 @@ and the machine (this process, its files, its network, its process table) is unh
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -313,8 +314,19 @@ def test_killing_the_caller_ends_every_process_of_the_sandbox(tmp_path):
     cgroups = Sandbox(SandboxConfig()).cgroups
     for parent in cgroups.parents if cgroups else []:  # the caller could not remove its run's cgroup: empty, so
         for name in os.listdir(parent):  # removable (a later Sandbox removes such after a minute)
-            if name.startswith(f"tapeloop-sandbox-{caller.pid}-"):
-                os.rmdir(os.path.join(parent, name))
+            if name.startswith(f"tapeloop-sandbox-{caller.pid}-"):  # its last processes may still be exiting
+                assert gone(lambda: _busy_rmdir(os.path.join(parent, name))) == [], f"{parent}/{name} stays busy"
+
+
+def _busy_rmdir(path: str) -> list[str]:
+    """Remove an empty cgroup: [] once removed, [path] while processes are still leaving it (EBUSY)."""
+    try:
+        os.rmdir(path)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return [path]
+    return []
 
 
 # ---- every writable place is bounded
