@@ -315,7 +315,8 @@ def test_killing_the_caller_ends_every_process_of_the_sandbox(tmp_path):
     for parent in cgroups.parents if cgroups else []:  # the caller could not remove its run's cgroup: empty, so
         for name in os.listdir(parent):  # removable (a later Sandbox removes such after a minute)
             if name.startswith(f"tapeloop-sandbox-{caller.pid}-"):  # its last processes may still be exiting
-                assert gone(lambda: _busy_rmdir(os.path.join(parent, name))) == [], f"{parent}/{name} stays busy"
+                path = os.path.join(parent, name)
+                assert gone(lambda path=path: _busy_rmdir(path)) == [], f"{path} stays busy"
 
 
 def _busy_rmdir(path: str) -> list[str]:
