@@ -227,43 +227,42 @@ def test_gsm8k_preset_runs_on_cpu_with_model_data_and_counts_overridden(tiny_mod
     assert (run / "checkpoints" / "000001" / "config.json").is_file()
 
 
-def test_game_preset_two_iterations_chain_every_call_and_replay(embedded_policy_by_url, tmp_path):
+def test_game_preset_chains_every_call_and_replays(embedded_policy_by_url, tmp_path):
     """`--preset game` (guess the number, several turns) with the embedded model through real vLLM and the
-    real trainer, at reduced counts: every call of every episode extends the previous prompt + output
-    exactly, an episode is one training sample, the learner's advantages are written, and every tape
-    replays identically against the environment."""
+    real trainer, at reduced counts (one iteration; later iterations are the other loop tests'): every call
+    of every episode extends the previous prompt + output exactly, an episode is one training sample, the
+    learner's advantages are written, and every tape replays identically against the environment."""
     import asyncio
 
     from contract.rundir import read_advantages
     from orchestrate.replay import agent_from_run_config, replay_tape
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "game", "--run-dir", str(run), "--iterations", "2",
-           "--rollouts.tasks_per_iteration", "3", "--rollouts.attempts", "2", "--eval.every", "2",
+    cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "game", "--run-dir", str(run), "--iterations", "1",
+           "--rollouts.tasks_per_iteration", "3", "--rollouts.attempts", "2", "--eval.every", "1",
            "--eval.tasks", "3", "--server.kv_cache_gib", "1", *embedded_policy_by_url]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     agent = agent_from_run_config(run / "config.json")
     calls = later = 0
-    for i in (1, 2):
-        tapes = list(read_tapes(run / "tapes" / f"iter_{i:06d}.jsonl"))
-        assert len(tapes) == 6
-        for tape in tapes:
-            assert tape.context["env"]["id"] == "game:guess_the_number"
-            for before, after in zip(tape.llm_calls, tape.llm_calls[1:]):
-                n = len(before.prompt_token_ids) + len(before.output_token_ids)
-                assert after.extends_previous is True
-                assert after.prompt_token_ids[:n] == before.prompt_token_ids + before.output_token_ids
-                later += 1
-            calls += len(tape.llm_calls)
-            replayed, diff = asyncio.run(replay_tape(tape, agent))
-            assert diff.identical, diff.report()
-        batch = [json.loads(line) for line in (run / "batches" / f"{i:06d}.jsonl").read_text().splitlines()]
-        assert len(batch) == 6  # one sample per episode, whatever its turns
-        assert [len(s["turns"]) for s in batch] == [t.metadata.turns for t in tapes]
-        credit = read_advantages(run, i)
-        assert set(credit) == {t.metadata.id for t in tapes}
-        assert all(len(credit[t.metadata.id]) == t.metadata.turns for t in tapes)
+    tapes = list(read_tapes(run / "tapes" / "iter_000001.jsonl"))
+    assert len(tapes) == 6
+    for tape in tapes:
+        assert tape.context["env"]["id"] == "game:guess_the_number"
+        for before, after in zip(tape.llm_calls, tape.llm_calls[1:]):
+            n = len(before.prompt_token_ids) + len(before.output_token_ids)
+            assert after.extends_previous is True
+            assert after.prompt_token_ids[:n] == before.prompt_token_ids + before.output_token_ids
+            later += 1
+        calls += len(tape.llm_calls)
+        replayed, diff = asyncio.run(replay_tape(tape, agent))
+        assert diff.identical, diff.report()
+    batch = [json.loads(line) for line in (run / "batches" / "000001.jsonl").read_text().splitlines()]
+    assert len(batch) == 6  # one sample per episode, whatever its turns
+    assert [len(s["turns"]) for s in batch] == [t.metadata.turns for t in tapes]
+    credit = read_advantages(run, 1)
+    assert set(credit) == {t.metadata.id for t in tapes}
+    assert all(len(credit[t.metadata.id]) == t.metadata.turns for t in tapes)
     assert later > 0, "no episode went past its first turn"
     metrics = read_metrics(run / "metrics.jsonl")
     assert all(m.get("prompt_mismatches", 0) == 0 for m in metrics)

@@ -1,7 +1,7 @@
 """vLLM servers started elsewhere, used by URL (issue 23): two policy servers started as a user starts them on
 other nodes (separate processes, the documented `orchestrate.serve` command), the orchestrator using them by
-URL for 2 iterations; then, resumed, one of them killed while an iteration's requests are in flight, and the
-run finishing on the other."""
+URL; one of them killed while the second iteration's requests are in flight, and the run finishing on the
+other. (Resuming a run on servers by URL: tests/test_lora.py and the PPO kill test of tests/test_loop.py.)"""
 
 import json
 import os
@@ -78,33 +78,27 @@ def test_policy_servers_by_url_and_failover_when_one_is_killed(tiny_model_dir, t
             wait_ready(process, url)
         assert not run.exists()  # the servers were started before the run (nothing written by them)
 
-        # 1. two iterations on the two servers by URL; requests go to both
-        out = subprocess.run([*rl, "--iterations", "2"], capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        first = records(run)
-        assert [r["iteration"] for r in first] == [1, 2]
-        for r in first:
-            assert r["server_0_requests"] > 0 and r["server_1_requests"] > 0, r
-            assert r["server_taken_out"] == 0
-
-        # 2. resumed for two more; server 1 is killed while iteration 3's requests run on it
-        resumed = subprocess.Popen(
-            [*rl, "--iterations", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        # three iterations on the two servers by URL: requests go to both; server 1 is killed while
+        # iteration 2's requests run on it, and the run finishes on server 0
+        process = subprocess.Popen(
+            [*rl, "--iterations", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         deadline = time.monotonic() + 600
-        while running(urls[1]) == 0:  # an event: requests of iteration 3 are on server 1
-            assert resumed.poll() is None, resumed.communicate()
-            assert time.monotonic() < deadline, "no request reached server 1"
+        metrics = run / "metrics.jsonl"
+        while not metrics.exists() or metrics.read_text().count("\n") < 1 or running(urls[1]) == 0:
+            assert process.poll() is None, process.communicate()  # events: iteration 1 recorded, then
+            assert time.monotonic() < deadline, "no request of iteration 2 reached server 1"  # requests on 1
             time.sleep(0.02)
         os.killpg(servers[1].pid, signal.SIGKILL)
-        stdout, stderr = resumed.communicate(timeout=900)
-        assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
-        after = records(run)
-        assert [r["iteration"] for r in after] == [1, 2, 3, 4]
-        third, fourth = after[2], after[3]
-        assert third["server_taken_out"] >= 1 and third["server_retries"] >= 1, third
-        assert third["tapes"] == 32 and third["infra_errors"] == 0
-        assert fourth["server_1_requests"] == 0 and fourth["server_0_requests"] > 0, fourth
+        stdout, stderr = process.communicate(timeout=900)
+        assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        first, second, third = records(run)
+        assert [r["iteration"] for r in (first, second, third)] == [1, 2, 3]
+        assert first["server_0_requests"] > 0 and first["server_1_requests"] > 0, first
+        assert first["server_taken_out"] == 0
+        assert second["server_taken_out"] >= 1 and second["server_retries"] >= 1, second
+        assert second["tapes"] == 32 and second["infra_errors"] == 0
+        assert third["server_1_requests"] == 0 and third["server_0_requests"] > 0, third
         assert "Traceback" not in stderr
     finally:
         for process in servers:
