@@ -110,7 +110,7 @@ class Sample(BaseModel):
         default=None,
         ge=0,
         description="Optional: the policy version (checkpoint number; 0 = initial) that "
-        "generated it, the oldest of its calls'. The learner's lag = its own version - this.",
+        "generated it, the oldest of its calls'. Its lag in the learner: `lag` below.",
     )
     version_changes: list[tuple[int, int]] | None = Field(
         default=None,
@@ -166,6 +166,12 @@ class Sample(BaseModel):
         if self.turns is None:
             return list(range(len(self.completion_ids)))
         return [t.start + k for t in self.turns for k in range(t.length)]
+
+
+def lag(batch_index: int, version: int) -> int:
+    """How many versions behind the weights that train it a token of `version` is: batch b trains version
+    b - 1 (the policy after b - 1 updates) into version b."""
+    return batch_index - 1 - version
 
 
 class BatchFormatError(ValueError):

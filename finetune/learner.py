@@ -26,13 +26,16 @@ import os
 import shutil
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from contract.batch import Sample
+from contract.batch import Sample, lag
+from contract.rundir import TRAINER_PROGRESS, TRAINER_STATE_DIR
 from finetune.config import TrainConfig
 from finetune.critic import CriticBatch
 from finetune.estimators import turn_advantages
@@ -73,27 +76,44 @@ def folder_dtype(model_dir: Path) -> str:
     return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
 
 
+@dataclass
+class StepSums:
+    """What a step's micro-batches add up to, by kind: the base sums (loss, entropy, token and slot counts),
+    the training-inference mismatch over lag-0 tokens (sum of |gap|, of the ratio e^gap, and their count;
+    first step of a batch only), the loss's terms (summed as they are) and its per-token sums (divided by
+    the step's completion tokens when reported); and the extremes of per-token values as (max, min)."""
+
+    base: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("loss", "entropy", "tokens", "slots"), 0.0))
+    mismatch: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("abs", "ratio", "n"), 0.0))
+    terms: dict[str, float] = field(default_factory=dict)
+    token_sums: dict[str, float] = field(default_factory=dict)
+    extremes: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    CHANNELS: ClassVar[tuple[str, ...]] = ("base", "mismatch", "terms", "token_sums")
+
+
 class _StepTally:
-    """What this process's micro-batches add up to in one step: sums (loss terms, per-token sums, counts)
-    and the extremes of per-token values, by name."""
+    """This process's StepSums in one step, added micro-batch by micro-batch, then reduced over processes."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
+        self.sums = StepSums()
         self.maxes: dict[str, torch.Tensor] = {}
         self.mins: dict[str, torch.Tensor] = {}
 
-    def add(self, values: dict[str, float]) -> None:
+    def add(self, channel: str, values: dict[str, float]) -> None:
+        into = getattr(self.sums, channel)
         for name, value in values.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
+            into[name] = into.get(name, 0.0) + value
 
     def extreme(self, name: str, hi: torch.Tensor, lo: torch.Tensor) -> None:
         self.maxes[name] = torch.maximum(self.maxes[name], hi) if name in self.maxes else hi
         self.mins[name] = torch.minimum(self.mins[name], lo) if name in self.mins else lo
 
-    def reduce(self, acc: Accelerator) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
-        """The sums and the (max, min) of each extreme over all processes, by name in sorted order."""
-        names = sorted(self.sums)  # the same keys on every process (the same loss)
-        totals = torch.tensor([self.sums[n] for n in names], dtype=torch.float64)
+    def reduce(self, acc: Accelerator) -> StepSums:
+        """The sums and the (max, min) of each extreme over all processes (the same keys on every process:
+        the same loss)."""
+        keys = [(c, n) for c in StepSums.CHANNELS for n in sorted(getattr(self.sums, c))]
+        totals = torch.tensor([getattr(self.sums, c)[n] for c, n in keys], dtype=torch.float64)
         extremes = sorted(self.maxes)
         empty = torch.zeros(0, dtype=torch.float64)
         hi = torch.stack([self.maxes[n] for n in extremes]).double() if extremes else empty
@@ -102,26 +122,24 @@ class _StepTally:
             totals = acc.reduce(totals.to(acc.device), "sum").cpu()
             hi = acc.gather(hi[None].to(acc.device)).amax(0).cpu()
             lo = acc.gather(lo[None].to(acc.device)).amin(0).cpu()
-        return dict(zip(names, totals.tolist())), dict(zip(extremes, zip(hi.tolist(), lo.tolist())))
+        out = StepSums(extremes=dict(zip(extremes, zip(hi.tolist(), lo.tolist()))))
+        for (channel, name), value in zip(keys, totals.tolist()):
+            getattr(out, channel)[name] = value
+        return out
 
 
-def loss_metrics(sums: dict[str, float], extremes: dict[str, tuple[float, float]], n_completion: int) -> dict:
+def loss_metrics(sums: StepSums, n_completion: int) -> dict:
     """A step's loss, entropy per token, training-inference mismatch (when measured), the loss's terms, its
-    per-token means ("#name" sums) and extremes, from the sums over its micro-batches and processes."""
-    sums = dict(sums)
-    m = {"loss": sums.pop("loss"), "entropy": sums.pop("entropy") / n_completion}
-    mm_n = sums.pop("mm_n", 0.0)
-    mm_abs, mm_ratio = sums.pop("mm_abs", 0.0), sums.pop("mm_ratio", 0.0)
-    if mm_n:  # the training-inference mismatch (first step of a batch only)
-        m.update(mismatch_abs_logp=mm_abs / mm_n, tis_ratio_mean=mm_ratio / mm_n)
-    for name, value in sums.items():  # the loss's terms, then its per-token means
-        if name.startswith("#"):
-            m[name[1:]] = value / n_completion
-        else:
-            m[name] = value
-    for name, (hi, lo) in extremes.items():
+    per-token means and extremes."""
+    m = {"loss": sums.base["loss"], "entropy": sums.base["entropy"] / n_completion}
+    measured = sums.mismatch["n"]
+    if measured:  # the training-inference mismatch (first step of a batch only)
+        m.update(mismatch_abs_logp=sums.mismatch["abs"] / measured, tis_ratio_mean=sums.mismatch["ratio"] / measured)
+    m.update(sums.terms)
+    m.update({name: value / n_completion for name, value in sums.token_sums.items()})
+    for name, (hi, lo) in sums.extremes.items():
         if name == "tis_ratio":
-            if mm_n:
+            if measured:
                 m["tis_ratio_max"] = hi
             continue
         m[f"{name}_max"], m[f"{name}_min"] = hi, lo
@@ -301,7 +319,7 @@ class Learner:
         self._trainer_old = self.logprobs(samples) if cfg.tis_cap is not None else None
         # The training-inference mismatch is measured in the batch's first step (log-probs not yet updated),
         # over tokens of lag 0 (sampled by the weights trained here) or of unknown version.
-        self._lag0 = [[v is None or batch_index - 1 - v == 0 for v in s.token_versions()] for s in samples]
+        self._lag0 = [[v is None or lag(batch_index, v) == 0 for v in s.token_versions()] for s in samples]
         self._fresh = True
         before = self._fingerprint()  # the weights before the batch's first step
         for epoch in range(cfg.epochs):
@@ -345,16 +363,16 @@ class Learner:
     def _drop_stale(self, samples: list[Sample], batch_index: int) -> tuple[list[Sample], dict]:
         """Samples within max_lag of the version that trains them (batch b trains version b - 1), and the
         lag figures: lag_mean and lag_max over samples of known version, stale_dropped."""
-        lags = [batch_index - 1 - s.policy_version for s in samples if s.policy_version is not None]
+        lags = [lag(batch_index, s.policy_version) for s in samples if s.policy_version is not None]
         stats: dict = {"stale_dropped": 0}
         if lags:
             stats.update(lag_mean=sum(lags) / len(lags), lag_max=max(lags))
-            tokens = [batch_index - 1 - v for s in samples for v in s.token_versions() if v is not None]
+            tokens = [lag(batch_index, v) for s in samples for v in s.token_versions() if v is not None]
             stats["lag_token_mean"] = sum(tokens) / len(tokens) if tokens else 0.0  # each token's own version
         bound = self.config.max_lag
         if bound is None:
             return samples, stats
-        kept = [s for s in samples if s.policy_version is None or batch_index - 1 - s.policy_version <= bound]
+        kept = [s for s in samples if s.policy_version is None or lag(batch_index, s.policy_version) <= bound]
         stats["stale_dropped"] = len(samples) - len(kept)
         return kept, stats
 
@@ -412,10 +430,10 @@ class Learner:
                 self._tally(tally, mb, seqs, rows, out, result, vllm_logp)
                 self._report_progress(mb)
         grad_norm, critic_norm = self._apply_gradients()
-        sums, extremes = tally.reduce(self.accelerator)
+        sums = tally.reduce(self.accelerator)
         seconds = time.perf_counter() - t0
-        tokens, slots = sums.pop("tokens"), sums.pop("slots")
-        m = {"step": self.step, **loss_metrics(sums, extremes, n_completion)}
+        tokens, slots = sums.base["tokens"], sums.base["slots"]
+        m = {"step": self.step, **loss_metrics(sums, n_completion)}
         m.update(advantage_metrics(torch.cat([advantages[i] for i in idx])))  # per trained token
         m["reward_mean"] = float(rewards[idx].mean())
         m["grad_norm"] = float(grad_norm)
@@ -527,28 +545,23 @@ class Learner:
     def _tally(self, tally: _StepTally, mb, seqs, rows, out, result, vllm_logp) -> None:
         """Add one micro-batch's loss, entropy, token counts and the loss's terms and extremes to the step's;
         on the batch's first step, its training-inference mismatch too."""
-        add = {
-            "loss": result.loss.item(),
-            "entropy": out.entropy.detach().sum().item(),
-            "tokens": mb.n_tokens,
-            "slots": mb.n_slots,
-        }
+        tally.add("base", {"loss": result.loss.item(), "entropy": out.entropy.detach().sum().item(),
+                           "tokens": mb.n_tokens, "slots": mb.n_slots})  # fmt: skip
         if self._fresh:
-            add.update(self._mismatch(tally, seqs, rows, out.logp, vllm_logp))
-        add.update({name: value.item() for name, value in result.terms.items()})
-        add.update({f"#{name}": value.sum().item() for name, value in result.token_means.items()})
-        tally.add(add)
+            tally.add("mismatch", self._mismatch(tally, seqs, rows, out.logp, vllm_logp))
+        tally.add("terms", {name: value.item() for name, value in result.terms.items()})
+        tally.add("token_sums", {name: value.sum().item() for name, value in result.token_means.items()})
         for name, value in result.token_extremes.items():
             tally.extreme(name, value.max().detach().cpu(), value.min().detach().cpu())
 
     def _mismatch(self, tally: _StepTally, seqs, rows, logp, vllm_logp) -> dict[str, float]:
         """The gap between the trainer's and vLLM's log-probs over the micro-batch's lag-0 tokens: sums of
-        |gap| and of the ratio e^gap and their count (mm_abs, mm_ratio, mm_n); the ratio's max goes to the tally."""
+        |gap| and of the ratio e^gap and their count (StepSums.mismatch); the ratio's max goes to the tally."""
         lag0 = torch.tensor([flag for r in rows for flag in self._lag0[r]])
         gap = (logp.detach().float().cpu() - vllm_logp)[lag0]
         hi = gap.exp().max() if len(gap) else torch.tensor(-math.inf)
         tally.extreme("tis_ratio", hi, torch.tensor(math.inf))  # its minimum is not reported
-        return {"mm_abs": gap.abs().sum().item(), "mm_ratio": gap.exp().sum().item(), "mm_n": float(len(gap))}
+        return {"abs": gap.abs().sum().item(), "ratio": gap.exp().sum().item(), "n": float(len(gap))}
 
     def _report_progress(self, mb) -> None:
         """Count the micro-batch's completion tokens (on every process) and tell on_progress."""
@@ -697,9 +710,9 @@ class Learner:
         """trainer_state/ (weights in full precision, optimizer states, RNG, PPO's critic, progress) to
         resume from. Every process must call it (each adds its own RNG state)."""
         acc = self.accelerator
-        acc.save_state(str(Path(folder) / "trainer_state"))
+        acc.save_state(str(Path(folder) / TRAINER_STATE_DIR))
         if acc.is_main_process:
-            (Path(folder) / "trainer_state" / "progress.json").write_text(
+            (Path(folder) / TRAINER_STATE_DIR / TRAINER_PROGRESS).write_text(
                 json.dumps({**progress, "optimizer_step": self.step}) + "\n"
             )
         acc.wait_for_everyone()
@@ -718,13 +731,13 @@ class Learner:
 
         The learner must be built from the run's initial model (its
         architecture, tied head included); the weights come from here."""
-        folder = Path(folder) / "trainer_state"
+        folder = Path(folder) / TRAINER_STATE_DIR
         if self.config.lora.rank > 0 and self.accelerator.distributed_type != DistributedType.FSDP:
             self._check_trainable(folder)
             self.accelerator.load_state(str(folder), strict=False)  # the frozen base is not in it
         else:
             self.accelerator.load_state(str(folder))
-        progress = json.loads((folder / "progress.json").read_text())
+        progress = json.loads((folder / TRAINER_PROGRESS).read_text())
         self.step = int(progress["optimizer_step"])
         return progress
 

@@ -388,15 +388,18 @@ def test_tis_with_equal_logprobs_is_the_plain_step_and_a_cap_bounds_a_large_rati
 
 
 def test_loss_metrics_report_the_mismatch_only_where_measured_and_per_token_means_per_token():
-    from finetune.learner import loss_metrics
+    from finetune.learner import StepSums, loss_metrics
 
-    sums = {"loss": 2.0, "entropy": 8.0, "pg_loss": 1.5, "#clip_frac": 2.0}
-    extremes = {"ratio": (1.5, 0.5), "tis_ratio": (3.0, math.inf)}
-    later = loss_metrics(sums, extremes, n_completion=4)  # not the batch's first step: nothing measured
+    def sums(**mismatch) -> StepSums:
+        return StepSums(base={"loss": 2.0, "entropy": 8.0, "tokens": 9.0, "slots": 12.0}, terms={"pg_loss": 1.5},
+                        token_sums={"clip_frac": 2.0}, extremes={"ratio": (1.5, 0.5), "tis_ratio": (3.0, math.inf)},
+                        **({"mismatch": mismatch} if mismatch else {}))  # fmt: skip
+
+    later = loss_metrics(sums(), n_completion=4)  # not the batch's first step: nothing measured
     assert later == {"loss": 2.0, "entropy": 2.0, "clip_frac": 0.5, "pg_loss": 1.5, "ratio_max": 1.5, "ratio_min": 0.5}
-    first = loss_metrics({**sums, "mm_abs": 0.4, "mm_ratio": 5.0, "mm_n": 4.0}, extremes, n_completion=4)
+    first = loss_metrics(sums(abs=0.4, ratio=5.0, n=4.0), n_completion=4)
     assert first["mismatch_abs_logp"] == 0.1 and first["tis_ratio_mean"] == 1.25 and first["tis_ratio_max"] == 3.0
-    assert "tis_ratio_min" not in first and "mm_n" not in first
+    assert "tis_ratio_min" not in first
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------
