@@ -59,7 +59,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from contract.batch import list_batches
+from contract.batch import batch_file, list_batches
 from contract.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
 
 # What phase.json names, in the order of an iteration (see orchestrate/loop.py): "starting" before the first
@@ -91,6 +91,7 @@ ADVANTAGES_DIR = "advantages"
 LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, weights_changed}
 TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint a learner can resume from
+TRAINER_PROGRESS = "progress.json"  # in TRAINER_STATE_DIR, written last: {batch, samples, optimizer_step}
 WEIGHTS_FILE = "config.json"  # the file of a checkpoint's Hugging Face folder written last: the weights are whole
 ADAPTER_DIR = "adapter"  # in each checkpoint of a LoRA run: the adapter (finetune.lora.write_adapter)
 ADAPTER_CONFIG = "adapter_config.json"  # peft's; written last (finetune.lora): an adapter folder with it is whole
@@ -221,7 +222,7 @@ class RunDir:
     # ---- shared with the learner ---------------------------------------------------------------------
 
     def batch(self, index: int) -> Path:
-        return self.batches / f"{index:06d}.jsonl"
+        return batch_file(self.batches, index)
 
     def checkpoint(self, index: int) -> Path:
         return self.checkpoints / f"{index:06d}"
@@ -252,7 +253,7 @@ class RunDir:
         return (self.adapter(index) / ADAPTER_CONFIG).is_file()
 
     def has_trainer_state(self, index: int) -> bool:
-        return (self.checkpoint(index) / TRAINER_STATE_DIR / "progress.json").is_file()
+        return (self.checkpoint(index) / TRAINER_STATE_DIR / TRAINER_PROGRESS).is_file()
 
     def transfer_manifest(self, index: int) -> dict | None:
         """checkpoints/N/transfer.json: the weights of version N sent in memory (None: not sent)."""

@@ -85,6 +85,7 @@ from contract.cli import (
     nest,
     refuse_repeated,
 )
+from contract.rundir import TRAINER_STATE_DIR
 from finetune.config import LoraOptions, TrainConfig
 from finetune.losses import LOSSES
 
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument_group("LoRA adapters (finetune.config.LoraOptions)"), LoraOptions, "lora.", dash=True
     )
     for loss, spec in LOSSES.items():
-        group = parser.add_argument_group(f"options of --algorithm {loss} (finetune.losses)")
+        group = parser.add_argument_group(f"options of --loss {loss} (finetune.losses)")
         add_options(group, spec.config, f"{loss}.", dash=True)
     return parser
 
@@ -533,7 +534,7 @@ class _Session:
             from contract.durable import fsync_tree
 
             fsync_tree(aside)
-            os.rename(aside / "trainer_state", folder / "trainer_state")
+            os.rename(aside / TRAINER_STATE_DIR, folder / TRAINER_STATE_DIR)
             shutil.rmtree(aside, ignore_errors=True)
             self.run.drop_old_trainer_states(keep=self.last)
             log.info("full trainer state of version %d saved (clean stop)", self.last)

@@ -373,7 +373,7 @@ class RunIndex:
     def refresh(self) -> list[IndexedFile]:
         """Index new or changed tape files; returns them in order (rollouts by iteration, then evals)."""
         with self._lock:
-            folder = self.root / "tapes"
+            folder = RunDir(self.root).tapes
             present = {}
             for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
                 m = TAPE_FILE.match(path.name)
@@ -418,10 +418,9 @@ class RunIndex:
             if not self._tokenizer_loaded:
                 self._tokenizer_loaded = True
                 candidates = [Path(self._tokenizer_path)] if self._tokenizer_path else []
-                checkpoints = RunDir(self.root).checkpoints
-                if not candidates and checkpoints.is_dir():
-                    candidates += sorted((p for p in checkpoints.iterdir() if p.name.isdigit() and inside(self.root, p)),
-                                         reverse=True)  # fmt: skip
+                if not candidates:
+                    run = RunDir(self.root)
+                    candidates += [p for i in reversed(run.published()) if inside(self.root, p := run.checkpoint(i))]
                 policy = ((self.config() or {}).get("model") or {}).get("policy")
                 if not self._tokenizer_path and policy:
                     candidates.append(Path(policy))
@@ -701,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     root = Path(args.run_dir)
-    if not (root / "tapes").is_dir():
+    if not RunDir(root).tapes.is_dir():
         parser.error(f"run_dir {root}: no tapes/ folder here; pass a run directory (e.g. runs/embedded)")
     try:
         server = serve(root, args.host, args.port, args.tokenizer)

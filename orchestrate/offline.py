@@ -74,10 +74,6 @@ FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
 RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
-class OfflineError(ValueError):
-    """Bad input; the message is one line starting with the option."""
-
-
 # -- inputs ---------------------------------------------------------------------
 
 
@@ -86,10 +82,10 @@ def parse_range(text: str | None) -> tuple[int, int] | None:
         return None
     m = RANGE.match(text)
     if not m:
-        raise OfflineError(f"--iterations: {text!r} is not N or A-B (e.g. 3 or 3-10)")
+        raise ConfigError(f"--iterations: {text!r} is not N or A-B (e.g. 3 or 3-10)")
     low, high = int(m.group(1)), int(m.group(2) or m.group(1))
     if high < low:
-        raise OfflineError(f"--iterations: {text!r} is an empty range")
+        raise ConfigError(f"--iterations: {text!r} is an empty range")
     return low, high
 
 
@@ -98,7 +94,7 @@ def parse_filter(text: str) -> Callable[[Tape], bool]:
         return lambda tape: True
     m = FILTER.match(text)
     if not m:
-        raise OfflineError(f"--filter: {text!r} is not 'all' or a reward condition such as 'reward>0'")
+        raise ConfigError(f"--filter: {text!r} is not 'all' or a reward condition such as 'reward>0'")
     op, value = m.group(1), float(m.group(2))
     compare = {"<": float.__lt__, ">": float.__gt__, "<=": float.__le__, ">=": float.__ge__,
                "=": float.__eq__, "==": float.__eq__, "!=": float.__ne__}[op]  # fmt: skip
@@ -111,18 +107,18 @@ def tape_files(inputs: list[str], iterations: tuple[int, int] | None) -> list[Pa
     for text in inputs:
         path = Path(text)
         if path.is_dir():
-            folder = path / "tapes" if (path / "tapes").is_dir() else path
+            folder = RunDir(path).tapes if RunDir(path).tapes.is_dir() else path
             found = sorted(f for f in folder.glob("iter_*.jsonl") if re.fullmatch(r"iter_\d+", f.stem))
             if iterations:
                 found = [f for f in found if iterations[0] <= int(f.stem.split("_")[1]) <= iterations[1]]
             if not found:
                 within = f" within iterations {iterations[0]}-{iterations[1]}" if iterations else ""
-                raise OfflineError(f"--tapes: {path} holds no rollout tape files (tapes/iter_*.jsonl){within}")
+                raise ConfigError(f"--tapes: {path} holds no rollout tape files (tapes/iter_*.jsonl){within}")
             files += found
         elif path.is_file():
             files.append(path)
         else:
-            raise OfflineError(f"--tapes: {path} is neither a run directory nor a tape file")
+            raise ConfigError(f"--tapes: {path} is neither a run directory nor a tape file")
     return files
 
 
@@ -138,9 +134,9 @@ def load_reward(spec: str | None, rescore: bool):
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise OfflineError(f"--reward: cannot import {spec!r} ({exc}); give it as module:function") from None
+        raise ConfigError(f"--reward: cannot import {spec!r} ({exc}); give it as module:function") from None
     if not callable(fn):
-        raise OfflineError(f"--reward: {spec!r} is not callable")
+        raise ConfigError(f"--reward: {spec!r} is not callable")
     return fn
 
 
@@ -257,10 +253,8 @@ def _section(cls, base: dict, overrides: dict, prefix: str):
         section = cls.model_validate(data)
         check_finite(section.model_dump(), f"{prefix}.")
         return section
-    except ConfigError as exc:
-        raise OfflineError(str(exc)) from None
     except ValidationError as exc:
-        raise OfflineError(error_line(exc, f"{prefix}.")) from None
+        raise ConfigError(error_line(exc, f"{prefix}.")) from None
 
 
 @dataclass(frozen=True)
@@ -281,22 +275,22 @@ class Inputs:
 
 
 def resolve(args: argparse.Namespace) -> Inputs:
-    """Check every option before anything heavy loads; OfflineError names the first bad one."""
+    """Check every option before anything heavy loads; ConfigError names the first bad one."""
     iterations = parse_range(args.iterations)
     keep = parse_filter(args.filter)
     files = tape_files(args.tapes, iterations)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise OfflineError(f"--out: {out} is a file")
+        raise ConfigError(f"--out: {out} is a file")
     if RunDir(out).newest_checkpoint():
-        raise OfflineError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
+        raise ConfigError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
     run_config = {}
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
     if len(runs) == 1 and (config_path := RunDir(runs.pop()).config_path).is_file():
         try:
             run_config = upgrade_saved(json.loads(config_path.read_text()))
         except (OSError, json.JSONDecodeError) as exc:
-            raise OfflineError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
+            raise ConfigError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
     train_base = dict(run_config.get("train", {}))
     if "train.algorithm" in overrides and parse_value(overrides["train.algorithm"]) != train_base.get("algorithm"):
@@ -306,12 +300,12 @@ def resolve(args: argparse.Namespace) -> Inputs:
     if args.model and is_adapter(args.model):  # train this adapter on, on its base model
         adapter = Path(args.model)
         if given_lora := sorted(k for k in overrides if k.startswith("train.lora.")):
-            raise OfflineError(f"--{given_lora[0]}: --model {adapter} is an adapter, whose folder sets the LoRA "
+            raise ConfigError(f"--{given_lora[0]}: --model {adapter} is an adapter, whose folder sets the LoRA "
                                "options; leave them out (or pass its base model as --model for a new adapter)")  # fmt: skip
         model_name = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or (
             (run_config.get("model") or {}).get("policy"))  # fmt: skip
         if not model_name:
-            raise OfflineError(f"--model: {adapter}/{ADAPTER_CONFIG} names no base model and no run config does")
+            raise ConfigError(f"--model: {adapter}/{ADAPTER_CONFIG} names no base model and no run config does")
         train_base["lora"] = adapter_options(adapter)
     train = _section(
         TrainConfig,
@@ -332,23 +326,23 @@ def resolve(args: argparse.Namespace) -> Inputs:
         "server",
     )
     if trainer.accelerate_config and not Path(trainer.accelerate_config).is_file():
-        raise OfflineError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
+        raise ConfigError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
     from agents.models import ModelNotAvailable, resolve_model
 
     if not model_name:
-        raise OfflineError("--model: no run config.json to take the initial policy from; pass --model")
+        raise ConfigError("--model: no run config.json to take the initial policy from; pass --model")
     try:
         model_dir = resolve_model(model_name)
     except ModelNotAvailable as exc:
-        raise OfflineError(f"--model: {exc}") from None
+        raise ConfigError(f"--model: {exc}") from None
     if adapter is not None and (problem := adapter_mismatch(adapter, model_dir)):
-        raise OfflineError(f"--model: the adapter does not fit its base model: {problem}")
+        raise ConfigError(f"--model: the adapter does not fit its base model: {problem}")
     reference_dir = None
     if args.reference:
         try:
             reference_dir = resolve_model(args.reference)
         except ModelNotAvailable as exc:
-            raise OfflineError(f"--reference: {exc}") from None
+            raise ConfigError(f"--reference: {exc}") from None
     reward_fn = load_reward(args.reward, args.rescore)
     return Inputs(files, keep, out, train, trainer, server, Path(model_dir), reference_dir and Path(reference_dir),
                   reward_fn, iterations)  # fmt: skip
@@ -370,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                                  progress=not args.no_progress)  # fmt: skip
         require_ref = check_reference(tapes, given.train, given.reference_dir)
         run = open_out(given.out)
-    except OfflineError as exc:
+    except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     run.save_config({
         "tapes": [str(f) for f in given.files], "iterations": args.iterations, "filter": args.filter,
@@ -386,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = train_once(trainer, tapes, require_ref, given.reference_dir, given.server,
                                 f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
                                 progress=not args.no_progress)  # fmt: skip
-    except OfflineError as exc:
+    except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     except TrainerError as exc:
         cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
@@ -397,18 +391,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read(files: list[Path], iterations: tuple[int, int] | None, progress: bool) -> list[Tape]:
-    """The tapes of `files` within `iterations`; OfflineError when there are none or they are not rollout tapes."""
+    """The tapes of `files` within `iterations`; ConfigError when there are none or they are not rollout tapes."""
     tapes: list[Tape] = []
     try:
         for path in progress_bar(files, desc="read tapes", unit="file", disable=not progress, leave=False):
             tapes += [t for t in read_tapes(path)
                       if iterations is None or iterations[0] <= t.metadata.iteration <= iterations[1]]  # fmt: skip
     except TapeFileError as exc:
-        raise OfflineError(f"--tapes: {exc}") from None
+        raise ConfigError(f"--tapes: {exc}") from None
     if not tapes:
-        raise OfflineError("--tapes: no tapes found in the given files")
+        raise ConfigError("--tapes: no tapes found in the given files")
     if problem := _missing_fields(tapes):
-        raise OfflineError(f"--tapes: {problem}")
+        raise ConfigError(f"--tapes: {problem}")
     return tapes
 
 
@@ -418,15 +412,15 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     if reward_fn is not None:
         rescore(tapes, reward_fn, progress)
     if unscored := sum(t.metadata.reward is None for t in tapes):
-        raise OfflineError(f"--rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward")
+        raise ConfigError(f"--rescore: {unscored} tapes have no reward; re-score them with --rescore or --reward")
     if greedy := sum(1 for t in tapes if any(c.sampling.temperature <= 0 for c in t.llm_calls)):
-        raise OfflineError(f"--tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
+        raise ConfigError(f"--tapes: {greedy} tapes were sampled at temperature 0 (evaluation tapes?): their "
                            "log-probs are not of a distribution the learner can train against; leave them out")  # fmt: skip
     kept = [t for t in tapes if keep(t)]
     if not kept:
-        raise OfflineError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
+        raise ConfigError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
     if "group" in ESTIMATORS[train.estimator].needs and not groups_with_signal(kept):
-        raise OfflineError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
+        raise ConfigError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
                            "(--train.algorithm reinforce, no baseline: rejection-sampling fine-tuning)")  # fmt: skip
@@ -434,11 +428,11 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
 
 
 def check_reference(tapes: list[Tape], train, reference_dir: Path | None) -> bool:
-    """Whether training needs reference log-probs; OfflineError when the tapes lack them and none will be added."""
+    """Whether training needs reference log-probs; ConfigError when the tapes lack them and none will be added."""
     missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
     if train.needs_reference and missing and reference_dir is None:
         what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
-        raise OfflineError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL, or "
+        raise ConfigError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL, or "
                            f"{what} 0")  # fmt: skip
     return train.needs_reference
 
@@ -454,7 +448,7 @@ def open_out(out: Path):
         out.mkdir(parents=True, exist_ok=True)
         _lock = RunLock(out).acquire()  # released when the process exits
     except (PreflightError, RunDirInUse, OSError) as exc:
-        raise OfflineError(f"--out: {str(exc).removeprefix('--out: ')}") from None
+        raise ConfigError(f"--out: {str(exc).removeprefix('--out: ')}") from None
     run = RunDir(out)
     run.create()
     return run
@@ -482,7 +476,7 @@ def train_once(
         try:
             write_samples(run.batch(1), tapes, require_ref=require_ref)
         except SampleError as exc:
-            raise OfflineError(f"--tapes: {exc}") from None
+            raise ConfigError(f"--tapes: {exc}") from None
         print(f"{summary} ({groups_with_signal(tapes)} groups with differing rewards); training "
               f"{trainer.model_dir.name} ...", flush=True)  # fmt: skip
         if not trainer.started:

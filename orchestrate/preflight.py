@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from contract.rundir import RunDir
+
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 # Suffixes that mark a value as meant to be a file (not a hub id such as "openai/gsm8k").
 FILE_LIKE_SUFFIXES = (*DATA_SUFFIXES, ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".xlsx", ".yaml", ".toml")
@@ -247,7 +249,7 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
         key = read_api_key(s.api_key_file)
     except APIKeyMissing as exc:
         raise PreflightError(str(exc)) from None
-    folder = (Path(run_root) / "checkpoints").resolve()
+    folder = RunDir(run_root).checkpoints.resolve()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     for option, url, role in wanted:

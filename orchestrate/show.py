@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from contract.kl import k3
-from contract.rundir import advantages_file, read_advantages
+from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.browse import TAPE_FILE, credit_for, episode_view
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
@@ -235,9 +235,10 @@ def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
     """The learner's turns for a tape of RUN/tapes/iter_NNNNNN.jsonl (from RUN/advantages/NNNNNN.jsonl) and a
     note; (None, "") when the file is not in a run directory's tapes/ folder."""
     match = TAPE_FILE.match(path.name)
-    if match is None or path.resolve().parent.name != "tapes":
+    root = path.resolve().parent.parent
+    if match is None or path.resolve().parent != RunDir(root).tapes:
         return None, ""
-    root, iteration = path.resolve().parent.parent, int(match.group(2))
+    iteration = int(match.group(2))
     adv = advantages_file(root, iteration)
     advantages = read_advantages(root, iteration) if adv.is_file() else None
     kind = "rollout" if match.group(1) == "iter" else "eval"

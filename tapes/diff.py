@@ -33,10 +33,6 @@ class TapeDiff(BaseModel):
     def identical(self) -> bool:
         return not (self.steps or self.reward or self.reward_reason or self.notes)
 
-    @property
-    def first_step(self) -> StepDifference | None:
-        return self.steps[0] if self.steps else None
-
     def report(self) -> str:
         """Human-readable, one difference per line block, the first differing step first."""
         how = f" ({'; '.join(self.how)})" if self.how else ""

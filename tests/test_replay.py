@@ -79,7 +79,7 @@ def test_multi_turn_replay_and_diff_without_servers(tokenizer):
     other = long.model_copy(deep=True)
     other.context["env"]["options"]["high"] = 20
     _, diff = asyncio.run(replay_tape(other, game_agent(tokenizer)))
-    assert diff.first_step.index == 0 and "text" in diff.first_step.fields
+    assert diff.steps[0].index == 0 and "text" in diff.steps[0].fields
     # a tape whose recorded answer now wins sooner: the replay stops early and says so
     edited = long.model_copy(deep=True)
     seed = edited.context["env"]["seed"]
@@ -93,7 +93,7 @@ def test_multi_turn_replay_and_diff_without_servers(tokenizer):
     edited.llm_calls[0].output_text = f"\\boxed{{{answer}}}"
     edited.steps[1].text = edited.llm_calls[0].output_text
     _, diff = asyncio.run(replay_tape(edited, game_agent(tokenizer)))
-    assert not diff.identical and diff.first_step.index == 2 and "terminated" in diff.first_step.fields
+    assert not diff.identical and diff.steps[0].index == 2 and "terminated" in diff.steps[0].fields
     assert any("the agent made 1 calls" in note for note in diff.notes)
 
 
