@@ -75,7 +75,7 @@ class Study(NamedTuple):
     made_by: str
 
 
-ALGORITHMS = Study(RECIPES, "algorithms", "bench/compare_algorithms.py")
+STUDY = Study(RECIPES, "algorithms", "bench/compare_algorithms.py")
 
 
 class Refused(Exception):
@@ -87,7 +87,7 @@ class OneLineParser(argparse.ArgumentParser):
         raise Refused(message)
 
 
-def parse_args(argv: list[str] | None = None, study: Study = ALGORITHMS) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, study: Study = STUDY) -> argparse.Namespace:
     recipes = study.recipes
     parser = OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", type=Path, required=True, help="run directories (OUT/RECIPE), logs, table, plot")
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None, study: Study = ALGORITHMS) -> argp
 OWN_OPTIONS = ("--preset", "--run-dir", "--run.iterations", "--run.max_minutes", "--eval.every", "--eval.tasks")
 
 
-def common_options(text: str, study: Study = ALGORITHMS) -> list[str]:
+def common_options(text: str, study: Study = STUDY) -> list[str]:
     """--options as argv, or Refused naming an option this script or a recipe sets (checked against
     orchestrate.rl's own parser later, in `resolved`)."""
     try:
@@ -150,7 +150,7 @@ def common_options(text: str, study: Study = ALGORITHMS) -> list[str]:
 
 
 def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes: float,
-                study: Study = ALGORITHMS) -> list[str]:  # fmt: skip
+                study: Study = STUDY) -> list[str]:  # fmt: skip
     """orchestrate.rl's arguments for one recipe's run."""
     argv = ["--preset", PRESET, "--run-dir", str(run_dir), "--run.iterations", str(ITERATIONS),
             "--run.max_minutes", f"{max_minutes:g}", "--eval.every", str(args.eval_every)]  # fmt: skip
@@ -289,7 +289,7 @@ def table(rows: dict[str, dict], marks: list[float]) -> str:
     return "\n".join(lines)
 
 
-def runs(out: Path, marks: list[float], study: Study = ALGORITHMS) -> dict[str, dict]:
+def runs(out: Path, marks: list[float], study: Study = STUDY) -> dict[str, dict]:
     """Every recipe's run found in OUT (OUT/RECIPE/metrics.jsonl), summarised at `marks`, in RECIPES' order."""
     rows = {}
     for name in study.recipes:
@@ -299,7 +299,7 @@ def runs(out: Path, marks: list[float], study: Study = ALGORITHMS) -> dict[str, 
     return rows
 
 
-def report(out: Path, marks: list[float], plot_copy: Path | None, study: Study = ALGORITHMS) -> str:
+def report(out: Path, marks: list[float], plot_copy: Path | None, study: Study = STUDY) -> str:
     """OUT/table.md and OUT/<study>.png (copied to `plot_copy`) from every recipe's run found in OUT."""
     rows, recipes, png = runs(out, marks, study), study.recipes, out / f"{study.name}.png"
     if not rows:
@@ -371,7 +371,7 @@ def writable(out: Path) -> None:
         raise Refused(f"--out: {out} is not a writable folder ({exc.strerror or exc})") from None
 
 
-def main(argv: list[str] | None = None, study: Study = ALGORITHMS) -> int:
+def main(argv: list[str] | None = None, study: Study = STUDY) -> int:
     try:
         args = parse_args(argv, study)
         writable(args.out)

@@ -18,7 +18,8 @@ it refuses abbreviations, but an option given twice is silently the last (`--rol
 --rollouts.attempts 9` -> 9), `inf` is taken for a float field, and settings also come from environment
 variables unless told otherwise. Keeping today's strictness would need this module's checks around it anyway.
 
-This module is part of finetune (which imports nothing of the rest of tapeloop), so orchestrate can use it.
+This module is part of contract (which imports nothing of the rest of tapeloop), so finetune and orchestrate
+both use it.
 """
 
 from __future__ import annotations
