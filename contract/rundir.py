@@ -277,10 +277,10 @@ class RunDir:
         found = [int(m.group(1)) for p in self.checkpoints.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
         return max((i for i in found if self.checkpoint_done(i)), default=0)
 
-    def write_advantages(self, index: int, credit: list[dict]) -> Path:
+    def write_advantages(self, index: int, turns: list[dict]) -> Path:
         path = advantages_file(self.root, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(c) + "\n" for c in credit))
+        atomic_write_text(path, "".join(json.dumps(t) + "\n" for t in turns))
         return path
 
     def next_batch(self, after: int | None) -> tuple[int, Path] | None:

@@ -4,7 +4,7 @@
 GRPO, REINFORCE, GSPO, PPO): per-turn returns (discount gamma) and advantages
 (the chosen estimator, see `estimators.turn_advantages`; with PPO's
 critic, token-level GAE on the critic's values instead, see finetune.critic;
-kept in `self.credit` for the run directory), then `epochs` passes over the
+kept in `self.turn_records` for the run directory), then `epochs` passes over the
 batch, each cut into `steps_per_epoch` optimizer steps, each step
 accumulated over length-sorted micro-batches (token budget). The loss gets
 a LossInputs and returns a LossOutputs, whose terms the step reports by
@@ -255,7 +255,7 @@ class Learner:
         cfg = self.config
         samples, lag_stats = self._drop_stale(samples, batch_index)
         if not samples:  # every sample was too stale: no step, the weights stay as they were
-            self.credit = []
+            self.turn_records = []
             m = {
                 "batch": batch_index,
                 "epoch": 0,
@@ -294,7 +294,7 @@ class Learner:
             ]  # one per trained token
             turn_values = None
         # what the step trains with, per sample and turn: the trainer writes it beside the checkpoint
-        self.credit = [
+        self.turn_records = [
             {"sample_id": sample.sample_id, "turns": [
                 {"index": t.index, "reward": t.reward, "return": g, "advantage": a,
                  **({} if turn_values is None else {"value": turn_values[i][k]}),

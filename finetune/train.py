@@ -449,7 +449,7 @@ class _Session:
         record = {"batch": index, "samples": len(samples), "steps": optimizer_steps(metrics),
                   "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
         atomic_write_json(tmp / LEARNER_RECORD, record)
-        self.run.write_advantages(index, self.learner.credit)  # before the checkpoint: it marks the batch done
+        self.run.write_advantages(index, self.learner.turn_records)  # before the checkpoint: it marks the batch done
         final = self.run.publish_checkpoint(tmp, index)
         for m in metrics:
             self.run.append_metrics({**m, "time": time.time()})

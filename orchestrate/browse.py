@@ -58,7 +58,7 @@ INFRA_FAILURE = "infrastructure failure: not trained on"
 DYNAMIC_DROP = "not trained on (dynamic sampling dropped its group: every attempt earned the same return)"
 
 
-def episode_credit(advantages: dict[str, list[dict]], tape_id: str) -> list[dict] | None:
+def learner_turns(advantages: dict[str, list[dict]], tape_id: str) -> list[dict] | None:
     """The learner's turns ({index, reward, return, advantage}) for one episode, in turn order, from an
     advantages file read with `read_advantages`; None if the episode is not in it. An episode cut into
     several samples has them as "<id>:0", "<id>:1", ..."""
@@ -74,7 +74,7 @@ def episode_credit(advantages: dict[str, list[dict]], tape_id: str) -> list[dict
     return sorted(turns, key=lambda t: t.get("index", 0))
 
 
-def credit_for(
+def trained_turns(
     kind: str,
     error: Any,
     tape_id: str,
@@ -94,20 +94,20 @@ def credit_for(
         return None, "not trained on (evaluation)"
     if advantages is None:
         return None, f"not trained on (no {source}: iteration not trained yet)"
-    turns = episode_credit(advantages, tape_id)
+    turns = learner_turns(advantages, tape_id)
     if turns is None:
         return None, f"not trained on (not in {source})"
     return turns, "trained"
 
 
-def episode_view(tape: Tape, credit: list[dict] | None) -> dict:
+def episode_view(tape: Tape, learned: list[dict] | None) -> dict:
     """The episode as a conversation: the environment's first observation, then per turn the agent's action
     (its LLM call's index in tape.llm_calls), the environment's answer with the turn's reward and end flags,
-    and the learner's reward, return and advantage for the turn (`credit`, None if not trained on)."""
+    and the learner's reward, return and advantage for the turn (`learned`, None if not trained on)."""
     first, turns = _read_steps(tape)
     _add_unreferenced_calls(tape, turns)
     ordered = [turns[n] for n in sorted(turns)]
-    _add_credit(ordered, credit)
+    _add_learner(ordered, learned)
     return {"first_observation": first, "turns": ordered, "end": _episode_end(tape, ordered)}
 
 
@@ -167,9 +167,9 @@ def _add_unreferenced_calls(tape: Tape, turns: dict[int, dict]) -> None:
                 t["call"] = i
 
 
-def _add_credit(ordered: list[dict], credit: list[dict] | None) -> None:
+def _add_learner(ordered: list[dict], learned: list[dict] | None) -> None:
     """The learner's reward, return and advantage (and PPO's value) on the turns it trained."""
-    by_index = {c.get("index"): c for c in credit or []}
+    by_index = {c.get("index"): c for c in learned or []}
     for t in ordered:
         c = by_index.get(t["turn"] - 1)
         if c is not None:
@@ -271,37 +271,37 @@ class IndexedFile:
     stamp: tuple[int, int] = (0, 0)  # (size, mtime_ns) the index was built from
     offsets: list[int] = field(default_factory=list)
     summaries: list[dict] = field(default_factory=list)
-    credit_stamp: tuple[int, int] | None = None  # of the advantages file the credit was read from
-    credit: list[list[dict] | None] = field(default_factory=list)  # the learner's turns, per tape
+    advantages_stamp: tuple[int, int] | None = None  # of the advantages file the learner's turns were read from
+    learned: list[list[dict] | None] = field(default_factory=list)  # the learner's turns, per tape
 
     def refresh(self, root: Path) -> None:
         st = self.path.stat()
         stamp = (st.st_size, st.st_mtime_ns)
         adv_path = advantages_file(root, self.iteration)
-        credit_stamp = _stamp(adv_path) if self.kind == "rollout" else None
+        advantages_stamp = _stamp(adv_path) if self.kind == "rollout" else None
         if stamp != self.stamp:
             self._index(stamp)
-        elif credit_stamp == self.credit_stamp:
+        elif advantages_stamp == self.advantages_stamp:
             return
         advantages = None
-        if credit_stamp is not None:
+        if advantages_stamp is not None:
             try:
                 advantages = read_advantages(root, self.iteration)
             except (OSError, ValueError):  # unreadable: shown as not written
-                advantages, credit_stamp = None, None
+                advantages, advantages_stamp = None, None
         source = f"{adv_path.parent.name}/{adv_path.name}"
-        self.credit = []
+        self.learned = []
         for s in self.summaries:
-            turns, note = credit_for(self.kind, s["error"], s["id"], advantages, source, s["dropped"])
+            turns, note = trained_turns(self.kind, s["error"], s["id"], advantages, source, s["dropped"])
             first = turns[0] if turns else {}
             s.update(
                 trained=turns is not None,
-                credit=note,
+                learner_note=note,
                 advantage=first.get("advantage"),
                 **{"return": first.get("return")},
             )
-            self.credit.append(turns)
-        self.credit_stamp = credit_stamp
+            self.learned.append(turns)
+        self.advantages_stamp = advantages_stamp
 
     def _index(self, stamp: tuple[int, int]) -> None:
         offsets, summaries = [], []
@@ -456,7 +456,7 @@ class RunIndex:
             raise LookupError(f"{file} has {len(f.offsets)} tapes; no index {index}")
         tape = read_tape_at(f.path, f.offsets[index], index + 1)
         summary = f.summaries[index]
-        credit = f.credit[index] if index < len(f.credit) else None
+        learned = f.learned[index] if index < len(f.learned) else None
         calls = []
         for call in tape.llm_calls:
             texts = self.token_texts(call.output_token_ids)
@@ -489,8 +489,8 @@ class RunIndex:
             "context": tape.context,
             "steps": [s.model_dump() for s in tape.steps],
             "calls": calls,
-            "episode": episode_view(tape, credit),
-            "credit": {"trained": credit is not None, "note": summary.get("credit", ""), "turns": credit},
+            "episode": episode_view(tape, learned),
+            "learner": {"trained": learned is not None, "note": summary.get("learner_note", ""), "turns": learned},
             "group": group,
         }
 

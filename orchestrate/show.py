@@ -22,7 +22,7 @@ from pathlib import Path
 
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
-from orchestrate.browse import TAPE_FILE, credit_for, episode_view
+from orchestrate.browse import TAPE_FILE, episode_view, trained_turns
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 
@@ -74,22 +74,22 @@ def render(
     color: bool = False,
     tokenizer=None,
     steps: bool = False,
-    credit: list[dict] | None = None,
-    credit_note: str = "",
+    learned: list[dict] | None = None,
+    learner_note: str = "",
 ) -> str:
-    """The tape as text. `credit`: the learner's turns for this tape ({index, reward, return, advantage}, from
-    the advantages file), None if it was not trained on (`credit_note` says why; empty: unknown)."""
+    """The tape as text. `learned`: the learner's turns for this tape ({index, reward, return, advantage}, from
+    the advantages file), None if it was not trained on (`learner_note` says why; empty: unknown)."""
     c = _Ink(color)
     tape = Tape.model_validate(_printable(tape.model_dump()))  # every string of the tape, control characters escaped
-    episode = episode_view(tape, credit)
-    lines = _header(tape, episode, c, credit, credit_note)
+    episode = episode_view(tape, learned)
+    lines = _header(tape, episode, c, learned, learner_note)
     lines += _first_observation(episode["first_observation"], c)
     for turn in episode["turns"]:
         call = tape.llm_calls[turn["call"]] if turn["call"] is not None else None
         lines += _agent_turn(turn, call, c)
         if tokens and call is not None:
             lines += _token_lines(call, tokenizer)
-        lines.append(_credit_line(turn, c, credit_note))
+        lines.append(_learner_line(turn, c, learner_note))
         lines += _answer(turn, c)
     lines += _ending(episode["end"], tape, c)
     if steps:
@@ -105,7 +105,7 @@ def _success(tape: Tape) -> str:
     return {True: "yes", False: "no"}.get(tape.metadata.success, "unknown")
 
 
-def _header(tape: Tape, episode: dict, c: _Ink, credit: list[dict] | None, credit_note: str) -> list[str]:
+def _header(tape: Tape, episode: dict, c: _Ink, learned: list[dict] | None, learner_note: str) -> list[str]:
     """Who played what, how it scored and ended, and whether the learner trained on it."""
     m = tape.metadata
     env = (tape.context or {}).get("env") if isinstance(tape.context, dict) else None
@@ -121,10 +121,10 @@ def _header(tape: Tape, episode: dict, c: _Ink, credit: list[dict] | None, credi
     ]
     if m.error:
         lines.append(c(RED, f"agent error: {m.error}"))
-    if credit is not None:
+    if learned is not None:
         lines.append("learner: trained (returns and advantages from its advantages file)")
-    elif credit_note:
-        lines.append(c(RED if m.error else DIM, f"learner: {credit_note}"))
+    elif learner_note:
+        lines.append(c(RED if m.error else DIM, f"learner: {learner_note}"))
     return lines
 
 
@@ -173,7 +173,7 @@ def _token_lines(call, tokenizer) -> list[str]:
     return lines
 
 
-def _credit_line(turn: dict, c: _Ink, credit_note: str) -> str:
+def _learner_line(turn: dict, c: _Ink, learner_note: str) -> str:
     """The turn's reward, and the return and advantage the learner trained it with (or why there are none)."""
     learner = turn["learner"]
     line = f"   turn {turn['turn']}: reward " + c.signed(turn["reward"])
@@ -181,8 +181,8 @@ def _credit_line(turn: dict, c: _Ink, credit_note: str) -> str:
         line += f"  return {_num(learner['return'])}  advantage " + c.signed(learner["advantage"])
         if learner.get("value") is not None:  # PPO's critic, before the turn
             line += f"  value {_num(learner['value'])}"
-    elif credit_note:  # no note: the file is not in a run directory, the learner's numbers are unknown
-        line += c(DIM, f"  ({credit_note})")
+    elif learner_note:  # no note: the file is not in a run directory, the learner's numbers are unknown
+        line += c(DIM, f"  ({learner_note})")
     return line
 
 
@@ -231,7 +231,7 @@ def _fields(step: dict) -> str:
     return "; ".join(f"{k} {v if isinstance(v, str) else repr(v)}" for k, v in step.items() if k != "kind")
 
 
-def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
+def trained_turns_of(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
     """The learner's turns for a tape of RUN/tapes/iter_NNNNNN.jsonl (from RUN/advantages/NNNNNN.jsonl) and a
     note; (None, "") when the file is not in a run directory's tapes/ folder."""
     match = TAPE_FILE.match(path.name)
@@ -243,7 +243,7 @@ def learner_credit(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
     advantages = read_advantages(root, iteration) if adv.is_file() else None
     kind = "rollout" if match.group(1) == "iter" else "eval"
     dropped = tape.metadata.dropped
-    return credit_for(kind, tape.metadata.error, tape.metadata.id, advantages, f"{adv.parent.name}/{adv.name}",
+    return trained_turns(kind, tape.metadata.error, tape.metadata.id, advantages, f"{adv.parent.name}/{adv.name}",
                       dropped)  # fmt: skip
 
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--index {args.index}: {path} holds {len(offsets)} tapes (0..{len(offsets) - 1})")
     try:
         tape = read_tape_at(path, offsets[args.index], args.index + 1)
-        credit, note = learner_credit(path, tape)
+        learned, note = trained_turns_of(path, tape)
     except TapeFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             color=color,
             tokenizer=tokenizer,
             steps=args.steps,
-            credit=credit,
-            credit_note=note,
+            learned=learned,
+            learner_note=note,
         )
     )
     return 0

@@ -25,7 +25,7 @@ import pytest
 
 from agents.agent import summarize
 from contract.rundir import RunDir, read_advantages
-from orchestrate.browse import INFRA_FAILURE, RunIndex, episode_credit, serve
+from orchestrate.browse import INFRA_FAILURE, RunIndex, learner_turns, serve
 from orchestrate.samples import tape_samples
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import (
@@ -205,9 +205,9 @@ def test_browse_a_real_run(tiny_run, page):
             page.locator("#conversation .bubble.user").first.locator(".observation").inner_text() == tape.steps[0].text
         )
         assert page.locator("#conversation .bubble.assistant").count() == tape.metadata.turns
-        credit = episode_credit(read_advantages(tiny_run, 1), tape.metadata.id)
+        learned = learner_turns(read_advantages(tiny_run, 1), tape.metadata.id)
         shown = [float(b.get_attribute("data-value")) for b in page.locator(".t-advantage b").all()]
-        assert shown == [t["advantage"] for t in credit]
+        assert shown == [t["advantage"] for t in learned]
         call = tape.llm_calls[0]
         prompt = page.locator("details.prompt[data-call='1']").text_content()
         assert tape.steps[0].text in prompt
@@ -247,7 +247,7 @@ def test_browse_a_real_run(tiny_run, page):
         assert outputs == [t.llm_calls[0].output_text for t in group]
         advantages = read_advantages(tiny_run, 1)
         shown = [float(a.locator(".advantage").get_attribute("data-value")) for a in attempts.all()]
-        assert shown == [episode_credit(advantages, t.metadata.id)[0]["advantage"] for t in group]
+        assert shown == [learner_turns(advantages, t.metadata.id)[0]["advantage"] for t in group]
     finally:
         server.shutdown()
 
@@ -474,16 +474,16 @@ def handmade_run(root: Path) -> dict:
         solved.metadata.id: [(0.91, 0.123456), (0.95, -0.5), (1.0, 2.75)],
         lost.metadata.id: [(-0.125, -0.987), (0.0, 0.31415)],
     }  # (return, advantage) per turn
-    credit, expected = [], {}
+    learned, expected = [], {}
     for tape in (solved, lost):
         for sample in tape_samples(tape, require_ref=True):
             turns = [{"index": t["index"], "reward": t["reward"], "return": odd[tape.metadata.id][t["index"]][0],
                       "advantage": odd[tape.metadata.id][t["index"]][1]} for t in sample["turns"]]  # fmt: skip
-            credit.append({"sample_id": sample["sample_id"], "turns": turns})
+            learned.append({"sample_id": sample["sample_id"], "turns": turns})
             expected.setdefault(tape.metadata.id, []).extend(turns)
-    assert [c["sample_id"] for c in credit][1:] == [f"{lost.metadata.id}:0", f"{lost.metadata.id}:1"]  # cut in two
+    assert [c["sample_id"] for c in learned][1:] == [f"{lost.metadata.id}:0", f"{lost.metadata.id}:1"]  # cut in two
     assert tape_samples(crashed, require_ref=True) == []
-    RunDir(root).write_advantages(1, credit)
+    RunDir(root).write_advantages(1, learned)
     (root / "metrics.jsonl").write_text(
         "".join(
             json.dumps(m) + "\n"
@@ -517,7 +517,7 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
     first = {s["id"]: s for s in listed}
     s = first[solved.metadata.id]
     assert (s["env_id"], s["turns"], s["success"], s["end"], s["format_error"]) == (ENV, 3, True, "terminated", False)
-    assert (s["trained"], s["credit"], s["return"], s["advantage"]) == (True, "trained", 0.91, 0.123456)
+    assert (s["trained"], s["learner_note"], s["return"], s["advantage"]) == (True, "trained", 0.91, 0.123456)
     assert s["question"] == SECRET and s["reward"] == 1.0
     s = first[lost.metadata.id]
     assert (s["turns"], s["success"], s["end"], s["format_error"], s["truncated"]) == (
@@ -529,10 +529,14 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
     )
     assert (s["return"], s["advantage"]) == (-0.125, -0.987)  # its first turn's, from the sample "<id>:0"
     s = first[made["crashed"].metadata.id]
-    assert (s["trained"], s["credit"], s["advantage"]) == (False, INFRA_FAILURE, None)
+    assert (s["trained"], s["learner_note"], s["advantage"]) == (False, INFRA_FAILURE, None)
     s = first[made["later"].metadata.id]
-    assert not s["trained"] and s["credit"].startswith("not trained on") and "advantages/000002.jsonl" in s["credit"]
-    assert first[made["held_out"].metadata.id]["credit"] == "not trained on (evaluation)"
+    assert (
+        not s["trained"]
+        and s["learner_note"].startswith("not trained on")
+        and "advantages/000002.jsonl" in s["learner_note"]
+    )
+    assert first[made["held_out"].metadata.id]["learner_note"] == "not trained on (evaluation)"
 
     # filters on the episode's flags; parse_failure is the older name of format_error
     for query, ids in (
@@ -559,7 +563,7 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
             assert [t["turn"] for t in turns] == list(range(1, tape.metadata.turns + 1))
             assert [t["learner"] for t in turns] == [{k: e[k] for k in ("reward", "return", "advantage")}
                                                      for e in expected[tape.metadata.id]]  # fmt: skip
-            assert body["credit"] == {"trained": True, "note": "trained", "turns": expected[tape.metadata.id]}
+            assert body["learner"] == {"trained": True, "note": "trained", "turns": expected[tape.metadata.id]}
             assert [t["action"] for t in turns] == [s.text for s in tape.steps if isinstance(s, EnvAction)]
             assert [t["call"] for t in turns] == list(range(tape.metadata.turns))
             assert body["episode"]["first_observation"]["text"] == SECRET
@@ -575,7 +579,7 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
         ]
         for file, index_, note in (("iter_000001.jsonl", 2, INFRA_FAILURE), ("eval_000002.jsonl", 0, "not trained on")):
             body = httpx.get(url + "api/tape", params={"file": file, "index": index_}).json()
-            assert body["credit"]["trained"] is False and body["credit"]["note"].startswith(note)
+            assert body["learner"]["trained"] is False and body["learner"]["note"].startswith(note)
             assert all(t["learner"] is None for t in body["episode"]["turns"])
 
         # the learner writes iteration 2's file later: the browser picks it up
@@ -669,7 +673,7 @@ def test_page_shows_an_episode_as_a_conversation(tmp_path, page):
         # not trained on: an infrastructure failure, an iteration not trained yet, an evaluation
         page.locator("#rows tr[data-index='2']").click()
         page.wait_for_function("document.querySelector('#tape-head').innerText.includes('#2')")
-        assert page.locator("#tape-credit").inner_text() == INFRA_FAILURE
+        assert page.locator("#tape-learner").inner_text() == INFRA_FAILURE
         assert "RuntimeError: env crashed" in page.locator("#tape-head").inner_text()
         assert page.locator(".t-advantage").count() == 0
         assert page.locator(".t-untrained").inner_text() == INFRA_FAILURE
@@ -677,7 +681,7 @@ def test_page_shows_an_episode_as_a_conversation(tmp_path, page):
             act(page, lambda file=file: page.locator("a.file-link", has_text=file).click())
             rows(page).first.click()
             page.wait_for_function(f"document.querySelector('#tape-head').innerText.includes({json.dumps(file)})")
-            assert page.locator("#tape-credit").inner_text().startswith("not trained on")
+            assert page.locator("#tape-learner").inner_text().startswith("not trained on")
             assert page.locator(".t-advantage").count() == 0 and page.locator(".t-reward").count() == 1
     finally:
         server.shutdown()

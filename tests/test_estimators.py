@@ -222,7 +222,7 @@ def test_overlong_shaping_and_filtering_in_the_learner(tiny):
     learner = Learner(tiny, TrainConfig(lr=1e-3, estimator="group", overlong_buffer=2))
     batch = _samples(learner, [[10, 11], [12, 13, 14], [15, 16, 17, 18]], [1.0, 1.0, 1.0])
     (m,) = learner.train_batch(batch)
-    turns = [c["turns"][0] for c in learner.credit]
+    turns = [c["turns"][0] for c in learner.turn_records]
     assert [t["overlong_penalty"] for t in turns] == [0.0, -0.5, -1.0]
     assert [t["return"] for t in turns] == [1.0, 0.5, 0.0]
     assert [t["advantage"] for t in turns] == pytest.approx([1.0, 0.0, -1.0], abs=1e-5)
@@ -231,7 +231,7 @@ def test_overlong_shaping_and_filtering_in_the_learner(tiny):
     batch = _samples(learner, [[10, 11], [12, 13, 14], [15, 16, 17, 18]], [1.0, 0.0, 0.0])
     (m,) = learner.train_batch(batch)
     assert m["overlong_masked"] == 1 and m["samples"] == 2 and m["completion_tokens"] == 5
-    assert len(learner.credit) == 3
+    assert len(learner.turn_records) == 3
 
 
 def test_an_entropy_bonus_step_raises_the_entropy(tiny):

@@ -330,7 +330,7 @@ def test_lag_is_the_trainers_version_minus_the_generating_one_and_max_lag_drops(
     lags = [0] * samples[0].n_trained + [1] + [0] * (samples[1].n_trained - 1) + [2] * samples[2].n_trained
     assert m["lag_token_mean"] == pytest.approx(sum(lags) / len(lags))
     assert m["stale_dropped"] == 1 and m["samples"] == 3  # the unknown version is kept
-    assert len(learner.credit) == 3
+    assert len(learner.turn_records) == 3
 
 
 def test_a_batch_that_is_all_stale_takes_no_step(tiny):

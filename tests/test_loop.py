@@ -181,8 +181,8 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
     assert steps[0]["value_mean"] == 0.0  # a zero-initialised value head: the first batch's values
     assert all("train_value_loss" in m for m in metrics[1:])
     for i in (1, 2, 3):
-        credit = read_advantages(run, i)
-        assert len(credit) == 8 and all("value" in t for turns in credit.values() for t in turns)
+        learned = read_advantages(run, i)
+        assert len(learned) == 8 and all("value" in t for turns in learned.values() for t in turns)
     checkpoint = run / "checkpoints" / "000003"
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert not any("value" in k for k in model.state_dict())
@@ -260,9 +260,9 @@ def test_game_preset_chains_every_call_and_replays(embedded_policy_by_url, tmp_p
     batch = [json.loads(line) for line in (run / "batches" / "000001.jsonl").read_text().splitlines()]
     assert len(batch) == 6  # one sample per episode, whatever its turns
     assert [len(s["turns"]) for s in batch] == [t.metadata.turns for t in tapes]
-    credit = read_advantages(run, 1)
-    assert set(credit) == {t.metadata.id for t in tapes}
-    assert all(len(credit[t.metadata.id]) == t.metadata.turns for t in tapes)
+    learned = read_advantages(run, 1)
+    assert set(learned) == {t.metadata.id for t in tapes}
+    assert all(len(learned[t.metadata.id]) == t.metadata.turns for t in tapes)
     assert later > 0, "no episode went past its first turn"
     metrics = read_metrics(run / "metrics.jsonl")
     assert all(m.get("prompt_mismatches", 0) == 0 for m in metrics)

@@ -180,7 +180,7 @@ def test_critic_learns_a_constant_rewards_value(tiny, critic):
     for key in ("value_loss", "vf_clip_frac", "explained_variance", "returns_mean", "clip_frac", "ratio_max"):
         assert key in m, key
     assert m["returns_mean"] == pytest.approx(1.0)
-    assert learner.credit[0]["turns"][0]["value"] == pytest.approx(1.0, abs=0.3)
+    assert learner.turn_records[0]["turns"][0]["value"] == pytest.approx(1.0, abs=0.3)
 
 
 def test_ppo_on_multi_turn_episodes_puts_each_turns_reward_at_its_last_token(tiny):
