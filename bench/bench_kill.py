@@ -460,7 +460,7 @@ class Bench:
         phase = "training" if which == "trainer" else "rollouts"
         before, twice = snapshot(self.run), steps_trained_twice(self.run)
         proc, console = self.start(None, local=True)
-        trainer_state = self.run / "trainer_state.json"
+        trainer_state = self.run / "learner_status.json"
 
         def ready(record: dict) -> bool:
             if record["phase"] != phase:
@@ -483,7 +483,7 @@ class Bench:
             self.events.append(event)
             return event
         time.sleep(rng.uniform(0, 0.2 * phase_seconds(self.run, phase)))  # a moment inside the phase (it is short)
-        logs = sorted((self.run / "logs").glob("trainer.log" if which == "trainer" else "policy-*.log"))
+        logs = sorted((self.run / "logs").glob("launcher.log" if which == "trainer" else "policy-*.log"))
         starts_before = sum(p.read_text(errors="replace").count("===== starting") for p in logs)
         if which == "trainer":
             status = json.loads(trainer_state.read_text())

@@ -9,7 +9,7 @@ The orchestrator's files:
     RUN/tapes/eval_000005.jsonl   evaluation tapes after iteration 5 (eval_000000: before training)
     RUN/metrics.jsonl             one line per iteration
     RUN/plots/curves.png          redrawn every iteration
-    RUN/logs/                     vLLM server logs, and trainer.log: the trainer launcher's output (tracebacks)
+    RUN/logs/                     vLLM server logs, and launcher.log: the trainer launcher's output (tracebacks)
 
 An iteration is complete when state.json says so; every file of it was written before that. Files of an
 unfinished iteration are either complete (and reused on resume) or carry a temporary name.
@@ -35,7 +35,7 @@ The files the learner shares with the orchestrator:
                                   sample: {"sample_id", "turns": [{"index", "reward", "return", "advantage"}]}
                                   (written before the checkpoint appears; what tools show, never recomputed)
     RUN/train_metrics.jsonl       one JSON line per optimizer step, appended
-    RUN/trainer_state.json        where the learner is (status, last batch, checkpoint)
+    RUN/learner_status.json       where the learner is (status, last batch, checkpoint)
     RUN/trainer.log               the learner's log
     RUN/trainer.stop              created by the orchestrator: exit after the current batch
     RUN/trainer_heartbeat.json    rewritten every few seconds by the learner's rank 0 while it lives (the
@@ -134,7 +134,7 @@ class RunDir:
         # the orchestrator's
         self.tapes = self.root / "tapes"
         self.logs = self.root / "logs"
-        self.launcher_log = self.logs / "trainer.log"  # the trainer launcher's stdout/stderr (tracebacks)
+        self.launcher_log = self.logs / "launcher.log"  # the trainer launcher's stdout/stderr (tracebacks)
         self.plots = self.root / "plots"
         self.config_path = self.root / "config.json"
         self.state_path = self.root / "state.json"
@@ -145,7 +145,7 @@ class RunDir:
         self.checkpoints = self.root / "checkpoints"
         self.advantages = self.root / ADVANTAGES_DIR
         self.train_metrics = self.root / "train_metrics.jsonl"
-        self.trainer_state = self.root / "trainer_state.json"
+        self.learner_status = self.root / "learner_status.json"
         self.trainer_log = self.root / "trainer.log"
         self.trainer_stop = self.root / "trainer.stop"
         self.train_config = self.root / "train_config.json"  # the orchestrator's trainer options (--config)
@@ -348,7 +348,7 @@ class RunDir:
                     shutil.rmtree(p, ignore_errors=True)
 
     def write_state(self, **fields) -> None:
-        atomic_write_json(self.trainer_state, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
+        atomic_write_json(self.learner_status, {**fields, "pid": os.getpid(), "updated": time.time()}, indent=1)
 
     def write_heartbeat(self, **fields) -> None:
         """One beat: fields such as {trainer_id, beat, status, num_processes}, with the host and pid. The

@@ -24,7 +24,7 @@ through files in the run folder only:
    step, step_in_batch, samples, seconds and the figures of
    contract.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
    reports: ratio_min, the advantages' statistics, tokens), and
-   RUN/trainer_state.json is replaced (atomically) with
+   RUN/learner_status.json is replaced (atomically) with
    {status, last_batch, checkpoint, optimizer_step, batch_in_progress, pid,
    updated}; status is loading | waiting | training | stopped | failed
    (with `error`).
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--run-dir",
         required=True,
-        help="Run folder: batches/ in, checkpoints/, train_metrics.jsonl, trainer_state.json, trainer.log out.",
+        help="Run folder: batches/ in, checkpoints/, train_metrics.jsonl, learner_status.json, trainer.log out.",
     )
     run.add_argument(
         "--config",

@@ -191,7 +191,7 @@ class TrainerProcess:
         tail = f"{self.run.trainer_log} ends with:\n{log_tail(self.run.trainer_log)}"
         if beat.get("status") in ("stopped", "failed"):
             raise TrainerError(f"the trainer {beat['status']} before checkpoint {iteration} (its last heartbeat "
-                               f"says so; see trainer_state.json). {tail}\n{self._restart_hint()}")  # fmt: skip
+                               f"says so; see learner_status.json). {tail}\n{self._restart_hint()}")  # fmt: skip
         if watch.silent_for() > c.heartbeat_timeout_s:
             raise TrainerError(
                 f"the trainer's heartbeat ({self.run.trainer_heartbeat}) has not changed for "
@@ -224,8 +224,8 @@ class TrainerProcess:
         )
 
     def status(self) -> dict:
-        """The trainer's trainer_state.json ({} while there is none or it cannot be read)."""
-        return self.run.read_json(self.run.trainer_state)
+        """The trainer's learner_status.json ({} while there is none or it cannot be read)."""
+        return self.run.read_json(self.run.learner_status)
 
     def newest_checkpoint(self) -> int:
         """The newest checkpoint the trainer has published (0: none yet)."""

@@ -107,7 +107,7 @@ def stop(proc: subprocess.Popen, run: Path) -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert json.loads((run / "trainer_state.json").read_text())["status"] == "stopped"
+    assert json.loads((run / "learner_status.json").read_text())["status"] == "stopped"
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -191,7 +191,7 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
     lines = metrics(run)
     assert [(m["batch"], m["step"]) for m in lines] == [(1, 1), (1, 2), (2, 3), (2, 4)]
     assert lines[0]["ratio_max"] == pytest.approx(1.0, abs=1e-4)  # behaviour = initial model
-    state = json.loads((run / "trainer_state.json").read_text())
+    state = json.loads((run / "learner_status.json").read_text())
     assert state["last_batch"] == 2 and state["checkpoint"] == "checkpoints/000002" and state["optimizer_step"] == 4
 
     second = weights(run / "checkpoints" / "000002")
@@ -260,9 +260,9 @@ def test_exits_when_the_orchestrator_dies(tiny, tmp_path):
     try:
         deadline = time.monotonic() + 240
         while (
-            json.loads((run / "trainer_state.json").read_text() if (run / "trainer_state.json").exists() else "{}").get(
-                "status"
-            )
+            json.loads(
+                (run / "learner_status.json").read_text() if (run / "learner_status.json").exists() else "{}"
+            ).get("status")
             != "waiting"
         ):
             assert proc.poll() is None and time.monotonic() < deadline, (run / "process.out").read_text()[-3000:]

@@ -85,7 +85,7 @@ def test_two_iterations_fill_the_run_directory(tiny_model_dir, tiny_run):
     assert "eval_success_rate" in metrics[0] and "eval_success_rate" in metrics[2]
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
     assert (run / "logs" / "policy-0.log").exists() and (run / "logs" / "reference.log").exists()
-    assert (run / "logs" / "trainer.log").exists()
+    assert (run / "logs" / "launcher.log").exists()
     assert "iter 2/2" in (run.parent / "console.txt").read_text()
 
 
@@ -130,7 +130,7 @@ def test_ppo_at_async_level_1_killed_while_generation_and_training_overlap_then_
     while caught is None and time.monotonic() < deadline:
         assert proc.poll() is None, "finished before an overlap was seen:\n" + proc.stdout.read().decode()[-3000:]
         try:
-            state = json.loads((run / "trainer_state.json").read_text())
+            state = json.loads((run / "learner_status.json").read_text())
         except (OSError, json.JSONDecodeError):
             state = {}
         b = state.get("batch_in_progress") if state.get("status") == "training" else None

@@ -202,7 +202,7 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
     # rank 0 alone wrote the shared files: one metrics line per step, its state and last beat
     steps = [json.loads(line) for line in two.train_metrics.read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["micro_batches"] > 2 for m in steps)
-    assert json.loads(two.trainer_state.read_text())["status"] == "stopped"
+    assert json.loads(two.learner_status.read_text())["status"] == "stopped"
     last_beat = RunDir(two.root).read_heartbeat()
     assert last_beat["status"] == "stopped" and last_beat["num_processes"] == 2
     if lora:
