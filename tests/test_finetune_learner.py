@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from contract.batch import Sample
+from contract.batch import Sample, Turn
 from finetune.config import TrainConfig
 from finetune.learner import Learner
 from finetune.logprobs import PolicyLogProbs
@@ -156,6 +156,30 @@ def test_positive_advantage_raises_its_tokens_after_one_step(tiny):
     assert m["adv_max"] > 0 and m["ratio_max"] == pytest.approx(1.0, abs=1e-6)
     after = learner.logprobs(batch)[0]
     assert (after > before).all(), (before, after)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])
+def test_every_registered_algorithm_trains_as_the_command_line_resolves_it(tiny, name):
+    """`--train.algorithm NAME` as orchestrate.rl resolves it (the registry's loss, estimator, aggregation and
+    settings) trains a batch of two groups: the better completion of each group becomes more likely."""
+    from finetune.algorithms import ALGORITHMS
+    from orchestrate.config import resolve
+
+    assert sorted(ALGORITHMS) == sorted(["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])
+    resolved = resolve("embedded", {"train.algorithm": name, "train.lr": "1e-2"}).train
+    learner = Learner(tiny, resolved.model_copy(update={"token_budget": 256}))
+    samples = group([GOOD, BAD], [1.0, 0.0]) + group([OTHER[0], OTHER[1]], [1.0, 0.0], group_id="h")
+    # as the orchestrator writes them: one turn, its finish and its sampling limit (DAPO's overlong shaping)
+    batch = with_behaviour(learner, [s.model_copy(update={"turns": [Turn(
+        index=0, start=0, length=len(s.completion_ids), reward=s.reward, truncated=False, max_tokens=32)]})
+        for s in samples])  # fmt: skip
+    before = [lp.sum().item() for lp in learner.logprobs(batch)]
+    steps = learner.train_batch(batch)
+    assert steps and all(math.isfinite(m["loss"]) and m["weights_changed"] for m in steps), steps
+    after = [lp.sum().item() for lp in learner.logprobs(batch)]
+    assert after[0] > before[0] and after[2] > before[2], (name, before, after)  # the rewarded ones rose
+    if ALGORITHMS[name].estimator != "none":  # with a baseline the unrewarded ones fall
+        assert after[1] < before[1] and after[3] < before[3], (name, before, after)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])  # the grpo and the reinforce loss, group-relative
