@@ -1,19 +1,17 @@
 """One RL run: the loop that ties servers, agents, tapes and the trainer together.
 
-Each iteration i:
-  1. take the next episode seeds of the train split (the same ones on a resumed run: they depend on the
-     iteration and the run seed only)
-  2. rollouts on the policy servers: the agent plays each seed's episodes in the environment -> tapes with
-     per-turn rewards; with rollouts.dynamic_sampling, groups without signal are dropped and groups of
-     extra seeds played in rounds (orchestrate.dynamic_sampling)
-  3. reference pass on the reference server (skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0),
+Each iteration i, the README's six steps (`generate`, then `catch_up` and `complete`):
+  1. rollouts: the next episode seeds of the train split (the same ones on a resumed run: they depend on the
+     iteration and the run seed only) played on the policy servers -> tapes with per-turn rewards; with
+     rollouts.dynamic_sampling, groups without signal are dropped and extra seeds played in rounds
+     (orchestrate.dynamic_sampling)
+  2. reference pass (orchestrate.servers; skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0)
      over the tapes of the batch; a LoRA run scores it on the policy servers' base model (no adapter)
-  4. save the tapes, then the training samples (batches/i) for the trainer
-  5. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
-  6. the policy servers get the new weights (no restart): in memory, from the checkpoint folder, or (LoRA)
-     the checkpoint's adapter (orchestrate.weights)
-  7. every `eval.every` iterations: held-out episodes (test split) at eval temperature, tapes saved
-  8. metrics line, plot, state.json: the iteration is complete
+  3. the tapes are saved, then the training samples (batches/i, orchestrate.samples)
+  4. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
+  5. the policy servers get the new weights, no restart (orchestrate.servers, orchestrate.weights)
+  6. every `eval.every` iterations: held-out episodes (orchestrate.evaluation)
+and then its record (orchestrate.report): metrics line, plot, state.json: the iteration is complete.
 
 With run.max_minutes the loop starts no new iteration once that many minutes have passed since the command
 started (elapsed_s of the metrics): the batches already generated are trained and recorded, as at the end of
@@ -36,11 +34,11 @@ from contextlib import ExitStack
 
 from agents.agent import ChatAgent
 from agents.chat import ChatTokens
-from agents.envs import capabilities
 from agents.models import resolve_model
 from contract.rundir import RunDir
 from orchestrate.config import RLConfig
 from orchestrate.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
+from orchestrate.evaluation import Evaluation
 from orchestrate.metrics import rollout_metrics
 from orchestrate.report import Reporter, Timer, busy_fractions
 from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
@@ -59,14 +57,6 @@ def build_agent(config: RLConfig, tokenizer) -> ChatAgent:
     return ChatAgent(config.agent, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
 
 
-def eval_size(config: RLConfig) -> int:
-    """Held-out episodes per evaluation: eval.tasks, else the environment's whole test set (500 if unbounded)."""
-    if config.eval.tasks is not None:
-        return config.eval.tasks
-    size = capabilities(EnvSpec.from_config(config, "test").make()).test_size
-    return size if size is not None else 500
-
-
 class Loop:
     def __init__(self, config: RLConfig, run_dir: RunDir, progress: bool = True):
         self.config = config
@@ -74,6 +64,19 @@ class Loop:
         self.progress = progress
         self.use_reference = config.train.needs_reference
         self.reporter = Reporter(config, run_dir, self.elapsed_s)
+        # the run's parts, made by _start: the model folders, tokenizer, agent, train split, evaluation,
+        # servers and trainer
+        self.policy_dir = self.reference_dir = self.tokenizer = None
+        self.agent: ChatAgent | None = None
+        self.train_env: EnvSpec | None = None
+        self.evaluation: Evaluation | None = None
+        self.servers: Servers | None = None
+        self.trainer: TrainerProcess | None = None
+        # this command's: its start, the iterations generated and not yet recorded, the phase times
+        self.started = time.time()
+        self.generated: dict[int, list[Tape]] = {}  # iterations whose batch is written and record is not
+        self.timer = Timer()
+        self.phase: tuple | None = None  # (iteration, phase, since) of phase.json
 
     def _enter(self, iteration: int, phase: str) -> None:
         """The loop is now in `phase` of `iteration`: phase.json says so (and the test hook may fire)."""
@@ -93,10 +96,8 @@ class Loop:
         self.reference_dir = resolve_model(c.model.reference) if c.model.reference else self.policy_dir
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
         self.train_env = EnvSpec.from_config(c, "train")
-        self.test_env = EnvSpec.from_config(c, "test")
-        self.eval_episodes = eval_size(c)
+        self.evaluation = Evaluation(c, self.run)
         self.agent = build_agent(c, self.tokenizer)
-        self.eval_sampling = SamplingParams(temperature=c.eval.temperature, max_tokens=c.eval.max_tokens)
 
         # The servers (ours are started here; those given by URL run elsewhere), then the trainer before they
         # start: it loads its model meanwhile. With async_level K it trains nothing generated more than K
@@ -213,7 +214,7 @@ class Loop:
         if c.rollouts.dynamic_sampling:
             record.update(dynamic_metrics(tapes, c.rollouts.tasks_per_iteration, c.train))
         record.update(self.trainer.iteration_metrics(j))
-        if c.eval.every and j % c.eval.every == 0:
+        if self.evaluation.due(j):
             self._enter(j, "eval")
             start = time.perf_counter()
             record.update(self.evaluate(j))
@@ -233,14 +234,12 @@ class Loop:
         self.reporter.show(record)
 
     def evaluate(self, i: int) -> dict:
-        path = self.run.eval_tapes(i)
-        if path.exists():
-            tapes = list(read_tapes(path))
-        else:
-            seeds = list(range(self.eval_episodes))
-            tapes, _, _ = asyncio.run(self._rollouts(self.test_env, seeds, 1, i, self.eval_sampling, f"eval after {i}"))
-            save_tapes(path, tapes)
-        return rollout_metrics(tapes, prefix="eval_")
+        """The held-out metrics of the weights served after iteration i (orchestrate.evaluation)."""
+
+        def play(spec, seeds, attempts, iteration, sampling, desc) -> list[Tape]:
+            return asyncio.run(self._rollouts(spec, seeds, attempts, iteration, sampling, desc))[0]
+
+        return self.evaluation(i, play)
 
     # -- the run -----------------------------------------------------------------------
 
@@ -260,7 +259,6 @@ class Loop:
             print(f"{self.run.root}: all {c.run.iterations} iterations are done (raise --iterations to go on).")
             return 0
         self.started = time.time()
-        self.generated: dict[int, list[Tape]] = {}  # iterations whose batch is written and record is not
 
         with ExitStack() as stack:
             _exit_on_sigterm()
@@ -268,7 +266,7 @@ class Loop:
             stack.callback(self.reporter.close)
             self._enter(state.completed_iteration, "starting")
             self._start(stack)
-            if c.eval.every and state.completed_iteration == 0 and 0 not in state.evaluated:
+            if self.evaluation.due(0) and state.completed_iteration == 0 and 0 not in state.evaluated:
                 self._enter(0, "eval")
                 start = time.perf_counter()
                 record = {"iteration": 0, **self.evaluate(0), "time_eval": round(time.perf_counter() - start, 3)}
@@ -281,7 +279,7 @@ class Loop:
             # batch i, wait for checkpoint i - async_level (async_level 0: checkpoint i, the synchronous loop).
             # Out of time (run.max_minutes), no new batch is generated; those generated (async_level ahead)
             # are trained and recorded as at run.iterations' end. Each command completes at least one.
-            self.timer = Timer()
+            self.timer = Timer()  # iteration 1's wall time starts here, not at the servers' start
             first, last = state.completed_iteration + 1, c.run.iterations
             for i in range(first, c.run.iterations + 1):
                 if i > first and self.out_of_time():

@@ -195,7 +195,7 @@ def check_capabilities(config) -> None:
 def check_environment(config) -> None:
     """The environment starts: the first train episode and the last held-out one reset without an error
     (a data set that cannot be had, options that leave fewer held-out problems than evaluated, ...)."""
-    from orchestrate.loop import eval_size
+    from orchestrate.evaluation import eval_size
     from orchestrate.rollouts import EnvSpec
 
     if EnvSpec.from_config(config, "train").uses_sandbox:  # the python tool, or an environment that runs code

@@ -149,8 +149,8 @@ class Trainer:
 
 
 def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
+    from orchestrate.evaluation import Evaluation
     from orchestrate.loop import Loop
-    from orchestrate.report import Timer
     from orchestrate.servers import Servers
 
     config = RLConfig.model_validate({
@@ -160,7 +160,7 @@ def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
     run = RunDir(tmp_path / "run")
     run.create()
     loop = Loop(config, run, progress=False)
-    loop.train_env, loop.generated, loop.timer, loop.trainer = SPEC, {}, Timer(), Trainer()
+    loop.train_env, loop.trainer, loop.evaluation = SPEC, Trainer(), Evaluation(config, run)
     loop.started, loop.run.write_phase = 0.0, lambda *a: None
     loop.calls, loop.annotated = [], []
     loop.servers = Servers(config, run, None, [], progress=False)

@@ -10,11 +10,11 @@ import pytest
 from agents.llm import VLLMClient
 from contract.rundir import RunDir
 from orchestrate.config import RLConfig
+from orchestrate.evaluation import Evaluation
 from orchestrate.loop import Loop, build_agent
 from orchestrate.rollouts import EnvSpec
 from orchestrate.servers import Servers
 from tapes.store import read_tapes
-from tapes.tape import SamplingParams
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -71,9 +71,7 @@ def loop(tmp_path):
     loop.tokenizer = AutoTokenizer.from_pretrained(model)
     loop.tokenizer.chat_template = CHAT_TEMPLATE
     loop.agent = build_agent(config, loop.tokenizer)
-    loop.train_env, loop.test_env = EnvSpec.from_config(config, "train"), EnvSpec.from_config(config, "test")
-    loop.eval_episodes = 3
-    loop.eval_sampling = SamplingParams(temperature=0.0, max_tokens=4)
+    loop.train_env, loop.evaluation = EnvSpec.from_config(config, "train"), Evaluation(config, run)
     loop.servers = Servers(config, run, loop.tokenizer, [Server(), Server()], progress=False)
     loop.servers.use(Trainer())  # reloads from folders
 
