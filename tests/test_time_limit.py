@@ -58,7 +58,9 @@ def fake_loop(monkeypatch):
     trainers = []
 
     def start(self, stack):
-        self.train_env = None
+        from orchestrate.evaluation import Evaluation
+
+        self.train_env, self.evaluation = None, Evaluation(self.config, self.run)
         self.trainer = FakeTrainer(self)
         trainers.append(self.trainer)
         self.servers = Servers(self.config, self.run, None, [FakeServer()], progress=False)
