@@ -177,11 +177,15 @@ def costs(out: Path, arms: list[str], last_minute: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--arms", default=",".join(["full", *RANKS]))
-    parser.add_argument("--sweep", default=None)
+    parser = argparse.ArgumentParser(prog="bench_lora.py", add_help=False, usage=argparse.SUPPRESS,
+                                     description="LoRA against full fine-tuning; the options of this script:")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=1e-4, help="the LoRA arms' learning rate (default 1e-4)")
+    parser.add_argument("--arms", default=",".join(["full", *RANKS]),
+                        help=f"comma-separated, of: full, {', '.join(RANKS)} (default: all)")  # fmt: skip
+    parser.add_argument("--sweep", default=None, help="comma-separated learning rates: rank 8 at each, ranked")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:
+        print(parser.format_help() + "\nand those of bench/compare_algorithms.py, which runs the arms:\n")
     try:
         if not 0 < ours.lr < 1:
             raise ca.Refused(f"--lr: a learning rate in (0, 1), got {ours.lr:g}")
