@@ -11,7 +11,8 @@
    `--reward module:function` scores each tape with your function (its value
    becomes the last turn's reward, earlier turns get 0);
 3. optionally re-annotate reference log-probs with a model served by vLLM
-   (`--reference MODEL`), as the RL loop's reference pass does;
+   (`--reference MODEL`, a server started for it; or a running reference server,
+   `--server.reference_url URL`), as the RL loop's reference pass does;
 4. keep those that pass `--filter` (`all`, or a reward condition such as
    `reward>0`);
 5. write them to OUT/tapes/iter_000001.jsonl (browsable with orchestrate.browse),
@@ -46,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -70,6 +72,10 @@ from orchestrate.run_dir import save_tapes
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
+if TYPE_CHECKING:
+    from orchestrate.vllm_server import RemoteServer
+
+BY_URL = ("policy_urls", "reference_url", "api_key_file")  # server options of a run that offline does not inherit
 FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
 RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -162,20 +168,28 @@ def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
             tape.metadata.reward, tape.metadata.reward_reason = float(value), reason
 
 
-def annotate(tapes: list[Tape], model_dir: Path, server_config: ServerSection, out: Path, progress: bool) -> None:
-    """Reference log-probs from a vLLM server with `model_dir`, started for this and stopped after."""
+def annotate(tapes: list[Tape], reference, server_config: ServerSection, out: Path, progress: bool) -> None:
+    """Reference log-probs from a vLLM server: `reference` is a running one (given by URL, checked), or a model
+    folder served by a server started for this and stopped after."""
     from agents.llm import VLLMClient
     from orchestrate.reference import annotate_reference
     from orchestrate.vllm_server import VLLMServer
 
-    server = VLLMServer(model_dir, log_path=out / "logs" / "reference.log", name="reference", config=server_config)
+    if isinstance(reference, Path):
+        server = VLLMServer(reference, log_path=out / "logs" / "reference.log", name="reference", config=server_config)
+    else:
+        server = reference  # a RemoteServer: neither started nor stopped here
     with server:
 
         async def go():
-            async with VLLMClient([server], tokenizer=None, model=str(model_dir)) as client:
+            async with VLLMClient([server], tokenizer=None, model=reference_name(reference)) as client:
                 await annotate_reference(tapes, client, progress=progress)
 
         asyncio.run(go())
+
+
+def reference_name(reference: Path | RemoteServer) -> str:
+    return str(reference) if isinstance(reference, Path) else reference.url
 
 
 def groups_with_signal(tapes: list[Tape]) -> int:
@@ -237,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         ServerSection,
         "server.",
         defaults=False,
-        only=("max_model_len", "kv_cache_gib", "dtype"),
+        only=("max_model_len", "kv_cache_gib", "dtype", "reference_url", "api_key_file"),
         note="reference server: ",
     )
     return parser
@@ -269,7 +283,7 @@ class Inputs:
     launch: TrainerSection
     server: ServerSection
     model_dir: Path
-    reference_dir: Path | None
+    reference: Path | RemoteServer | None  # a model folder to serve, or a running server (checked)
     reward_fn: Callable | None
     iterations: tuple[int, int] | None
 
@@ -320,8 +334,8 @@ def resolve(args: argparse.Namespace) -> Inputs:
         "trainer",
     )
     server = _section(
-        ServerSection,
-        run_config.get("server", {}),
+        ServerSection,  # the run's servers by URL are not this command's: only those given here
+        {k: v for k, v in run_config.get("server", {}).items() if k not in BY_URL},
         {k: v for k, v in overrides.items() if k.startswith("server.")},
         "server",
     )
@@ -337,15 +351,33 @@ def resolve(args: argparse.Namespace) -> Inputs:
         raise ConfigError(f"--model: {exc}") from None
     if adapter is not None and (problem := adapter_mismatch(adapter, model_dir)):
         raise ConfigError(f"--model: the adapter does not fit its base model: {problem}")
-    reference_dir = None
+    reward_fn = load_reward(args.reward, args.rescore)
+    return Inputs(files, keep, out, train, trainer, server, Path(model_dir), check_reference_source(args, server),
+                  reward_fn, iterations)  # fmt: skip
+
+
+def check_reference_source(args: argparse.Namespace, server: ServerSection) -> Path | RemoteServer | None:
+    """The reference to annotate with: --reference MODEL (its folder), or the server at --server.reference_url,
+    which must answer, accept the key and serve a reference (as orchestrate.rl checks its servers by URL)."""
+    from agents.models import ModelNotAvailable, resolve_model
+    from orchestrate.preflight import PreflightError, remote_server
+    from orchestrate.server_auth import APIKeyMissing, read_api_key
+
+    if args.reference and server.reference_url:
+        raise ConfigError("--server.reference_url: give the reference once: --reference MODEL starts a server for "
+                          "it, --server.reference_url URL uses one that runs")  # fmt: skip
     if args.reference:
         try:
-            reference_dir = resolve_model(args.reference)
+            return Path(resolve_model(args.reference))
         except ModelNotAvailable as exc:
             raise ConfigError(f"--reference: {exc}") from None
-    reward_fn = load_reward(args.reward, args.rescore)
-    return Inputs(files, keep, out, train, trainer, server, Path(model_dir), reference_dir and Path(reference_dir),
-                  reward_fn, iterations)  # fmt: skip
+    if server.reference_url:
+        try:
+            return remote_server("--server.reference_url", server.reference_url, "reference",
+                                 read_api_key(server.api_key_file))  # fmt: skip
+        except (APIKeyMissing, PreflightError) as exc:
+            raise ConfigError(str(exc)) from None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,14 +394,14 @@ def main(argv: list[str] | None = None) -> int:
         read_count = len(tapes)
         tapes = score_and_filter(tapes, given.reward_fn, given.keep, args.filter, given.train,
                                  progress=not args.no_progress)  # fmt: skip
-        require_ref = check_reference(tapes, given.train, given.reference_dir)
+        require_ref = check_reference(tapes, given.train, given.reference)
         run = open_out(given.out)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     run.save_config({
         "tapes": [str(f) for f in given.files], "iterations": args.iterations, "filter": args.filter,
         "rescore": args.rescore, "reward": args.reward,
-        "reference": str(given.reference_dir) if given.reference_dir else None,
+        "reference": reference_name(given.reference) if given.reference is not None else None,
         "model": {"policy": str(given.model_dir)}, "train": given.train.model_dump(mode="json"),
         "trainer": given.launch.model_dump(mode="json"),
     })  # fmt: skip
@@ -377,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = TrainerProcess(run, given.model_dir, given.train, given.launch)
     try:
-        checkpoint = train_once(trainer, tapes, require_ref, given.reference_dir, given.server,
+        checkpoint = train_once(trainer, tapes, require_ref, given.reference, given.server,
                                 f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
                                 progress=not args.no_progress)  # fmt: skip
     except ConfigError as exc:
@@ -427,12 +459,13 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     return kept
 
 
-def check_reference(tapes: list[Tape], train, reference_dir: Path | None) -> bool:
+def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | None) -> bool:
     """Whether training needs reference log-probs; ConfigError when the tapes lack them and none will be added."""
     missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
-    if train.needs_reference and missing and reference_dir is None:
+    if train.needs_reference and missing and reference is None:
         what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
-        raise ConfigError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL, or "
+        raise ConfigError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL "
+                           f"(or --server.reference_url URL), or "
                            f"{what} 0")  # fmt: skip
     return train.needs_reference
 
@@ -458,7 +491,13 @@ _lock = None
 
 
 def train_once(
-    trainer, tapes: list[Tape], require_ref: bool, reference_dir: Path | None, server, summary: str, progress: bool
+    trainer,
+    tapes: list[Tape],
+    require_ref: bool,
+    reference: Path | RemoteServer | None,
+    server,
+    summary: str,
+    progress: bool,
 ) -> Path:
     """Annotate (with --reference), write the tapes and their samples as iteration 1, train, and return the
     checkpoint. The trainer loads its model while the reference server starts and scores."""
@@ -469,9 +508,9 @@ def train_once(
     for stale in (tape_path, run.batch(1)):  # of an earlier attempt that never trained
         stale.unlink(missing_ok=True)
     try:
-        if reference_dir is not None:
+        if reference is not None:
             trainer.start()
-            annotate(tapes, reference_dir, server, run.root, progress)
+            annotate(tapes, reference, server, run.root, progress)
         save_tapes(tape_path, tapes)
         try:
             write_samples(run.batch(1), tapes, require_ref=require_ref)

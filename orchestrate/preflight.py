@@ -230,6 +230,25 @@ def check_served_rank(server, option: str, rank: int) -> None:
                              f"with `uv run -m orchestrate.serve --train.lora.rank {rank} ...`")  # fmt: skip
 
 
+def remote_server(option: str, url: str, role: str, key: str):
+    """The server at `url` (a RemoteServer), checked: it answers, accepts `key`, and serves `role`'s model."""
+    from orchestrate.vllm_server import RemoteServer, ServerError
+
+    server = RemoteServer(url, name=role, api_key=key)
+    try:
+        health = server.get("/health")
+        if health.status_code == 401:
+            raise PreflightError(f"{option}: {url} refused the API key (HTTP 401); give the key it was started "
+                                 "with (--server.api_key_file FILE, or $VLLM_API_KEY)")  # fmt: skip
+        if health.status_code != 200:
+            raise PreflightError(f"{option}: {url}/health answered HTTP {health.status_code}; start the server "
+                                 f"with `uv run -m orchestrate.serve --role {role}`")  # fmt: skip
+        server.model_root()
+    except ServerError as exc:
+        raise PreflightError(f"{option}: {exc}") from None
+    return server
+
+
 def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     """Each server of --server.policy_urls (and --server.reference_url when a reference pass runs) answers,
     accepts the API key, serves the expected model; a policy server sees the run's checkpoints at the paths
@@ -237,7 +256,7 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     folder that exists (the checkpoints of a resumed run; else the run directory's parent), and again on
     the run directory itself once it exists (the loop's start)."""
     from orchestrate.server_auth import APIKeyMissing, read_api_key
-    from orchestrate.vllm_server import RemoteServer, ServerError
+    from orchestrate.vllm_server import ServerError
 
     s = config.server
     wanted = [("--server.policy_urls", url, "policy") for url in s.policy_urls]
@@ -253,16 +272,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     for option, url, role in wanted:
-        server = RemoteServer(url, name=role, api_key=key)
+        server = remote_server(option, url, role, key)
         try:
-            health = server.get("/health")
-            if health.status_code == 401:
-                raise PreflightError(f"{option}: {url} refused the API key (HTTP 401); give the key it was started "
-                                     "with (--server.api_key_file FILE, or $VLLM_API_KEY)")  # fmt: skip
-            if health.status_code != 200:
-                raise PreflightError(f"{option}: {url}/health answered HTTP {health.status_code}; start the server "
-                                     f"with `uv run -m orchestrate.serve --role {role}`")  # fmt: skip
-            server.model_root()
             if role == "policy" and config.train.lora.rank:
                 check_served_rank(server, option, config.train.lora.rank)
             # a policy server reloads weights by path, unless they come in memory (then it needs no files of ours)

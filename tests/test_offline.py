@@ -50,9 +50,11 @@ def run_without_reference(tiny_run, tmp_path):
     return run
 
 
-def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_reference, tmp_path, capsys):
-    """From a run whose reference log-probs are gone: re-score, re-annotate with the reference model (a vLLM
-    server), train; the rewarded completions are more likely under the new checkpoint, the others less."""
+def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_reference, tiny_servers, tmp_path,
+                                                         capsys):  # fmt: skip
+    """From a run whose reference log-probs are gone: re-score, re-annotate with the reference model (a running
+    vLLM server, by URL), train; the rewarded completions are more likely under the new checkpoint, the others
+    less. (`--reference MODEL` starts a server of the same class as the loop's reference server.)"""
     tapes = [t for i in (1, 2) for t in read_tapes(tiny_run / "tapes" / f"iter_{i:06d}.jsonl")]
     initial = json.loads((tiny_run / "config.json").read_text())["model"]["policy"]  # also the run's reference
     groups = {}
@@ -62,9 +64,13 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_
     CHOSEN.update(groups.values())
     assert len(CHOSEN) == 4  # 2 tasks x 2 iterations
 
+    reference = tiny_servers[1]  # the tiny model, the run's reference
+    key = tmp_path / "key"
+    key.write_text(reference.api_key)
     out = tmp_path / "offline"
     code = main(["--tapes", str(run_without_reference), "--iterations", "1-2", "--out", str(out),
-                 "--reward", f"{__name__}:first_of_group", "--filter", "all", "--reference", initial,
+                 "--reward", f"{__name__}:first_of_group", "--filter", "all",
+                 "--server.reference_url", reference.base_url, "--server.api_key_file", str(key),
                  "--train.lr", "1e-3", "--train.epochs", "2", "--no-progress"])  # fmt: skip
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
@@ -82,7 +88,8 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_
     recorded = {t.metadata.id: t.llm_calls[0].ref_logprobs for t in tapes}  # from the run's reference pass
     for tape in kept:
         assert tape.llm_calls[0].ref_logprobs == pytest.approx(recorded[tape.metadata.id], abs=2e-3)
-    assert (out / "logs" / "reference.log").is_file()
+    assert not (out / "logs" / "reference.log").exists()  # no server of its own
+    assert json.loads((out / "config.json").read_text())["reference"] == reference.base_url
 
     rewarded = [t.llm_calls[0] for t in tapes if t.metadata.id in CHOSEN]
     others = [t.llm_calls[0] for t in tapes if t.metadata.id not in CHOSEN]
@@ -119,13 +126,31 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_
         (["--train.algorithm", "ppx"], "--train.algorithm", "unknown algorithm 'ppx': one of grpo, dr_grpo, dapo"),
         (["--reward", "no_such_module:f"], "--reward", "cannot import"),
         (["--model", "/nonexistent/model"], "--model", "no such folder"),
+        (
+            ["--reference", "smollm2", "--server.reference_url", "http://127.0.0.1:9"],
+            "--server.reference_url",
+            "give the reference once",
+        ),  # fmt: skip
+        (
+            ["--server.reference_url", "http://127.0.0.1:9", "--server.api_key_file", "/nonexistent/key"],
+            "--server.api_key_file",
+            "cannot read /nonexistent/key",
+        ),  # fmt: skip
+        (
+            ["--server.reference_url", "http://127.0.0.1:9", "--server.api_key_file", "KEY"],
+            "--server.reference_url",
+            "http://127.0.0.1:9",
+        ),  # fmt: skip
+        (["--server.reference_url", "ftp://x"], "--server.reference_url", "http"),
     ],
 )
 def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args, option, words):
     argv = ["--out", str(tmp_path / "out"), "--no-progress"]
     if "--tapes" not in args:
         argv = ["--tapes", str(tiny_run), *argv]
+    (tmp_path / "key").write_text("k")
     args = [str(tiny_run / "tapes" / "eval_000002.jsonl") if a == "EVAL" else a for a in args]
+    args = [str(tmp_path / "key") if a == "KEY" else a for a in args]
     with pytest.raises(SystemExit) as exc:
         main([*argv, *args])
     err = capsys.readouterr().err.strip()

@@ -309,6 +309,32 @@ def test_the_serve_command_is_the_local_servers_line(tmp_path, folder_model):
     assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
 
 
+@pytest.mark.parametrize("rank", [0, 8])
+def test_the_servers_a_run_starts_itself(tmp_path, tiny_model_dir, rank):
+    """The servers a run with a KL term starts (built, not started): a LoRA run's policy server takes adapters
+    up to its rank and there is no reference server (the reference is the base model on the policy server);
+    without LoRA, a plain policy server and a reference server. (tests/test_lora.py runs a LoRA run on a
+    real server by URL; tiny_run starts its own pair.)"""
+    from contract.rundir import RunDir
+    from orchestrate.servers import Servers
+    from orchestrate.vllm_server import VLLMServer
+
+    model = tiny_model_dir
+    config = RLConfig.model_validate(
+        {"model": {"policy": str(model)}, "train": {"kl_coef": 0.01, "lora": {"rank": rank}}}
+    )
+    servers = Servers.for_run(config, RunDir(tmp_path / "run"), model, model, None, progress=False)
+    [policy] = servers.policy
+    command = policy.command()
+    assert isinstance(policy, VLLMServer) and policy.log_path == tmp_path / "run" / "logs" / "policy-0.log"
+    if rank:
+        assert command[command.index("--enable-lora") + 1 :][:2] == ["--max-lora-rank", "8"]
+        assert servers.reference is None and servers.all == [policy]
+    else:
+        assert "--enable-lora" not in command
+        assert isinstance(servers.reference, VLLMServer) and servers.reference.served_model_name == "reference"
+
+
 # -- GPUs -----------------------------------------------------------------------------------
 
 
