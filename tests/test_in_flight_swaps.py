@@ -14,6 +14,8 @@ from orchestrate.config import RLConfig
 from orchestrate.servers import Servers
 from tapes.tape import LLMCall, SamplingParams, VersionChange
 
+LENGTH = 96  # tokens per call: the swap comes after the first, well before the last
+
 
 def test_a_call_knows_the_version_of_each_token():
     call = LLMCall(policy_version=3, output_token_ids=list(range(6)),
@@ -61,7 +63,7 @@ def test_weights_swapped_under_calls_in_flight_take_over_at_the_recorded_token(p
 
     servers = Servers(config, run, None, [server], progress=False)
     servers.use(Trainer())
-    sampling = SamplingParams(temperature=1.0, max_tokens=256)
+    sampling = SamplingParams(temperature=1.0, max_tokens=LENGTH)
     prompts = [[1 + 37 * i + k for k in range(12)] for i in range(4)]
 
     async def go():
@@ -87,7 +89,7 @@ def test_weights_swapped_under_calls_in_flight_take_over_at_the_recorded_token(p
     for call, new_lp, old_lp in zip(calls, new, old):
         assert call.policy_version == 0 and len(call.version_changes) == 1 and call.newest_version == 1
         n = call.version_changes[0].token
-        assert 1 <= n < len(call.output_token_ids) == 256, n
+        assert 1 <= n < len(call.output_token_ids) == LENGTH, n
         after = max(abs(a - b) for a, b in zip(call.logprobs[n:], new_lp[n:]))
         before = max(abs(a - b) for a, b in zip(call.logprobs[:n], old_lp[:n]))
         assert after < 1e-3 and before < 1e-3, (after, before)
