@@ -209,47 +209,36 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
 
     AutoTokenizer.from_pretrained(run / "checkpoints" / "000002")
 
-    # With the full state every batch: killed after the first batch, started again, it resumes with its
-    # optimizer state and trains nothing twice.
-    every = ["--save-state-every", "1"]
+    # 2. With the full state every 2 batches: killed after batch 3, which has none, the learner starts again
+    # from batch 2's full state (weights, optimizer, RNG), removes checkpoint 3 and trains batch 3 again, then
+    # batch 4; it ends where one uninterrupted learner ends, and nothing before the full state is trained twice.
+    # (Batches 3 and 4 are batches 1 and 2 again.)
+    for index, path in zip((3, 4), batches):
+        learner.train_batch(read_batch(path), index)
+    four = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
+    every = ["--save-state-every", "2"]
     run2 = tmp_path / "run2"
-    write_batch(batch_file(run2 / "batches", 1), read_batch(batches[0]))
+    for index in (1, 2, 3):
+        write_batch(batch_file(run2 / "batches", index), read_batch(batches[(index - 1) % 2]))
     proc = launch(tiny, run2, options=OPTIONS + every)
-    wait_for(run2 / "checkpoints" / "000001", proc, run2)
-    stamp = (run2 / "checkpoints" / "000001" / "model.safetensors").stat().st_mtime_ns
+    wait_for(run2 / "checkpoints" / "000003", proc, run2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    write_batch(batch_file(run2 / "batches", 2), read_batch(batches[1]))
+    assert (run2 / "checkpoints" / "000002" / "trainer_state").is_dir()
+    assert not (run2 / "checkpoints" / "000003" / "trainer_state").exists()
+    stamp = (run2 / "checkpoints" / "000002" / "model.safetensors").stat().st_mtime_ns
+    write_batch(batch_file(run2 / "batches", 4), read_batch(batches[1]))
     proc = launch(tiny, run2, options=OPTIONS + every)
-    wait_for(run2 / "checkpoints" / "000002", proc, run2)
+    wait_for(run2 / "checkpoints" / "000004", proc, run2)
     stop(proc, run2)
-    assert [(m["batch"], m["step"]) for m in metrics(run2)] == [(1, 1), (1, 2), (2, 3), (2, 4)]
-    assert (run2 / "checkpoints" / "000001" / "model.safetensors").stat().st_mtime_ns == stamp
-    assert "resumed from" in (run2 / "trainer.log").read_text()
-    resumed = weights(run2 / "checkpoints" / "000002")
-    for k, v in resumed.items():
-        torch.testing.assert_close(v, second[k], atol=1e-6, rtol=0, msg=k)
-
-    # 3. The default schedule (full state every 10 batches, and at a clean stop): killed after batch 1, which
-    # has no full state, the learner starts again from the last one (here the initial model), trains batch
-    # 1 again, then batch 2, and ends where one uninterrupted learner ends. Part 1's clean stop saved the
-    # full state of its last batch only.
-    run3 = tmp_path / "run3"
-    write_batch(batch_file(run3 / "batches", 1), read_batch(batches[0]))
-    proc = launch(tiny, run3)
-    wait_for(run3 / "checkpoints" / "000001", proc, run3)
-    assert not (run3 / "checkpoints" / "000001" / "trainer_state").exists()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    write_batch(batch_file(run3 / "batches", 2), read_batch(batches[1]))
-    proc = launch(tiny, run3)
-    wait_for(run3 / "checkpoints" / "000002", proc, run3)
-    stop(proc, run3)
-    assert [(m["batch"], m["step"]) for m in metrics(run3)] == [(1, 1), (1, 2), (1, 1), (1, 2), (2, 3), (2, 4)]
-    assert "training them again" in (run3 / "trainer.log").read_text()
-    assert (run3 / "checkpoints" / "000002" / "trainer_state" / "progress.json").is_file()  # the clean stop's
-    for k, v in weights(run3 / "checkpoints" / "000002").items():
-        torch.testing.assert_close(v, second[k], atol=1e-6, rtol=0, msg=k)
+    assert [(m["batch"], m["step"]) for m in metrics(run2)] == [
+        (1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6), (3, 5), (3, 6), (4, 7), (4, 8)
+    ]  # fmt: skip
+    log = (run2 / "trainer.log").read_text()
+    assert "resumed from" in log and "training them again" in log
+    assert (run2 / "checkpoints" / "000002" / "model.safetensors").stat().st_mtime_ns == stamp
+    for k, v in weights(run2 / "checkpoints" / "000004").items():
+        torch.testing.assert_close(v, four[k], atol=1e-6, rtol=0, msg=k)
 
 
 @pytest.mark.slow
