@@ -7,14 +7,58 @@ import pytest
 
 from agents.models import resolve_model
 
+# Session-wide servers, and where their tests run (`pytest_collection_modifyitems`): a server on CPU is three
+# processes of 3.8-4.9 GB together (resident, shared libraries counted in each), so the tests of a pair run
+# together and the pair is stopped after the last of them. With both pairs up to the end of the session, the
+# last tests' own servers left the machine reclaiming its page cache (memory pressure "full" 11% over five
+# minutes) and every test slowed down.
+SHARED_SERVERS = ("tiny_servers", "embedded_servers")
+_started: dict[str, list] = {}  # fixture name -> its servers, while they run
+_last_user: dict[str, pytest.Item] = {}
+
+
+def _group(item) -> int:
+    """Tests without servers first (quick feedback); then those that read tiny_run alone (the run starts and
+    stops its own servers while nothing else runs); then each pair's tests; then tests with servers of their
+    own."""
+    if not item.get_closest_marker("vllm"):
+        return 0
+    used = set(getattr(item, "fixturenames", ()))
+    for i, name in enumerate(SHARED_SERVERS):
+        if name in used:
+            return 2 + i
+    return 1 if "tiny_run" in used else 2 + len(SHARED_SERVERS)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=_group)  # stable: the files' order within a group
+
+
+def pytest_collection_finish(session):
+    _last_user.clear()
+    for item in session.items:  # after deselection (-m, -k)
+        for name in SHARED_SERVERS:
+            if name in getattr(item, "fixturenames", ()):
+                _last_user[name] = item
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    for name, last in _last_user.items():
+        if item is last:
+            for server in _started.pop(name, []):
+                server.stop()  # the fixture's own stop at the session's end finds nothing left to do
+
 
 @pytest.fixture(scope="session")
 def embedded_model_dir():
     return resolve_model("smollm2")
 
 
-def start_together(servers):
-    """Start `servers` at once (each spends most of its minute importing, on one core), stop them all at the end."""
+def start_together(servers, name: str):
+    """Start `servers` at once (each spends most of its minute importing, on one core), stop them all at the end
+    (or after the last test that uses fixture `name`)."""
+    _started[name] = servers
     try:
         for server in servers:
             server.start(wait=False)
@@ -40,7 +84,7 @@ def embedded_servers(embedded_model_dir, tmp_path_factory):
     yield from start_together([
         VLLMServer(untied_copy(embedded_model_dir), log_path=logs / "policy.log", config=policy),
         VLLMServer(embedded_model_dir, log_path=logs / "reference.log", name="reference", config=reference),
-    ])  # fmt: skip
+    ], "embedded_servers")  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +144,7 @@ def tiny_servers(tiny_model_dir, tmp_path_factory):
     key = secrets.token_hex(16)  # servers lent together share a key
     for server in servers:
         server.api_key = key
-    yield from start_together(servers)
+    yield from start_together(servers, "tiny_servers")
 
 
 @pytest.fixture
