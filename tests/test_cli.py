@@ -119,3 +119,26 @@ def test_finetune_train_is_strict_too(capsys, tmp_path):
             train.parse_args(["--model", str(tmp_path), "--run-dir", str(tmp_path), "--print-config", *argv])
         assert exc.value.code == 2
         assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_learners_options_are_the_loops_train_options(tmp_path, tiny_model_dir):
+    """One TrainConfig, two spellings generated from it: every `--train.X` of orchestrate.rl is `--X` (dashed)
+    of finetune.train and back, and the same values give the same TrainConfig fields."""
+    from finetune import train
+    from orchestrate.config import build_parser, resolve
+
+    loop = {o.removeprefix("--train.") for a in build_parser()._actions for o in a.option_strings
+            if o.startswith("--train.")}  # fmt: skip
+    groups = [g for g in train.build_parser()._action_groups if g.title.startswith(("training", "LoRA", "options of"))]
+    learner = {o[2:].replace("-", "_") for g in groups for a in g._group_actions for o in a.option_strings}
+    learner -= {name for name in learner if name.removeprefix("no_") != name and name[3:] in learner}  # --no-FLAG
+    assert len(loop) > 40 and loop == learner
+
+    values = {"lr": "2e-6", "grpo.clip_eps_high": "0.3", "lora.rank": "4", "gamma": "0.8", "epochs": "3"}
+    from_loop = resolve("embedded", {f"train.{k}": v for k, v in values.items()}).train
+    argv = [x for k, v in values.items() for x in (f"--{k.replace('_', '-')}", v)]
+    _, from_learner = train.parse_args(["--model", str(tiny_model_dir), "--run-dir", str(tmp_path), *argv])
+    for key in values:
+        section, _, field = key.rpartition(".")
+        got = [getattr(getattr(c, section) if section else c, field) for c in (from_loop, from_learner)]
+        assert got[0] == got[1] == type(got[0])(float(values[key])), key
