@@ -499,7 +499,7 @@ def train_once(
     summary: str,
     progress: bool,
 ) -> Path:
-    """Annotate (with --reference), write the tapes and their samples as iteration 1, train, and return the
+    """Annotate (with --reference or --server.reference_url), write the tapes and their samples as iteration 1, train, and return the
     checkpoint. The trainer loads its model while the reference server starts and scores."""
     from orchestrate.samples import SampleError, write_samples
 
