@@ -60,7 +60,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from contract.batch import batch_file, list_batches
-from contract.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
+from contract.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree, read_jsonl
 
 # What phase.json names, in the order of an iteration (see orchestrate/loop.py): "starting" before the first
 # iteration (servers and trainer starting; iteration 0's evaluation is "eval"), "done" after the last one.
@@ -360,6 +360,17 @@ class RunDir:
     def read_heartbeat(self) -> dict:
         """The last beat ({} while there is none, or one cannot be read)."""
         return self.read_json(self.trainer_heartbeat)
+
+    def drop_metrics_after(self, index: int) -> int:
+        """Keep train_metrics.jsonl's records of batches up to `index` only (a resumed learner's last
+        checkpoint): the records of the batches it trains again go, as do those of a batch killed between its
+        records and its checkpoint. Then each batch's records are those of its published checkpoint, once.
+        Replaced whole (a reader sees the old file or the new one); returns how many records went."""
+        records = read_jsonl(self.train_metrics)
+        kept = [r for r in records if int(r.get("batch", 0)) <= index]
+        if len(kept) != len(records) or (self.train_metrics.exists() and not records):
+            atomic_write_text(self.train_metrics, "".join(json.dumps(r) + "\n" for r in kept))
+        return len(records) - len(kept)
 
     def append_metrics(self, record: dict) -> None:
         """One whole line per call; a line torn by a kill mid-write is cut before the next (contract.durable)."""

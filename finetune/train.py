@@ -19,7 +19,7 @@ through files in the run folder only:
    progress.json) every --save-state-every batches and at a clean stop. The
    folder is built as checkpoints/.tmp-NNNNNN, fsynced and renamed: it
    appears complete or not at all. Only the newest full state is kept.
-3. After the checkpoint appears, the batch's per-step metrics are appended to
+3. Before the checkpoint appears, the batch's per-step metrics are appended to
    RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
    step, step_in_batch, samples, seconds and the figures of
    contract.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
@@ -33,7 +33,8 @@ through files in the run folder only:
    newest checkpoint with a full state, removes the checkpoints published
    after it and trains their batches again, in order, then goes on with the
    next batch; a batch interrupted before its checkpoint is trained again
-   from the start.
+   from the start. The step records of the batches trained again are dropped
+   from train_metrics.jsonl first: each published batch has its records once.
 5. It exits cleanly (status stopped) when RUN/trainer.stop exists (checked
    between batches), after --max-batches batches, or with --once when no
    batch is left. It exits at once (code 3) when its parent process changes
@@ -364,6 +365,9 @@ class _Session:
         # Checkpoints published after the last full state: their batches are trained again, in order.
         if self.main_process and (again := self.run.drop_checkpoints_after(self.last or 0)):
             log.info("batches %s were trained after the last full state: training them again", again)
+        if self.main_process and (dropped := self.run.drop_metrics_after(self.last or 0)):
+            log.info("%d step records of batches after %d dropped from %s (trained again)", dropped,
+                     self.last or 0, self.run.train_metrics.name)  # fmt: skip
         self.accelerator.wait_for_everyone()
 
     def next_decision(self) -> tuple | None:
@@ -412,8 +416,8 @@ class _Session:
         return progress
 
     def _publish(self, index: int, samples: list, metrics: list[dict]) -> Path | None:
-        """Checkpoint `index` built aside (every process saves its part), the learner's record and the
-        advantages written, then renamed into place; the step metrics appended after it. Then the weights
+        """Checkpoint `index` built aside (every process saves its part), the learner's record, the
+        advantages and the step metrics written, then the checkpoint renamed into place. Then the weights
         go to the servers: in memory when a weight-transfer group is joined (finetune.weight_transfer), else
         as the checkpoint's model folder, which the servers reload."""
         from accelerate.utils import broadcast_object_list
@@ -450,9 +454,9 @@ class _Session:
                   "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
         atomic_write_json(tmp / LEARNER_RECORD, record)
         self.run.write_advantages(index, self.learner.turn_records)  # before the checkpoint: it marks the batch done
-        final = self.run.publish_checkpoint(tmp, index)
-        for m in metrics:
+        for m in metrics:  # before the checkpoint too: a published batch has its records (a resume drops orphans)
             self.run.append_metrics({**m, "time": time.time()})
+        final = self.run.publish_checkpoint(tmp, index)
         if full_state:
             self.run.drop_old_trainer_states(keep=index)
         if packed is not None:

@@ -161,6 +161,29 @@ def test_train_config_is_written_atomically(tmp_path, monkeypatch):
     assert os.stat(path).st_ino != before and json.loads(path.read_text())["lr"] == 3e-5
 
 
+def test_a_resumed_learner_keeps_the_step_records_of_its_published_batches_once(tmp_path):
+    """Records are appended before the checkpoint is published; a learner resumed from batch 1 drops the
+    records of the batches after it (trained again, or killed between records and checkpoint) and a torn
+    tail, so each published batch keeps its records once."""
+    from contract.durable import read_jsonl
+    from contract.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    for batch in (1, 1, 2, 2, 3):
+        run.append_metrics({"batch": batch, "loss": 0.1 * batch})
+    with open(run.train_metrics, "a") as f:
+        f.write('{"batch": 3, "lo')  # killed here
+    assert run.drop_metrics_after(1) == 3
+    assert [json.loads(line)["batch"] for line in run.train_metrics.read_text().splitlines()] == [1, 1]
+    before = os.stat(run.train_metrics).st_ino
+    assert run.drop_metrics_after(1) == 0 and os.stat(run.train_metrics).st_ino == before  # nothing to drop
+    run.append_metrics({"batch": 2, "loss": 0.25})
+    assert [r["batch"] for r in read_jsonl(run.train_metrics)] == [1, 1, 2]
+    assert run.drop_metrics_after(0) == 3 and run.train_metrics.read_text() == ""
+    assert RunDir(tmp_path / "new").drop_metrics_after(0) == 0  # no file yet: nothing written
+    assert not (tmp_path / "new" / "train_metrics.jsonl").exists()
+
+
 def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
     """train_metrics.jsonl torn by a kill mid-write: the reader skips the half line, a resumed trainer's next
     record starts on a line of its own (the same append as metrics.jsonl: contract.durable.append_line)."""

@@ -231,8 +231,9 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
     proc = launch(tiny, run2, options=OPTIONS + every)
     wait_for(run2 / "checkpoints" / "000004", proc, run2)
     stop(proc, run2)
+    # batch 3's first records were dropped with its checkpoint: each published batch has its records once
     assert [(m["batch"], m["step"]) for m in metrics(run2)] == [
-        (1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6), (3, 5), (3, 6), (4, 7), (4, 8)
+        (1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8)
     ]  # fmt: skip
     log = (run2 / "trainer.log").read_text()
     assert "resumed from" in log and "training them again" in log
