@@ -19,7 +19,8 @@ Publishing, at the first budget:
   trainer_state/ (fp32 weights, AdamW state, RNG), written and synced;
 - after: per iteration, the weights gathered in the served dtype and packed into checked buckets
   (finetune.weight_transfer: what the NCCL broadcast sends; the broadcast itself needs a vLLM server on
-  another GPU and is not timed here), plus the full state every --state-every iterations (amortized);
+  another GPU and is not timed here), plus the full state every --state-every iterations (amortized):
+  its model folder before the version is published, its trainer state after the version went out;
 - the ratio of each to the optimizer step (target: after <= 10%).
 With LoRA (--lora-rank, --lora-8b), what a LoRA version publishes instead: its adapter folder and its trainer
 state (the adapters and their optimizer state only), written and synced.
@@ -129,8 +130,9 @@ def measure(label: str, model_dir: Path, config, samples, tokens: int, params: i
     gpu = torch.cuda.is_available()
     acc = Accelerator(mixed_precision="bf16" if gpu else "no")
     learner, load_s = timed(lambda: Learner(model_dir, config, acc))
+    first_s = None
     if warmup:
-        learner.train_batch(samples, 1)  # kernels chosen, allocator settled
+        _, first_s = timed(lambda: learner.train_batch(samples, 1))  # kernels chosen (compiled), allocator settled
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     metrics, step_s = timed(lambda: learner.train_batch(samples, 2))
@@ -139,12 +141,14 @@ def measure(label: str, model_dir: Path, config, samples, tokens: int, params: i
     mfu = 6 * params * tokens / step_s / peak if peak else float("nan")
     trainable = sum(p.numel() for g in learner.optimizer.param_groups for p in g["params"])
     run = {"run": label, "token_budget": config.token_budget, "lora_rank": config.lora.rank, "warmup": warmup,
-           "load_s": round(load_s, 2), "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s),
+           "layout": config.layout, "compile": config.compile, "load_s": round(load_s, 2),
+           "first_step_s": first_s and round(first_s, 2), "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s),
            "mfu": round(mfu, 4), "peak_gib": round(peak_gib, 2), "trainable": trainable,
            "micro_batches": metrics[-1].get("micro_batches")}  # fmt: skip
     print(f"{label}: step {step_s:.2f} s{'' if warmup else ' (first step, no warm-up)'}, {tokens / step_s:,.0f} "
           f"tokens/s, MFU {mfu:.1%} (6 x all parameters), peak {peak_gib:.1f} GiB, {trainable / 1e6:.1f} M trained, "
-          f"{run['micro_batches']} micro-batches", flush=True)  # fmt: skip
+          f"{run['micro_batches']} micro-batches" + (f"; first step {first_s:.1f} s" if first_s else ""),
+          flush=True)  # fmt: skip
     return learner, acc, run
 
 
@@ -158,6 +162,12 @@ def main() -> None:
     ap.add_argument("--lora-8b", action="store_true", help="also train Llama-3.1-8B's shape with LoRA (one step)")
     ap.add_argument("--only-8b", action="store_true", help="with --lora-8b: skip the 1B runs")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in the 8B run")
+    ap.add_argument("--layouts", default="shared_prefix",
+                    help="micro-batch layouts to time at the first budget (full fine-tuning): shared_prefix,padded,packed")
+    ap.add_argument("--compile", default="auto",
+                    help="TrainConfig.compile of the runs; a list (on,off) also times the others at the first budget")
+    ap.add_argument("--profile-tasks", type=int, default=0,
+                    help="also profile one step on this many tasks' samples, per layout: where the GPU's time goes")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_learner.json")
     args = ap.parse_args()
 
@@ -178,12 +188,32 @@ def main() -> None:
     )
     report = {"device": gpu, "parameters": params, "samples": len(samples), "tokens": tokens, "runs": []}
     budgets = [min(int(b), 512) if args.tiny else int(b) for b in args.budgets.split(",")]
-    runs = [(f"full, token budget {b}", TrainConfig(lr=1e-6, kl_coef=0.001, token_budget=b)) for b in budgets]
+    layouts, compiles = args.layouts.split(","), args.compile.split(",")
+
+    def full(budget: int, layout: str, compile: str):
+        return (f"full, token budget {budget}, {layout}, compile {compile}",
+                TrainConfig(lr=1e-6, kl_coef=0.001, token_budget=budget, layout=layout, compile=compile))  # fmt: skip
+
+    runs = [full(b, layouts[0], compiles[0]) for b in budgets]
+    runs += [full(budgets[0], lay, compiles[0]) for lay in layouts[1:]]
+    runs += [full(budgets[0], layouts[0], c) for c in compiles[1:]]
+    if args.profile_tasks:
+        few = samples[: args.profile_tasks * (4 if args.tiny else 64)]
+        for lay in layouts:
+            config = TrainConfig(lr=1e-6, kl_coef=0.001, token_budget=budgets[0], layout=lay, compile=compiles[0])
+            report.setdefault("profiles", []).append(profile_step(f"{lay}_compile_{compiles[0]}", work / "model",
+                                                                  config, few, args.out))  # fmt: skip
     if args.lora_rank:
-        runs.append((f"LoRA r{args.lora_rank}, token budget {budgets[0]}",
-                     TrainConfig(lr=1e-5, kl_coef=0.001, token_budget=budgets[0], lora={"rank": args.lora_rank})))  # fmt: skip
+        runs.append((f"LoRA r{args.lora_rank}, token budget {budgets[0]}, compile {compiles[0]}",
+                     TrainConfig(lr=1e-5, kl_coef=0.001, token_budget=budgets[0], lora={"rank": args.lora_rank},
+                                 compile=compiles[0])))  # fmt: skip
     for i, (label, config) in enumerate([] if args.only_8b else runs):
-        learner, acc, run = measure(label, work / "model", config, samples, tokens, params)
+        try:
+            learner, acc, run = measure(label, work / "model", config, samples, tokens, params)
+        except Exception as exc:  # noqa: BLE001 - one run failing leaves the others' figures
+            print(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+            report["runs"].append({"run": label, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            continue
         if i == 0 and not args.no_publish:
             run["publish"] = publishing(learner, work, run["step_s"], args.state_every, pack)
         if config.lora.rank:
@@ -198,7 +228,7 @@ def main() -> None:
         params8, build_s = timed(lambda: build_model(work / "model8b", cfg8))
         print(f"8B shape: {params8 / 1e9:.3f} B parameters, built and saved in {build_s:.0f} s", flush=True)
         config = TrainConfig(lr=1e-5, kl_coef=0.001, token_budget=budgets[0], lora={"rank": args.lora_rank or 16},
-                             gradient_checkpointing=args.checkpointing)  # fmt: skip
+                             gradient_checkpointing=args.checkpointing, compile=compiles[0])  # fmt: skip
         try:
             learner, acc, run = measure(f"8B shape, LoRA r{config.lora.rank}, frozen bf16"
                                         + (", gradient checkpointing" if args.checkpointing else ""), work / "model8b", config,
@@ -214,6 +244,37 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_learner.json").write_text(json.dumps(report, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def profile_step(label: str, model_dir: Path, config, samples, out: str | None, top: int = 22) -> dict:
+    """One warm step under torch.profiler: the kernels that take the device's time, and how busy it was."""
+    from accelerate import Accelerator
+    from torch.profiler import ProfilerActivity, profile
+
+    from finetune.learner import Learner
+
+    gpu = torch.cuda.is_available()
+    learner = Learner(model_dir, config, Accelerator(mixed_precision="bf16" if gpu else "no"))
+    learner.train_batch(samples, 1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        _, wall = timed(lambda: learner.train_batch(samples, 2))
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    events = prof.key_averages()
+    table = events.table(sort_by=key, row_limit=top, max_name_column_width=70)
+    busy = sum(getattr(e, key) for e in events if gpu and e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    line = (f"profile {label}: {len(samples)} samples, {tokens} tokens, step {wall:.2f} s under the profiler, "
+            f"device busy {busy:.2f} s ({busy / wall:.0%})")  # fmt: skip
+    print(line + "\n" + table, flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"profile_{label}.txt").write_text(line + "\n" + table)
+    del learner
+    if gpu:
+        torch.cuda.empty_cache()
+    return {"layout": label, "samples": len(samples), "tokens": tokens, "wall_s": round(wall, 3),
+            "device_busy_s": round(busy, 3)}  # fmt: skip
 
 
 def lora_publishing(learner, work: Path, step_s: float) -> dict:
@@ -260,10 +321,14 @@ def publishing(learner, work: Path, step_s: float, state_every: int, pack) -> di
     shutil.rmtree(state_dir)
     weights = None  # noqa: F841 - freed before the next budget
     after_s = gather_s + pack_s + (state_s + folder_s) / state_every
+    # what the servers wait for: the trainer state is written after the version went out (finetune.train)
+    critical_s = gather_s + pack_s + folder_s / state_every
     out = {"before_s": round(before_s, 3), "before_gib": round(before_gib, 2), "before_of_step": round(before_s / step_s, 4),
            "gather_s": round(gather_s, 3), "pack_s": round(pack_s, 3), "sent_gib": round(sent_gib, 3),
-           "full_state_s": round(state_s + folder_s, 3), "full_state_gib": round(state_gib, 2),
-           "state_every": state_every, "after_s": round(after_s, 3), "after_of_step": round(after_s / step_s, 4)}  # fmt: skip
+           "full_state_s": round(state_s + folder_s, 3), "trainer_state_s": round(state_s, 3),
+           "weights_folder_s": round(folder_s, 3), "full_state_gib": round(state_gib, 2),
+           "state_every": state_every, "after_s": round(after_s, 3), "after_of_step": round(after_s / step_s, 4),
+           "critical_s": round(critical_s, 3), "critical_of_step": round(critical_s / step_s, 4)}  # fmt: skip
     print(
         f"publishing before: {before_s:.2f} s per iteration ({before_gib:.2f} GiB written), "
         f"{before_s / step_s:.0%} of the step",
@@ -273,6 +338,12 @@ def publishing(learner, work: Path, step_s: float, state_every: int, pack) -> di
         f"publishing after: gather {gather_s:.2f} s + pack {pack_s:.2f} s ({sent_gib:.2f} GiB to send) + full "
         f"state {state_s + folder_s:.2f} s / {state_every} = {after_s:.2f} s per iteration, "
         f"{after_s / step_s:.1%} of the step",
+        flush=True,
+    )
+    print(
+        f"  of which the servers wait for: gather + pack + model folder {folder_s:.2f} s / {state_every} = "
+        f"{critical_s:.2f} s ({critical_s / step_s:.1%}); trainer state {state_s:.2f} s / {state_every} after the "
+        "version went out",
         flush=True,
     )
     return out

@@ -343,7 +343,7 @@ class RunDir:
     def clean_temp(self) -> None:
         """Remove half-built or half-deleted checkpoints and weight folders left by a crash."""
         if self.checkpoints.is_dir():
-            for pattern in (".tmp-*", ".gone-*", "*/.tmp-weights"):
+            for pattern in (".tmp-*", ".gone-*", "*/.tmp-weights", "*/.tmp-state"):
                 for p in self.checkpoints.glob(pattern):
                     shutil.rmtree(p, ignore_errors=True)
 

@@ -167,6 +167,12 @@ class _TrainOptions(BaseModel):
         "micro-batch; packed: sequences concatenated in one row with position ids restarting (for "
         "flash-attention varlen kernels on GPU).",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile the decoder layers and the fused head's softmax arithmetic (fuses the "
+        "element-wise work between matmuls; the first step compiles). auto: on with CUDA (not under FSDP, "
+        "where it has not run), off on CPU.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: less memory, ~30% slower."
     )

@@ -39,7 +39,7 @@ from contract.rundir import TRAINER_PROGRESS, TRAINER_STATE_DIR
 from finetune.config import TrainConfig
 from finetune.critic import CriticBatch
 from finetune.estimators import turn_advantages
-from finetune.logprobs import PolicyLogProbs, ValueModel
+from finetune.logprobs import PolicyLogProbs, ValueModel, compile_layers
 from finetune.lora import adapter_tensors, load_adapter_weights, merged, with_lora, write_adapter
 from finetune.losses import LossInputs, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
@@ -186,6 +186,12 @@ class Learner:
                 load_adapter_weights(lm, lora.start_from)
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # auto: on a GPU, not under FSDP (compiled layers inside FSDP's wrapping have not run here)
+        compiled = config.compile == "on" or (
+            config.compile == "auto" and acc.device.type == "cuda" and acc.distributed_type != DistributedType.FSDP
+        )
+        if compiled:
+            compile_layers(lm)
         impl = config.logprob_impl
         if impl == "auto":
             impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
@@ -196,7 +202,7 @@ class Learner:
                        if spec.critic is not None else None)  # fmt: skip
         head = self.critic is not None and self.critic.value_head
         policy = PolicyLogProbs(
-            lm, impl, config.logit_chunk_tokens, value_head=head, entropy_grad=config.entropy_coef > 0
+            lm, impl, config.logit_chunk_tokens, value_head=head, entropy_grad=config.entropy_coef > 0, compiled=compiled
         )
         policy.train()
         betas, eps = (config.adam_beta1, config.adam_beta2), config.adam_eps
@@ -220,6 +226,8 @@ class Learner:
             body.config.use_cache = False
             if config.gradient_checkpointing:
                 body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if compiled:
+                compile_layers(body)
             value_model = ValueModel(body)
             del body  # the value model keeps the body; the LM head goes
             value_model.train()

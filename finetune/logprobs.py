@@ -24,6 +24,61 @@ import torch
 from torch import Tensor, nn
 
 
+def _chunk_forward(lowp: Tensor, targets: Tensor, inv_temp: Tensor, with_raw: bool):
+    """One chunk's head output [c, V] (any float dtype; its fp32 copy is worked on in place):
+    (logp, entropy, lse, raw_logp, raw_lse), the last two None without `with_raw`."""
+    raw = lowp.float()
+    raw_logp = raw_lse = None
+    if with_raw:
+        raw_lse = torch.logsumexp(raw, dim=-1)
+        raw_logp = raw.gather(1, targets[:, None]).squeeze(1) - raw_lse
+    logits = raw.mul_(inv_temp[:, None])
+    top = logits.amax(dim=-1, keepdim=True)
+    unnorm = torch.sub(logits, top).exp_()  # softmax * z
+    z = unnorm.sum(dim=-1, keepdim=True)
+    lse = (top + z.log()).squeeze(1)
+    logp = logits.gather(1, targets[:, None]).squeeze(1) - lse
+    # entropy = lse - sum(p * logits); the row dot products as one batched matmul, no temporary
+    dot = (unnorm.unsqueeze(1) @ logits.unsqueeze(2)).view(-1) / z.view(-1)
+    return logp, lse - dot, lse, raw_logp, raw_lse
+
+
+def _chunk_backward(lowp: Tensor, targets: Tensor, inv_temp: Tensor, lse: Tensor, scale: Tensor,
+                    raw_lse: Tensor | None, raw_scale: Tensor | None, entropy: Tensor | None,
+                    ent_scale: Tensor | None, dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """d loss / d raw logits of one chunk, in `dtype`: (onehot - p) * scale, plus the untempered term
+    (onehot - softmax(raw)) * raw_scale and the entropy's -p * (log p + H) * ent_scale when they are asked."""
+    raw = lowp.float()
+    g_raw = g_ent = None
+    if raw_scale is not None:  # before raw is overwritten
+        g_raw = torch.sub(raw, raw_lse[:, None]).exp_().mul_(-raw_scale[:, None])
+        g_raw.scatter_add_(1, targets[:, None], raw_scale[:, None])
+    logp_all = raw.mul_(inv_temp[:, None]).sub_(lse[:, None])  # tempered log softmax, in place
+    if ent_scale is not None:  # before logp_all is overwritten
+        g_ent = (logp_all + entropy[:, None]).mul_(logp_all.exp()).mul_(-ent_scale[:, None])
+    g = logp_all.exp_()  # tempered softmax, in place
+    g.mul_(-scale[:, None]).scatter_add_(1, targets[:, None], scale[:, None])
+    if g_ent is not None:
+        g.add_(g_ent)
+    if g_raw is not None:
+        g.add_(g_raw)
+    return g.to(dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _chunk_fns(compiled: bool):
+    """The per-chunk functions, eager or torch.compile'd (inductor fuses each into a few passes over the
+    logits instead of one per operation; chunk sizes vary, so the shapes are dynamic)."""
+    if not compiled:
+        return _chunk_forward, _chunk_backward
+    if not _COMPILED:
+        _COMPILED["forward"] = torch.compile(_chunk_forward, dynamic=True)
+        _COMPILED["backward"] = torch.compile(_chunk_backward, dynamic=True)
+    return _COMPILED["forward"], _COMPILED["backward"]
+
+
 class _HeadLogProbs(torch.autograd.Function):
     """log softmax(hidden @ W.T * inv_temp)[target] and the entropy, chunk by chunk.
 
@@ -34,6 +89,8 @@ class _HeadLogProbs(torch.autograd.Function):
     scored at T = 1): one head matmul serves both.
     Entropy (of the tempered distribution) is differentiable only with `entropy_grad` (the entropy bonus):
     d H / d logits = -p * (log p + H), recomputed in backward like the rest.
+    The matmuls run in the autocast dtype; the softmax arithmetic in fp32 (`_chunk_forward`,
+    `_chunk_backward`, compiled with `compiled`).
     """
 
     @staticmethod
@@ -47,9 +104,11 @@ class _HeadLogProbs(torch.autograd.Function):
         chunk: int,
         with_raw: bool,
         entropy_grad: bool = False,
+        compiled: bool = False,
     ):
         n = hidden.shape[0]
         inv_temp = inv_temp.float()
+        forward_chunk, _ = _chunk_fns(compiled)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
@@ -57,25 +116,16 @@ class _HeadLogProbs(torch.autograd.Function):
         raw_lse = torch.empty_like(raw_logp)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            raw = (hidden[s:e] @ weight.T).float()
+            out = forward_chunk(hidden[s:e] @ weight.T, targets[s:e], inv_temp[s:e], with_raw)
+            logp[s:e], entropy[s:e], lse[s:e] = out[:3]
             if with_raw:
-                raw_lse[s:e] = torch.logsumexp(raw, dim=-1)
-                raw_logp[s:e] = raw.gather(1, targets[s:e, None]).squeeze(1) - raw_lse[s:e]
-            logits = raw.mul_(inv_temp[s:e, None])
-            top = logits.amax(dim=-1, keepdim=True)
-            unnorm = torch.sub(logits, top).exp_()  # softmax * z
-            z = unnorm.sum(dim=-1, keepdim=True)
-            chunk_lse = (top + z.log()).squeeze(1)
-            lse[s:e] = chunk_lse
-            logp[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - chunk_lse
-            # entropy = lse - sum(p * logits); the row dot products as one batched matmul, no temporary
-            dot = (unnorm.unsqueeze(1) @ logits.unsqueeze(2)).view(-1) / z.view(-1)
-            entropy[s:e] = chunk_lse - dot
-            del raw, logits, unnorm
+                raw_logp[s:e], raw_lse[s:e] = out[3:]
+            del out
         ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, raw_lse, entropy if entropy_grad else lse[:0])
         ctx.chunk = chunk
         ctx.with_raw = with_raw
         ctx.entropy_grad = entropy_grad
+        ctx.compiled = compiled
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
@@ -85,6 +135,7 @@ class _HeadLogProbs(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logp: Tensor, grad_raw: Tensor, grad_entropy: Tensor):
         hidden, weight, targets, inv_temp, lse, raw_lse, entropy = ctx.saved_tensors
+        _, backward_chunk = _chunk_fns(ctx.compiled)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         n = hidden.shape[0]
@@ -93,37 +144,29 @@ class _HeadLogProbs(torch.autograd.Function):
         scale = grad_logp.float() * inv_temp  # d logits / d raw logits = inv_temp
         raw_scale = grad_raw.float() if ctx.with_raw and grad_raw is not None else None
         ent_scale = grad_entropy.float() * inv_temp if ctx.entropy_grad and grad_entropy is not None else None
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        # g straight in the dtype its matmuls run in (the cast fuses into the chunk's last pass)
+        dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
         for s in range(0, n, ctx.chunk):
             e = min(n, s + ctx.chunk)
-            raw = (hidden[s:e] @ weight.T).float()
-            if raw_scale is not None:  # (onehot - softmax(raw)) * raw_scale, before raw is overwritten
-                g_raw = torch.sub(raw, raw_lse[s:e, None]).exp_().mul_(-raw_scale[s:e, None])
-                g_raw.scatter_add_(1, targets[s:e, None], raw_scale[s:e, None])
-            logp_all = raw.mul_(inv_temp[s:e, None]).sub_(lse[s:e, None])  # tempered log softmax, in place
-            g_ent = None
-            if ent_scale is not None:  # -p * (log p + H) * ent_scale, before logp_all is overwritten
-                g_ent = (logp_all + entropy[s:e, None]).mul_(logp_all.exp()).mul_(-ent_scale[s:e, None])
-            g = logp_all.exp_()  # tempered softmax, in place
-            g.mul_(-scale[s:e, None]).scatter_add_(1, targets[s:e, None], scale[s:e, None])  # (onehot - p) * scale
-            if g_ent is not None:
-                g.add_(g_ent)
-                del g_ent
-            if raw_scale is not None:
-                g.add_(g_raw)
-                del g_raw
-            g = g.to(weight.dtype)
+            g = backward_chunk(
+                hidden[s:e] @ weight.T, targets[s:e], inv_temp[s:e], lse[s:e], scale[s:e],
+                None if raw_scale is None else raw_lse[s:e], None if raw_scale is None else raw_scale[s:e],
+                None if ent_scale is None else entropy[s:e], None if ent_scale is None else ent_scale[s:e], dtype,
+            )  # fmt: skip
             if grad_hidden is not None:
                 grad_hidden[s:e] = g @ weight
             if grad_weight is not None:
                 h = hidden[s:e].to(weight.dtype)
-                if grad_weight.dtype == g.dtype and not torch.is_autocast_enabled(g.device.type):
+                if grad_weight.dtype == g.dtype and not autocast:
                     grad_weight.addmm_(g.T, h)
                 else:
                     grad_weight += (g.T @ h).float()
             del g
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -134,13 +177,27 @@ def head_logprobs(
     chunk: int = 1024,
     with_raw: bool = False,
     entropy_grad: bool = False,
+    compiled: bool = False,
 ):
     """(logp, raw_logp, entropy) per row of `hidden` [n, d] for `targets` [n] under head `weight` [V, d].
 
     logp is at each row's temperature (1 / inv_temp); raw_logp at T = 1, or an
-    empty tensor without `with_raw`; entropy with a gradient only with `entropy_grad`.
+    empty tensor without `with_raw`; entropy with a gradient only with `entropy_grad`;
+    `compiled`: the per-chunk arithmetic through torch.compile.
     """
-    return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw, entropy_grad)
+    return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw, entropy_grad, compiled)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`, which
+    FSDP wraps too): inductor fuses what runs between the matmuls (norms, rotary, activation, residuals),
+    one compiled graph for all layers, dynamic shapes (micro-batches differ). Returns how many."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapper
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None:
@@ -178,10 +235,12 @@ class PolicyLogProbs(nn.Module):
     """
 
     def __init__(
-        self, lm: nn.Module, impl: str = "fused", chunk: int = 1024, value_head: bool = False, entropy_grad=False
+        self, lm: nn.Module, impl: str = "fused", chunk: int = 1024, value_head: bool = False, entropy_grad=False,
+        compiled: bool = False,
     ):
         super().__init__()
         self.lm = lm
+        self.compiled = compiled  # the fused head's per-chunk arithmetic through torch.compile
         self.entropy_grad = entropy_grad  # the entropy bonus differentiates the entropy
         self.value_head = new_value_head(lm.config.hidden_size) if value_head else None
         head = lm.get_output_embeddings()
@@ -214,7 +273,8 @@ class PolicyLogProbs(nn.Module):
             )
             h = hidden.last_hidden_state[rows, cols]
             logp, raw_logp, entropy = head_logprobs(
-                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw, self.entropy_grad
+                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw, self.entropy_grad,
+                self.compiled,
             )
             values = None if self.value_head is None else self.value_head(h.float()).squeeze(-1)
             return PolicyOutput(logp, (raw_logp if with_raw else None), entropy, values)

@@ -15,10 +15,13 @@ through files in the run folder only:
    generation_config.json, tokenizer files) that vLLM and transformers load;
    transfer.json when the weights go to the servers in memory
    (finetune.weight_transfer: the learner then broadcasts them and waits for
-   the orchestrator's ack); trainer_state/ (weights, optimizer state,
-   progress.json) every --save-state-every batches and at a clean stop. The
-   folder is built as checkpoints/.tmp-NNNNNN, fsynced and renamed: it
-   appears complete or not at all. Only the newest full state is kept.
+   the orchestrator's ack). The folder is built as checkpoints/.tmp-NNNNNN,
+   fsynced and renamed: it appears complete or not at all. Every
+   --save-state-every batches and at a clean stop, once the version has gone
+   out (published, sent), trainer_state/ (weights, optimizer state,
+   progress.json) is written aside (NNNNNN/.tmp-state, status saving),
+   fsynced and renamed into the checkpoint: the servers never wait for it.
+   Only the newest full state is kept.
 3. Before the checkpoint appears, the batch's per-step metrics are appended to
    RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
    step, step_in_batch, samples, seconds and the figures of
@@ -26,7 +29,7 @@ through files in the run folder only:
    reports: ratio_min, the advantages' statistics, tokens), and
    RUN/learner_status.json is replaced (atomically) with
    {status, last_batch, checkpoint, optimizer_step, batch_in_progress, pid,
-   updated}; status is loading | waiting | training | stopped | failed
+   updated}; status is loading | waiting | training | saving | stopped | failed
    (with `error`).
 4. The learner keeps model and optimizer in memory between batches. After a
    crash or kill, started again with the same arguments, it resumes from the
@@ -401,8 +404,37 @@ class _Session:
             log.info("batch %d done in %.1f s: %s", index, time.perf_counter() - start, final)
         self.accelerator.wait_for_everyone()
         self.last = index
-        self.set_state(status="waiting", last_batch=index, checkpoint=str(self.run.checkpoint(index).relative_to(
-            self.run.root)), optimizer_step=self.learner.step, batch_in_progress=None)  # fmt: skip
+        done = dict(last_batch=index, checkpoint=str(self.run.checkpoint(index).relative_to(self.run.root)),
+                    optimizer_step=self.learner.step, batch_in_progress=None)  # fmt: skip
+        if index % self.config.save_state_every == 0:
+            # after the version went out (published, sent): the servers do not wait for the full state
+            self.set_state(status="saving", **done)
+            self._save_full_state(index, {"batch": index, "samples": len(samples)}, "every "
+                                  f"{self.config.save_state_every} batches")  # fmt: skip
+        self.set_state(status="waiting", **done)
+
+    def _save_full_state(self, index: int, progress: dict, why: str) -> None:
+        """trainer_state/ of published checkpoint `index`: written aside (every process adds its part),
+        synced, renamed in whole, then the older full states removed. A kill before the rename leaves the
+        previous full state to resume from (and the aside folder, removed at the next start)."""
+        from accelerate.utils import broadcast_object_list
+
+        from contract.durable import fsync_dir, fsync_tree
+
+        folder = self.run.checkpoint(index)
+        aside = folder / ".tmp-state" if self.main_process else None
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        aside = Path(broadcast_object_list([str(aside) if aside else None])[0])
+        start = time.perf_counter()
+        self.learner.save_trainer_state(aside, progress)
+        if self.main_process:
+            fsync_tree(aside)
+            os.rename(aside / TRAINER_STATE_DIR, folder / TRAINER_STATE_DIR)
+            fsync_dir(folder)
+            shutil.rmtree(aside, ignore_errors=True)
+            self.run.drop_old_trainer_states(keep=index)
+            log.info("full trainer state of version %d saved in %.1f s (%s)", index, time.perf_counter() - start, why)
 
     def _progress_writer(self):
         """on_progress for the learner: the orchestrator's bar reads it from the state file (twice a second)."""
@@ -445,8 +477,6 @@ class _Session:
                 packed = pack(weights.items(), self.learner.save_dtype)
                 manifest = {"version": index, "generation": self.sender.generation, **packed.manifest}
                 atomic_write_json(tmp / TRANSFER_MANIFEST, manifest)
-        if full_state:
-            self.learner.save_trainer_state(tmp, {"batch": index, "samples": len(samples)})
         if not self.main_process:
             return None
         # published with the checkpoint: whether this batch moved the weights (the loop reads it to reload)
@@ -457,8 +487,6 @@ class _Session:
         for m in metrics:  # before the checkpoint too: a published batch has its records (a resume drops orphans)
             self.run.append_metrics({**m, "time": time.time()})
         final = self.run.publish_checkpoint(tmp, index)
-        if full_state:
-            self.run.drop_old_trainer_states(keep=index)
         if packed is not None:
             self._send(index, packed, weights)
         return final
@@ -519,8 +547,6 @@ class _Session:
     def finish(self) -> None:
         """A clean stop: the last version trained gets its full state and its model folder (with LoRA, its
         adapter is there already)."""
-        from accelerate.utils import broadcast_object_list
-
         if self.last is None:
             return
         folder = self.run.checkpoint(self.last)
@@ -529,19 +555,8 @@ class _Session:
             if self.main_process and not self.run.has_weights(self.last):
                 self.learner.save_weights(folder, weights)
             del weights
-        if self.run.has_trainer_state(self.last):
-            return
-        aside = folder / ".tmp-state" if self.main_process else None
-        aside = Path(broadcast_object_list([str(aside) if aside else None])[0])
-        self.learner.save_trainer_state(aside, {"batch": self.last, "samples": None})
-        if self.main_process:
-            from contract.durable import fsync_tree
-
-            fsync_tree(aside)
-            os.rename(aside / TRAINER_STATE_DIR, folder / TRAINER_STATE_DIR)
-            shutil.rmtree(aside, ignore_errors=True)
-            self.run.drop_old_trainer_states(keep=self.last)
-            log.info("full trainer state of version %d saved (clean stop)", self.last)
+        if not self.run.has_trainer_state(self.last):
+            self._save_full_state(self.last, {"batch": self.last, "samples": None}, "clean stop")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,6 +184,30 @@ def test_a_resumed_learner_keeps_the_step_records_of_its_published_batches_once(
     assert not (tmp_path / "new" / "train_metrics.jsonl").exists()
 
 
+def test_a_full_state_killed_before_its_rename_leaves_the_previous_one_to_resume_from(tmp_path):
+    """The full state is written after its checkpoint is published, aside (N/.tmp-state) and renamed in:
+    killed before the rename, the newest resumable checkpoint is the previous one, and the next start
+    removes the half-written folder (and a half-built checkpoint)."""
+    from contract.durable import atomic_write_json
+    from contract.rundir import LEARNER_RECORD, TRAINER_PROGRESS, TRAINER_STATE_DIR, RunDir
+
+    run = RunDir(tmp_path)
+    for index in (2, 3):
+        folder = run.checkpoint(index)
+        folder.mkdir(parents=True)
+        atomic_write_json(folder / LEARNER_RECORD, {"batch": index})
+    (run.checkpoint(2) / TRAINER_STATE_DIR).mkdir()
+    atomic_write_json(run.checkpoint(2) / TRAINER_STATE_DIR / TRAINER_PROGRESS, {"batch": 2})
+    half = run.checkpoint(3) / ".tmp-state" / TRAINER_STATE_DIR
+    half.mkdir(parents=True)
+    (half / "optimizer.bin").write_bytes(b"half")  # killed here: no progress.json, not renamed
+    (run.checkpoints / ".tmp-000004").mkdir()
+    assert run.published() == [2, 3] and run.latest_checkpoint() == (2, run.checkpoint(2))
+    run.clean_temp()
+    assert not (run.checkpoint(3) / ".tmp-state").exists() and not (run.checkpoints / ".tmp-000004").exists()
+    assert run.drop_checkpoints_after(2) == [3] and run.published() == [2]
+
+
 def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
     """train_metrics.jsonl torn by a kill mid-write: the reader skips the half line, a resumed trainer's next
     record starts on a line of its own (the same append as metrics.jsonl: contract.durable.append_line)."""

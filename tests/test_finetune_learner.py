@@ -134,6 +134,33 @@ def test_fused_head_gradient_equals_plain_autograd(tiny):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the head works in fp32
 
 
+def test_a_compiled_learner_takes_the_same_step(tiny):
+    """compile on (the default with CUDA): the decoder layers and the head's softmax arithmetic through
+    torch.compile give the eager learner's step: its metrics and its weights (KL, entropy bonus and a
+    temperature, so every term of the head's backward runs)."""
+    rng = random.Random(5)
+    batch = []
+    for g in range(3):
+        completions = [[rng.randrange(256) for _ in range(rng.randint(2, 9))] for _ in range(3)]
+        batch += group(completions, [rng.random() for _ in range(3)], temperature=0.7, group_id=g)
+    for s in batch:
+        s.ref_logprobs = [-1.0] * len(s.completion_ids)
+    results = []
+    for mode in ("off", "on"):
+        cfg = TrainConfig(lr=1e-3, kl_coef=0.1, entropy_coef=0.01, token_budget=64, compile=mode)
+        learner = Learner(tiny, cfg)
+        layers = [m for m in learner.model.lm.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+        assert layers and all((m._compiled_call_impl is not None) == (mode == "on") for m in layers)
+        (m,) = learner.train_batch(with_behaviour(learner, batch))
+        results.append((m, params(learner)))
+    (eager, w_eager), (compiled, w_compiled) = results
+    assert eager["micro_batches"] > 1
+    for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy"):
+        assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key
+    for name in w_eager:
+        torch.testing.assert_close(w_compiled[name], w_eager[name], atol=1e-5, rtol=0)
+
+
 # ---- training ------------------------------------------------------------------------------
 
 

@@ -249,7 +249,7 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
     run = tmp_path / "run"
     write_batch(batch_file(run / "batches", 1), batches[0])
     proc = launch(tiny, run, options=options)
-    wait_for(run / "checkpoints" / "000001", proc, run)
+    wait_for(run / "checkpoints" / "000001" / "trainer_state" / "progress.json", proc, run)  # its full state
     os.killpg(proc.pid, signal.SIGKILL)  # kill -9, launcher and learner
     proc.wait()
     write_batch(batch_file(run / "batches", 2), batches[1])
