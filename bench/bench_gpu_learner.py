@@ -30,6 +30,7 @@ Prints a table and writes gpu_learner.json to --out (or $OUT when set).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -162,12 +163,22 @@ def main() -> None:
     ap.add_argument("--lora-8b", action="store_true", help="also train Llama-3.1-8B's shape with LoRA (one step)")
     ap.add_argument("--only-8b", action="store_true", help="with --lora-8b: skip the 1B runs")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in the 8B run")
-    ap.add_argument("--layouts", default="shared_prefix",
-                    help="micro-batch layouts to time at the first budget (full fine-tuning): shared_prefix,padded,packed")
-    ap.add_argument("--compile", default="auto",
-                    help="TrainConfig.compile of the runs; a list (on,off) also times the others at the first budget")
-    ap.add_argument("--profile-tasks", type=int, default=0,
-                    help="also profile one step on this many tasks' samples, per layout: where the GPU's time goes")
+    ap.add_argument(
+        "--layouts",
+        default="shared_prefix",
+        help="micro-batch layouts to time at the first budget (full fine-tuning): shared_prefix,padded,packed",
+    )
+    ap.add_argument(
+        "--compile",
+        default="auto",
+        help="TrainConfig.compile of the runs; a list (on,off) also times the others at the first budget",
+    )
+    ap.add_argument(
+        "--profile-tasks",
+        type=int,
+        default=0,
+        help="also profile one step on this many tasks' samples, per layout: where the GPU's time goes",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_learner.json")
     args = ap.parse_args()
 
@@ -258,7 +269,7 @@ def profile_step(label: str, model_dir: Path, config, samples, out: str | None, 
     learner.train_batch(samples, 1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
-        _, wall = timed(lambda: learner.train_batch(samples, 2))
+        _, wall = timed(functools.partial(learner.train_batch, samples, 2))
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     events = prof.key_averages()
     table = events.table(sort_by=key, row_limit=top, max_name_column_width=70)

@@ -202,7 +202,12 @@ class Learner:
                        if spec.critic is not None else None)  # fmt: skip
         head = self.critic is not None and self.critic.value_head
         policy = PolicyLogProbs(
-            lm, impl, config.logit_chunk_tokens, value_head=head, entropy_grad=config.entropy_coef > 0, compiled=compiled
+            lm,
+            impl,
+            config.logit_chunk_tokens,
+            value_head=head,
+            entropy_grad=config.entropy_coef > 0,
+            compiled=compiled,
         )
         policy.train()
         betas, eps = (config.adam_beta1, config.adam_beta2), config.adam_eps

@@ -235,7 +235,12 @@ class PolicyLogProbs(nn.Module):
     """
 
     def __init__(
-        self, lm: nn.Module, impl: str = "fused", chunk: int = 1024, value_head: bool = False, entropy_grad=False,
+        self,
+        lm: nn.Module,
+        impl: str = "fused",
+        chunk: int = 1024,
+        value_head: bool = False,
+        entropy_grad=False,
         compiled: bool = False,
     ):
         super().__init__()
@@ -273,7 +278,13 @@ class PolicyLogProbs(nn.Module):
             )
             h = hidden.last_hidden_state[rows, cols]
             logp, raw_logp, entropy = head_logprobs(
-                h, self.lm.get_output_embeddings().weight, targets, inv_temp, self.chunk, with_raw, self.entropy_grad,
+                h,
+                self.lm.get_output_embeddings().weight,
+                targets,
+                inv_temp,
+                self.chunk,
+                with_raw,
+                self.entropy_grad,
                 self.compiled,
             )
             values = None if self.value_head is None else self.value_head(h.float()).squeeze(-1)

@@ -229,6 +229,12 @@ def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: i
             offset += n
         position_ids[r, offset:] = torch.arange(width - offset) + offset  # padding: harmless positions
         n_tokens += offset
+    if all(len(unit) == 1 for unit in units):
+        # no row shares its prompt: a padded micro-batch (positions 0.., plain causal attention), which
+        # attention kernels run faster without a mask (flash on GPUs)
+        return MicroBatch(indices=indices, input_ids=input_ids, position_ids=None, rows=torch.cat(rows),
+                          cols=torch.cat(cols), targets=torch.cat(targets), completion_lengths=lengths,
+                          n_tokens=n_tokens)  # fmt: skip
     q, k = segment[:, :, None], segment[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     # a token sees earlier tokens of its own segment and the whole prompt; padding sees itself only

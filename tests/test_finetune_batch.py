@@ -120,3 +120,19 @@ def test_micro_batch_positions_point_at_the_completion(layout):
             assert mb.input_ids.shape[0] == 1 and mb.n_slots == mb.n_tokens
             starts = (mb.position_ids[0] == 0).nonzero().flatten().tolist()
             assert len(starts) == len(mb.indices)
+
+
+def test_shared_prefix_without_sharing_is_a_padded_micro_batch_without_a_mask():
+    """Every prompt different (or completions too long to share one): the shared_prefix micro-batch is the
+    padded one, with no 4-D mask (attention kernels run plain causal attention faster: flash on GPUs); a
+    micro-batch where a prompt is shared keeps its mask."""
+    prompts, completions = random_sequences(9, seed=2)
+    shared = micro_batches(prompts, completions, 40, "shared_prefix")
+    padded = micro_batches(prompts, completions, 40, "padded")
+    assert len(shared) == len(padded)
+    for a, b in zip(shared, padded):
+        assert a.attention_mask is None and a.position_ids is None
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+        assert torch.equal(a.rows, b.rows) and torch.equal(a.cols, b.cols) and a.indices == b.indices
+    both = micro_batches([prompts[0]] * 2 + prompts[1:3], [[5, 6], [7]] + completions[1:3], 4096, "shared_prefix")
+    assert len(both) == 1 and both[0].attention_mask is not None  # one row holds two completions
