@@ -160,7 +160,10 @@ def test_multi_turn_episodes_chain_token_exactly(policy_server, reference_server
     """Guess the number with the real model: every later call's prompt is the previous prompt + the ids vLLM
     sampled (the end-of-turn token included) + the observation's delta; the reference scores each episode in
     one request, aligned with the behaviour log-probs (same weights, T = 1)."""
-    spec = EnvSpec("game:guess_the_number", {"low": 1, "high": 100, "max_turns": 4}, "train", 0)
+    # an unreadable guess uses up a turn instead of ending the game: every episode has a second turn unless
+    # its first guess is right (the game's rule would let 16 unreadable first answers end them all)
+    options = {"low": 1, "high": 100, "max_turns": 4, "invalid_ends_episode": False}
+    spec = EnvSpec("game:guess_the_number", options, "train", 0)
     tapes = rollouts(
         policy_server,
         tokenizer,
