@@ -348,9 +348,9 @@ class _Session:
         from finetune.learner import Learner
 
         acc = self.accelerator
-        log.info("learner starting: %s processes, device %s, mixed precision %s, %d threads, config %s",
-                 acc.num_processes, acc.device, acc.mixed_precision, torch.get_num_threads(),
-                 self.config.model_dump_json())  # fmt: skip
+        log.info("learner starting: %s processes (%s), device %s, mixed precision %s, %d threads, config %s",
+                 acc.num_processes, acc.distributed_type.value, acc.device, acc.mixed_precision,
+                 torch.get_num_threads(), self.config.model_dump_json())  # fmt: skip
         if self.main_process:
             self.run.clean_temp()
         resume = self.run.latest_checkpoint()
