@@ -188,7 +188,7 @@ def head_logprobs(
     return _HeadLogProbs.apply(hidden, weight, targets, inv_temp, chunk, with_raw, entropy_grad, compiled)
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     """torch.compile each decoder layer in place (the classes the model names in `_no_split_modules`, which
     FSDP wraps too): inductor fuses what runs between the matmuls (norms, rotary, activation, residuals),
     one compiled graph for all layers, dynamic shapes (micro-batches differ). Returns how many."""
@@ -196,7 +196,7 @@ def compile_layers(model: nn.Module) -> int:
     names = set(getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in base.modules() if type(m).__name__ in names]
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=backend)
     return len(layers)
 
 
