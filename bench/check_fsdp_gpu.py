@@ -71,7 +71,9 @@ def check(name: str, ok: bool, results: list, detail: str = "") -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--accelerate-config", default=str(ROOT / "finetune/accelerate/multi_gpu_fsdp.yaml"))
+    ap.add_argument(
+        "--accelerate-config", default="finetune/accelerate/multi_gpu_fsdp.yaml", help="relative to the repository"
+    )
     ap.add_argument("--num-processes", type=int, default=max(1, torch.cuda.device_count()))
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
