@@ -368,7 +368,7 @@ class RunDir:
         Replaced whole (a reader sees the old file or the new one); returns how many records went."""
         records = read_jsonl(self.train_metrics)
         kept = [r for r in records if int(r.get("batch", 0)) <= index]
-        if len(kept) != len(records) or (self.train_metrics.exists() and not records):
+        if len(kept) != len(records):  # (a torn tail alone is cut by the next append)
             atomic_write_text(self.train_metrics, "".join(json.dumps(r) + "\n" for r in kept))
         return len(records) - len(kept)
 
