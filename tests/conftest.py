@@ -7,8 +7,8 @@ import pytest
 
 from agents.models import resolve_model
 
-# Session-wide servers, and where their tests run (`pytest_collection_modifyitems`): a server on CPU is three
-# processes of 3.8-4.9 GB together (resident, shared libraries counted in each), so the tests of a pair run
+# Session-wide servers, and where their tests run (`pytest_collection_modifyitems`): a server on CPU is two
+# processes of about 3.4 GB together (proportional set size), so the tests of a pair run
 # together and the pair is stopped after the last of them. With both pairs up to the end of the session, the
 # last tests' own servers left the machine reclaiming its page cache (memory pressure "full" 11% over five
 # minutes) and every test slowed down.

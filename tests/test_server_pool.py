@@ -307,6 +307,9 @@ def test_the_serve_command_is_the_local_servers_line(tmp_path, folder_model):
     assert "orchestrate.server_auth.RequireAPIKey" in command and "--api-key" not in command
     assert command[command.index("--max-model-len") + 1] == "512"
     assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+    # on CPU the model runs in the engine core (docs/set-up.md), unless the user's environment says otherwise
+    assert server.environment({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert server.environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 @pytest.mark.parametrize("rank", [0, 8])
