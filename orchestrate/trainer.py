@@ -31,7 +31,7 @@ from finetune.config import TrainConfig
 from orchestrate.config import TrainerSection
 from orchestrate.processes import parse_cpus, spawn, stop
 from orchestrate.progress import progress_bar
-from orchestrate.vllm_server import cuda_available, log_tail
+from orchestrate.vllm_server import cuda_available, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
@@ -103,10 +103,13 @@ class TrainerProcess:
         ]  # fmt: skip
 
     def command(self) -> list[str]:
+        # several processes on this machine meet on a port: a free one, so that two runs (or a run and a
+        # test) on one machine do not both take accelerate's default 29500
+        port = ["--main_process_port", str(free_port())] if self.launch.num_processes > 1 else []
         return [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", self._accelerate_config(),
-            "--num_processes", str(self.launch.num_processes),
+            "--num_processes", str(self.launch.num_processes), *port,
             *self._train_args(),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip

@@ -54,6 +54,14 @@ def test_external_start_prints_one_command_per_machine_and_starts_nothing(tmp_pa
     assert trainer.run.trainer_stop.exists()
 
 
+def test_local_processes_meet_on_a_free_port(tmp_path):
+    """One machine, several processes: the launch takes a free port, not accelerate's default 29500."""
+    one, two = (TrainerProcess(RunDir(tmp_path), tmp_path, TrainConfig(), TrainerSection(num_processes=n)).command()
+                for n in (1, 2))  # fmt: skip
+    assert "--main_process_port" not in one
+    assert int(two[two.index("--main_process_port") + 1]) != 29500
+
+
 def test_no_heartbeat_is_an_error_naming_the_timeout_option(tmp_path, capsys):
     trainer = external(tmp_path, timeout_s=0.5)
     beat(trainer.run, "earlier-trainer", 7, "stopped")  # the last beat of a trainer gone before this start
