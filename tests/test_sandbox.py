@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxConfig, SandboxUnavailable, check_isolation
+from agents.sandbox import Sandbox, SandboxConfig, SandboxUnavailable, check_isolation
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,13 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def sandbox_processes() -> list[int]:
-    """PIDs of sandboxed programs still on this machine (by their command line, and as root by their user id)."""
+def sandbox_processes(uids: set[int]) -> list[int]:
+    """PIDs of sandboxed programs still on this machine: as root, those of the user ids in `uids` (the runs of
+    this test: other tests may run sandboxes meanwhile, on another pytest worker); otherwise any, by their
+    command line."""
     found = []
+    root = os.geteuid() == 0
+    assert uids or not root, "no run of this test took a user id: nothing would be looked for"
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -47,9 +51,25 @@ def sandbox_processes() -> list[int]:
                 uid = os.stat(f"/proc/{entry}").st_uid
             except OSError:
                 continue
-            if b"-I\0-B\0main.py" in cmdline or uid >= SANDBOX_UID_BASE:
+            if (uid in uids) if root else (b"-I\0-B\0main.py" in cmdline):
                 found.append(int(entry))
     return found
+
+
+@pytest.fixture
+def taken_uids(monkeypatch) -> set[int]:
+    """The user ids the sandbox hands this test's runs (as root each run has its own)."""
+    import agents.sandbox
+
+    taken: set[int] = set()
+    take = agents.sandbox._take_uid
+
+    def record() -> int:
+        taken.add(uid := take())
+        return uid
+
+    monkeypatch.setattr(agents.sandbox, "_take_uid", record)
+    return taken
 
 
 def gone(find, timeout: float = 5.0) -> list[int]:
@@ -89,12 +109,12 @@ def test_infinite_loop_is_stopped_at_the_timeout(sandbox):
     assert "[timed out" in r.observation() or "[killed by" in r.observation()
 
 
-def test_fork_bomb_is_contained(sandbox):
+def test_fork_bomb_is_contained(sandbox, taken_uids):
     start = time.monotonic()
     r = sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
     assert r.timed_out or r.exit_code != 0
     assert time.monotonic() - start < sandbox.config.timeout_s + 3
-    assert gone(sandbox_processes) == []  # nothing of it survives
+    assert gone(lambda: sandbox_processes(taken_uids)) == []  # nothing of it survives
     pid = os.fork()  # this machine can still start processes
     if pid == 0:
         os._exit(0)
@@ -169,7 +189,7 @@ def test_100_mb_of_output_is_capped(sandbox):
     assert time.monotonic() - start < sandbox.config.timeout_s + 3
 
 
-def test_children_left_sleeping_do_not_survive(sandbox):
+def test_children_left_sleeping_do_not_survive(sandbox, taken_uids):
     marker = f"sleeper-{uuid.uuid4().hex}"
     r = sandbox.run(
         f"import os, subprocess\nfor _ in range(3):\n"
@@ -178,7 +198,7 @@ def test_children_left_sleeping_do_not_survive(sandbox):
         "print('left them')"
     )
     assert r.ok and "left them" in r.stdout, r
-    assert gone(lambda: processes_with(marker) + sandbox_processes()) == []
+    assert gone(lambda: processes_with(marker) + sandbox_processes(taken_uids)) == []
 
 
 def test_a_signal_to_the_parents_pid_does_not_reach_it(sandbox):
