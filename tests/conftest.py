@@ -30,25 +30,11 @@ def _group(item) -> int:
     return 1 if "tiny_run" in used else 2 + len(SHARED_SERVERS)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """Order the tests (`_group`), and keep those with servers on one pytest-xdist worker, in that order
-    (`--dist loadgroup`, pyproject.toml): one worker runs them one after another, as the memory allows, while
-    the other runs the tests without servers, which take one core each."""
     items.sort(key=_group)  # stable: the files' order within a group
-    for item in items:
-        if item.get_closest_marker("vllm"):
-            item.add_marker(pytest.mark.xdist_group("servers"))
 
 
 def pytest_collection_finish(session):
-    if getattr(session.config.option, "loadgroup", False):  # a pytest-xdist worker of `--dist loadgroup`
-        for item in session.items:
-            if item.get_closest_marker("vllm") and not item.nodeid.endswith("@servers"):
-                raise pytest.UsageError(
-                    f"{item.nodeid}: pytest-xdist did not group the tests with servers (pytest-dev/pytest-xdist#1386: "
-                    "pytest 9.2 with pytest-xdist 3.8); they would start servers on both workers. See pyproject.toml."
-                )
     _last_user.clear()
     for item in session.items:  # after deselection (-m, -k)
         for name in SHARED_SERVERS:
