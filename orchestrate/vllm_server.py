@@ -229,9 +229,9 @@ class VLLMServer:
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.kv_cache_gib)
             # The model runs inside the engine-core process, as on one GPU, instead of the worker process that
-            # vllm-cpu forces otherwise: measured with the embedded model, ready in 20-24 s instead of 31-42 s,
-            # 3.8 GiB resident instead of 4.7, the same throughput (328-342 tokens/s against 304-325). The
-            # cores come from the process's affinity (`cpus`), which the engine core inherits.
+            # vllm-cpu forces otherwise: ready sooner, less memory, the same throughput and log-probs
+            # (bench/bench_server_start.py, figures in docs/set-up.md). The cores come from the process's
+            # affinity (`cpus`), which the engine core inherits.
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             if self.cpus:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = format_cpus(self.cpus)
