@@ -38,9 +38,9 @@ def processes_with(marker: str) -> list[int]:
 
 
 def sandbox_processes(uids: set[int]) -> list[int]:
-    """PIDs of sandboxed programs still on this machine: as root, those of the user ids in `uids` (the runs of
-    this test: other tests may run sandboxes meanwhile, on another pytest worker); otherwise any, by their
-    command line."""
+    """PIDs of sandboxed programs still on this machine: as root, those of the user ids in `uids` (this test's
+    runs: another process may run sandboxes meanwhile, a run of the python_tool preset, another test session);
+    otherwise any, by their command line."""
     found = []
     root = os.geteuid() == 0
     assert uids or not root, "no run of this test took a user id: nothing would be looked for"
