@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import compare_algorithms as ca  # noqa: E402
+from proc_tree import children, cmdline, descendants, pss_gib  # noqa: E402
 
 from orchestrate.metrics import read_metrics  # noqa: E402
 
@@ -62,35 +63,6 @@ def sweep_study(lrs: list[float]) -> ca.Study:
 # -- memory of each arm's processes ----------------------------------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def _pss_gib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 0.0
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 class MemorySampler(threading.Thread):
     """Every 2 s: the PSS of the trainer's and the servers' process trees under each orchestrate.rl this
     process runs, by arm (its --run-dir's name); the peak of each is kept in OUT/memory.json."""
@@ -105,27 +77,18 @@ class MemorySampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(2.0):
-            tree = _children()
-
-            def below(pid, tree=tree):
-                todo, seen = [pid], []
-                while todo:
-                    p = todo.pop()
-                    seen.append(p)
-                    todo += tree.get(p, [])
-                return seen
-
-            for pid in below(os.getpid()):
-                cmd = _cmdline(pid)
+            tree = children()
+            for pid in descendants(os.getpid(), tree):
+                cmd = cmdline(pid)
                 if "orchestrate.rl" not in cmd or "--run-dir" not in cmd:
                     continue
                 arm = Path(cmd.split("--run-dir", 1)[1].split()[0]).name
                 sums = {"trainer_gib": 0.0, "servers_gib": 0.0}
                 for child in tree.get(pid, []):
-                    kind = "trainer_gib" if "finetune" in _cmdline(child) or "accelerate" in _cmdline(child) else (
-                        "servers_gib" if "vllm" in _cmdline(child) else None)  # fmt: skip
+                    kind = "trainer_gib" if "finetune" in cmdline(child) or "accelerate" in cmdline(child) else (
+                        "servers_gib" if "vllm" in cmdline(child) else None)  # fmt: skip
                     if kind:
-                        sums[kind] += sum(_pss_gib(p) for p in below(child))
+                        sums[kind] += sum(pss_gib(p) for p in descendants(child, tree))
                 peak = self.peaks.setdefault(arm, {"trainer_gib": 0.0, "servers_gib": 0.0})
                 for kind, value in sums.items():
                     peak[kind] = round(max(peak[kind], value), 2)

@@ -25,21 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
+from proc_tree import descendants, pss_gib  # noqa: E402
 
 from agents.models import resolve_model, untied_copy  # noqa: E402
 from orchestrate.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 
 LAYOUTS = {"engine core": "0", "worker": "1"}  # name -> VLLM_ENABLE_V1_MULTIPROCESSING
-
-
-def pss_gib(pid: int) -> tuple[int, float]:
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    return len(procs), sum(p.memory_full_info().pss for p in procs) / 2**30
 
 
 async def throughput(server: VLLMServer, requests: int, max_tokens: int) -> float:
@@ -65,7 +60,8 @@ def measure(model: str, layout: str, args, logs: Path) -> dict:
     try:
         server.start()
         ready = time.perf_counter() - start
-        procs, pss = pss_gib(server.process.pid)
+        procs = descendants(server.process.pid)
+        procs, pss = len(procs), sum(pss_gib(p) for p in procs)
         tps = asyncio.run(throughput(server, args.requests, args.max_tokens))
         return {"ready_s": ready, "processes": procs, "pss_gib": pss, "tokens_per_s": tps,
                 "probe": server.probe_logprobs()}  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from contract.rundir import RunDir
 from finetune.config import TrainConfig
 from orchestrate.config import ConfigError, TrainerSection, resolve
 from orchestrate.trainer import TrainerError, TrainerProcess
+from orchestrate.vllm_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,12 +149,6 @@ def hand_built_batch(tiny: Path) -> list[Sample]:
                                   temperature=0.7))  # fmt: skip
     logprobs = Learner(tiny, CONFIG).logprobs(samples)
     return [s.model_copy(update={"behaviour_logprobs": lp.tolist()}) for s, lp in zip(samples, logprobs)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
