@@ -227,6 +227,8 @@ def main() -> None:
             continue
         if i == 0 and not args.no_publish:
             run["publish"] = publishing(learner, work, run["step_s"], args.state_every, pack)
+            run["publish"]["background"] = background_state(learner, work, samples, args.state_every,
+                                                            run["publish"]["weights_folder_s"])  # fmt: skip
         if config.lora.rank:
             run["publish"] = lora_publishing(learner, work, run["step_s"])
         report["runs"].append(run)
@@ -309,6 +311,58 @@ def lora_publishing(learner, work: Path, step_s: float) -> dict:
           f"the step); trainer state {out['state_mib']:.1f} MiB in {state_s:.2f} s", flush=True)  # fmt: skip
     shutil.rmtree(work / "adapter", ignore_errors=True)
     shutil.rmtree(work / "lora_state", ignore_errors=True)
+    return out
+
+
+def background_state(learner, work: Path, samples, state_every: int, folder_s: float) -> dict:
+    """The full state as the learner writes it with async_state (finetune.staging): what the learner waits
+    for is the copy to host memory; then steps train while a thread writes it, and how much slower they are
+    than steps with no write (timed right after, the same number) is the write's cost to training. Twice: the
+    first copy allocates the page-locked buffers, later ones reuse them."""
+    import threading
+
+    def write_synced(write, finished: list) -> None:
+        write()
+        subprocess.run(["sync"], check=False)
+        finished.append(time.perf_counter())
+
+    index, attempts = 10, []
+    for attempt in (1, 2):
+        folder = work / f"background{attempt}"
+        write, taken_s = timed(functools.partial(learner.stage_trainer_state, folder, {"batch": 2}))
+        finished: list[float] = []
+        thread = threading.Thread(target=write_synced, args=(write, finished))
+        start = time.perf_counter()
+        thread.start()
+        during = []
+        while thread.is_alive() or not during:
+            index += 1
+            during.append(timed(functools.partial(learner.train_batch, samples, index))[1])
+        thread.join()
+        written_s = finished[0] - start
+        plain = []
+        for _ in during:
+            index += 1
+            plain.append(timed(functools.partial(learner.train_batch, samples, index))[1])
+        shutil.rmtree(folder)
+        slower_s = sum(during) - sum(plain)
+        attempts.append({"taken_s": round(taken_s, 3), "written_s": round(written_s, 3), "steps_during": len(during),
+                         "step_during_s": round(sum(during) / len(during), 3), "step_plain_s": round(sum(plain) / len(plain), 3),
+                         "slower_s": round(slower_s, 3)})  # fmt: skip
+        print(f"full state in the background (save {attempt}): taken in {taken_s:.2f} s, written in {written_s:.1f} s "
+              f"while {len(during)} steps trained ({sum(during) / len(during):.2f} s each against "
+              f"{sum(plain) / len(plain):.2f} s with no write: {slower_s:+.2f} s in all)", flush=True)  # fmt: skip
+    last = attempts[-1]
+    step_s = last["step_plain_s"]
+    # the learner's cost per iteration: the copy and the slowdown, and the model folder (written before the
+    # version is published), once every state_every iterations
+    per_iteration = (last["taken_s"] + max(last["slower_s"], 0.0) + folder_s) / state_every
+    out = {"saves": attempts, "kept_host_gib": round(learner._stage.kept_bytes / 2**30, 2),
+           "per_iteration_s": round(per_iteration, 3), "of_step": round(per_iteration / step_s, 4)}  # fmt: skip
+    print(f"full state every {state_every} in the background: (copy {last['taken_s']:.2f} s + slowdown "
+          f"{max(last['slower_s'], 0.0):.2f} s + model folder {folder_s:.2f} s) / {state_every} = "
+          f"{per_iteration:.2f} s per iteration, {per_iteration / step_s:.1%} of the {step_s:.2f} s step; "
+          f"{out['kept_host_gib']:.1f} GiB of page-locked host memory kept", flush=True)  # fmt: skip
     return out
 
 

@@ -92,6 +92,7 @@ LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, w
 TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint a learner can resume from
 TRAINER_PROGRESS = "progress.json"  # in TRAINER_STATE_DIR, written last: {batch, samples, optimizer_step}
+STATE_ASIDE = ".tmp-state"  # in a checkpoint: its trainer state being written, renamed in as TRAINER_STATE_DIR
 WEIGHTS_FILE = "config.json"  # the file of a checkpoint's Hugging Face folder written last: the weights are whole
 ADAPTER_DIR = "adapter"  # in each checkpoint of a LoRA run: the adapter (finetune.lora.write_adapter)
 ADAPTER_CONFIG = "adapter_config.json"  # peft's; written last (finetune.lora): an adapter folder with it is whole
@@ -215,6 +216,8 @@ class RunDir:
         complete = self.published()
         with_state = [i for i in complete if self.has_trainer_state(i)]
         protect = set(protect) | ({self.checkpoint(with_state[-1])} if with_state else set())
+        # and one whose full state is being written (the learner renames it in when it is whole)
+        protect |= {self.checkpoint(i) for i in complete if (self.checkpoint(i) / STATE_ASIDE).exists()}
         for old in complete[:-keep] if keep > 0 else complete:
             if self.checkpoint(old) not in protect:
                 shutil.rmtree(self.checkpoint(old), ignore_errors=True)
@@ -343,7 +346,7 @@ class RunDir:
     def clean_temp(self) -> None:
         """Remove half-built or half-deleted checkpoints and weight folders left by a crash."""
         if self.checkpoints.is_dir():
-            for pattern in (".tmp-*", ".gone-*", "*/.tmp-weights", "*/.tmp-state"):
+            for pattern in (".tmp-*", ".gone-*", "*/.tmp-weights", f"*/{STATE_ASIDE}"):
                 for p in self.checkpoints.glob(pattern):
                     shutil.rmtree(p, ignore_errors=True)
 

@@ -190,6 +190,13 @@ class _TrainOptions(BaseModel):
         "many batches and at a clean stop; a learner killed in between resumes from the last one and trains "
         "the batches after it again. 25: on an H200 the full state of a 1B model takes 24 s against a 12 s step, so 25 keeps its share under 10% (docs/weights.md).",
     )
+    async_state: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Write the full trainer state from a copy in host memory, taken between steps, in a "
+        "background thread while the next batches train (the learner waits only for the copy); off: written "
+        "before the next batch starts. auto: on with CUDA (not under FSDP), off on CPU, where the write would "
+        "take the cores training needs.",
+    )
     save_weights_every: int = Field(
         0,
         ge=0,

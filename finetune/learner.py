@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from finetune.logprobs import PolicyLogProbs, ValueModel, compile_layers
 from finetune.lora import adapter_tensors, load_adapter_weights, merged, with_lora, write_adapter
 from finetune.losses import LossInputs, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
+from finetune.staging import HostStage
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -257,6 +259,10 @@ class Learner:
         self._trainer_old = None  # per sample: the trainer's log-probs before the batch's first update (TIS)
         self._lag0: list[list[bool]] = []  # per sample, per trained token: sampled by the weights training it
         self._fresh = False  # the batch's first optimizer step (log-probs not yet updated)
+        if config.async_state == "on" and acc.distributed_type == DistributedType.FSDP:
+            raise ValueError("--train.async_state on: not under FSDP, whose state is saved through its own sharded "
+                             "path; use auto or off")  # fmt: skip
+        self._stage = HostStage(acc.device)  # host copies of the trainer state (stage_trainer_state)
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -730,6 +736,50 @@ class Learner:
             )
         acc.wait_for_everyone()
 
+    @property
+    def writes_state_in_background(self) -> bool:
+        """Whether the full trainer state is written from a host-memory copy while training goes on
+        (TrainConfig.async_state; not under FSDP, whose state is saved through its own sharded path)."""
+        on = self.config.async_state
+        fsdp = self.accelerator.distributed_type == DistributedType.FSDP
+        return on == "on" or (on == "auto" and self.accelerator.device.type == "cuda" and not fsdp)
+
+    def stage_trainer_state(self, folder: str | os.PathLike, progress: dict) -> Callable[[], None]:
+        """What save_trainer_state writes, copied now (finetune.staging) and written by the function returned,
+        which may run in another thread while training goes on: the same files, so load_trainer_state reads
+        them. Every process must call it between steps (each adds its own RNG state, taken now); the function
+        writes on each process what it holds."""
+        from accelerate.checkpointing import save_accelerator_state
+
+        acc = self.accelerator
+        state_dir = Path(folder) / TRAINER_STATE_DIR
+        taken = Path(folder) / f".taken-{acc.process_index}"  # what is taken now: RNG (and a loss scaler)
+        for d in (state_dir, taken):
+            d.mkdir(parents=True, exist_ok=True)
+        at = dict(process_index=acc.process_index, step=acc.step,
+                  save_on_each_node=acc.project_configuration.save_on_each_node)  # fmt: skip
+        save_accelerator_state(taken, [], [], [], [], scaler=acc.scaler, **at)
+        weights, optimizers = [], []
+        if acc.is_main_process or at["save_on_each_node"]:  # accelerate writes these on the main process only
+            models = [self.model] + ([self.value_model] if self.value_model is not None else [])
+            weights = [acc.get_state_dict(m, unwrap=False) for m in models]  # as Accelerator.save_state takes them
+            if self.config.lora.rank > 0:
+                self._trainable_only(models, weights, str(state_dir))
+            optimizers = [self.optimizer] + ([self.value_optimizer] if self.value_optimizer is not None else [])
+            weights, states = self._stage.copy((weights, [o.state_dict() for o in optimizers]), "state")
+            optimizers = [_Taken(s) for s in states]
+        step = self.step
+
+        def write() -> None:
+            save_accelerator_state(state_dir, weights, optimizers, [], [], scaler=None, **at)
+            for path in taken.iterdir():
+                os.replace(path, state_dir / path.name)
+            taken.rmdir()
+            if acc.is_main_process:
+                (state_dir / TRAINER_PROGRESS).write_text(json.dumps({**progress, "optimizer_step": step}) + "\n")
+
+        return write
+
     def save_checkpoint(self, folder: str | os.PathLike, progress: dict) -> None:
         """A Hugging Face model folder plus trainer_state/. Not atomic by itself: write into a temp folder
         and rename (contract.rundir)."""
@@ -769,3 +819,13 @@ class Learner:
             differ = sorted(set(saved.items()) ^ set(ours.items()))[:1]
             raise ValueError(f"{folder} holds other trainable weights than this learner's LoRA options "
                              f"(e.g. {differ[0][0]} {list(differ[0][1])}): resume with the run's own options")  # fmt: skip
+
+
+class _Taken:
+    """An optimizer's state dict taken at one moment, for save_accelerator_state (which asks for state_dict())."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state

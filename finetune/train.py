@@ -21,6 +21,9 @@ through files in the run folder only:
    out (published, sent), trainer_state/ (weights, optimizer state,
    progress.json) is written aside (NNNNNN/.tmp-state, status saving),
    fsynced and renamed into the checkpoint: the servers never wait for it.
+   With --async-state (auto: on with CUDA) the learner only takes a copy in
+   host memory and trains on while a thread writes it (state_writing: N in
+   the state file); it is renamed in between batches once it is whole.
    Only the newest full state is kept.
 3. Before the checkpoint appears, the batch's per-step metrics are appended to
    RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
@@ -28,8 +31,8 @@ through files in the run folder only:
    contract.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
    reports: ratio_min, the advantages' statistics, tokens), and
    RUN/learner_status.json is replaced (atomically) with
-   {status, last_batch, checkpoint, optimizer_step, batch_in_progress, pid,
-   updated}; status is loading | waiting | training | saving | stopped | failed
+   {status, last_batch, checkpoint, optimizer_step, batch_in_progress,
+   state_writing, pid, updated}; status is loading | waiting | training | saving | stopped | failed
    (with `error`).
 4. The learner keeps model and optimizer in memory between batches. After a
    crash or kill, started again with the same arguments, it resumes from the
@@ -74,6 +77,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -89,7 +93,7 @@ from contract.cli import (
     nest,
     refuse_repeated,
 )
-from contract.rundir import TRAINER_STATE_DIR
+from contract.rundir import STATE_ASIDE, TRAINER_STATE_DIR
 from finetune.config import LoraOptions, TrainConfig
 from finetune.losses import LOSSES
 
@@ -309,6 +313,19 @@ def _step_line(m: dict) -> str:
     )
 
 
+@dataclass
+class _StateWrite:
+    """A full trainer state on its way into checkpoint `index` (finetune.train._Session.land_state)."""
+
+    index: int
+    aside: Path
+    why: str
+    started: float
+    taken_s: float = 0.0
+    thread: threading.Thread | None = None  # the background write (None: written already)
+    errors: list[str] = field(default_factory=list)
+
+
 class _Session:
     """One learner process: its run folder, its accelerator, the state file it keeps, its learner."""
 
@@ -329,12 +346,13 @@ class _Session:
         self.accelerator.wait_for_everyone()
         _setup_logging(self.run.trainer_log if self.main_process else None, self.accelerator.process_index)
         self.state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
-                      "batch_in_progress": None}  # fmt: skip
+                      "batch_in_progress": None, "state_writing": None}  # fmt: skip
         self.last: int | None = None  # the newest batch trained
         from finetune.weight_transfer import WeightSender
 
         self.sender = WeightSender()  # the main process's end of the in-memory weight transfer
         self.failed_generation = 0  # a group generation this learner could not join (not tried again)
+        self.in_flight: _StateWrite | None = None  # a full trainer state being written (land_state)
 
     def set_state(self, **fields) -> None:
         self.state.update(fields)
@@ -406,6 +424,7 @@ class _Session:
         self.last = index
         done = dict(last_batch=index, checkpoint=str(self.run.checkpoint(index).relative_to(self.run.root)),
                     optimizer_step=self.learner.step, batch_in_progress=None)  # fmt: skip
+        self.land_state()  # an earlier full state written in the background, when it is done
         if index % self.config.save_state_every == 0:
             # after the version went out (published, sent): the servers do not wait for the full state
             self.set_state(status="saving", **done)
@@ -415,26 +434,79 @@ class _Session:
 
     def _save_full_state(self, index: int, progress: dict, why: str) -> None:
         """trainer_state/ of published checkpoint `index`: written aside (every process adds its part),
-        synced, renamed in whole, then the older full states removed. A kill before the rename leaves the
-        previous full state to resume from (and the aside folder, removed at the next start)."""
+        synced, renamed in whole, then the older full states removed (land_state). With
+        TrainConfig.async_state the learner takes a copy in host memory and goes on training while a thread
+        writes it; otherwise it writes it now. A kill before the rename leaves the previous full state to
+        resume from (and the aside folder, removed at the next start)."""
         from accelerate.utils import broadcast_object_list
 
-        from contract.durable import fsync_dir, fsync_tree
-
+        self.land_state(block=True)  # one at a time (the host copy's buffers are reused)
         folder = self.run.checkpoint(index)
-        aside = folder / ".tmp-state" if self.main_process else None
+        aside = folder / STATE_ASIDE if self.main_process else None
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
         aside = Path(broadcast_object_list([str(aside) if aside else None])[0])
         start = time.perf_counter()
-        self.learner.save_trainer_state(aside, progress)
+        if not self.learner.writes_state_in_background:
+            self.learner.save_trainer_state(aside, progress)
+            self.in_flight = _StateWrite(index, aside, why, start)
+            self.land_state(block=True)
+            return
+        write = self.learner.stage_trainer_state(aside, progress)
+        pending = self.in_flight = _StateWrite(index, aside, why, start, taken_s=time.perf_counter() - start)
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as exc:  # noqa: BLE001 - reported by land_state, in the main thread
+                pending.errors.append(f"{type(exc).__name__}: {exc}")
+
+        pending.thread = threading.Thread(target=run, name=f"trainer-state-{index}", daemon=True)
+        pending.thread.start()
+        self.set_state(state_writing=index)
+        log.info("full trainer state of version %d taken in %.1f s, written in the background (%s)", index,
+                 pending.taken_s, why)  # fmt: skip
+
+    def land_state(self, block: bool = False) -> None:
+        """The full state being written, renamed into its checkpoint once every process has written its
+        part (block: wait for that; else only when it is done). Every process calls it at the same points:
+        between batches, and before the next full state or a clean stop. A write that failed fails the
+        learner, naming why."""
+        from accelerate.utils import gather_object
+
+        from contract.durable import fsync_dir, fsync_tree
+
+        pending = self.in_flight
+        if pending is None:
+            return
+        if block and pending.thread is not None:
+            pending.thread.join()
+        done, errors = pending.thread is None or not pending.thread.is_alive(), pending.errors
+        if self.accelerator.num_processes > 1:
+            done = all(gather_object([done]))
+            if done:
+                errors = gather_object(list(errors))
+        if not done:
+            return
+        self.in_flight = None
+        if errors:
+            raise RuntimeError(f"writing the full trainer state of version {pending.index} failed: {errors[0]}")
+        self.accelerator.wait_for_everyone()
         if self.main_process:
-            fsync_tree(aside)
-            os.rename(aside / TRAINER_STATE_DIR, folder / TRAINER_STATE_DIR)
+            folder = self.run.checkpoint(pending.index)
+            fsync_tree(pending.aside)
+            os.rename(pending.aside / TRAINER_STATE_DIR, folder / TRAINER_STATE_DIR)
             fsync_dir(folder)
-            shutil.rmtree(aside, ignore_errors=True)
-            self.run.drop_old_trainer_states(keep=index)
-            log.info("full trainer state of version %d saved in %.1f s (%s)", index, time.perf_counter() - start, why)
+            shutil.rmtree(pending.aside, ignore_errors=True)
+            self.run.drop_old_trainer_states(keep=pending.index)
+            seconds = time.perf_counter() - pending.started
+            if pending.thread is None:
+                log.info("full trainer state of version %d saved in %.1f s (%s)", pending.index, seconds, pending.why)
+            else:
+                log.info("full trainer state of version %d saved, %.1f s after it was taken in %.1f s (%s)",
+                         pending.index, seconds, pending.taken_s, pending.why)  # fmt: skip
+        if pending.thread is not None:
+            self.set_state(state_writing=None)
 
     def _progress_writer(self):
         """on_progress for the learner: the orchestrator's bar reads it from the state file (twice a second)."""
@@ -547,6 +619,7 @@ class _Session:
     def finish(self) -> None:
         """A clean stop: the last version trained gets its full state and its model folder (with LoRA, its
         adapter is there already)."""
+        self.land_state(block=True)
         if self.last is None:
             return
         folder = self.run.checkpoint(self.last)
@@ -583,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             decision = session.next_decision()
             if decision is None:
+                session.land_state()
                 session.answer_requests()
                 time.sleep(args.poll_seconds)
                 continue

@@ -586,3 +586,47 @@ def test_lora_starts_from_an_adapter_folder_and_refuses_one_of_another_rank(tiny
         Learner(tiny, TrainConfig(lora={**options, "rank": 4}))
     with pytest.raises(ValueError, match=r"lora.start_from: .* does not fit .*k_proj.* is only in these lora options"):
         Learner(tiny, TrainConfig(lora={**options, "target_modules": ["q_proj", "k_proj", "v_proj"]}))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"lora": {"rank": 2, "target_modules": "q_proj,v_proj"}}, {"algorithm": "ppo", "ppo": {"critic_lr": 1e-3}}],
+    ids=["full", "lora", "ppo-critic-model"],
+)
+def test_a_state_written_in_the_background_is_the_state_taken(tiny, tmp_path, options):
+    """stage_trainer_state (TrainConfig.async_state): what a thread writes while the learner trains on is what
+    save_trainer_state writes at the moment of the copy, file for file, and a learner restored from it takes
+    the same next step. The PPO learner has two models and two optimizers; the tiny model a tied head."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    cfg = TrainConfig(lr=1e-3, async_state="on", **options)
+    learner = Learner(tiny, cfg)
+    batch = with_behaviour(learner, group([GOOD, BAD] + OTHER, [1.0, 0.0, 0.0, 0.5]))
+    learner.train_batch(batch, 0)
+    learner.save_trainer_state(tmp_path / "now", {"batch": 0})
+    write = learner.stage_trainer_state(tmp_path / "later", {"batch": 0})
+    learner.train_batch(batch, 1)  # the live weights and AdamW moments move on before the copy is written
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join()
+    now, later = tmp_path / "now" / "trainer_state", tmp_path / "later" / "trainer_state"
+    assert sorted(p.name for p in later.iterdir()) == sorted(p.name for p in now.iterdir())
+    assert [p.name for p in (tmp_path / "later").iterdir()] == ["trainer_state"]  # nothing else left behind
+    for file in now.iterdir():
+        if file.suffix == ".safetensors":
+            a, b = load_file(file), load_file(later / file.name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file.name
+        elif file.suffix in (".bin", ".pkl"):
+            a, b = torch.load(file, weights_only=False), torch.load(later / file.name, weights_only=False)
+            assert repr(a) == repr(b), file.name  # tensors, RNG states and step counts alike
+        else:
+            assert file.read_bytes() == (later / file.name).read_bytes(), file.name
+    resumed = Learner(tiny, cfg)
+    assert resumed.load_trainer_state(tmp_path / "later")["batch"] == 0 and resumed.step == learner.step // 2
+    resumed.train_batch(batch, 1)
+    a, b = params(learner), params(resumed)
+    assert not all(torch.equal(a[k], params(Learner(tiny, cfg))[k]) for k in a)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -240,6 +241,81 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
     assert (run2 / "checkpoints" / "000002" / "model.safetensors").stat().st_mtime_ns == stamp
     for k, v in weights(run2 / "checkpoints" / "000004").items():
         torch.testing.assert_close(v, four[k], atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.slow
+def test_a_full_state_written_in_the_background_lands_whole_and_resumes(tiny, batches, tmp_path):
+    """--async-state on, the full state every 2 batches: batch 2's state is copied to host memory, written by
+    a thread while batch 3 trains, and renamed into checkpoint 2 between batches. Killed after that, the
+    learner resumes from it, trains batch 3 again, then batch 4, and ends where one uninterrupted learner
+    ends. (Batches 3 and 4 are batches 1 and 2 again.)"""
+    from finetune.learner import Learner
+
+    learner = Learner(tiny, CONFIG)
+    for index, path in zip((1, 2, 3, 4), batches * 2):
+        learner.train_batch(read_batch(path), index)
+    four = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
+    options = OPTIONS + ["--save-state-every", "2", "--async-state", "on"]
+    run = tmp_path / "run"
+    for index in (1, 2, 3):
+        write_batch(batch_file(run / "batches", index), read_batch(batches[(index - 1) % 2]))
+    proc = launch(tiny, run, options=options)
+    wait_for(run / "checkpoints" / "000002" / "trainer_state" / "progress.json", proc, run)
+    wait_for(run / "checkpoints" / "000003", proc, run)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log = (run / "trainer.log").read_text()
+    assert "full trainer state of version 2 taken in" in log and "written in the background" in log
+    assert "full trainer state of version 2 saved," in log
+    assert sorted(p.name for p in (run / "checkpoints" / "000002").iterdir() if p.name.startswith(".")) == []
+    write_batch(batch_file(run / "batches", 4), read_batch(batches[1]))
+    proc = launch(tiny, run, options=options)
+    wait_for(run / "checkpoints" / "000004", proc, run)
+    stop(proc, run)  # a clean stop waits for batch 4's state, written in the background too
+    assert "resumed from" in (run / "trainer.log").read_text()
+    assert [(m["batch"], m["step"]) for m in metrics(run)] == [
+        (1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8)
+    ]  # fmt: skip
+    assert (run / "checkpoints" / "000004" / "trainer_state" / "progress.json").is_file()
+    assert not (run / "checkpoints" / "000002" / "trainer_state").exists()  # only the newest full state is kept
+    assert json.loads((run / "learner_status.json").read_text())["state_writing"] is None
+    for k, v in weights(run / "checkpoints" / "000004").items():
+        torch.testing.assert_close(v, four[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_a_background_state_write_that_fails_fails_the_learner(tiny, batches, tmp_path, monkeypatch):
+    """The thread's error is raised in the learner between batches: status failed, naming it; the
+    checkpoint gets no trainer state (a resume goes back to the one before)."""
+    from finetune import train
+    from finetune.learner import Learner
+
+    def stage(self, folder, progress):
+        def write():
+            raise OSError(28, "No space left on device")
+
+        return write
+
+    monkeypatch.setattr(Learner, "stage_trainer_state", stage)
+    run = tmp_path / "run"
+    for index in (1, 2):
+        write_batch(batch_file(run / "batches", index), read_batch(batches[index - 1]))
+    argv = ["--model", str(tiny), "--run-dir", str(run), "--once", "--poll-seconds", "0.05", *OPTIONS,
+            "--save-state-every", "1", "--async-state", "on"]  # fmt: skip
+    logger = logging.getLogger("finetune")  # main() sets up its process's logging: undone after the test
+    before = list(logger.handlers)
+    monkeypatch.setattr(logger, "handlers", list(before))
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+    monkeypatch.setattr(logger, "level", logger.level)
+    try:
+        assert train.main(argv) == 1
+    finally:
+        for handler in set(logger.handlers) - set(before):
+            handler.close()
+    state = json.loads((run / "learner_status.json").read_text())
+    assert state["status"] == "failed" and state["error"] == (
+        "RuntimeError: writing the full trainer state of version 1 failed: OSError: [Errno 28] No space left on device"
+    )
+    assert not (run / "checkpoints" / "000001" / "trainer_state").exists()
 
 
 @pytest.mark.slow
