@@ -21,7 +21,10 @@ Publishing, at the first budget:
   (finetune.weight_transfer: what the NCCL broadcast sends; the broadcast itself needs a vLLM server on
   another GPU and is not timed here), plus the full state every --state-every iterations (amortized):
   its model folder before the version is published, its trainer state after the version went out;
-- the ratio of each to the optimizer step (target: after <= 10%).
+- the ratio of each to the optimizer step (target: after <= 10%);
+- with the trainer state in the background (TrainConfig.async_state, finetune.staging): the copy to host
+  memory the learner waits for, then steps trained while a thread writes it, against as many steps with no
+  write timed right after; twice (the first copy allocates the page-locked buffers).
 With LoRA (--lora-rank, --lora-8b), what a LoRA version publishes instead: its adapter folder and its trainer
 state (the adapters and their optimizer state only), written and synced.
 Prints a table and writes gpu_learner.json to --out (or $OUT when set).
@@ -227,8 +230,9 @@ def main() -> None:
             continue
         if i == 0 and not args.no_publish:
             run["publish"] = publishing(learner, work, run["step_s"], args.state_every, pack)
-            run["publish"]["background"] = background_state(learner, work, samples, args.state_every,
-                                                            run["publish"]["weights_folder_s"])  # fmt: skip
+            pub = run["publish"]
+            pub["background"] = background_state(learner, work, samples, args.state_every, pub["weights_folder_s"],
+                                                 pub["gather_s"] + pub["pack_s"])  # fmt: skip
         if config.lora.rank:
             run["publish"] = lora_publishing(learner, work, run["step_s"])
         report["runs"].append(run)
@@ -314,7 +318,7 @@ def lora_publishing(learner, work: Path, step_s: float) -> dict:
     return out
 
 
-def background_state(learner, work: Path, samples, state_every: int, folder_s: float) -> dict:
+def background_state(learner, work: Path, samples, state_every: int, folder_s: float, send_s: float) -> dict:
     """The full state as the learner writes it with async_state (finetune.staging): what the learner waits
     for is the copy to host memory; then steps train while a thread writes it, and how much slower they are
     than steps with no write (timed right after, the same number) is the write's cost to training. Twice: the
@@ -354,12 +358,13 @@ def background_state(learner, work: Path, samples, state_every: int, folder_s: f
               f"{sum(plain) / len(plain):.2f} s with no write: {slower_s:+.2f} s in all)", flush=True)  # fmt: skip
     last = attempts[-1]
     step_s = last["step_plain_s"]
-    # the learner's cost per iteration: the copy and the slowdown, and the model folder (written before the
-    # version is published), once every state_every iterations
-    per_iteration = (last["taken_s"] + max(last["slower_s"], 0.0) + folder_s) / state_every
+    # the learner's cost per iteration: gathering and packing the version to send, and once every state_every
+    # iterations the copy, the slowdown and the model folder (written before the version is published)
+    per_iteration = send_s + (last["taken_s"] + max(last["slower_s"], 0.0) + folder_s) / state_every
     out = {"saves": attempts, "kept_host_gib": round(learner._stage.kept_bytes / 2**30, 2),
            "per_iteration_s": round(per_iteration, 3), "of_step": round(per_iteration / step_s, 4)}  # fmt: skip
-    print(f"full state every {state_every} in the background: (copy {last['taken_s']:.2f} s + slowdown "
+    print(f"publishing with the full state every {state_every} in the background: gather + pack {send_s:.2f} s + "
+          f"(copy {last['taken_s']:.2f} s + slowdown "
           f"{max(last['slower_s'], 0.0):.2f} s + model folder {folder_s:.2f} s) / {state_every} = "
           f"{per_iteration:.2f} s per iteration, {per_iteration / step_s:.1%} of the {step_s:.2f} s step; "
           f"{out['kept_host_gib']:.1f} GiB of page-locked host memory kept", flush=True)  # fmt: skip

@@ -44,7 +44,7 @@ from finetune.logprobs import PolicyLogProbs, ValueModel, compile_layers
 from finetune.lora import adapter_tensors, load_adapter_weights, merged, with_lora, write_adapter
 from finetune.losses import LossInputs, tis_weights, token_weights
 from finetune.microbatch import MicroBatch, micro_batches
-from finetune.staging import HostStage
+from finetune.staging import HostStage, host_memory_available
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -263,6 +263,7 @@ class Learner:
             raise ValueError("--train.async_state on: not under FSDP, whose state is saved through its own sharded "
                              "path; use auto or off")  # fmt: skip
         self._stage = HostStage(acc.device)  # host copies of the trainer state (stage_trainer_state)
+        self.writes_state_in_background, self.background_state_why = self.background_state_choice()
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -736,13 +737,25 @@ class Learner:
             )
         acc.wait_for_everyone()
 
-    @property
-    def writes_state_in_background(self) -> bool:
+    def background_state_choice(self) -> tuple[bool, str]:
         """Whether the full trainer state is written from a host-memory copy while training goes on
-        (TrainConfig.async_state; not under FSDP, whose state is saved through its own sharded path)."""
-        on = self.config.async_state
-        fsdp = self.accelerator.distributed_type == DistributedType.FSDP
-        return on == "on" or (on == "auto" and self.accelerator.device.type == "cuda" and not fsdp)
+        (TrainConfig.async_state), and why. auto: with CUDA, not under FSDP (whose state is saved through its
+        own sharded path), and when the copy (the trained weights and AdamW's two moments) takes at most half
+        the host memory available."""
+        on, acc = self.config.async_state, self.accelerator
+        if on != "auto":
+            return on == "on", f"--train.async_state {on}"
+        if acc.device.type != "cuda":
+            return False, "auto: not on CUDA (on CPU the write would take the cores training needs)"
+        if acc.distributed_type == DistributedType.FSDP:
+            return False, "auto: FSDP saves its sharded state itself"
+        models = [self.model] + ([self.value_model] if self.value_model is not None else [])
+        copy = 3 * sum(p.numel() * p.element_size() for m in models for p in m.parameters() if p.requires_grad)
+        available = host_memory_available()
+        if available is not None and copy > available / 2:
+            return False, (f"auto: its copy ({copy / 2**30:.1f} GiB) would take more than half the host memory "
+                           f"available ({available / 2**30:.1f} GiB)")  # fmt: skip
+        return True, f"auto: on CUDA, a copy of {copy / 2**30:.1f} GiB in page-locked host memory"
 
     def stage_trainer_state(self, folder: str | os.PathLike, progress: dict) -> Callable[[], None]:
         """What save_trainer_state writes, copied now (finetune.staging) and written by the function returned,

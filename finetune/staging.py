@@ -15,6 +15,7 @@ save drops the duplicate as it does for the live model.
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -59,3 +60,14 @@ class HostStage:
     def kept_bytes(self) -> int:
         """Host memory held between saves (the page-locked buffers)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

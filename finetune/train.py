@@ -383,6 +383,9 @@ class _Session:
                            optimizer_step=self.learner.step)  # fmt: skip
         else:
             log.info("loaded %s", self.args.model)
+        log.info("full trainer state every %d batches, %s (%s)", self.config.save_state_every,
+                 "written in the background" if self.learner.writes_state_in_background else "written before the next "
+                 "batch", self.learner.background_state_why)  # fmt: skip
         # Checkpoints published after the last full state: their batches are trained again, in order.
         if self.main_process and (again := self.run.drop_checkpoints_after(self.last or 0)):
             log.info("batches %s were trained after the last full state: training them again", again)

@@ -189,7 +189,7 @@ def test_a_full_state_killed_before_its_rename_leaves_the_previous_one_to_resume
     killed before the rename, the newest resumable checkpoint is the previous one, and the next start
     removes the half-written folder (and a half-built checkpoint)."""
     from contract.durable import atomic_write_json
-    from contract.rundir import LEARNER_RECORD, TRAINER_PROGRESS, TRAINER_STATE_DIR, RunDir
+    from contract.rundir import LEARNER_RECORD, STATE_ASIDE, TRAINER_PROGRESS, TRAINER_STATE_DIR, RunDir
 
     run = RunDir(tmp_path)
     for index in (2, 3):
@@ -198,14 +198,37 @@ def test_a_full_state_killed_before_its_rename_leaves_the_previous_one_to_resume
         atomic_write_json(folder / LEARNER_RECORD, {"batch": index})
     (run.checkpoint(2) / TRAINER_STATE_DIR).mkdir()
     atomic_write_json(run.checkpoint(2) / TRAINER_STATE_DIR / TRAINER_PROGRESS, {"batch": 2})
-    half = run.checkpoint(3) / ".tmp-state" / TRAINER_STATE_DIR
+    half = run.checkpoint(3) / STATE_ASIDE / TRAINER_STATE_DIR
     half.mkdir(parents=True)
     (half / "optimizer.bin").write_bytes(b"half")  # killed here: no progress.json, not renamed
     (run.checkpoints / ".tmp-000004").mkdir()
     assert run.published() == [2, 3] and run.latest_checkpoint() == (2, run.checkpoint(2))
     run.clean_temp()
-    assert not (run.checkpoint(3) / ".tmp-state").exists() and not (run.checkpoints / ".tmp-000004").exists()
+    assert not (run.checkpoint(3) / STATE_ASIDE).exists() and not (run.checkpoints / ".tmp-000004").exists()
     assert run.drop_checkpoints_after(2) == [3] and run.published() == [2]
+
+
+def test_a_checkpoint_whose_full_state_is_being_written_is_not_pruned(tmp_path):
+    """With the state written in the background (--train.async_state), checkpoints go on being published
+    while checkpoint 2's state is written into 2/.tmp-state: the orchestrator keeps 2 (and the newest full
+    state, 1, until 2's lands) however many newer ones it prunes."""
+    from contract.durable import atomic_write_json
+    from contract.rundir import LEARNER_RECORD, STATE_ASIDE, TRAINER_PROGRESS, TRAINER_STATE_DIR, RunDir
+
+    run = RunDir(tmp_path)
+    for index in (1, 2, 3, 4, 5):
+        run.checkpoint(index).mkdir(parents=True)
+        atomic_write_json(run.checkpoint(index) / LEARNER_RECORD, {"batch": index})
+    atomic_write_json(run.checkpoint(1) / TRAINER_STATE_DIR / TRAINER_PROGRESS, {"batch": 1})
+    (run.checkpoint(2) / STATE_ASIDE / TRAINER_STATE_DIR).mkdir(parents=True)
+    run.prune_checkpoints(2)
+    assert run.published() == [1, 2, 4, 5]
+    os.rename(run.checkpoint(2) / STATE_ASIDE / TRAINER_STATE_DIR, run.checkpoint(2) / TRAINER_STATE_DIR)
+    (run.checkpoint(2) / STATE_ASIDE).rmdir()
+    atomic_write_json(run.checkpoint(2) / TRAINER_STATE_DIR / TRAINER_PROGRESS, {"batch": 2})
+    run.drop_old_trainer_states(keep=2)
+    run.prune_checkpoints(2)
+    assert run.published() == [2, 4, 5]
 
 
 def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):

@@ -630,3 +630,27 @@ def test_a_state_written_in_the_background_is_the_state_taken(tiny, tmp_path, op
     assert not all(torch.equal(a[k], params(Learner(tiny, cfg))[k]) for k in a)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-7, rtol=0)
+
+
+def test_auto_writes_the_state_in_the_background_on_cuda_when_its_copy_fits(tiny, monkeypatch):
+    """TrainConfig.async_state auto: off on CPU; on CUDA, on while the copy (trained weights and AdamW's two
+    moments, 3 x 4 bytes a parameter) takes at most half the host memory available; on and off as asked."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    import finetune.learner
+
+    learner = Learner(tiny, TrainConfig())
+    assert learner.writes_state_in_background is False and "not on CUDA" in learner.background_state_why
+    assert Learner(tiny, TrainConfig(async_state="on")).writes_state_in_background is True
+    copy = 3 * 4 * sum(p.numel() for p in learner.model.parameters())
+    monkeypatch.setattr(learner, "accelerator", SimpleNamespace(device=torch.device("cuda"),
+                                                                distributed_type=DistributedType.NO))  # fmt: skip
+    monkeypatch.setattr(finetune.learner, "host_memory_available", lambda: 2 * copy)
+    assert learner.background_state_choice()[0] is True
+    monkeypatch.setattr(finetune.learner, "host_memory_available", lambda: 2 * copy - 1)
+    on, why = learner.background_state_choice()
+    assert on is False and "more than half the host memory available" in why
+    learner.accelerator.distributed_type = DistributedType.FSDP
+    assert learner.background_state_choice() == (False, "auto: FSDP saves its sharded state itself")
