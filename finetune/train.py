@@ -633,6 +633,7 @@ class _Session:
             del weights
         if not self.run.has_trainer_state(self.last):
             self._save_full_state(self.last, {"batch": self.last, "samples": None}, "clean stop")
+            self.land_state(block=True)  # written in the background or not: whole before the learner exits
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -247,14 +247,15 @@ def test_two_batches_two_checkpoints_then_kill_and_resume(tiny, batches, tmp_pat
 def test_a_full_state_written_in_the_background_lands_whole_and_resumes(tiny, batches, tmp_path):
     """--async-state on, the full state every 2 batches: batch 2's state is copied to host memory, written by
     a thread while batch 3 trains, and renamed into checkpoint 2 between batches. Killed after that, the
-    learner resumes from it, trains batch 3 again, then batch 4, and ends where one uninterrupted learner
-    ends. (Batches 3 and 4 are batches 1 and 2 again.)"""
+    learner resumes from it, trains batch 3 again, then batches 4 and 5, and a clean stop writes batch 5's
+    state (in the background too) before the learner exits; it ends where one uninterrupted learner ends.
+    (Batches 3, 4 and 5 are batches 1, 2 and 1 again.)"""
     from finetune.learner import Learner
 
     learner = Learner(tiny, CONFIG)
-    for index, path in zip((1, 2, 3, 4), batches * 2):
+    for index, path in zip((1, 2, 3, 4, 5), batches * 3):
         learner.train_batch(read_batch(path), index)
-    four = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
+    five = {k: v.detach().clone() for k, v in learner.accelerator.unwrap_model(learner.model).lm.state_dict().items()}
     options = OPTIONS + ["--save-state-every", "2", "--async-state", "on"]
     run = tmp_path / "run"
     for index in (1, 2, 3):
@@ -269,18 +270,20 @@ def test_a_full_state_written_in_the_background_lands_whole_and_resumes(tiny, ba
     assert "full trainer state of version 2 saved," in log
     assert sorted(p.name for p in (run / "checkpoints" / "000002").iterdir() if p.name.startswith(".")) == []
     write_batch(batch_file(run / "batches", 4), read_batch(batches[1]))
+    write_batch(batch_file(run / "batches", 5), read_batch(batches[0]))
     proc = launch(tiny, run, options=options)
-    wait_for(run / "checkpoints" / "000004", proc, run)
-    stop(proc, run)  # a clean stop waits for batch 4's state, written in the background too
+    wait_for(run / "checkpoints" / "000005", proc, run)
+    stop(proc, run)  # a clean stop writes batch 5's state, in the background too, and waits for it
     assert "resumed from" in (run / "trainer.log").read_text()
     assert [(m["batch"], m["step"]) for m in metrics(run)] == [
-        (1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8)
+        (1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8), (5, 9), (5, 10)
     ]  # fmt: skip
-    assert (run / "checkpoints" / "000004" / "trainer_state" / "progress.json").is_file()
-    assert not (run / "checkpoints" / "000002" / "trainer_state").exists()  # only the newest full state is kept
+    assert (run / "checkpoints" / "000005" / "trainer_state" / "progress.json").is_file()
+    for index in (2, 4):  # only the newest full state is kept
+        assert not (run / "checkpoints" / f"{index:06d}" / "trainer_state").exists()
     assert json.loads((run / "learner_status.json").read_text())["state_writing"] is None
-    for k, v in weights(run / "checkpoints" / "000004").items():
-        torch.testing.assert_close(v, four[k], atol=1e-6, rtol=0, msg=k)
+    for k, v in weights(run / "checkpoints" / "000005").items():
+        torch.testing.assert_close(v, five[k], atol=1e-6, rtol=0, msg=k)
 
 
 def test_a_background_state_write_that_fails_fails_the_learner(tiny, batches, tmp_path, monkeypatch):
