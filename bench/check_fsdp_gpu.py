@@ -10,7 +10,9 @@ for full fine-tuning and for LoRA rank 8:
 1. two batches, then a clean stop: checkpoints 1 and 2 published (the model folder, or the adapter), the
    full state with checkpoint 2;
 2. a third batch in a new process: it resumes from checkpoint 2's state and publishes checkpoint 3, whose
-   weights differ from checkpoint 2's.
+   weights differ from checkpoint 2's; the clean stops' full states were written in the background (a host
+   copy, TrainConfig.async_state auto) with CUDA and not under FSDP, and at once otherwise.
+With --accelerate-config finetune/accelerate/one_gpu.yaml the same checks run without FSDP.
 Prints one line per check (PASS or FAIL) and writes fsdp_check.json to --out (or $OUT).
 """
 
@@ -115,6 +117,12 @@ def main() -> int:
         check(f"{label}: the learner ran under {started[-1].split('learner starting: ')[-1] if started else '?'}",
               bool(started) and ("FSDP" in started[-1] or "fsdp" not in args.accelerate_config), results)  # fmt: skip
         check(f"{label}: it resumed from checkpoint 2's state", "resumed from" in log and "batch 2" in log, results)
+        # TrainConfig.async_state auto: the full state from a host copy by a thread on CUDA, not under FSDP
+        background = torch.cuda.is_available() and "fsdp" not in args.accelerate_config
+        landed = [line.split("INFO ")[-1] for line in log.splitlines() if "full trainer state of version" in line]
+        check(f"{label}: the clean stop's full state {'written in the background' if background else 'written at once'}",
+              ("written in the background" in log) == background and any("saved" in line for line in landed), results,
+              "; ".join(landed[-2:]))  # fmt: skip
         check(f"{label}: checkpoint 3 published", rd.published() == [1, 2, 3] or rd.published()[-1] == 3, results,
               str(rd.published()))  # fmt: skip
         two, three = tensors(version(2)), tensors(version(3))
