@@ -507,7 +507,7 @@ class _Session:
                 log.info("full trainer state of version %d saved in %.1f s (%s)", pending.index, seconds, pending.why)
             else:
                 log.info("full trainer state of version %d saved, %.1f s after it was taken in %.1f s (%s)",
-                         pending.index, seconds, pending.taken_s, pending.why)  # fmt: skip
+                         pending.index, seconds - pending.taken_s, pending.taken_s, pending.why)  # fmt: skip
         if pending.thread is not None:
             self.set_state(state_writing=None)
 
