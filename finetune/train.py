@@ -510,6 +510,7 @@ class _Session:
                          pending.index, seconds - pending.taken_s, pending.taken_s, pending.why)  # fmt: skip
         if pending.thread is not None:
             self.set_state(state_writing=None)
+        self.accelerator.wait_for_everyone()  # every process sees the state in place (finish() looks for it)
 
     def _progress_writer(self):
         """on_progress for the learner: the orchestrator's bar reads it from the state file (twice a second)."""
@@ -631,7 +632,10 @@ class _Session:
             if self.main_process and not self.run.has_weights(self.last):
                 self.learner.save_weights(folder, weights)
             del weights
-        if not self.run.has_trainer_state(self.last):
+        from accelerate.utils import broadcast_object_list
+
+        missing = self.main_process and not self.run.has_trainer_state(self.last)
+        if broadcast_object_list([missing])[0]:  # the main process decides: every process takes part
             self._save_full_state(self.last, {"batch": self.last, "samples": None}, "clean stop")
             self.land_state(block=True)  # written in the background or not: whole before the learner exits
 

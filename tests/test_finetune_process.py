@@ -347,8 +347,11 @@ def test_exits_when_the_orchestrator_dies(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_same_weights(tiny, batches, tmp_path):
-    """Two CPU processes (gloo) split each step's micro-batches; the result is the one-process result."""
+@pytest.mark.parametrize("background", [False, True], ids=["state-at-once", "state-in-background"])
+def test_two_processes_give_the_same_weights(tiny, batches, tmp_path, background):
+    """Two CPU processes (gloo) split each step's micro-batches; the result is the one-process result. The
+    full state holds each process's RNG state; written in the background (a full state every batch), it is
+    renamed in once both processes have written their part."""
     from finetune.learner import Learner
 
     learner = Learner(tiny, CONFIG)
@@ -380,6 +383,7 @@ def test_two_processes_give_the_same_weights(tiny, batches, tmp_path):
             str(run),
             "--once",
             *[("32" if prev == "--token-budget" else o) for prev, o in zip(["", *OPTIONS], OPTIONS)],
+            *(["--async-state", "on", "--save-state-every", "1"] if background else []),
         ],
         # token budget 32: more micro-batches than processes (the result does not depend on it); an option
         # is given once (finetune.train refuses one given twice)
@@ -395,3 +399,11 @@ def test_two_processes_give_the_same_weights(tiny, batches, tmp_path):
     assert all(m["micro_batches"] > 2 for m in lines)
     for k, v in weights(run / "checkpoints" / "000002").items():
         torch.testing.assert_close(v, expected[k], atol=1e-5, rtol=0, msg=k)
+    state = run / "checkpoints" / "000002" / "trainer_state"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin", "progress.json"} <= {
+        p.name for p in state.iterdir()
+    }
+    assert not (run / "checkpoints" / "000001" / "trainer_state").exists()
+    log = (run / "trainer.log").read_text()
+    assert ("written in the background" in log) == background
+    assert ("full trainer state of version 1 saved," in log) == background
