@@ -737,6 +737,10 @@ class Learner:
             )
         acc.wait_for_everyone()
 
+    def _models(self) -> list:
+        """The prepared models in accelerate's order (the policy, a separate critic's value model)."""
+        return [m for m in (self.model, self.value_model) if m is not None]
+
     def background_state_choice(self) -> tuple[bool, str]:
         """Whether the full trainer state is written from a host-memory copy while training goes on
         (TrainConfig.async_state), and why. auto: with CUDA, not under FSDP (whose state is saved through its
@@ -749,8 +753,7 @@ class Learner:
             return False, "auto: not on CUDA (on CPU the write would take the cores training needs)"
         if acc.distributed_type == DistributedType.FSDP:
             return False, "auto: FSDP saves its sharded state itself"
-        models = [self.model] + ([self.value_model] if self.value_model is not None else [])
-        copy = 3 * sum(p.numel() * p.element_size() for m in models for p in m.parameters() if p.requires_grad)
+        copy = 3 * sum(p.numel() * p.element_size() for m in self._models() for p in m.parameters() if p.requires_grad)
         available = host_memory_available()
         if available is not None and copy > available / 2:
             return False, (f"auto: its copy ({copy / 2**30:.1f} GiB) would take more than half the host memory "
@@ -774,11 +777,11 @@ class Learner:
         save_accelerator_state(taken, [], [], [], [], scaler=acc.scaler, **at)
         weights, optimizers = [], []
         if acc.is_main_process or at["save_on_each_node"]:  # accelerate writes these on the main process only
-            models = [self.model] + ([self.value_model] if self.value_model is not None else [])
+            models = self._models()
             weights = [acc.get_state_dict(m, unwrap=False) for m in models]  # as Accelerator.save_state takes them
             if self.config.lora.rank > 0:
                 self._trainable_only(models, weights, str(state_dir))
-            optimizers = [self.optimizer] + ([self.value_optimizer] if self.value_optimizer is not None else [])
+            optimizers = [o for o in (self.optimizer, self.value_optimizer) if o is not None]
             weights, states = self._stage.copy((weights, [o.state_dict() for o in optimizers]), "state")
             optimizers = [_Taken(s) for s in states]
         step = self.step
