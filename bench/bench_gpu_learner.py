@@ -113,6 +113,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def disk_sync() -> None:
+    """What was written reaches the disk (timings of a write include it)."""
+    subprocess.run(["sync"], check=False)
+
+
 def timed(fn):
     sync()
     start = time.perf_counter()
@@ -300,11 +305,11 @@ def lora_publishing(learner, work: Path, step_s: float) -> dict:
 
     def write_adapter():
         learner.save_adapter(work / "adapter", learner.adapter_weights())
-        subprocess.run(["sync"], check=False)
+        disk_sync()
 
     def write_state():
         learner.save_trainer_state(work / "lora_state", {"batch": 2})
-        subprocess.run(["sync"], check=False)
+        disk_sync()
 
     _, adapter_s = timed(write_adapter)
     _, state_s = timed(write_state)
@@ -327,7 +332,7 @@ def background_state(learner, work: Path, samples, state_every: int, folder_s: f
 
     def write_synced(write, finished: list) -> None:
         write()
-        subprocess.run(["sync"], check=False)
+        disk_sync()
         finished.append(time.perf_counter())
 
     index, attempts = 10, []
@@ -372,9 +377,6 @@ def background_state(learner, work: Path, samples, state_every: int, folder_s: f
 
 
 def publishing(learner, work: Path, step_s: float, state_every: int, pack) -> dict:
-    def disk_sync():
-        subprocess.run(["sync"], check=False)
-
     before_dir = work / "before"
     _, before_s = timed(lambda: (learner.save_checkpoint(before_dir, {"batch": 2}), disk_sync()))
     before_gib = folder_gib(before_dir)
