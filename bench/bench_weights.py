@@ -36,7 +36,7 @@ from contract.durable import atomic_write_json
 from contract.rundir import LEARNER_RECORD, TRANSFER_MANIFEST, RunDir
 from finetune.config import TrainConfig
 from finetune.learner import Learner
-from finetune.weight_transfer import WeightSender, pack
+from finetune.weight_transfer import WeightSender
 from orchestrate.vllm_server import ServerConfig, VLLMServer
 from orchestrate.weights import PolicyWeights
 
@@ -100,7 +100,7 @@ def main() -> None:
                         weights.backend = "gloo"
                         continue
                     start = time.perf_counter()
-                    packed = pack(learner.policy_weights().items(), learner.save_dtype)
+                    packed = sender.pack(learner.policy_weights().items(), learner.save_dtype)  # as finetune.train
                     learner_s["gather_pack"].append(time.perf_counter() - start)
                     manifest = {"version": version, "generation": sender.generation, **packed.manifest}
                     atomic_write_json(tmp_ck / TRANSFER_MANIFEST, manifest)

@@ -532,7 +532,6 @@ class _Session:
 
         from contract.durable import atomic_write_json
         from contract.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST, optimizer_steps
-        from finetune.weight_transfer import pack
 
         cfg = self.config
         tmp = self.run.temp_checkpoint(index) if self.main_process else None
@@ -550,7 +549,7 @@ class _Session:
             if not in_memory or full_state or due:
                 self.learner.save_weights(tmp, weights)
             if in_memory:
-                packed = pack(weights.items(), self.learner.save_dtype)
+                packed = self.sender.pack(weights.items(), self.learner.save_dtype)
                 manifest = {"version": index, "generation": self.sender.generation, **packed.manifest}
                 atomic_write_json(tmp / TRANSFER_MANIFEST, manifest)
         if not self.main_process:

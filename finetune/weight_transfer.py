@@ -72,8 +72,13 @@ class Packed:
     manifest: dict
 
 
-def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BUCKET_BYTES) -> Packed:
-    """Weights, cast to `dtype`, laid into buckets of at most `bucket_bytes` (a larger weight gets its own)."""
+def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BUCKET_BYTES,
+         reuse: list[Tensor] | None = None) -> Packed:  # fmt: skip
+    """Weights, cast to `dtype`, laid into buckets of at most `bucket_bytes` (a larger weight gets its own).
+    `reuse`: buckets of an earlier pack, written over where each has the size and device needed (host
+    memory kept between versions: a fresh bucket costs a page fault per 4 KiB, most of the time of packing
+    it on CPU). Every byte is written (the padding with zeros), so a version packs to the same bytes and
+    checksums into any buckets."""
     target = getattr(torch, dtype)
     entries, groups, size = [], [[]], 0
     for name, tensor in named:
@@ -91,10 +96,13 @@ def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BU
         name, last, offset = group[-1]
         total = offset + _aligned(last.numel() * last.element_size())
         device = last.device
-        bucket = torch.zeros(total, dtype=torch.uint8, device=device)
-        for name, t, offset in group:
+        kept = reuse[b] if reuse is not None and b < len(reuse) else None
+        fits = kept is not None and kept.numel() == total and kept.device == device
+        bucket = kept if fits else torch.empty(total, dtype=torch.uint8, device=device)
+        for name, t, offset in group:  # every byte written: the weights, and zeros to each next offset
             nbytes = t.numel() * t.element_size()
             bucket[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            bucket[offset + nbytes : offset + _aligned(nbytes)].zero_()
             entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "bucket": b, "offset": offset})
         buckets.append(bucket)
         meta.append({"bytes": total, "checksum": checksum(bucket)})
@@ -159,6 +167,16 @@ class WeightSender:
         self.group = None
         self.generation = 0  # the group generation joined (0: none)
         self.info: dict = {}
+        self.buckets: list[Tensor] = []  # the last version's buckets in host memory, packed over by the next
+
+    def pack(self, named: Iterable[tuple[str, Tensor]], dtype: str) -> Packed:
+        """`pack` into the buckets of the version before when they are in host memory (on a GPU the caching
+        allocator reuses freed memory by itself, and memory kept there would be taken from training)."""
+        packed = pack(named, dtype, reuse=self.buckets)
+        self.buckets = [b for b in packed.buckets if b.device.type == "cpu"]
+        if len(self.buckets) != len(packed.buckets):
+            self.buckets = []
+        return packed
 
     def join(self, info: dict) -> None:
         self.close()

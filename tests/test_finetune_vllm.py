@@ -321,11 +321,20 @@ def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path
     assert server.probe_logprobs() != held
     held = server.probe_logprobs()
 
+    # the next version travels in memory, over the generation formed after the failure
+    one_step(learner, model_dir, 8)
+    thread, result, _, _ = _publish(run, learner, sender, 8)
+    assert weights.serve(8) == []
+    thread.join(timeout=120)
+    assert result == [None] and not run.has_weights(8)
+    held = server.probe_logprobs()  # a version loaded from the staging buffers the next one is received into
+
     # partial: a learner that sends one bucket of several and dies; the served weights do not move
     from finetune.weight_transfer import pack
 
+    one_step(learner, model_dir, 9)
     packed = pack(learner.policy_weights().items(), learner.save_dtype, bucket_bytes=2**20)
-    manifest = {"version": 8, "generation": weights.generation + 1, **packed.manifest}
+    manifest = {"version": 9, "generation": weights.generation + 1, **packed.manifest}
     import torch
 
     torch.save(packed.buckets[0], tmp_path / "bucket0.pt")
@@ -342,19 +351,21 @@ def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path
     )
     learner_process = subprocess.Popen([sys.executable, "-c", dying])
     forming.join()
-    failure = weights._receive(server, 8, manifest)
+    failure = weights._receive(server, 9, manifest)
     assert learner_process.wait(timeout=60) == 9
     assert failure, "a transfer cut after one bucket was accepted"
     print("partial transfer refused:", failure)
-    assert server.probe_logprobs() == held  # still the whole version it had
+    # still the whole version it had: the served weights are the model's own, not views of the staging
+    # buffers that the cut transfer was written into
+    assert server.probe_logprobs() == held
 
     # the next version travels in memory again, over a new generation of the group
     _join(weights, sender, run)
-    one_step(learner, model_dir, 9)
-    thread, result, _, _ = _publish(run, learner, sender, 9)
-    assert weights.serve(9) == []
+    one_step(learner, model_dir, 10)
+    thread, result, _, _ = _publish(run, learner, sender, 10)
+    assert weights.serve(10) == []
     thread.join(timeout=120)
-    assert result == [None] and not run.has_weights(9)
+    assert result == [None] and not run.has_weights(10)
     samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
     assert worst_ratio(learner, samples) < 1e-3
 

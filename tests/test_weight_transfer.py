@@ -1,0 +1,75 @@
+"""The wire format of a version sent in memory (finetune.weight_transfer), without a server: what is packed
+is what is unpacked, a bucket that is not the manifest's is refused, and the learner packs each version into
+the host buckets of the one before (tests/test_finetune_vllm.py sends versions into a real vLLM server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune.weight_transfer import ALIGN, TransferError, WeightSender, check_bucket, pack, unpack
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(50, 16, generator=g),
+        "layer.0.norm": torch.randn(7, generator=g),  # 28 bytes: the next weight starts at the next ALIGN
+        "layer.0.proj": torch.randn(16, 16, generator=g),
+        "head.weight": torch.randn(50, 16, generator=g),
+    }
+
+
+def test_what_is_packed_is_unpacked_in_several_buckets():
+    w = weights(0)
+    packed = pack(w.items(), "bfloat16", bucket_bytes=2048)
+    assert len(packed.buckets) > 1
+    assert all(e["offset"] % ALIGN == 0 for e in packed.manifest["tensors"])
+    for b, expected in zip(packed.buckets, packed.manifest["buckets"]):
+        assert b.numel() == expected["bytes"] and b.numel() % 8 == 0
+    out = dict(unpack(packed.buckets, packed.manifest))
+    assert list(out) == list(w)
+    for name, t in w.items():
+        assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], t.to(torch.bfloat16))
+
+
+def test_a_bucket_of_another_size_or_content_is_refused():
+    packed = pack(weights(0).items(), "float32", bucket_bytes=2048)
+    bucket, expected = packed.buckets[0], packed.manifest["buckets"][0]
+    check_bucket(bucket, expected, 0)
+    with pytest.raises(TransferError, match="bytes received"):
+        check_bucket(bucket[:-8], expected, 0)
+    flipped = bucket.clone()
+    flipped[3] ^= 1
+    with pytest.raises(TransferError, match="checksum"):
+        check_bucket(flipped, expected, 0)
+
+
+def test_a_version_packed_into_the_buckets_of_the_one_before_is_packed_whole():
+    """Reused host buckets hold exactly what fresh ones would, checksums included, whatever the version
+    before left in them; buckets of another size are not reused."""
+    first = pack(weights(0).items(), "float32", bucket_bytes=2048)
+    for b in first.buckets:
+        b.fill_(0xAB)  # whatever the previous version (or a cut transfer) left there
+    again = pack(weights(1).items(), "float32", bucket_bytes=2048, reuse=first.buckets)
+    fresh = pack(weights(1).items(), "float32", bucket_bytes=2048)
+    assert [b.data_ptr() for b in again.buckets] == [b.data_ptr() for b in first.buckets]
+    assert again.manifest == fresh.manifest
+    assert all(torch.equal(a, f) for a, f in zip(again.buckets, fresh.buckets))
+
+    bigger = {**weights(1), "extra": torch.ones(300)}
+    grown = pack(bigger.items(), "float32", bucket_bytes=2048, reuse=first.buckets)
+    kept = {b.data_ptr() for b in first.buckets}
+    assert sum(b.numel() for b in grown.buckets) > sum(b.numel() for b in first.buckets)
+    assert [b.data_ptr() in kept for b in grown.buckets].count(False) >= 1
+    for b, expected in zip(grown.buckets, grown.manifest["buckets"]):
+        check_bucket(b, expected, 0)
+
+
+def test_the_learner_keeps_its_host_buckets_between_versions():
+    sender = WeightSender()
+    first = sender.pack(weights(0).items(), "float32")
+    second = sender.pack(weights(1).items(), "float32")
+    assert [b.data_ptr() for b in second.buckets] == [b.data_ptr() for b in first.buckets]
+    out = dict(unpack(second.buckets, second.manifest))
+    assert all(torch.equal(out[n], t) for n, t in weights(1).items())
