@@ -34,8 +34,10 @@ fuses and shards them), with an untied output head, as in a checkpoint folder.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -137,6 +139,44 @@ def broadcast_options():
     return opts
 
 
+# What an NCCL group of the transfer is built with (ProcessGroupNCCL reads both when it is constructed, so
+# they are set around that and nothing else): its waits block the calling thread until the broadcast is
+# done, and raise once the group's timeout has passed, like gloo's, instead of returning at once and
+# leaving the timeout to torch's watchdog, which by default ends the whole process (a vLLM server, or the
+# learner). A transfer that fails must fail one route, or send the learner to the disk path.
+NCCL_GROUP_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+@contextmanager
+def group_env(backend: str) -> Iterator[None]:
+    """NCCL_GROUP_ENV in os.environ while a group of `backend` is built (gloo: nothing); restored after."""
+    if backend != "nccl":
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in NCCL_GROUP_ENV}
+    os.environ.update(NCCL_GROUP_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def first_broadcast(group, device) -> None:
+    """One 4-byte broadcast from rank 0, which every rank of a new group passes before the group counts as
+    formed (the learner in new_group, each server's worker in its engine's init). Gloo connects its ranks
+    when the group is built; NCCL only at the first collective, so without this a rank that never came
+    would show at the first version's broadcast, not when the group forms, where a failure leaves the run
+    on the disk path."""
+    probe = torch.zeros(1, device=device)
+    group.broadcast([probe], broadcast_options()).wait()
+    if probe.is_cuda:
+        torch.cuda.synchronize(probe.device)
+
+
 def new_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float, device=None):
     """A process group of its own (not torch.distributed's default one, which accelerate or vLLM may hold),
     on the TCP store the orchestrator hosts at host:port. The same construction as vLLM's
@@ -150,14 +190,18 @@ def new_group(backend: str, host: str, port: int, rank: int, world_size: int, ti
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        return ProcessGroupGloo(prefix, rank, world_size, timeout)
-    if backend == "nccl":
+        group = ProcessGroupGloo(prefix, rank, world_size, timeout)
+    elif backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return ProcessGroupNCCL(prefix, rank, world_size, options)
-    raise ValueError(f"weight transfer backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        with group_env(backend):
+            group = ProcessGroupNCCL(prefix, rank, world_size, options)
+    else:
+        raise ValueError(f"weight transfer backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    first_broadcast(group, device or ("cuda" if backend == "nccl" else "cpu"))
+    return group
 
 
 class WeightSender:
@@ -185,7 +229,8 @@ class WeightSender:
         self.generation, self.info = int(info["generation"]), info
 
     def send(self, packed: Packed) -> float:
-        """Broadcast every bucket (blocks until all ranks have it, or the group's timeout); seconds taken."""
+        """Broadcast every bucket (blocks until all ranks have it, or the group's timeout: NCCL's waits block
+        too, NCCL_GROUP_ENV); seconds taken."""
         if self.group is None:
             raise TransferError("no weight-transfer group joined")
         start = time.perf_counter()
@@ -196,8 +241,15 @@ class WeightSender:
             self.group.broadcast([bucket], opts).wait()
         return time.perf_counter() - start
 
-    def close(self) -> None:
-        self.group, self.generation = None, 0
+    def close(self, failed: bool = False) -> None:
+        """Leave the group: shut down (a failed transfer: aborted, so that nothing waits on the broadcast
+        that did not complete)."""
+        group, self.group, self.generation = self.group, None, 0
+        if group is not None:
+            try:
+                group.abort() if failed else group.shutdown()
+            except Exception:  # noqa: BLE001 - a group whose peers are gone may refuse; it is dropped anyway
+                pass
 
     def deliver(self, run, index: int, packed: Packed, write_folder) -> str | None:
         """Broadcast version `index`, then wait for the orchestrator's ack (RUN/weights_ack.json). Without a
@@ -215,7 +267,7 @@ class WeightSender:
                 raise TransferError(ack.get("reason") or "refused")
             return None
         except Exception as exc:  # noqa: BLE001 - the disk path still works
-            self.close()
+            self.close(failed=True)
             if not run.has_weights(index):
                 write_folder()
             return f"{type(exc).__name__}: {exc}"

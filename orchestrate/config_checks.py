@@ -161,6 +161,17 @@ def check_gpus(config, count: int | None = None) -> None:
             shared = format_cpus(chosen[server] & chosen["trainer.gpus"])
             raise ConfigError(f"--trainer.gpus: GPU(s) {shared} are also in --{server}; give the trainer and the "
                               "servers different GPUs, or leave one out")  # fmt: skip
+    if s.weight_transfer == "nccl" and not s.policy_urls and t.launch == "local":
+        # every policy server's workers and the learner's main process are ranks of one NCCL group, which
+        # refuses two ranks on one GPU ("Duplicate GPU detected"): where nothing places them, both use GPU 0
+        servers = chosen.get("server.gpus", set(range(s.policy_servers * per_server)))
+        trainer = chosen.get("trainer.gpus", set(range(t.num_processes)))
+        if servers & trainer:
+            where = ", ".join(f"--{d} {given[d]}" for d in ("server.gpus", "trainer.gpus") if d in given)
+            raise ConfigError(f"--server.weight_transfer: nccl needs the learner and the policy servers on different "
+                              f"GPUs, and GPU(s) {format_cpus(servers & trainer)} would hold both "
+                              f"({where or 'neither is placed'}): give --server.gpus and --trainer.gpus apart "
+                              f"(e.g. --server.gpus 0 --trainer.gpus 1), or leave it at disk")  # fmt: skip
     if not s.policy_urls and "server.gpus" not in chosen and s.policy_servers * per_server > count:
         raise ConfigError(f"--server.policy_servers: {s.policy_servers} server(s) x {per_server} GPU(s) each do not "
                           f"fit on the {count} visible GPU(s)")  # fmt: skip

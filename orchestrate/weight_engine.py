@@ -79,18 +79,23 @@ class TapeloopWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.staging: list = []
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
+        from datetime import timedelta
+
+        import torch
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        from finetune.weight_transfer import first_broadcast, group_env
 
         self.shutdown()  # a new generation of the group replaces the old one
         pc = self.parallel_config
         rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
-        from datetime import timedelta
-
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.host, init_info.port, rank, init_info.world_size, backend=init_info.backend,
-            timeout=timedelta(seconds=init_info.timeout_s),
-        )  # fmt: skip
+        with group_env(init_info.backend):  # NCCL: waits that block and raise, no watchdog ending the server
+            self.group = stateless_init_torch_distributed_process_group(
+                init_info.host, init_info.port, rank, init_info.world_size, backend=init_info.backend,
+                timeout=timedelta(seconds=init_info.timeout_s),
+            )  # fmt: skip
         self.backend = init_info.backend
+        first_broadcast(self.group, torch.device("cpu") if self.backend == "gloo" else self.device)
 
     def start_weight_update(self) -> None:
         """Nothing to do yet: the model is touched only once a whole version has arrived."""

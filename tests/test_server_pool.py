@@ -364,6 +364,10 @@ def gpu_config(server=None, trainer=None):
         ({}, {"gpus": "2", "num_processes": 2}, 4, "--trainer.gpus: 1 GPU(s) for --trainer.num_processes 2"),
         ({"policy_servers": 3, "tensor_parallel_size": 2}, {}, 4, "--server.policy_servers: 3 server(s) x 2"),
         ({"gpus": "0", "policy_urls": "http://a:8000"}, {}, 4, "--server.gpus: the policy servers are given by URL"),
+        # NCCL refuses two ranks of the weight-transfer group on one GPU: nothing placed means both on GPU 0
+        ({"weight_transfer": "nccl"}, {}, 2, "--server.weight_transfer: nccl needs the learner and the policy"),
+        ({"weight_transfer": "nccl", "gpus": "0"}, {}, 2, "--server.weight_transfer: nccl needs the learner and"),
+        ({"weight_transfer": "nccl", "tensor_parallel_size": 2}, {"gpus": "1"}, 4, "--server.weight_transfer: nccl"),
     ],
 )
 def test_gpu_placement_is_refused_in_one_line_naming_the_option(server, trainer, count, named):
@@ -376,6 +380,12 @@ def test_gpu_placement_that_fits(monkeypatch):
     check_gpus(gpu_config({"gpus": "0-3", "policy_servers": 2, "tensor_parallel_size": 2,
                            "reference_gpus": "0-1"}, {"gpus": "4-5", "num_processes": 2}), count=6)  # fmt: skip
     check_gpus(gpu_config({}, {}), count=0)  # nothing asked: nothing checked
+    check_gpus(gpu_config({"weight_transfer": "nccl", "gpus": "0"}, {"gpus": "1"}), count=2)
+    check_gpus(gpu_config({"weight_transfer": "nccl", "gpus": "1"}, {}), count=2)  # the trainer takes GPU 0
+    check_gpus(
+        gpu_config({"weight_transfer": "nccl", "policy_servers": 2}, {"gpus": "2-3", "num_processes": 2}), count=4
+    )
+    check_gpus(gpu_config({"weight_transfer": "nccl"}, {"launch": "external"}), count=1)  # the learner is elsewhere
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     monkeypatch.setattr("orchestrate.config_checks.visible_gpus", lambda: ["4", "5", "6", "7"])
     assert gpu_slices("0-3", 2, 2) == [["4", "5"], ["6", "7"]]  # our index i is the child's visible_gpus()[i]

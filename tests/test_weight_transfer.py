@@ -73,3 +73,73 @@ def test_the_learner_keeps_its_host_buckets_between_versions():
     assert [b.data_ptr() for b in second.buckets] == [b.data_ptr() for b in first.buckets]
     out = dict(unpack(second.buckets, second.manifest))
     assert all(torch.equal(out[n], t) for n, t in weights(1).items())
+
+
+# -- the group --------------------------------------------------------------------------------------
+
+
+def test_an_nccl_group_is_built_with_waits_that_block_and_raise(monkeypatch):
+    """ProcessGroupNCCL reads the two variables when it is built: they are set then (the servers' engine
+    builds its end inside the same group_env), the process's own values back after; the new group passes a
+    first broadcast on the GPU before it counts as formed. (No GPU here: the class is a stand-in.)"""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from finetune import weight_transfer as wt
+
+    seen = {}
+
+    class StandIn:
+        Options = type("Options", (), {})
+
+        def __init__(self, store, rank, size, options):
+            seen["env"] = {k: os.environ.get(k) for k in wt.NCCL_GROUP_ENV}
+            seen["timeout"] = options._timeout
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandIn)
+    monkeypatch.setattr(wt, "first_broadcast", lambda group, device: seen.setdefault("first", (group, device)))
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    group = wt.new_group("nccl", "127.0.0.1", store.port, 0, 1, 30)
+    assert seen["env"] == wt.NCCL_GROUP_ENV and seen["timeout"] == timedelta(seconds=30)
+    assert seen["first"] == (group, "cuda")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
+    with wt.group_env("gloo"):
+        assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
+
+
+def test_the_learner_leaves_a_group_shut_down_or_aborted_after_a_failure():
+    """A real one-rank gloo group is formed (its first broadcast passed) and left; the way out is a shutdown,
+    or after a failed transfer an abort, so that nothing waits on a broadcast that did not complete (a
+    stand-in records which: a one-rank gloo group does the same either way). A group whose peers are gone
+    may refuse: it is dropped all the same."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    sender = WeightSender()
+    sender.join({"backend": "gloo", "host": "127.0.0.1", "port": store.port, "world_size": 1,
+                 "generation": 3, "timeout_s": 30})  # fmt: skip
+    assert sender.generation == 3 and sender.group is not None
+    sender.close()
+    assert sender.group is None and sender.generation == 0
+
+    class Group:
+        def __init__(self, refuse=False):
+            self.calls, self.refuse = [], refuse
+
+        def abort(self):
+            self.calls.append("abort")
+            if self.refuse:
+                raise RuntimeError("peers gone")
+
+        def shutdown(self):
+            self.calls.append("shutdown")
+
+    for failed, refuse, expected in ((False, False, ["shutdown"]), (True, False, ["abort"]), (True, True, ["abort"])):
+        sender.group, sender.generation = Group(refuse), 4
+        group = sender.group
+        sender.close(failed=failed)
+        assert group.calls == expected and sender.group is None and sender.generation == 0
