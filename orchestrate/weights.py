@@ -11,7 +11,8 @@ or nccl the learner broadcasts the version over a process group of its own with 
 - `serve(N)` drives every server's receive of version N (they load it only once it has arrived whole and
   matches its manifest), then writes RUN/weights_ack.json. If a server refused or failed, the ack says so:
   the learner writes version N's folder, the servers reload it from disk (a server that cannot is out of the
-  pool), and a new generation of the group is formed before the next version.
+  pool), and a new generation of the group is formed before the next version. At the first server that
+  fails every server drops the group, so that no broadcast waits out its timeout.
 
 A LoRA run (`--train.lora.rank`) sends neither: each version is the adapter folder in its checkpoint
 (megabytes), loaded into every server by path under a name of its own (vllm_server.adapter_name: policy-vN;
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from contract.durable import atomic_write_json
@@ -164,9 +165,17 @@ class PolicyWeights:
         return [s.base_url for s, _ in failed]
 
     def _transfer(self, version: int, manifest: dict) -> list[tuple[VLLMServer, str]]:
+        """Every server receives version `version`. At the first that fails, every server drops its end of
+        the group: a server that failed before it took part in the broadcast would otherwise hold the
+        learner's broadcast, and the others', until the group's timeout (the next version forms a new one)."""
         with ThreadPoolExecutor(len(self.servers)) as pool:
-            results = list(pool.map(lambda s: self._receive(s, version, manifest), self.servers))
-        failed = [(s, r) for s, r in zip(self.servers, results) if r]
+            futures = {pool.submit(self._receive, s, version, manifest): s for s in self.servers}
+            results = {}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                if results[futures[future]] and sum(map(bool, results.values())) == 1:
+                    self._leave_group()
+        failed = [(s, results[s]) for s in self.servers if results[s]]
         for server in self.servers:
             if server not in dict(failed):
                 self.stale.discard(server)

@@ -246,7 +246,7 @@ def in_memory(trained, tmp_path_factory):
     return weights, sender, run
 
 
-def _publish(run, learner, sender, index: int, corrupt: bool = False):
+def _publish(run, learner, sender, index: int, corrupt: bool = False, unallocatable: bool = False):
     """The learner's side of version `index` (finetune.train): the checkpoint with its manifest, then, in a
     thread, the broadcast and the wait for the ack (the model folder written if the ack is not good)."""
     import threading
@@ -260,6 +260,8 @@ def _publish(run, learner, sender, index: int, corrupt: bool = False):
     manifest = {"version": index, "generation": sender.generation, **packed.manifest}
     if corrupt:
         manifest["buckets"][-1]["checksum"] += 1
+    if unallocatable:  # a server fails before it takes part in the broadcast (as when its GPU has no room)
+        manifest["buckets"][0]["bytes"] = -64
     tmp = run.temp_checkpoint(index)
     atomic_write_json(tmp / TRANSFER_MANIFEST, manifest)
     atomic_write_json(tmp / LEARNER_RECORD, {"batch": index, "weights_changed": True})
@@ -403,5 +405,29 @@ def test_a_server_that_rejoins_reloads_from_disk_then_joins_a_new_group(trained,
     assert time.monotonic() - start < 45, "the learner's broadcast waited for its timeout"
     assert result[0] and run.has_weights(11) and not weights.regroup
     assert sender.generation == weights.generation
+    samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
+    assert worst_ratio(learner, samples) < 1e-3
+
+
+def test_a_server_that_fails_before_the_broadcast_does_not_hold_the_learner(trained, in_memory):
+    """A server whose receive fails before it takes part in the broadcast (here it cannot allocate its
+    staging: a GPU without room would do the same) would leave the learner's broadcast, and the version's
+    disk fallback, waiting out the group's timeout (60 s here). At the first failure the orchestrator drops
+    the group, so the learner's broadcast fails at once and it writes the folder the server reloads."""
+    import time
+
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    one_step(learner, model_dir, 12)
+    thread, result, _, _ = _publish(run, learner, sender, 12, unallocatable=True)
+    joining = _learner_joins_next(sender, run, weights.generation + 1)
+    start = time.monotonic()
+    assert weights.serve(12) == []
+    thread.join(timeout=120)
+    joining.join(timeout=120)
+    print(f"version 12 through the disk after a server failed before the broadcast: "
+          f"{time.monotonic() - start:.1f} s: {result}")  # fmt: skip
+    assert time.monotonic() - start < 30, "the learner's broadcast waited for its timeout"
+    assert result[0] and run.has_weights(12) and sender.generation == weights.generation
     samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
     assert worst_ratio(learner, samples) < 1e-3
