@@ -75,12 +75,12 @@ class Packed:
 
 
 def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BUCKET_BYTES,
-         reuse: list[Tensor] | None = None) -> Packed:  # fmt: skip
+         reuse: list[Tensor] | None = None, device=None) -> Packed:  # fmt: skip
     """Weights, cast to `dtype`, laid into buckets of at most `bucket_bytes` (a larger weight gets its own).
     `reuse`: buckets of an earlier pack, written over where each has the size and device needed (host
     memory kept between versions: a fresh bucket costs a page fault per 4 KiB, most of the time of packing
     it on CPU). Every byte is written (the padding with zeros), so a version packs to the same bytes and
-    checksums into any buckets."""
+    checksums into any buckets. `device`: where the buckets are (default: the weights' own device)."""
     target = getattr(torch, dtype)
     entries, groups, size = [], [[]], 0
     for name, tensor in named:
@@ -97,10 +97,10 @@ def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BU
             continue
         name, last, offset = group[-1]
         total = offset + _aligned(last.numel() * last.element_size())
-        device = last.device
+        where = torch.device(device) if device is not None else last.device
         kept = reuse[b] if reuse is not None and b < len(reuse) else None
-        fits = kept is not None and kept.numel() == total and kept.device == device
-        bucket = kept if fits else torch.empty(total, dtype=torch.uint8, device=device)
+        fits = kept is not None and kept.numel() == total and kept.device == where
+        bucket = kept if fits else new_buffer(total, where)
         for name, t, offset in group:  # every byte written: the weights, and zeros to each next offset
             nbytes = t.numel() * t.element_size()
             bucket[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
@@ -109,6 +109,52 @@ def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BU
         buckets.append(bucket)
         meta.append({"bytes": total, "checksum": checksum(bucket)})
     return Packed(buckets, {"dtype": dtype, "tensors": entries, "buckets": meta})
+
+
+STAGING_MARGIN = 2**30  # bytes a GPU keeps free beside a version staged on it
+
+
+def staging_device(device, nbytes: int):
+    """Where a version of `nbytes` bytes is held whole, to be sent or checked before it is loaded: on the GPU
+    `device` while it has room for it and STAGING_MARGIN more (a vLLM server's GPU is mostly its KV cache,
+    taken up front; a 8B model's version is 16 GB in bf16), else in host memory, from which (or into which)
+    the buckets go through the GPU one at a time. Not a GPU: host memory."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if free >= nbytes + STAGING_MARGIN else torch.device("cpu")
+
+
+def new_buffer(nbytes: int, device) -> Tensor:
+    """A bucket's bytes on `device`; in host memory page-locked where CUDA is (faster copies to and from
+    a GPU; these buffers are kept between versions)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def receive(group, sizes: list[int], device, staging: list[Tensor], via=None) -> tuple[list[Tensor], list[int]]:
+    """Every bucket of a version, broadcast by rank 0 of `group`, and the checksum of each as it arrived.
+    The buckets are `staging`'s where they have these sizes on `device` (kept between versions: the list
+    is filled in place), else new ones. `via`: the device the group receives on, when it is not `device`
+    (NCCL into host staging): each bucket arrives in one buffer there and is copied out of it, so a version
+    takes one bucket's room on that device. Every broadcast is received before anything is checked: a rank
+    that stopped half-way would hold the others'."""
+    device = torch.device(device)
+    if [(b.numel(), b.device) for b in staging] != [(n, device) for n in sizes]:
+        staging.clear()  # the old ones are freed before new ones are taken
+        staging.extend(new_buffer(n, device) for n in sizes)
+    bounce = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=via) if via is not None else None
+    opts, sums = broadcast_options(), []
+    for bucket in staging:
+        target = bounce[: bucket.numel()] if bounce is not None else bucket
+        group.broadcast([target], opts).wait()
+        sums.append(checksum(target))
+        if bounce is not None:
+            bucket.copy_(target)
+    return list(staging), sums
 
 
 def unpack(buckets: list[Tensor], manifest: dict) -> Iterator[tuple[str, Tensor]]:
@@ -123,11 +169,11 @@ def unpack(buckets: list[Tensor], manifest: dict) -> Iterator[tuple[str, Tensor]
         yield e["name"], raw.view(dtype).view(e["shape"])
 
 
-def check_bucket(bucket: Tensor, expected: dict, index: int) -> None:
-    """Refuse a bucket whose size or checksum is not the manifest's."""
+def check_bucket(bucket: Tensor, expected: dict, index: int, got: int | None = None) -> None:
+    """Refuse a bucket whose size or checksum (`got`, when computed as it arrived) is not the manifest's."""
     if bucket.numel() != expected["bytes"]:
         raise TransferError(f"bucket {index}: {bucket.numel()} bytes received, the manifest says {expected['bytes']}")
-    got = checksum(bucket)
+    got = checksum(bucket) if got is None else got
     if got != expected["checksum"]:
         raise TransferError(f"bucket {index}: checksum {got} is not the manifest's {expected['checksum']}")
 
@@ -214,9 +260,14 @@ class WeightSender:
         self.buckets: list[Tensor] = []  # the last version's buckets in host memory, packed over by the next
 
     def pack(self, named: Iterable[tuple[str, Tensor]], dtype: str) -> Packed:
-        """`pack` into the buckets of the version before when they are in host memory (on a GPU the caching
-        allocator reuses freed memory by itself, and memory kept there would be taken from training)."""
-        packed = pack(named, dtype, reuse=self.buckets)
+        """`pack` where staging_device says (weights on a GPU: on it while it has room, else in host memory),
+        into the buckets of the version before when they are in host memory (on a GPU the caching allocator
+        reuses freed memory by itself, and memory kept there would be taken from training)."""
+        named = list(named)
+        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        nbytes = sum(_aligned(t.numel() * size) for _, t in named)
+        device = staging_device(named[0][1].device, nbytes) if named else None
+        packed = pack(named, dtype, reuse=self.buckets, device=device)
         self.buckets = [b for b in packed.buckets if b.device.type == "cpu"]
         if len(self.buckets) != len(packed.buckets):
             self.buckets = []

@@ -72,10 +72,10 @@ class TapeloopWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.group = None
-        # gloo: the staging buffers of the version before, received over by the next when their sizes match (a
-        # fresh buffer costs a page fault per 4 KiB: receiving into kept ones is 3x faster on CPU); one
-        # version's bytes stay in host memory. NCCL: fresh ones, which the caching allocator serves from freed
-        # GPU memory without holding it for good.
+        # Staging in host memory (gloo; NCCL when the GPU has no room for a version) is kept for the next
+        # version, received over it when the sizes match: a fresh buffer costs a page fault per 4 KiB
+        # (receiving into kept ones is 3x faster on CPU); one version's bytes stay in host memory. On a GPU:
+        # fresh ones, which the caching allocator serves from freed memory without holding it for good.
         self.staging: list = []
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
@@ -111,26 +111,24 @@ class TapeloopWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         import torch
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from finetune.weight_transfer import TransferError, broadcast_options, check_bucket, unpack
+        from finetune.weight_transfer import TransferError, check_bucket, receive, staging_device, unpack
 
         if self.group is None:
             raise TransferError("no weight-transfer group: POST /init_weight_transfer_engine first")
         manifest = update_info.manifest
-        device = torch.device("cpu") if self.backend == "gloo" else self.device
-        opts = broadcast_options()
         start = time.perf_counter()
         sizes = [int(expected["bytes"]) for expected in manifest["buckets"]]
-        if device.type != "cpu" or [b.numel() for b in self.staging] != sizes:
-            self.staging = []  # the old ones are freed before new ones are taken
-            self.staging = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-        buckets = self.staging
-        if device.type != "cpu":
-            self.staging = []  # not kept on a GPU (above)
-        for bucket in buckets:
-            self.group.broadcast([bucket], opts).wait()
+        # gloo: in host memory. NCCL: on the GPU while it has room for a whole version, else in host memory,
+        # each bucket received on the GPU and copied out (one bucket's room there).
+        on = torch.device("cpu") if self.backend == "gloo" else staging_device(self.device, sum(sizes))
+        via = self.device if self.backend != "gloo" and on.type == "cpu" else None
+        if on.type != "cpu":
+            self.staging = []  # host buffers of an earlier version are freed: this one fits on the GPU
+        staging = self.staging if on.type == "cpu" else []  # on a GPU: not kept (above)
+        buckets, sums = receive(self.group, sizes, on, staging, via)
         received = time.perf_counter()
-        for i, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"])):
-            check_bucket(bucket, expected, i)  # all checked before the model is touched
+        for i, (bucket, got, expected) in enumerate(zip(buckets, sums, manifest["buckets"])):
+            check_bucket(bucket, expected, i, got)  # all checked before the model is touched
         checked = time.perf_counter()
         initialize_layerwise_reload(self.model)
         self.model.load_weights((name, tensor.to(self.device)) for name, tensor in unpack(buckets, manifest))

@@ -143,3 +143,51 @@ def test_the_learner_leaves_a_group_shut_down_or_aborted_after_a_failure():
         group = sender.group
         sender.close(failed=failed)
         assert group.calls == expected and sender.group is None and sender.generation == 0
+
+
+def test_a_version_received_through_one_buffer_is_the_version_sent():
+    """NCCL into host staging (a server's GPU without room for a whole version): each bucket arrives in one
+    buffer on the group's device and is copied out. Here over gloo, the buffer in host memory too: the
+    buckets and the checksums taken as they arrived are the learner's, and the staging is kept for the next
+    version."""
+    import threading
+
+    import torch.distributed as dist
+
+    from finetune.weight_transfer import broadcast_options, new_group, receive
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    versions = [pack(weights(v).items(), "float32", bucket_bytes=2048) for v in (0, 1)]
+
+    def learner():
+        group = new_group("gloo", "127.0.0.1", store.port, 0, 2, 30)
+        for packed in versions:
+            for bucket in packed.buckets:
+                group.broadcast([bucket], broadcast_options()).wait()
+
+    sending = threading.Thread(target=learner)
+    sending.start()
+    group = new_group("gloo", "127.0.0.1", store.port, 1, 2, 30)
+    staging: list = []
+    for v, packed in enumerate(versions):
+        sizes = [b.numel() for b in packed.buckets]
+        buckets, sums = receive(group, sizes, "cpu", staging, via="cpu")
+        if v == 0:
+            kept = [b.data_ptr() for b in buckets]
+        assert sums == [b["checksum"] for b in packed.manifest["buckets"]]
+        assert all(torch.equal(got, sent) for got, sent in zip(buckets, packed.buckets))
+    sending.join(timeout=60)
+    assert [b.data_ptr() for b in buckets] == kept and len(buckets) > 1
+
+
+def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
+    from finetune import weight_transfer as wt
+
+    assert wt.staging_device("cpu", 10) == torch.device("cpu")
+    free = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    version = 16 * 2**30  # an 8B model in bf16
+    free["bytes"] = version + wt.STAGING_MARGIN
+    assert wt.staging_device("cuda:1", version) == torch.device("cuda:1")
+    free["bytes"] = version + wt.STAGING_MARGIN - 1
+    assert wt.staging_device("cuda:1", version) == torch.device("cpu")
