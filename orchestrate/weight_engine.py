@@ -123,9 +123,8 @@ class TapeloopWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         on = torch.device("cpu") if self.backend == "gloo" else staging_device(self.device, sum(sizes))
         via = self.device if self.backend != "gloo" and on.type == "cpu" else None
         if on.type != "cpu":
-            self.staging = []  # host buffers of an earlier version are freed: this one fits on the GPU
-        staging = self.staging if on.type == "cpu" else []  # on a GPU: not kept (above)
-        buckets, sums = receive(self.group, sizes, on, staging, via)
+            self.staging = []  # fresh buffers on the GPU, not kept; host ones of an earlier version freed
+        buckets, sums = receive(self.group, sizes, on, self.staging if on.type == "cpu" else [], via)
         received = time.perf_counter()
         for i, (bucket, got, expected) in enumerate(zip(buckets, sums, manifest["buckets"])):
             check_bucket(bucket, expected, i, got)  # all checked before the model is touched
