@@ -268,9 +268,7 @@ class WeightSender:
         nbytes = sum(_aligned(t.numel() * size) for _, t in named)
         device = staging_device(named[0][1].device, nbytes) if named else None
         packed = pack(named, dtype, reuse=self.buckets, device=device)
-        self.buckets = [b for b in packed.buckets if b.device.type == "cpu"]
-        if len(self.buckets) != len(packed.buckets):
-            self.buckets = []
+        self.buckets = packed.buckets if all(b.device.type == "cpu" for b in packed.buckets) else []
         return packed
 
     def join(self, info: dict) -> None:
