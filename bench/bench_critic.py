@@ -45,10 +45,10 @@ def parse_setting(text: str) -> dict:
 def replay(run: Path, setting: dict, batches: list[Path], threads: int) -> list[dict]:
     import torch
 
-    from agents.models import resolve_model
     from contract.batch import read_batch
     from finetune.config import TrainConfig
     from finetune.learner import Learner
+    from orchestrate.serving.models import resolve_model
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

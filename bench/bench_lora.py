@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import compare_algorithms as ca  # noqa: E402
 from proc_tree import children, cmdline, descendants, pss_gib  # noqa: E402
 
-from orchestrate.metrics import read_metrics  # noqa: E402
+from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
 KL = ("--train.kl_coef", "0.001")  # a reference pass in every arm
 ALPHA = "32"

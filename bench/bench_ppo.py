@@ -36,9 +36,9 @@ def one(config: dict, token_budget: int) -> dict:
     from bench_trainer import preset_batch
     from transformers import AutoTokenizer
 
-    from agents.models import resolve_model
     from finetune.config import TrainConfig
     from finetune.learner import Learner
+    from orchestrate.serving.models import resolve_model
 
     model_dir = resolve_model("smollm2")
     samples = preset_batch(AutoTokenizer.from_pretrained(model_dir))

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from agents.models import resolve_model, untied_copy
-from orchestrate.vllm_server import ServerConfig, VLLMServer
+from orchestrate.serving.models import resolve_model, untied_copy
+from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 
 
 def spread(xs: list[float]) -> str:

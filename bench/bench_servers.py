@@ -44,10 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 from agents.agent import AgentConfig, ChatAgent, Example  # noqa: E402
 from agents.chat import ChatTokens  # noqa: E402
-from agents.llm import VLLMClient  # noqa: E402
-from agents.models import resolve_model  # noqa: E402
-from orchestrate.rollouts import EnvSpec, run_rollouts  # noqa: E402
-from orchestrate.vllm_server import RemoteServer, free_port  # noqa: E402
+from agents.env_spec import EnvSpec  # noqa: E402
+from orchestrate.loop.rollouts import run_rollouts  # noqa: E402
+from orchestrate.serving.llm import VLLMClient  # noqa: E402
+from orchestrate.serving.models import resolve_model  # noqa: E402
+from orchestrate.serving.vllm_server import RemoteServer, free_port  # noqa: E402
 from tapes.store import write_tapes  # noqa: E402
 from tapes.tape import SamplingParams  # noqa: E402
 

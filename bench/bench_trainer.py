@@ -34,11 +34,11 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from agents.models import resolve_model
 from contract.batch import Sample
 from finetune.config import TrainConfig
 from finetune.learner import Learner
 from finetune.microbatch import micro_batches
+from orchestrate.serving.models import resolve_model
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
 EXAMPLE = ("What is 31 + 46?", "31 + 46 = 77. The answer is \\boxed{77}.")

@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents.agent import ChatAgent  # noqa: E402
-from agents.models import resolve_model  # noqa: E402
+from agents.env_spec import EnvSpec  # noqa: E402
 from agents.rewards import math_reward  # noqa: E402
-from orchestrate.config import resolve  # noqa: E402
-from orchestrate.rollouts import EnvSpec  # noqa: E402
+from orchestrate.loop.config import resolve  # noqa: E402
+from orchestrate.serving.models import resolve_model  # noqa: E402
 from tapes.tape import SamplingParams  # noqa: E402
 
 TASKS, ATTEMPTS, MAX_TOKENS, TEMPERATURE, LR = 16, 4, 128, 0.7, 1e-5

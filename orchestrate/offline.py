@@ -66,14 +66,14 @@ from contract.rundir import ADAPTER_CONFIG, RunDir
 from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
 from finetune.lora import adapter_mismatch, adapter_options, is_adapter
-from orchestrate.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
-from orchestrate.progress import progress_bar
-from orchestrate.run_dir import save_tapes
+from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
+from orchestrate.loop.progress import progress_bar
+from orchestrate.loop.samples import save_tapes
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
 if TYPE_CHECKING:
-    from orchestrate.vllm_server import RemoteServer
+    from orchestrate.serving.vllm_server import RemoteServer
 
 BY_URL = ("policy_urls", "reference_url", "api_key_file")  # server options of a run that offline does not inherit
 FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
@@ -133,7 +133,7 @@ def load_reward(spec: str | None, rescore: bool):
     if spec is None:
         if not rescore:
             return None
-        from orchestrate.rollouts import rescore_episode
+        from agents.env_spec import rescore_episode
 
         return rescore_episode
     module_name, _, name = spec.partition(":")
@@ -148,7 +148,7 @@ def load_reward(spec: str | None, rescore: bool):
 
 def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
     from agents.agent import summarize
-    from orchestrate.rollouts import rescore_episode
+    from agents.env_spec import rescore_episode
     from tapes.tape import EnvObservation
 
     for tape in progress_bar(tapes, desc="rescore", unit="tape", disable=not progress, leave=False):
@@ -171,9 +171,9 @@ def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
 def annotate(tapes: list[Tape], reference, server_config: ServerSection, out: Path, progress: bool) -> None:
     """Reference log-probs from a vLLM server: `reference` is a running one (given by URL, checked), or a model
     folder served by a server started for this and stopped after."""
-    from agents.llm import VLLMClient
-    from orchestrate.reference import annotate_reference
-    from orchestrate.vllm_server import VLLMServer
+    from orchestrate.loop.reference import annotate_reference
+    from orchestrate.serving.llm import VLLMClient
+    from orchestrate.serving.vllm_server import VLLMServer
 
     if isinstance(reference, Path):
         server = VLLMServer(reference, log_path=out / "logs" / "reference.log", name="reference", config=server_config)
@@ -341,7 +341,7 @@ def resolve(args: argparse.Namespace) -> Inputs:
     )
     if trainer.accelerate_config and not Path(trainer.accelerate_config).is_file():
         raise ConfigError(f"--trainer.accelerate_config: {trainer.accelerate_config} does not exist")
-    from agents.models import ModelNotAvailable, resolve_model
+    from orchestrate.serving.models import ModelNotAvailable, resolve_model
 
     if not model_name:
         raise ConfigError("--model: no run config.json to take the initial policy from; pass --model")
@@ -359,9 +359,9 @@ def resolve(args: argparse.Namespace) -> Inputs:
 def check_reference_source(args: argparse.Namespace, server: ServerSection) -> Path | RemoteServer | None:
     """The reference to annotate with: --reference MODEL (its folder), or the server at --server.reference_url,
     which must answer, accept the key and serve a reference (as orchestrate.rl checks its servers by URL)."""
-    from agents.models import ModelNotAvailable, resolve_model
-    from orchestrate.preflight import PreflightError, remote_server
-    from orchestrate.server_auth import APIKeyMissing, read_api_key
+    from orchestrate.loop.preflight import PreflightError, remote_server
+    from orchestrate.serving.auth import APIKeyMissing, read_api_key
+    from orchestrate.serving.models import ModelNotAvailable, resolve_model
 
     if args.reference and server.reference_url:
         raise ConfigError("--server.reference_url: give the reference once: --reference MODEL starts a server for "
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"policy": str(given.model_dir)}, "train": given.train.model_dump(mode="json"),
         "trainer": given.launch.model_dump(mode="json"),
     })  # fmt: skip
-    from orchestrate.trainer import TrainerError, TrainerProcess
+    from orchestrate.loop.trainer import TrainerError, TrainerProcess
 
     trainer = TrainerProcess(run, given.model_dir, given.train, given.launch)
     try:
@@ -472,8 +472,8 @@ def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | N
 
 def open_out(out: Path):
     """The output run directory, created and locked (one command per directory, until this process ends)."""
-    from orchestrate.preflight import PreflightError, check_run_dir_path
-    from orchestrate.run_lock import RunDirInUse, RunLock
+    from orchestrate.loop.preflight import PreflightError, check_run_dir_path
+    from orchestrate.loop.run_lock import RunDirInUse, RunLock
 
     global _lock
     try:
@@ -501,7 +501,7 @@ def train_once(
 ) -> Path:
     """Annotate (with --reference or --server.reference_url), write the tapes and their samples as iteration 1, train, and return the
     checkpoint. The trainer loads its model while the reference server starts and scores."""
-    from orchestrate.samples import SampleError, write_samples
+    from orchestrate.loop.samples import SampleError, write_samples
 
     run = trainer.run
     tape_path = run.iteration_tapes(1)
@@ -526,7 +526,7 @@ def train_once(
 
 
 def record_metrics(run, trainer, tapes: list[Tape], read_count: int, start: float, checkpoint: Path) -> None:
-    from orchestrate.metrics import append_metrics, rollout_metrics
+    from orchestrate.loop.metrics import append_metrics, rollout_metrics
 
     record = {"iteration": 1, "tapes_read": read_count, **rollout_metrics(tapes), **trainer.iteration_metrics(1),
               "time_total": round(time.perf_counter() - start, 3)}  # fmt: skip

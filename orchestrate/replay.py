@@ -2,7 +2,7 @@
 
 Each tape is played again from its environment's seed (`context.env`: id,
 options, split, run seed, episode seed) by the run's agent, with an LLM that
-answers from the calls the tape recorded (`agents.llm.ReplayLLM`): the
+answers from the calls the tape recorded (`orchestrate.serving.llm.ReplayLLM`): the
 environment computes its observations and rewards anew, the agent renders
 its prompts anew, and the result is compared with the recorded tape step by
 step (`tapes.diff`) and prompt by prompt (token ids). Tool calls: the python
@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 from agents.agent import ChatAgent, summarize
-from agents.llm import LLMError, ReplayLLM
+from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
-from orchestrate.rollouts import EnvSpec
+from orchestrate.serving.llm import LLMError, ReplayLLM
 from tapes.diff import TapeDiff, diff_tapes
 from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata, ToolCallAction
@@ -83,9 +83,9 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
 def agent_from_run_config(config_path: Path) -> ChatAgent:
     from transformers import AutoTokenizer
 
-    from agents.models import resolve_model
-    from orchestrate.config import RLConfig
-    from orchestrate.loop import build_agent
+    from orchestrate.loop.config import RLConfig
+    from orchestrate.loop.iteration import build_agent
+    from orchestrate.serving.models import resolve_model
 
     config = RLConfig.model_validate(json.loads(config_path.read_text()))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model.policy))

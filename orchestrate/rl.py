@@ -1,6 +1,6 @@
 """The RL loop: `uv run -m orchestrate.rl [--preset NAME] [--SECTION.OPTION VALUE ...]`.
 
-Creates (or resumes) a run directory and runs the loop of orchestrate/loop.py
+Creates (or resumes) a run directory and runs the loop of orchestrate/loop/iteration.py
 on it. `--help` lists every option.
 """
 
@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 from contract.rundir import RunDir, RunDirError
-from orchestrate.config import parse_args, upgrade_saved
-from orchestrate.durable import repair_metrics
-from orchestrate.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
-from orchestrate.run_dir import config_differences
-from orchestrate.run_lock import RunDirInUse, RunLock
+from orchestrate.loop.config import config_differences, parse_args, upgrade_saved
+from orchestrate.loop.metrics import repair_metrics
+from orchestrate.loop.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
+from orchestrate.loop.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed: its length (iterations, and the time budget: a job under a
 # time limit resumes with a new one), servers and trainer machines elsewhere may move (a run
@@ -72,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.create()
     run_dir.save_config(current)
 
-    from agents.llm import LLMError
-    from orchestrate.loop import Loop
-    from orchestrate.trainer import TrainerError
-    from orchestrate.vllm_server import ServerError
+    from orchestrate.loop.iteration import Loop
+    from orchestrate.loop.trainer import TrainerError
+    from orchestrate.serving.llm import LLMError
+    from orchestrate.serving.vllm_server import ServerError
 
     try:
         return Loop(config, run_dir)()

@@ -7,7 +7,7 @@ then, on the orchestrator's machine:
 
     uv run -m orchestrate.rl --run-dir DIR --server.policy_urls http://THIS-HOST:8000 [...]
 
-The command line is the one orchestrate/vllm_server.py builds for the servers
+The command line is the one orchestrate/serving/vllm_server.py builds for the servers
 the orchestrator starts itself (same model folder, dtype, context length,
 log-prob mode, dev routes for weight reloads, API-key middleware), so a
 server here behaves as a local one; it only listens on --host (default all
@@ -27,17 +27,17 @@ import shlex
 import sys
 from pathlib import Path
 
-from orchestrate.config import RLConfig, parse_args, upgrade_saved
-from orchestrate.config_checks import gpu_slices
-from orchestrate.processes import format_cpus, parse_cpus
-from orchestrate.server_auth import KEY_ENV, APIKeyMissing, read_api_key
-from orchestrate.vllm_server import VLLMServer
+from orchestrate.loop.config import RLConfig, parse_args, upgrade_saved
+from orchestrate.loop.config_checks import gpu_slices
+from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
+from orchestrate.serving.processes import format_cpus, parse_cpus
+from orchestrate.serving.vllm_server import VLLMServer
 
 
 def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Path) -> VLLMServer:
     """The server an orchestrator would start for `role`, listening on host:port (the model is resolved,
     and the policy's untied copy built, here)."""
-    from agents.models import resolve_model, untied_copy
+    from orchestrate.serving.models import resolve_model, untied_copy
 
     policy = resolve_model(config.model.policy)
     if role == "policy":
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
         config = RLConfig.model_validate(upgrade_saved(json.loads(saved.read_text())))
         config.server = config.server.model_copy(update=placement)
-    from orchestrate.preflight import PreflightError, check_model
+    from orchestrate.loop.preflight import PreflightError, check_model
 
     try:  # the model folder, as the run checks it
         check_model(config.model.policy, "--model.policy")

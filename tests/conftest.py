@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents.models import resolve_model
+from orchestrate.serving.models import resolve_model
 
 # Session-wide servers, and where their tests run (`pytest_collection_modifyitems`): a server on CPU is two
 # processes of about 3.4 GB together (proportional set size), so the tests of a pair run
@@ -75,8 +75,8 @@ def embedded_servers(embedded_model_dir, tmp_path_factory):
     """The embedded model's policy and reference servers, started together once for the whole session. The
     policy is served from an untied copy, as the loop serves one, so that reload_weights swaps the head too;
     2048 tokens are the game preset's, whose runs borrow it (`lend`)."""
-    from agents.models import untied_copy
-    from orchestrate.vllm_server import ServerConfig, VLLMServer
+    from orchestrate.serving.models import untied_copy
+    from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 
     logs = tmp_path_factory.mktemp("vllm")
     policy = ServerConfig(max_model_len=2048, kv_cache_gib=1)
@@ -132,8 +132,8 @@ def tiny_servers(tiny_model_dir, tmp_path_factory):
     policy), started together once and lent to the RL runs that do not test starting servers (`lend`)."""
     import secrets
 
-    from agents.models import untied_copy
-    from orchestrate.vllm_server import ServerConfig, VLLMServer
+    from orchestrate.serving.models import untied_copy
+    from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 
     logs = tmp_path_factory.mktemp("tiny_servers")
     config = ServerConfig(max_model_len=1024, kv_cache_gib=1)

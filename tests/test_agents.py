@@ -8,10 +8,11 @@ import pytest
 
 from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
-from agents.llm import LLMError, ReplayLLM, RequestRejected, VLLMClient
+from agents.env_spec import EnvSpec
 from agents.tasks import Arithmetic, ArithmeticConfig, gsm8k_gold, load_gsm8k
-from orchestrate.rollouts import EnvSpec, run_rollouts
-from orchestrate.samples import SampleError, tapes_to_samples, write_samples
+from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.samples import SampleError, tapes_to_samples, write_samples
+from orchestrate.serving.llm import LLMError, ReplayLLM, RequestRejected, VLLMClient
 from tapes.tape import LLMCall, SamplingParams, Tape
 
 

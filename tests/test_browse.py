@@ -26,7 +26,7 @@ import pytest
 from agents.agent import summarize
 from contract.rundir import RunDir, read_advantages
 from orchestrate.browse import INFRA_FAILURE, RunIndex, learner_turns, serve
-from orchestrate.samples import tape_samples
+from orchestrate.loop.samples import tape_samples
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import (
     EnvAction,
@@ -469,7 +469,7 @@ def handmade_run(root: Path) -> dict:
     write_tapes(root / "tapes" / "iter_000001.jsonl", [solved, lost, crashed])
     write_tapes(root / "tapes" / "iter_000002.jsonl", [later])
     write_tapes(root / "tapes" / "eval_000002.jsonl", [held_out])
-    # what the learner would write, per sample: its ids and turn indexes as orchestrate.samples makes them
+    # what the learner would write, per sample: its ids and turn indexes as orchestrate.loop.samples makes them
     odd = {
         solved.metadata.id: [(0.91, 0.123456), (0.95, -0.5), (1.0, 2.75)],
         lost.metadata.id: [(-0.125, -0.987), (0.0, 0.31415)],

@@ -125,7 +125,7 @@ def test_the_learners_options_are_the_loops_train_options(tmp_path, tiny_model_d
     """One TrainConfig, two spellings generated from it: every `--train.X` of orchestrate.rl is `--X` (dashed)
     of finetune.train and back, and the same values give the same TrainConfig fields."""
     from finetune import train
-    from orchestrate.config import build_parser, resolve
+    from orchestrate.loop.config import build_parser, resolve
 
     loop = {o.removeprefix("--train.") for a in build_parser()._actions for o in a.option_strings
             if o.startswith("--train.")}  # fmt: skip

@@ -106,7 +106,7 @@ def test_corrupt_run_files(name, content, words, tmp_path, rl_cli, folder_model)
 
 
 def test_malformed_preset(tmp_path, monkeypatch, rl_cli):
-    from orchestrate import config
+    from orchestrate.loop import config
 
     (tmp_path / "broken.toml").write_text("[rollouts\nattempts = ")
     (tmp_path / "shape.toml").write_text("rollouts = 3\n")
@@ -132,7 +132,7 @@ def test_preset_path_outside_the_presets(tmp_path, rl_cli):
 @pytest.fixture
 def bad_run(tmp_path):
     """A run directory with a binary tape file, a Latin-1 one, tapes missing what tools need, and odd names."""
-    from orchestrate.config import resolve
+    from orchestrate.loop.config import resolve
 
     run_dir = tmp_path / "run"
     (run_dir / "tapes").mkdir(parents=True)

@@ -243,8 +243,8 @@ def test_a_problems_file_of_ones_own_is_used(tmp_path, sandbox):
 def test_a_bad_problems_file_or_sandbox_stops_the_run_before_it_starts(tmp_path):
     """Refused with one line naming the option: the file when the config is resolved (orchestrate.rl exits 2
     on a ConfigError before anything is written), the sandbox by the preflight."""
-    from orchestrate.config import ConfigError, resolve
-    from orchestrate.preflight import PreflightError, check_environment
+    from orchestrate.loop.config import ConfigError, resolve
+    from orchestrate.loop.preflight import PreflightError, check_environment
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(GOOD) + "\n" + json.dumps({"prompt": "p", "tests": ["assert f()"]}) + "\n")
@@ -256,8 +256,8 @@ def test_a_bad_problems_file_or_sandbox_stops_the_run_before_it_starts(tmp_path)
 
 
 def test_the_preset_and_the_sandbox_options_reach_the_environment():
-    from orchestrate.config import resolve
-    from orchestrate.rollouts import EnvSpec
+    from agents.env_spec import EnvSpec
+    from orchestrate.loop.config import resolve
     from tapes.tape import Tape
 
     config = resolve("code", {"env.sandbox.timeout_s": "3"})
@@ -296,8 +296,8 @@ def test_an_episode_with_a_retry_is_a_tape_that_replays_identically(tokenizer):
     replays to the same tape (the programs run again in the sandbox, rebuilt from the tape's context)."""
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
+    from agents.env_spec import EnvSpec
     from orchestrate.replay import replay_tape
-    from orchestrate.rollouts import EnvSpec
     from tapes.tape import EnvObservation, SamplingParams, Tape
 
     spec = EnvSpec("code", {"max_attempts": 2}, "train", 0, sandbox={"timeout_s": 5})
@@ -321,7 +321,8 @@ def test_an_episode_with_a_retry_is_a_tape_that_replays_identically(tokenizer):
 def test_a_sandbox_failure_in_a_rollout_flags_the_episode(tokenizer, monkeypatch):
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
-    from orchestrate.rollouts import EnvSpec, new_tape, play
+    from agents.env_spec import EnvSpec
+    from orchestrate.loop.rollouts import new_tape, play
     from tapes.tape import SamplingParams
 
     spec = EnvSpec("code", {}, "train", 0)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from orchestrate.config import ConfigError, RLConfig, options, presets, resolve
+from orchestrate.loop.config import ConfigError, RLConfig, options, presets, resolve
 
 
 def run_cli(*args):
@@ -102,7 +102,7 @@ def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_pa
     assert type(config.train) is TrainConfig and config.trainer.timeout_s == 99
     current = config.model_dump(mode="json")
     old = json.loads(json.dumps(current))
-    from orchestrate.config import MOVED_TO_TRAINER
+    from orchestrate.loop.config import MOVED_TO_TRAINER
 
     trainer = old.pop("trainer")  # the shape of config.json before the trainer section (and its later options)
     old["train"].update({k: trainer[k] for k in MOVED_TO_TRAINER})
@@ -124,8 +124,7 @@ def old_train(current: dict, **changes) -> dict:
 
 
 def test_a_run_saved_before_algorithms_were_registered_resumes_as_it_ran():
-    from orchestrate.config import upgrade_saved
-    from orchestrate.run_dir import config_differences
+    from orchestrate.loop.config import config_differences, upgrade_saved
 
     # RLOO as it was spelled then: the reinforce loss with the rloo baseline
     now = resolve("embedded", {"train.algorithm": "reinforce", "train.estimator": "rloo"}).model_dump(mode="json")

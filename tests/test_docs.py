@@ -121,11 +121,11 @@ def test_options_named_in_the_docs_exist(rl_options):
 
 
 def test_the_readme_console_line_is_what_the_loop_prints(capsys, tmp_path):
-    """The example line of the README is the loop's own format (orchestrate.report.Reporter.show), for the
+    """The example line of the README is the loop's own format (orchestrate.loop.report.Reporter.show), for the
     values it shows."""
     from contract.rundir import RunDir
-    from orchestrate.config import RLConfig
-    from orchestrate.report import Reporter
+    from orchestrate.loop.config import RLConfig
+    from orchestrate.loop.report import Reporter
 
     shown = next(line.strip() for line in README.read_text().splitlines() if line.startswith("    iter 3/30 "))
     reporter = Reporter(RLConfig.model_validate({"run": {"iterations": 30}}), RunDir(tmp_path), lambda now: 0.0)

@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
-from orchestrate.durable import repair_metrics
-from orchestrate.metrics import append_metrics, read_metrics
+from orchestrate.loop.metrics import append_metrics, read_metrics, repair_metrics
 
 TORN_WRITE = r"""
 import json, os, resource, signal, sys
-from orchestrate.metrics import append_metrics
+from orchestrate.loop.metrics import append_metrics
 path = sys.argv[1]
 append_metrics(path, {"iteration": 1, "reward_mean": 0.5})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead of killing us
@@ -63,7 +62,8 @@ def test_resume_repairs_torn_tail_and_uncounted_records(tmp_path):
 def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch, folder_model):
     """A crash between the metrics append and state.json: the resumed run does not duplicate the record."""
     from contract.rundir import RunDir, RunState
-    from orchestrate import loop, rl
+    from orchestrate import rl
+    from orchestrate.loop import iteration as loop
 
     seen = []
 
@@ -114,7 +114,7 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
     from contract.durable import atomic_write_text
     from contract.rundir import RunDir, RunState
     from contract.rundir import RunDir as TrainerRunDir
-    from orchestrate.run_dir import save_tapes
+    from orchestrate.loop.samples import save_tapes
     from tests.test_tapes import make_tape
 
     run = RunDir(tmp_path / "run")
@@ -145,7 +145,7 @@ def test_directory_synced_after_every_rename(tmp_path, synced):
 def test_train_config_is_written_atomically(tmp_path, monkeypatch):
     from contract.rundir import RunDir
     from finetune.config import TrainConfig
-    from orchestrate import trainer as trainer_module
+    from orchestrate.loop import trainer as trainer_module
 
     run = RunDir(tmp_path / "run")
     run.create()
@@ -237,7 +237,7 @@ def test_the_trainers_step_metrics_survive_a_torn_tail(tmp_path):
     from contract.rundir import RunDir
     from contract.rundir import RunDir as TrainerRunDir
     from finetune.config import TrainConfig
-    from orchestrate.trainer import TrainerProcess
+    from orchestrate.loop.trainer import TrainerProcess
 
     run = TrainerRunDir(tmp_path)
     run.append_metrics({"batch": 1, "loss": 0.5, "seconds": 1.0})

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from agents.env_spec import EnvSpec
 from contract.batch import read_batch
 from contract.rundir import RunDir
 from finetune.config import TrainConfig
-from orchestrate.config import ConfigError, RLConfig, resolve
-from orchestrate.dynamic_sampling import (
+from orchestrate.loop.config import ConfigError, RLConfig, resolve
+from orchestrate.loop.dynamic_sampling import (
     SPREAD_TOLERANCE,
     dropped,
     dynamic_metrics,
@@ -18,8 +19,8 @@ from orchestrate.dynamic_sampling import (
     iteration_seeds,
     sample_dynamically,
 )
-from orchestrate.metrics import read_metrics
-from orchestrate.rollouts import EnvSpec, new_tape
+from orchestrate.loop.metrics import read_metrics
+from orchestrate.loop.rollouts import new_tape
 from tapes.store import read_tapes
 from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams
 
@@ -149,9 +150,9 @@ class Trainer:
 
 
 def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
-    from orchestrate.evaluation import Evaluation
-    from orchestrate.loop import Loop
-    from orchestrate.servers import Servers
+    from orchestrate.loop.evaluation import Evaluation
+    from orchestrate.loop.iteration import Loop
+    from orchestrate.loop.servers import Servers
 
     config = RLConfig.model_validate({
         "rollouts": {"tasks_per_iteration": 2, "attempts": 2, "dynamic_sampling": True, "max_extra_tasks": extra},
@@ -264,8 +265,7 @@ def test_group_relative_is_declared_on_the_registration():
 
 
 def test_a_run_saved_before_dynamic_sampling_resumes_with_it_off():
-    from orchestrate.config import upgrade_saved
-    from orchestrate.run_dir import config_differences
+    from orchestrate.loop.config import config_differences, upgrade_saved
 
     current = RLConfig().model_dump(mode="json")
     saved = {**current, "rollouts": {k: v for k, v in current["rollouts"].items()

@@ -610,7 +610,7 @@ def test_timed_env_offers_exactly_what_it_wraps():
     from agents.envs import capabilities
     from agents.sandbox import Sandbox
     from agents.tools import PythonTool, ToolEnv
-    from orchestrate.rollouts import EnvClock, TimedEnv
+    from orchestrate.loop.rollouts import EnvClock, TimedEnv
 
     clock = EnvClock()
     for env in (make_env("math:arithmetic", split="test"), ToolEnv(make_env("countdown"), [PythonTool(Sandbox())]),

@@ -16,7 +16,7 @@ from agents.chat import ChatTokens
 from contract.batch import Sample
 from finetune.estimators import discounted_returns, turn_advantages
 from finetune.microbatch import micro_batches
-from orchestrate.samples import tape_samples
+from orchestrate.loop.samples import tape_samples
 from tapes.tape import EnvAction, EnvObservation, SamplingParams, Tape
 from tests.scripted import scripted_call
 
@@ -244,7 +244,7 @@ def test_infrastructure_failure_is_left_out_of_training(tokenizer):
 def test_a_tape_whose_prompt_filled_the_context_is_not_trained_on_and_the_run_says_why(tmp_path):
     """No call was made (the prompt + max_tokens did not fit): no sample, and a batch of only such tapes is
     refused naming the reason, not with 'no reward'."""
-    from orchestrate.samples import SampleError, write_samples
+    from orchestrate.loop.samples import SampleError, write_samples
     from tapes.tape import Tape
 
     tape = Tape(steps=[])

@@ -202,7 +202,7 @@ def test_every_registered_algorithm_trains_as_the_command_line_resolves_it(tiny,
     """`--train.algorithm NAME` as orchestrate.rl resolves it (the registry's loss, estimator, aggregation and
     settings) trains a batch of two groups: the better completion of each group becomes more likely."""
     from finetune.algorithms import ALGORITHMS
-    from orchestrate.config import resolve
+    from orchestrate.loop.config import resolve
 
     assert sorted(ALGORITHMS) == sorted(["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])
     resolved = resolve("embedded", {"train.algorithm": name, "train.lr": "1e-2"}).train

@@ -9,14 +9,14 @@ model's logits before any sampling processor, i.e. *not* tempered.
 included (in vLLM 0.10.0 "processed" still excluded temperature, see
 PrimeIntellect-ai/prime-rl#697; TRL sets processed_logprobs for the same
 reason, huggingface/trl#4163). It is a server option, not a request field.
-The project's servers (orchestrate.vllm_server) pass
+The project's servers (orchestrate.serving.vllm_server) pass
 `--logprobs-mode processed_logprobs`, and so does this test; the trainer
 divides logits by each sample's temperature. The test also checks that the
 untempered trainer log-probs do *not* match at T = 0.7, so it would notice a
 server that returned raw log-probs.
 
 The same server takes new weights in memory (--server.weight_transfer gloo: the learner's
-finetune.weight_transfer, the servers' orchestrate.weight_engine, driven by orchestrate.weights) and
+finetune.weight_transfer, the servers' orchestrate.serving.vllm_plugin.weight_engine, driven by orchestrate.serving.weights) and
 serves exactly what a reload of the same weights from disk serves; a corrupted or partial transfer is
 refused and the server goes on serving the version it had.
 
@@ -235,7 +235,7 @@ def in_memory(trained, tmp_path_factory):
     process plays the learner's main process: rank 0 of the group)."""
     from contract.rundir import RunDir
     from finetune.weight_transfer import WeightSender
-    from orchestrate.weights import PolicyWeights
+    from orchestrate.serving.weights import PolicyWeights
 
     server = trained[0]
     run = RunDir(tmp_path_factory.mktemp("transfer_run"))

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.llm import VLLMClient
 from contract.rundir import RunDir
-from orchestrate.config import RLConfig
-from orchestrate.servers import Servers
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.servers import Servers
+from orchestrate.serving.llm import VLLMClient
 from tapes.tape import LLMCall, SamplingParams, VersionChange
 
 LENGTH = 96  # tokens per call: the swap comes after the first, well before the last

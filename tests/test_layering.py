@@ -1,14 +1,22 @@
-r"""The layering rules (README.md, "Layout"), checked on the source: every module's imports, parsed (ast).
+r"""The layering rules (README.md, "Layout"; docs/architecture.md), checked on the source: every module's imports,
+parsed (ast).
 
     tapes  <-  agents  <-  orchestrate  --(subprocess, files)-->  finetune
                                  \                                /
                                   '-------->  contract  <--------'
 
+and inside orchestrate, one way too:
+
+    orchestrate (its commands: rl, serve, browse, show, replay, offline, merge)
+        -> orchestrate.loop (one RL run: config, rollouts, the learner's process, metrics)
+            -> orchestrate.serving (vLLM servers, the client, model lookup, weights to servers)
+                -> orchestrate.serving.vllm_plugin (code that runs inside vLLM's processes)
+
 tapes is the bottom layer and imports nothing of ours; agents builds on tapes only; contract (what the two
 processes share: the run directory's names, the batch format, durable writes, the command-line generator,
 KL) imports nothing of ours; finetune uses contract only (it runs as its own process); orchestrate may use
-all of them; nothing imports orchestrate (tests and bench may). Imports inside functions and under `if TYPE_CHECKING` count too: a
-lazy import is still an edge.
+all of them; nothing imports orchestrate (tests and bench may). Imports inside functions and under
+`if TYPE_CHECKING` count too: a lazy import is still an edge.
 """
 
 from __future__ import annotations
@@ -23,36 +31,49 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tapes", "contract", "agents", "orchestrate", "finetune")
 
-# What each package may import of ours (itself always).
+# The places whose imports are ruled, and what each may import of ours besides itself. A module's place is the
+# longest of these names its own dotted name starts with; so is an imported module's.
 ALLOWED = {
     "tapes": set(),
     "contract": set(),
     "agents": {"tapes"},
     "finetune": {"contract"},
-    "orchestrate": {"tapes", "contract", "agents", "finetune"},
-}
+    "orchestrate.serving.vllm_plugin": {"contract", "finetune", "orchestrate.serving"},
+    "orchestrate.serving": {"tapes", "contract", "finetune", "orchestrate.serving.vllm_plugin"},
+    "orchestrate.loop": {"tapes", "contract", "agents", "finetune", "orchestrate.serving",
+                         "orchestrate.serving.vllm_plugin"},
+    "orchestrate": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.serving",
+                    "orchestrate.serving.vllm_plugin"},
+}  # fmt: skip
 
 
-def imported_packages(source: str, own: str) -> set[tuple[int, str]]:
-    """(line, top-level package) for each of our packages that `source` imports: `import x`, `from x import`,
-    and importlib.import_module("x...") with a literal (or f-string) name; relative imports are `own`."""
+def place(module: str) -> str | None:
+    """The ruled place of a dotted module name (None: not ours)."""
+    matches = [p for p in ALLOWED if module == p or module.startswith(p + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def imported_modules(source: str, own: str) -> set[tuple[int, str]]:
+    """(line, dotted module) for each module of ours that `source` imports: `import x.y`, `from x.y import z`
+    (x.y.z when z is a module, else x.y: both lie in one place unless z is a package of its own), and
+    importlib.import_module("x...") with a literal (or f-string) name; a relative import is `own`."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            names = [own] if node.level else [node.module or ""]
+            base = own if node.level else (node.module or "")
+            names = [f"{base}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
                 arg = arg.values[0]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                names = [arg.value]
+                names = [arg.value.rstrip(".")]
         for name in names:
-            top = name.split(".")[0]
-            if top in PACKAGES:
-                found.add((node.lineno, top))
+            if name.split(".")[0] in PACKAGES:
+                found.add((node.lineno, name))
     return found
 
 
@@ -61,28 +82,43 @@ def test_the_checker_sees_every_kind_of_import():
         "import tapes.tape\n"
         "from contract.kl import k3\n"
         "def f():\n"
-        "    from orchestrate import loop\n"
+        "    from orchestrate.loop import iteration\n"
         "    import importlib\n"
         "    importlib.import_module(f'agents.envs.{name}')\n"
         "from . import sibling\n"
         "import torch, json\n"
     )
-    assert imported_packages(source, own="tapes") == {
-        (1, "tapes"), (2, "contract"), (4, "orchestrate"), (6, "agents"), (7, "tapes")}  # fmt: skip
+    found = imported_modules(source, own="tapes")
+    assert {(line, place(name)) for line, name in found} == {
+        (1, "tapes"), (2, "contract"), (4, "orchestrate.loop"), (6, "agents"), (7, "tapes")}  # fmt: skip
+
+
+def test_places_nest():
+    assert place("orchestrate.serving.vllm_plugin.weight_engine") == "orchestrate.serving.vllm_plugin"
+    assert place("orchestrate.serving.llm") == "orchestrate.serving"
+    assert place("orchestrate.rl") == "orchestrate" and place("orchestrate") == "orchestrate"
+    assert place("orchestrate_other") is None and place("torch") is None
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_imports_flow_one_way(package):
-    """A package imports only what its layer may: a back-edge names the file and line to move."""
+    """A module imports only what its place may: a back-edge names the file and line to move."""
     files = sorted((ROOT / package).rglob("*.py"))
     assert files, f"no modules under {package}/"
-    wrong = [
-        f"{path.relative_to(ROOT)}:{line} imports {top}"
-        for path in files
-        for line, top in sorted(imported_packages(path.read_text(encoding="utf-8"), own=package))
-        if top != package and top not in ALLOWED[package]
-    ]
-    assert not wrong, f"{package} may import only {sorted(ALLOWED[package]) or 'nothing of ours'}: " + "; ".join(wrong)
+    wrong = []
+    for path in files:
+        own = place(module_name(path))
+        package_of = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+        for line, name in sorted(imported_modules(path.read_text(encoding="utf-8"), own=package_of)):
+            there = place(name)
+            if there != own and there not in ALLOWED[own]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({own}) imports {name} ({there})")
+    assert not wrong, "imports against the layering: " + "; ".join(wrong)
 
 
 def test_every_package_is_covered():
@@ -94,7 +130,7 @@ def test_every_package_is_covered():
 def test_reading_the_options_loads_no_torch():
     """Every command line reads the option registries (losses, estimators); `--help` and a bad option refused
     in one line must not wait seconds for torch (finetune/lazy.py)."""
-    code = "import sys, orchestrate.config, finetune.config; print('torch._C' in sys.modules)"
+    code = "import sys, orchestrate.loop.config, finetune.config; print('torch._C' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -11,7 +11,7 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
-from orchestrate.metrics import read_metrics
+from orchestrate.loop.metrics import read_metrics
 from tapes import read_tapes
 
 pytestmark = pytest.mark.vllm

@@ -28,8 +28,8 @@ RANK = 8
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tiny_servers, tmp_path_factory):
     """A policy server with LoRA enabled, and the session's tiny reference server (the same base model)."""
-    from agents.models import untied_copy
-    from orchestrate.vllm_server import ServerConfig, VLLMServer
+    from orchestrate.serving.models import untied_copy
+    from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 
     logs = tmp_path_factory.mktemp("vllm")
     config = ServerConfig(max_model_len=1024, kv_cache_gib=1)
@@ -65,7 +65,7 @@ def test_each_version_is_served_as_its_adapter_and_the_old_one_unloaded(servers,
     is unloaded; a server that rejoins gets the served adapter again (replacing one of the same name)."""
     from contract.rundir import RunDir
     from finetune.learner import Learner
-    from orchestrate.weights import PolicyWeights
+    from orchestrate.serving.weights import PolicyWeights
 
     policy, _ = servers
     learner = Learner(tiny_model_dir, TrainConfig(lr=1e-2, lora={"rank": RANK}))
@@ -94,7 +94,7 @@ def test_reference_on_the_policy_server_equals_the_reference_servers(servers, ti
     """The reference of a LoRA run is the base model on the policy server (no adapter): the same log-probs as a
     reference server's on the same tokens, many requests at once (vLLM's LoRA path for the output head
     broke batched prompt log-probs, vllm-project/vllm#16668: the head is not a LoRA target of ours)."""
-    from agents.llm import VLLMClient
+    from orchestrate.serving.llm import VLLMClient
 
     policy, reference = servers
     sequences = [p + list(range(40 + 7 * i, 60 + 7 * i)) for i, p in enumerate(chat_prompts(tiny_model_dir) * 4)]

@@ -1,6 +1,6 @@
 import math
 
-from orchestrate.metrics import append_metrics, plot_metrics, read_metrics, rollout_metrics
+from orchestrate.loop.metrics import append_metrics, plot_metrics, read_metrics, rollout_metrics
 from tapes.tape import EnvAction, EnvObservation, LLMCall, Tape, TapeMetadata, ToolCallAction, ToolResultObservation
 
 
@@ -97,7 +97,7 @@ def test_metrics_file_survives_a_torn_line_and_plots(tmp_path):
 
 
 def test_busy_fractions_split_an_iterations_wall_time():
-    from orchestrate.report import busy_fractions
+    from orchestrate.loop.report import busy_fractions
 
     record = {"time_total": 100.0, "train_seconds": 80.0, "time_generate": 30.0, "time_eval": 10.0}
     assert busy_fractions(record) == {"trainer_busy_frac": 0.8, "generator_busy_frac": 0.4,

@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agents import models
-from agents.models import ModelNotAvailable, resolve_model
+from orchestrate.serving import models
+from orchestrate.serving.models import ModelNotAvailable, resolve_model
 
 
 def test_embedded_model_is_a_plain_hf_folder(embedded_model_dir):

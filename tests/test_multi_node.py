@@ -15,9 +15,9 @@ import torch
 from contract.batch import Sample, write_batch
 from contract.rundir import RunDir
 from finetune.config import TrainConfig
-from orchestrate.config import ConfigError, TrainerSection, resolve
-from orchestrate.trainer import TrainerError, TrainerProcess
-from orchestrate.vllm_server import free_port
+from orchestrate.loop.config import ConfigError, TrainerSection, resolve
+from orchestrate.loop.trainer import TrainerError, TrainerProcess
+from orchestrate.serving.vllm_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

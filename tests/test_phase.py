@@ -32,7 +32,7 @@ def run_hook(env_value: str | None, code: str) -> subprocess.CompletedProcess:
     if env_value is not None:
         env["TAPELOOP_KILL_AT"] = env_value
     env["PYTHONPATH"] = str(ROOT)
-    script = "import time\nfrom orchestrate.run_dir import kill_hook\n" + code + "\nprint('alive', flush=True)\n"
+    script = "import time\nfrom orchestrate.loop.phase import kill_hook\n" + code + "\nprint('alive', flush=True)\n"
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -55,7 +55,7 @@ def test_kill_hook_with_a_delay_spares_a_process_that_left_the_phase():
 
 
 def test_kill_hook_does_nothing_when_unset(monkeypatch):
-    from orchestrate.run_dir import kill_hook
+    from orchestrate.loop.phase import kill_hook
 
     monkeypatch.delenv("TAPELOOP_KILL_AT", raising=False)
     for phase in ("rollouts", "samples", "metrics_state"):

@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 
-from orchestrate.processes import spawn, stop
+from orchestrate.serving.processes import spawn, stop
 
 
 def alive(pid):
@@ -63,7 +63,7 @@ def test_children_die_when_the_orchestrator_is_killed(tmp_path):
             "-c",
             textwrap.dedent(f"""
         import sys, time
-        from orchestrate.processes import spawn
+        from orchestrate.serving.processes import spawn
         spawn([sys.executable, "-c", {TREE!r}, {str(pids_file)!r}], {str(tmp_path / "log")!r})
         time.sleep(600)
     """),
@@ -98,7 +98,7 @@ def test_spawn_pins_the_command_and_its_children_to_the_given_cores(tmp_path):
 
 
 def test_core_lists_parse_and_print_back():
-    from orchestrate.processes import format_cpus, parse_cpus
+    from orchestrate.serving.processes import format_cpus, parse_cpus
 
     assert parse_cpus("0-3,6, 8") == [0, 1, 2, 3, 6, 8] and format_cpus([0, 1, 2, 3, 6, 8]) == "0-3,6,8"
     for bad in ("", "a", "3-1", "1-", "-2", "0,,1"):

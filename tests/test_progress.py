@@ -1,4 +1,4 @@
-"""Progress in a log is a few lines, on a terminal a tqdm bar: orchestrate.progress.progress_bar."""
+"""Progress in a log is a few lines, on a terminal a tqdm bar: orchestrate.loop.progress.progress_bar."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import os
 import pty
 
-from orchestrate.progress import LineProgress, progress_bar
+from orchestrate.loop.progress import LineProgress, progress_bar
 
 
 class FakeClock:

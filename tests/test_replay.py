@@ -12,8 +12,9 @@ import pytest
 
 from agents.agent import AgentConfig, ChatAgent
 from agents.chat import ChatTokens
+from agents.env_spec import EnvSpec
+from orchestrate.loop.rollouts import run_rollouts
 from orchestrate.replay import agent_from_run_config, replay_tape
-from orchestrate.rollouts import EnvSpec, run_rollouts
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import SamplingParams
 from tests.scripted import scripted_call

@@ -11,11 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
-from agents.llm import VLLMClient
-from agents.models import untied_copy
-from orchestrate.reference import annotate_reference
-from orchestrate.rollouts import EnvSpec, run_rollouts
-from orchestrate.vllm_server import ServerError
+from agents.env_spec import EnvSpec
+from orchestrate.loop.reference import annotate_reference
+from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.serving.llm import VLLMClient
+from orchestrate.serving.models import untied_copy
+from orchestrate.serving.vllm_server import ServerError
 from tapes import read_tapes, write_tapes
 from tapes.tape import EnvAction, EnvObservation, SamplingParams
 

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from orchestrate.run_lock import RunDirInUse, RunLock, lock_holder
+from orchestrate.loop.run_lock import RunDirInUse, RunLock, lock_holder
 
 HOLD = """
 import subprocess, sys, time
-from orchestrate.run_lock import RunLock
+from orchestrate.loop.run_lock import RunLock
 lock = RunLock(sys.argv[1]).acquire()
 child = subprocess.Popen(["sleep", "300"])  # a child such as a vLLM server must not inherit the lock
 print(child.pid, flush=True)
@@ -85,7 +85,8 @@ def test_offline_on_an_out_dir_in_use_is_refused(holder, tmp_path, folder_model)
 
 def test_lock_is_taken_while_the_loop_runs(tmp_path, monkeypatch, folder_model):
     """rl.main holds the lock around the loop: a second acquire from this process's view fails meanwhile."""
-    from orchestrate import loop, rl
+    from orchestrate import rl
+    from orchestrate.loop import iteration as loop
 
     seen = []
 
@@ -95,7 +96,7 @@ def test_lock_is_taken_while_the_loop_runs(tmp_path, monkeypatch, folder_model):
 
         def __call__(self):
             # a second process would be refused now
-            probe = subprocess.run([sys.executable, "-c", "import sys\nfrom orchestrate.run_lock import RunLock\n"
+            probe = subprocess.run([sys.executable, "-c", "import sys\nfrom orchestrate.loop.run_lock import RunLock\n"
                                     "try:\n RunLock(sys.argv[1]).acquire()\nexcept Exception as e:\n print(e)",
                                     str(self.run_dir.root)], capture_output=True, text=True, timeout=60)  # fmt: skip
             seen.append(probe.stdout)

@@ -275,9 +275,9 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     on the tape, and the replay answers it from the tape (the corpus is gone by then) and says so."""
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
+    from agents.env_spec import EnvSpec
     from orchestrate.browse import episode_view
     from orchestrate.replay import replay_tape
-    from orchestrate.rollouts import EnvSpec
     from tapes.store import read_tapes, write_tapes
     from tapes.tape import SamplingParams, Tape, ToolCallAction, ToolResultObservation
 
@@ -338,8 +338,8 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
 
 
 def test_search_from_the_command_line_is_recorded_for_replay(qa, corpus):
-    from orchestrate.config import ConfigError, resolve
-    from orchestrate.rollouts import EnvSpec
+    from agents.env_spec import EnvSpec
+    from orchestrate.loop.config import ConfigError, resolve
     from tapes.tape import Tape
 
     config = resolve("embedded", {"env.id": "qa", "env.options.questions": qa["questions"], "env.tools": "search",
@@ -364,8 +364,8 @@ def test_search_from_the_command_line_is_recorded_for_replay(qa, corpus):
 
 
 def test_preflight_refuses_a_bad_corpus_or_questions_file_naming_the_option(qa, tmp_path, rl_cli):
-    from orchestrate.config import resolve
-    from orchestrate.preflight import PreflightError, check_environment, check_qa_questions
+    from orchestrate.loop.config import resolve
+    from orchestrate.loop.preflight import PreflightError, check_environment, check_qa_questions
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

@@ -7,13 +7,13 @@ import json
 import httpx
 import pytest
 
-from agents.llm import VLLMClient
+from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
-from orchestrate.config import RLConfig
-from orchestrate.evaluation import Evaluation
-from orchestrate.loop import Loop, build_agent
-from orchestrate.rollouts import EnvSpec
-from orchestrate.servers import Servers
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.evaluation import Evaluation
+from orchestrate.loop.iteration import Loop, build_agent
+from orchestrate.loop.servers import Servers
+from orchestrate.serving.llm import VLLMClient
 from tapes.store import read_tapes
 
 CHAT_TEMPLATE = (

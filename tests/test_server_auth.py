@@ -6,8 +6,8 @@ import os
 import httpx
 import pytest
 
-from orchestrate.server_auth import RequireAPIKey, forbidden_server_arg
-from orchestrate.vllm_server import ServerConfig, VLLMServer
+from orchestrate.serving.auth import RequireAPIKey, forbidden_server_arg
+from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 
 
 def _call(app, path, headers=()):
@@ -51,7 +51,7 @@ def test_key_is_not_on_the_command_line(tmp_path):
     command = server.command()
     assert server.api_key not in " ".join(command)
     assert "--api-key" not in command
-    assert "orchestrate.server_auth.RequireAPIKey" in command
+    assert "orchestrate.serving.auth.RequireAPIKey" in command
     assert server.environment()["VLLM_API_KEY"] == server.api_key
 
 

@@ -11,14 +11,14 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from agents.llm import NoServerLeft, VLLMClient
 from contract.cli import OptionError
-from orchestrate.config import RLConfig
-from orchestrate.config_checks import check_gpus, gpu_slices
-from orchestrate.metrics import server_metrics
-from orchestrate.preflight import PreflightError, check_remote_servers
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.config_checks import check_gpus, gpu_slices
+from orchestrate.loop.metrics import server_metrics
+from orchestrate.loop.preflight import PreflightError, check_remote_servers
 from orchestrate.serve import build_server
-from orchestrate.server_auth import RequireAPIKey, folder_fingerprint, read_api_key
+from orchestrate.serving.auth import RequireAPIKey, folder_fingerprint, read_api_key
+from orchestrate.serving.llm import NoServerLeft, VLLMClient
 from tapes.tape import SamplingParams
 
 
@@ -304,7 +304,7 @@ def test_the_serve_command_is_the_local_servers_line(tmp_path, folder_model):
     command = server.command()
     assert command[command.index("--host") + 1] == "0.0.0.0" and command[command.index("--port") + 1] == "8123"
     assert command[command.index("--served-model-name") + 1] == "reference"
-    assert "orchestrate.server_auth.RequireAPIKey" in command and "--api-key" not in command
+    assert "orchestrate.serving.auth.RequireAPIKey" in command and "--api-key" not in command
     assert command[command.index("--max-model-len") + 1] == "512"
     assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
     # on CPU the model runs in the engine core (docs/set-up.md), unless the user's environment says otherwise
@@ -319,8 +319,8 @@ def test_the_servers_a_run_starts_itself(tmp_path, tiny_model_dir, rank):
     without LoRA, a plain policy server and a reference server. (tests/test_lora.py runs a LoRA run on a
     real server by URL; tiny_run starts its own pair.)"""
     from contract.rundir import RunDir
-    from orchestrate.servers import Servers
-    from orchestrate.vllm_server import VLLMServer
+    from orchestrate.loop.servers import Servers
+    from orchestrate.serving.vllm_server import VLLMServer
 
     model = tiny_model_dir
     config = RLConfig.model_validate(
@@ -387,7 +387,7 @@ def test_gpu_placement_that_fits(monkeypatch):
     )
     check_gpus(gpu_config({"weight_transfer": "nccl"}, {"launch": "external"}), count=1)  # the learner is elsewhere
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    monkeypatch.setattr("orchestrate.config_checks.visible_gpus", lambda: ["4", "5", "6", "7"])
+    monkeypatch.setattr("orchestrate.loop.config_checks.visible_gpus", lambda: ["4", "5", "6", "7"])
     assert gpu_slices("0-3", 2, 2) == [["4", "5"], ["6", "7"]]  # our index i is the child's visible_gpus()[i]
     assert gpu_slices(None, 2, 1) == [["4"], ["5"]]
 
@@ -412,7 +412,7 @@ class Reloadable(Server):
         pass  # a server elsewhere: nothing to restart
 
     def reload_weights(self, path, verify=True):
-        from orchestrate.vllm_server import ServerError
+        from orchestrate.serving.vllm_server import ServerError
 
         if not self.up:
             raise ServerError(f"{self.base_url} /collective_rpc: connection refused")
@@ -421,8 +421,8 @@ class Reloadable(Server):
 
 def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_checkpoint(tmp_path):
     from contract.rundir import RunDir
-    from orchestrate.servers import Servers
-    from orchestrate.vllm_server import ServerError
+    from orchestrate.loop.servers import Servers
+    from orchestrate.serving.vllm_server import ServerError
 
     class Trainer:
         def weights_changed(self, version):

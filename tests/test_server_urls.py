@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from orchestrate.vllm_server import free_port
+from orchestrate.serving.vllm_server import free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -167,7 +167,7 @@ def legacy_tape(i: int, answered: bool) -> dict:
 
 def test_a_tape_written_before_episodes_reads_as_an_episode_and_is_written_back_as_one(tmp_path):
     from orchestrate.browse import summarize
-    from orchestrate.metrics import rollout_metrics
+    from orchestrate.loop.metrics import rollout_metrics
 
     path = tmp_path / "iter_000002.jsonl"
     path.write_text("".join(json.dumps(legacy_tape(i, answered=i == 0)) + "\n" for i in range(2)))

@@ -10,10 +10,10 @@ import json
 import pytest
 
 from contract.rundir import RunDir
-from orchestrate import loop as loop_module
-from orchestrate import report as report_module
-from orchestrate.metrics import read_metrics
-from orchestrate.servers import Servers
+from orchestrate.loop import iteration as loop_module
+from orchestrate.loop import report as report_module
+from orchestrate.loop.metrics import read_metrics
+from orchestrate.loop.servers import Servers
 from tests.test_dynamic_sampling import episode
 
 
@@ -58,7 +58,7 @@ def fake_loop(monkeypatch):
     trainers = []
 
     def start(self, stack):
-        from orchestrate.evaluation import Evaluation
+        from orchestrate.loop.evaluation import Evaluation
 
         self.train_env, self.evaluation = None, Evaluation(self.config, self.run)
         self.trainer = FakeTrainer(self)

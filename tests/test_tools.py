@@ -99,7 +99,7 @@ def test_tool_runs_do_not_block_other_episodes(tool):
     import asyncio
     import time
 
-    from orchestrate.rollouts import EnvClock, TimedEnv
+    from orchestrate.loop.rollouts import EnvClock, TimedEnv
 
     async def both():
         clock = EnvClock()
@@ -127,8 +127,8 @@ def test_tools_from_the_command_line(tmp_path):
     import sys
     from pathlib import Path
 
-    from orchestrate.config import resolve
-    from orchestrate.rollouts import EnvSpec
+    from agents.env_spec import EnvSpec
+    from orchestrate.loop.config import resolve
     from tapes.tape import Tape
 
     config = resolve("embedded", {"env.tools": "python", "env.sandbox.timeout_s": "3"})
@@ -218,8 +218,8 @@ def test_replay_reruns_the_code_and_says_so(tool, tokenizer):
 
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
+    from agents.env_spec import EnvSpec
     from orchestrate.replay import replay_tape
-    from orchestrate.rollouts import EnvSpec
     from tapes.tape import SamplingParams, Tape
 
     spec = EnvSpec("math:arithmetic", {}, "train", 0, ["python"], {"timeout_s": 5})

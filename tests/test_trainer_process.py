@@ -5,8 +5,8 @@ import pytest
 
 from contract.rundir import RunDir
 from finetune.config import TrainConfig
-from orchestrate.config import TrainerSection
-from orchestrate.trainer import TrainerError, TrainerProcess
+from orchestrate.loop.config import TrainerSection
+from orchestrate.loop.trainer import TrainerError, TrainerProcess
 
 
 def test_crashing_trainer_reports_log_tail_and_resume_command(tmp_path, tiny_model_dir):

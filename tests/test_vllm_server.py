@@ -48,7 +48,7 @@ def test_server_needs_its_api_key(policy_server):
 
 
 def test_bad_model_fails_fast_with_log_tail(tmp_path):
-    from orchestrate.vllm_server import ServerConfig, ServerError, VLLMServer
+    from orchestrate.serving.vllm_server import ServerConfig, ServerError, VLLMServer
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "no-such-arch"}')

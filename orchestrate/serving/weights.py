@@ -3,7 +3,7 @@
 `PolicyWeights.serve(version)` is what the loop calls once the learner has published checkpoint `version`.
 With `--server.weight_transfer disk` every server reloads the checkpoint's model folder by path. With gloo
 or nccl the learner broadcasts the version over a process group of its own with every server's workers
-(protocol and wire format: finetune.weight_transfer; the servers' end: orchestrate.weight_engine):
+(protocol and wire format: finetune.weight_transfer; the servers' end: orchestrate.serving.vllm_plugin.weight_engine):
 
 - `start()` hosts the group's TCP store here, writes RUN/weight_group.json for the learner and asks every
   server to join (both sides block until all have); a server that cannot join (one by URL started without
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from contract.durable import atomic_write_json
 from contract.rundir import RunDir
-from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
+from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 
 
 class PolicyWeights:
@@ -43,7 +43,7 @@ class PolicyWeights:
         self.servers = servers
         self.backend = backend  # "disk", "gloo" or "nccl"; becomes "disk" when a group cannot form
         self.timeout_s = timeout_s
-        self.trainer = trainer  # orchestrate.trainer.TrainerProcess: its checkpoints and liveness
+        self.trainer = trainer  # orchestrate.loop.trainer.TrainerProcess: its checkpoints and liveness
         self.store = None
         self.generation = 0
         self.regroup = False  # a transfer failed: form a new generation before the next version

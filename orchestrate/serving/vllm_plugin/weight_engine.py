@@ -12,7 +12,7 @@ received whole into staging buffers and checked against its manifest before any 
 partial or corrupted transfer raises (the route answers HTTP 500) and the server goes on holding the
 version it had, never a mix of two.
 
-The same entry point installs faster LoRA ops into a LoRA run's servers on CPU (orchestrate.cpu_lora).
+The same entry point installs faster LoRA ops into a LoRA run's servers on CPU (orchestrate.serving.vllm_plugin.cpu_lora).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from orchestrate.server_auth import LORA_ENV
-from orchestrate.vllm_server import WEIGHT_ENGINE
+from orchestrate.serving.auth import LORA_ENV
+from orchestrate.serving.vllm_server import WEIGHT_ENGINE
 
 
 def register() -> None:
@@ -34,7 +34,7 @@ def register() -> None:
     if WEIGHT_ENGINE not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(WEIGHT_ENGINE, __name__, "TapeloopWeightEngine")
     if os.environ.get(LORA_ENV, "0") != "0":  # a LoRA run's server on CPU: one matmul per adapter
-        from orchestrate.cpu_lora import install
+        from orchestrate.serving.vllm_plugin.cpu_lora import install
 
         install()
 

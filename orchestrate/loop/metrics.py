@@ -1,7 +1,9 @@
 """Per-iteration metrics: computed from tapes, appended to metrics.jsonl, drawn as a PNG.
 
 One line per iteration, so a run can be followed with `tail -f` and its
-curves redrawn at any time from the file alone.
+curves redrawn at any time from the file alone. When a run resumes, `repair_metrics` drops the torn
+tail and the records state.json does not count yet (a crash between the metrics append and state.json), so
+that iteration's record is written once, when it is redone.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from contract.durable import atomic_write_bytes
 from contract.kl import k3
 from tapes.tape import EnvObservation, Tape, ToolCallAction, ToolResultObservation
 
@@ -182,3 +186,42 @@ def _time_panel(ax, records: list[dict[str, Any]]) -> None:
             bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_title("seconds per iteration")
     _legend(ax)
+
+
+def repair_jsonl(path: str | os.PathLike, keep: Callable[[dict], bool]) -> int:
+    """Keep the whole records that `keep` accepts, each iteration once; returns how many lines were dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    lines = [raw for raw in data.split(b"\n") if raw.strip()]
+    kept, seen = [], set()
+    for raw in lines:
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not keep(record):
+            continue
+        if (key := record.get("iteration")) is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append(raw)
+    new = b"".join(raw + b"\n" for raw in kept)
+    if new != data:
+        atomic_write_bytes(path, new)
+    return len(lines) - len(kept)
+
+
+def repair_metrics(path: str | os.PathLike, completed_iteration: int, evaluated: list[int]) -> int:
+    """metrics.jsonl as state.json knows it: iteration records up to `completed_iteration`, the
+    evaluation before training (iteration 0) only if it is in `evaluated`."""
+
+    def keep(record: dict) -> bool:
+        it = record.get("iteration")
+        if not isinstance(it, int):
+            return True  # not ours to judge
+        return it in evaluated if it == 0 else it <= completed_iteration
+
+    return repair_jsonl(path, keep)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from agents.env_spec import EnvSpec
 from agents.envs import capabilities
 from contract.rundir import RunDir
-from orchestrate.config import RLConfig
-from orchestrate.metrics import rollout_metrics
-from orchestrate.rollouts import EnvSpec
-from orchestrate.run_dir import save_tapes
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.metrics import rollout_metrics
+from orchestrate.loop.samples import save_tapes
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 

@@ -39,7 +39,7 @@ from tapes.tape import LLMCall, SamplingParams, Tape, VersionChange
 
 
 class Endpoint(Protocol):
-    """What the client needs of a server (orchestrate.vllm_server.VLLMServer has it)."""
+    """What the client needs of a server (orchestrate.serving.vllm_server.VLLMServer has it)."""
 
     served_model_name: str
 
@@ -232,7 +232,7 @@ class VLLMClient:
 
     def mark_versions(self, endpoint: Endpoint, lengths: dict[str, int], version: int) -> int:
         """`endpoint` now serves `version` under the calls it had in flight (paused: "keep" above), which had
-        sampled `lengths` tokens each (by vLLM's request id, which holds ours: orchestrate.worker_ext). A
+        sampled `lengths` tokens each (by vLLM's request id, which holds ours: orchestrate.serving.vllm_plugin.worker_ext). A
         call the engine had not started is not in `lengths`, nor is one it finished: recorded as they began
         (the older version, the cautious side for the learner's lag). Returns the calls marked."""
         marked = 0

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from finetune.estimators import episode_returns
-from orchestrate.samples import tape_samples
+from orchestrate.loop.samples import tape_samples
 from tapes.tape import Tape
 
 DROPPED_BY = "dynamic_sampling"

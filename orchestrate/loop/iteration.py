@@ -4,14 +4,14 @@ Each iteration i, the README's six steps (`generate`, then `catch_up` and `compl
   1. rollouts: the next episode seeds of the train split (the same ones on a resumed run: they depend on the
      iteration and the run seed only) played on the policy servers -> tapes with per-turn rewards; with
      rollouts.dynamic_sampling, groups without signal are dropped and extra seeds played in rounds
-     (orchestrate.dynamic_sampling)
-  2. reference pass (orchestrate.servers; skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0)
+     (orchestrate.loop.dynamic_sampling)
+  2. reference pass (orchestrate.loop.servers; skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0)
      over the tapes of the batch; a LoRA run scores it on the policy servers' base model (no adapter)
-  3. the tapes are saved, then the training samples (batches/i, orchestrate.samples)
+  3. the tapes are saved, then the training samples (batches/i, orchestrate.loop.samples)
   4. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
-  5. the policy servers get the new weights, no restart (orchestrate.servers, orchestrate.weights)
-  6. every `eval.every` iterations: held-out episodes (orchestrate.evaluation)
-and then its record (orchestrate.report): metrics line, plot, state.json: the iteration is complete.
+  5. the policy servers get the new weights, no restart (orchestrate.loop.servers, orchestrate.serving.weights)
+  6. every `eval.every` iterations: held-out episodes (orchestrate.loop.evaluation)
+and then its record (orchestrate.loop.report): metrics line, plot, state.json: the iteration is complete.
 
 With run.max_minutes the loop starts no new iteration once that many minutes have passed since the command
 started (elapsed_s of the metrics): the batches already generated are trained and recorded, as at the end of
@@ -22,7 +22,7 @@ resumes where it stopped and completed iterations stay as they were.
 
 phase.json in the run directory names the step the loop is in (contract.rundir.LOOP_PHASES:
 rollouts, reference, samples, training, weight_reload, eval, metrics_state); bench/bench_kill.py kills the
-loop inside each of them, with the test hook orchestrate.run_dir.kill_hook.
+loop inside each of them, with the test hook orchestrate.loop.phase.kill_hook.
 """
 
 from __future__ import annotations
@@ -34,18 +34,19 @@ from contextlib import ExitStack
 
 from agents.agent import ChatAgent
 from agents.chat import ChatTokens
-from agents.models import resolve_model
+from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
-from orchestrate.config import RLConfig
-from orchestrate.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
-from orchestrate.evaluation import Evaluation
-from orchestrate.metrics import rollout_metrics
-from orchestrate.report import Reporter, Timer, busy_fractions
-from orchestrate.rollouts import EnvClock, EnvSpec, run_rollouts
-from orchestrate.run_dir import PHASE_LOCK, kill_hook, save_tapes
-from orchestrate.samples import write_samples
-from orchestrate.servers import Servers
-from orchestrate.trainer import TrainerProcess
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
+from orchestrate.loop.evaluation import Evaluation
+from orchestrate.loop.metrics import rollout_metrics
+from orchestrate.loop.phase import PHASE_LOCK, kill_hook
+from orchestrate.loop.report import Reporter, Timer, busy_fractions
+from orchestrate.loop.rollouts import EnvClock, run_rollouts
+from orchestrate.loop.samples import save_tapes, write_samples
+from orchestrate.loop.servers import Servers
+from orchestrate.loop.trainer import TrainerProcess
+from orchestrate.serving.models import resolve_model
 from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 
@@ -234,7 +235,7 @@ class Loop:
         self.reporter.show(record)
 
     def evaluate(self, i: int) -> dict:
-        """The held-out metrics of the weights served after iteration i (orchestrate.evaluation)."""
+        """The held-out metrics of the weights served after iteration i (orchestrate.loop.evaluation)."""
 
         def play(spec, seeds, attempts, iteration, sampling, desc) -> list[Tape]:
             return asyncio.run(self._rollouts(spec, seeds, attempts, iteration, sampling, desc))[0]

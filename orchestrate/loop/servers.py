@@ -3,8 +3,8 @@
 The policy servers (started here, or run elsewhere and used by URL: `orchestrate.serve`), the reference
 server when a KL term needs one (a LoRA run scores the reference on the policy servers' base model instead,
 no adapter), the version the policy servers serve, and the clients that call them. New weights reach the
-servers through orchestrate.weights (in memory, from the checkpoint folder, or the checkpoint's adapter).
-The loop (orchestrate.loop) asks for a client, a reference pass, or the next version served; this module
+servers through orchestrate.serving.weights (in memory, from the checkpoint folder, or the checkpoint's adapter).
+The loop (orchestrate.loop.iteration) asks for a client, a reference pass, or the next version served; this module
 decides how.
 """
 
@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 from contextlib import ExitStack
 
-from agents.llm import VLLMClient
-from agents.models import untied_copy
 from contract.rundir import RunDir
-from orchestrate.config import RLConfig
-from orchestrate.config_checks import gpu_slices
-from orchestrate.metrics import server_metrics
-from orchestrate.processes import parse_cpus
-from orchestrate.reference import annotate_reference
-from orchestrate.server_auth import APIKeyMissing, read_api_key
-from orchestrate.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
-from orchestrate.weights import PolicyWeights
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.config_checks import gpu_slices
+from orchestrate.loop.metrics import server_metrics
+from orchestrate.loop.reference import annotate_reference
+from orchestrate.serving.auth import APIKeyMissing, read_api_key
+from orchestrate.serving.llm import VLLMClient
+from orchestrate.serving.models import untied_copy
+from orchestrate.serving.processes import parse_cpus
+from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
+from orchestrate.serving.weights import PolicyWeights
 from tapes.tape import Tape
 
 ROLES = ("policy", "base", "reference")
@@ -122,7 +122,7 @@ class Servers:
         self.resume()
 
     def use(self, trainer) -> None:
-        """Serve the checkpoints of `trainer` (orchestrate.trainer.TrainerProcess): the weight path starts."""
+        """Serve the checkpoints of `trainer` (orchestrate.loop.trainer.TrainerProcess): the weight path starts."""
         c = self.config.server
         self.trainer = trainer
         self.weights = PolicyWeights(self.run, self.policy, c.weight_transfer, c.weight_transfer_timeout_s, trainer,
@@ -146,7 +146,7 @@ class Servers:
 
     def serve(self, version: int, keep_previous: bool = False) -> None:
         """Serve checkpoint `version` on every policy server (blocking; no call may be in flight), in memory
-        or from disk (orchestrate.weights). A reload from disk is checked by a change of log-probs, unless
+        or from disk (orchestrate.serving.weights). A reload from disk is checked by a change of log-probs, unless
         the learner recorded that the weights did not change. A server that does not take it is left stale
         (out of the pool until it rejoins with the weights); with none left the run stops."""
         self.weights.serve(version, verify=self.trainer.weights_changed(version), keep_previous=keep_previous)

@@ -62,7 +62,7 @@ def _get(config, dotted: str) -> Any:
 
 def check_placement(config) -> None:
     """--server.cpus and --trainer.cpus name cores this process may use, and do not share any."""
-    from orchestrate.processes import format_cpus, parse_cpus
+    from orchestrate.serving.processes import format_cpus, parse_cpus
 
     ours = os.sched_getaffinity(0)
     chosen = {}
@@ -102,7 +102,7 @@ def visible_gpus() -> list[str]:
 def gpu_slices(text: str | None, servers: int, per_server: int) -> list[list[str]]:
     """Each server's GPUs as CUDA_VISIBLE_DEVICES names them: `per_server` consecutive ones of `text`
     ('0-3'; checked by check_gpus), else of all visible GPUs."""
-    from orchestrate.processes import parse_cpus
+    from orchestrate.serving.processes import parse_cpus
 
     visible = visible_gpus()
     indices = parse_cpus(text) if text else list(range(servers * per_server))
@@ -114,7 +114,7 @@ def check_gpus(config, count: int | None = None) -> None:
     """--server.gpus, --server.reference_gpus and --trainer.gpus name visible GPUs, enough of them, and
     the trainer's are not the servers'; tensor/data parallelism needs GPUs. `count`: the visible GPUs (for
     tests; default: torch's count)."""
-    from orchestrate.processes import format_cpus, parse_cpus
+    from orchestrate.serving.processes import format_cpus, parse_cpus
 
     s, t = config.server, config.trainer
     given = {d: v for d, v in (("server.gpus", s.gpus), ("server.reference_gpus", s.reference_gpus),
@@ -204,7 +204,7 @@ def check_dynamic_sampling(config) -> None:
 def check_lora(config) -> None:
     """A LoRA run serves each version as an adapter loaded by path, at a rank vLLM can reserve; its
     reference (the initial policy) is scored on the policy servers."""
-    from orchestrate.vllm_server import served_lora_rank
+    from orchestrate.serving.vllm_server import served_lora_rank
 
     lora, s = config.train.lora, config.server
     if lora.rank == 0:

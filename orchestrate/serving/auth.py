@@ -8,7 +8,7 @@ is in /proc/PID/cmdline, which every user of the machine can read (`ps`).
 
 So the server gets its key from the environment (`VLLM_API_KEY`, readable only
 by its owner in /proc/PID/environ) and is started with
-`--middleware orchestrate.server_auth.RequireAPIKey`: an ASGI middleware,
+`--middleware orchestrate.serving.auth.RequireAPIKey`: an ASGI middleware,
 outermost, that refuses every HTTP request and websocket without
 `Authorization: Bearer KEY`, whatever its path (/health included: our own
 health checks send the key).
@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import parse_qs
 
 KEY_ENV = "VLLM_API_KEY"
-MIDDLEWARE = "orchestrate.server_auth.RequireAPIKey"
+MIDDLEWARE = "orchestrate.serving.auth.RequireAPIKey"
 STAT_PATH = "/tapeloop/stat"
 LORA_ENV = "TAPELOOP_MAX_LORA_RANK"  # the server's --max-lora-rank (0: no LoRA), told by STAT_PATH
 

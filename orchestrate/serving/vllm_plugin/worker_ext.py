@@ -1,5 +1,5 @@
 """A method added to vLLM's workers (`--worker-extension-cls`), for new weights swapped in while calls are
-in flight (`--run.in_flight_swaps`, orchestrate.servers).
+in flight (`--run.in_flight_swaps`, orchestrate.loop.servers).
 
 With the engine paused between two steps (`POST /pause?mode=keep`), `output_lengths` says how many tokens
 each request has sampled so far: those came from the weights served until then, the rest of the call will
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 class OutputLengths:
-    """Mixed into vLLM's worker class by `--worker-extension-cls orchestrate.worker_ext.OutputLengths`."""
+    """Mixed into vLLM's worker class by `--worker-extension-cls orchestrate.serving.vllm_plugin.worker_ext.OutputLengths`."""
 
     def output_lengths(self) -> dict[str, int]:
         """Tokens sampled so far by each request the worker holds, by vLLM's internal request id."""

@@ -1,4 +1,4 @@
-"""Tapes -> training samples in the finetune process's batch format: one sample per episode.
+"""What an iteration saves: its tape file (`save_tapes`, written whole), and the tapes -> training samples in the finetune process's batch format: one sample per episode.
 
 An episode's calls share their prefixes (each prompt is the previous prompt +
 output + the environment's tokens), so the whole episode is one sample: the
@@ -14,9 +14,12 @@ advantages. Tapes flagged with an infrastructure error are left out.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from agents.agent import turn_rewards
+from contract.durable import AtomicFile
+from tapes.store import TapeWriter
 from tapes.tape import Tape, call_chains
 
 
@@ -96,3 +99,11 @@ def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
         why = sorted({t.metadata.error or t.metadata.reward_reason or "nothing sampled" for t in tapes})
         raise SampleError(f"no tape of {len(tapes)} can be trained on: {'; '.join(why[:3])}")
     return write_batch(path, samples)
+
+
+def save_tapes(path: str | os.PathLike, tapes) -> Path:
+    """A tape file of the run: written under `.partial`, renamed when whole (contract.durable.AtomicFile)."""
+    with AtomicFile(path) as f, TapeWriter(f) as writer:
+        for tape in tapes:
+            writer.write(tape)
+    return Path(path)

@@ -11,7 +11,7 @@ ordinary fp32 folder under the cache and later calls reuse that folder. The
 package's Python code (and its llama-cpp-python dependency) is never imported:
 only the file is read.
 
-    uv run -m agents.models smollm2        # build (once) and print the folder
+    uv run -m orchestrate.serving.models smollm2        # build (once) and print the folder
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m agents.models",
+        prog="python -m orchestrate.serving.models",
         allow_abbrev=False,
         description="Resolve a model name to a local Hugging Face folder (building the embedded one if needed) and print it.",
     )

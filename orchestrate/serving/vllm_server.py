@@ -27,12 +27,12 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
-from orchestrate.processes import format_cpus, spawn, stop
-from orchestrate.server_auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
+from orchestrate.serving.auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
+from orchestrate.serving.processes import format_cpus, spawn, stop
 
-# The name our weight-transfer engine (orchestrate.weight_engine) is registered under in vLLM.
+# The name our weight-transfer engine (orchestrate.serving.vllm_plugin.weight_engine) is registered under in vLLM.
 WEIGHT_ENGINE = "tapeloop"
-WORKER_EXTENSION = "orchestrate.worker_ext.OutputLengths"
+WORKER_EXTENSION = "orchestrate.serving.vllm_plugin.worker_ext.OutputLengths"
 
 # The ranks vLLM can reserve for adapters (--max-lora-rank; vllm/config/lora.py MaxLoRARanks, checked by a test).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -185,7 +185,7 @@ class VLLMServer:
             "--host", self.host,
             "--port", str(self.port),
             # the key comes from the environment ($VLLM_API_KEY; /proc/PID/cmdline is world-readable) and
-            # this middleware requires it on every route, not only under /v1 (see orchestrate/server_auth.py)
+            # this middleware requires it on every route, not only under /v1 (see orchestrate/serving/auth.py)
             "--middleware", MIDDLEWARE,
             "--dtype", dtype,
             "--max-model-len", str(c.max_model_len),
@@ -199,13 +199,15 @@ class VLLMServer:
         if eager:
             cmd.append("--enforce-eager")
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
-        if self.max_lora_rank:  # a LoRA run: each version is an adapter, loaded by path (orchestrate.weights)
+        if self.max_lora_rank:  # a LoRA run: each version is an adapter, loaded by path (orchestrate.serving.weights)
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "2"]
             from finetune.lora import layer_projections
 
             if targets := layer_projections(self.model):  # adapters live inside the layers; the head stays plain
                 cmd += ["--lora-target-modules", *targets]
-        if c.weight_transfer != "disk":  # our engine (orchestrate.weight_engine), loaded as a vLLM plugin
+        if (
+            c.weight_transfer != "disk"
+        ):  # our engine (orchestrate.serving.vllm_plugin.weight_engine), loaded as a vLLM plugin
             cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_ENGINE})]
         if self.on_gpu:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization), "--enable-sleep-mode"]
@@ -389,7 +391,7 @@ class VLLMServer:
 
     def output_lengths(self) -> dict[str, int]:
         """While paused: tokens sampled so far by each request the engine has started, by vLLM's request id
-        (`<our X-Request-Id>` inside it; orchestrate.worker_ext)."""
+        (`<our X-Request-Id>` inside it; orchestrate.serving.vllm_plugin.worker_ext)."""
         lengths: dict[str, int] = {}
         for result in self._post("/collective_rpc", {"method": "output_lengths"}).json()["results"]:
             for request, n in (result or {}).items():  # one per worker; tensor-parallel ones agree
@@ -466,7 +468,7 @@ class RemoteServer(VLLMServer):
     def served_lora_rank(self) -> int | None:
         """The --max-lora-rank the server was started with (0: no LoRA; None: it does not say, so it was not
         started with `uv run -m orchestrate.serve`)."""
-        from orchestrate.server_auth import STAT_PATH
+        from orchestrate.serving.auth import STAT_PATH
 
         response = self.get(STAT_PATH, {"path": ""})
         return int(response.json().get("max_lora_rank", 0)) if response.status_code == 200 else None
@@ -474,7 +476,7 @@ class RemoteServer(VLLMServer):
     def sees(self, folder: str | os.PathLike) -> str | None:
         """None when the server sees `folder` as this machine does (the same files at the same path), else
         what differs."""
-        from orchestrate.server_auth import STAT_PATH, folder_fingerprint
+        from orchestrate.serving.auth import STAT_PATH, folder_fingerprint
 
         response = self.get(STAT_PATH, {"path": str(folder)})
         if response.status_code == 404:

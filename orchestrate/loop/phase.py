@@ -1,5 +1,5 @@
-"""The orchestrator's helpers around the run directory (whose names contract.rundir owns): tape files
-written whole, the differences between two configs, and the test hook that kills the loop in a phase.
+"""The phase the loop is in, for the test hook that kills it there (bench/bench_kill.py); phase.json's names
+are contract.rundir.LOOP_PHASES.
 """
 
 from __future__ import annotations
@@ -8,10 +8,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
-
-from contract.durable import AtomicFile
-from tapes.store import TapeWriter
 
 KILL_AT_ENV = "TAPELOOP_KILL_AT"
 
@@ -40,23 +36,3 @@ def kill_hook(phase: str, still_in=lambda: True) -> None:
         kill()
     else:
         threading.Thread(target=lambda: (time.sleep(delay), kill()), daemon=True).start()
-
-
-def save_tapes(path: str | os.PathLike, tapes) -> Path:
-    """A tape file of the run: written under `.partial`, renamed when whole (contract.durable.AtomicFile)."""
-    with AtomicFile(path) as f, TapeWriter(f) as writer:
-        for tape in tapes:
-            writer.write(tape)
-    return Path(path)
-
-
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted names whose values differ between two config dicts."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out

@@ -3,7 +3,7 @@
     uv run -m orchestrate.rl                                   # preset "embedded"
     uv run -m orchestrate.rl --preset gsm8k --rollouts.attempts 8 --train.lr 2e-6
 
-A preset is a TOML file in orchestrate/presets/ that sets some fields; every
+A preset is a TOML file in orchestrate/loop/presets/ that sets some fields; every
 field can then be overridden on the command line by its dotted name. `--help`
 lists every option with its meaning and default. A bad value is refused with
 one line naming the option (exit status 2) before anything is loaded.
@@ -35,9 +35,9 @@ from contract.cli import (
     refuse_repeated,
 )
 from finetune.config import TrainConfig
-from orchestrate.config_checks import ConfigError, check_config
-from orchestrate.processes import format_cpus, parse_cpus
-from orchestrate.vllm_server import ServerConfig
+from orchestrate.loop.config_checks import ConfigError, check_config
+from orchestrate.serving.processes import format_cpus, parse_cpus
+from orchestrate.serving.vllm_server import ServerConfig
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -474,3 +474,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLCon
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     return args, config
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted names whose values differ between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out

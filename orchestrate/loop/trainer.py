@@ -28,12 +28,12 @@ from pathlib import Path
 from contract.durable import atomic_write_text, read_jsonl
 from contract.rundir import BATCH_METRICS, STEP_METRICS, RunDir, optimizer_steps
 from finetune.config import TrainConfig
-from orchestrate.config import TrainerSection
-from orchestrate.processes import parse_cpus, spawn, stop
-from orchestrate.progress import progress_bar
-from orchestrate.vllm_server import cuda_available, free_port, log_tail
+from orchestrate.loop.config import TrainerSection
+from orchestrate.loop.progress import progress_bar
+from orchestrate.serving.processes import parse_cpus, spawn, stop
+from orchestrate.serving.vllm_server import cuda_available, free_port, log_tail
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
 
 
@@ -146,7 +146,7 @@ class TrainerProcess:
         if cpus:  # torch's threads, one per core it may use
             env["OMP_NUM_THREADS"] = str(len(cpus))
         if self.launch.gpus:  # indices of our visible GPUs, as the child must name them
-            from orchestrate.config_checks import gpu_slices
+            from orchestrate.loop.config_checks import gpu_slices
 
             devices = self.launch.gpus
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices(devices, 1, len(parse_cpus(devices)))[0])

@@ -1,7 +1,7 @@
 """Child processes that never outlive the orchestrator, even when it is killed with SIGKILL.
 
 `spawn()` starts a command under a small guard process (`python -m
-orchestrate.processes CMD...`). The kernel sends the guard SIGTERM when the
+orchestrate.serving.processes CMD...`). The kernel sends the guard SIGTERM when the
 orchestrator dies (PR_SET_PDEATHSIG); the guard then stops the command's
 whole process group, SIGTERM first and SIGKILL after a grace period. This
 catches what a plain parent-death signal misses: vLLM's engine core outlives
@@ -68,7 +68,7 @@ def spawn(
 
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "orchestrate.processes", *command],
+            [sys.executable, "-m", "orchestrate.serving.processes", *command],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec,
         )  # fmt: skip
 
