@@ -18,7 +18,7 @@ Publishing, at the first budget:
 - before (every iteration until this change): the whole checkpoint, a Hugging Face folder in bf16 plus
   trainer_state/ (fp32 weights, AdamW state, RNG), written and synced;
 - after: per iteration, the weights gathered in the served dtype and packed into checked buckets
-  (finetune.weight_transfer: what the NCCL broadcast sends; the broadcast itself needs a vLLM server on
+  (contract.weight_wire: what the NCCL broadcast sends; the broadcast itself needs a vLLM server on
   another GPU and is not timed here), plus the full state every --state-every iterations (amortized):
   its model folder before the version is published, its trainer state after the version went out;
 - the ratio of each to the optimizer step (target: after <= 10%);
@@ -190,8 +190,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_learner.json")
     args = ap.parse_args()
 
+    from contract.weight_wire import pack
     from finetune.config import TrainConfig
-    from finetune.weight_transfer import pack
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     work = Path(tempfile.mkdtemp(prefix="bench_gpu_learner_"))

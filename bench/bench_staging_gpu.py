@@ -3,11 +3,11 @@
     python3 bench/bench_staging_gpu.py [--gib 2.5] [--repeats 3]    # a GPU machine: torch only
     python3 bench/bench_staging_gpu.py --gib 0.25 --device cpu        # the same code path on CPU
 
-With NCCL a server stages a version on its GPU while it has room for it (finetune.weight_transfer.
+With NCCL a server stages a version on its GPU while it has room for it (contract.weight_wire.
 staging_device), else in page-locked host memory: each bucket then arrives in one buffer on the GPU, its
 checksum is taken there, and it is copied out; loading copies each weight back to the GPU. This times
 those steps for a version of --gib GiB (2.5: a 1B model in bf16; 16: 8B) in the buckets the learner packs
-(finetune.weight_transfer.BUCKET_BYTES), with the broadcast itself left out (it is the same either way):
+(contract.weight_wire.BUCKET_BYTES), with the broadcast itself left out (it is the same either way):
   on the GPU  - checksum each bucket; load = one copy on the GPU per bucket;
   via host    - checksum each bucket on the GPU, copy it to its host bucket; load = one copy from host to
                 GPU per bucket.
@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: the project's root on the path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.weight_transfer import BUCKET_BYTES, checksum, new_buffer  # noqa: E402
+from contract.weight_wire import BUCKET_BYTES, checksum, new_buffer  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

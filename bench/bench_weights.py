@@ -8,10 +8,10 @@ server started as the loop starts it with --server.weight_transfer gloo. Each re
 order, puts a new version on the server (every weight scaled by a factor that changes each time, so each
 version differs):
   disk   - the learner writes the version's model folder, the server reloads it by path
-           (PolicyWeights.serve on the disk path: /collective_rpc reload_weights + /reset_prefix_cache);
+           (Transport.serve on the disk path: /collective_rpc reload_weights + /reset_prefix_cache);
   memory - the learner packs the version into checked buckets and broadcasts them while the server
-           receives them (PolicyWeights.serve in memory: the loop's weight_sync), then acks.
-weight_sync is the time the loop waits in PolicyWeights.serve; the learner's side is timed apart:
+           receives them (CollectiveTransport.serve in memory: the loop's weight_sync), then acks.
+weight_sync is the time the loop waits in Transport.serve; the learner's side is timed apart:
   before - what the learner wrote after every batch until this change: the model folder and its full
            trainer state (finetune.learner.Learner.save_checkpoint);
   after  - per batch: the weights gathered and packed (in memory) or the model folder alone (disk), plus
@@ -33,12 +33,13 @@ import torch
 
 from contract.durable import atomic_write_json
 from contract.rundir import LEARNER_RECORD, TRANSFER_MANIFEST, RunDir
+from contract.weight_paths import select
 from finetune.config import TrainConfig
 from finetune.learner import Learner
-from finetune.weight_transfer import WeightSender
+from finetune.publish.collective import CollectivePublisher
 from orchestrate.serving.models import resolve_model, untied_copy
 from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
-from orchestrate.serving.weights import PolicyWeights
+from orchestrate.serving.weights import transport_for
 
 
 class _OwnTrainer:
@@ -74,8 +75,8 @@ def main() -> None:
         server = VLLMServer(model, log_path=Path(tmp) / "server.log",
                             config=ServerConfig(weight_transfer="gloo", max_model_len=1024)).start()  # fmt: skip
         try:
-            weights = PolicyWeights(run, [server], "gloo", 120, _OwnTrainer())
-            sender = WeightSender()
+            weights = transport_for(run, [server], select("gloo"), 120, _OwnTrainer())
+            sender = CollectivePublisher(run, select("gloo"))
             joining = threading.Thread(target=lambda: (_await_group(run), sender.join(run.read_json(run.weight_group))))
             joining.start()
             weights.start()
@@ -95,9 +96,9 @@ def main() -> None:
                     if path == "disk":
                         learner_s["folder"].append(timed(lambda s=state, t=tmp_ck: learner.save_weights(t, s)))
                         run.publish_checkpoint(tmp_ck, version)
-                        weights.backend = "disk"
+                        weights.in_memory = False  # the collective's own disk path
                         sync["disk"].append(timed(lambda v=version: weights.serve(v, verify=False)))
-                        weights.backend = "gloo"
+                        weights.in_memory = True
                         continue
                     start = time.perf_counter()
                     packed = sender.pack(learner.policy_weights().items(), learner.save_dtype)  # as finetune.train
@@ -106,8 +107,9 @@ def main() -> None:
                     atomic_write_json(tmp_ck / TRANSFER_MANIFEST, manifest)
                     run.publish_checkpoint(tmp_ck, version)
                     result: list = []
-                    sending = threading.Thread(target=lambda v=version, p=packed, result=result: result.append(
-                        sender.deliver(run, v, p, lambda: None)))  # fmt: skip
+                    sender.packed = packed  # as CollectivePublisher.write leaves it
+                    sending = threading.Thread(target=lambda v=version, s=state, result=result: result.append(
+                        sender.deliver(learner, v, s)))  # fmt: skip
                     sending.start()
                     sync["memory"].append(timed(lambda v=version: weights.serve(v)))
                     sending.join()

@@ -4,7 +4,7 @@
 
 NCCL refuses two ranks on one GPU, so a learner and a server cannot meet on a one-GPU machine; a group of
 one rank can run. Checked, each printed PASS or FAIL (a record in --out/check_weight_path.json):
-  group    - finetune.weight_transfer's group (nccl on a GPU) formed by WeightSender.join: built with
+  group    - contract.weight_wire's group (nccl on a GPU) formed by CollectivePublisher.join: built with
              NCCL_GROUP_ENV, the process's own variables back after, its first broadcast passed; left by a
              shutdown, joined again, left by an abort (a failed transfer's way out);
   on_gpu   - a version of --gib GiB (bf16 weights on the GPU) packed where staging_device says with room:
@@ -30,7 +30,9 @@ if __package__ in (None, ""):  # run as a script: the project's root on the path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune import weight_transfer as wt  # noqa: E402
+from contract import weight_wire as wt  # noqa: E402
+from contract.weight_paths import select  # noqa: E402
+from finetune.publish.collective import CollectivePublisher  # noqa: E402
 
 
 def main() -> int:
@@ -54,7 +56,7 @@ def main() -> int:
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     info = {"backend": backend, "host": "127.0.0.1", "port": store.port, "world_size": 1, "timeout_s": 60}
     before = {k: os.environ.get(k) for k in wt.NCCL_GROUP_ENV}
-    sender = wt.WeightSender()
+    sender = CollectivePublisher(None, select(backend))
     try:
         sender.join({**info, "generation": 1})
         formed = sender.group is not None and sender.generation == 1
@@ -84,7 +86,7 @@ def main() -> int:
     try:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         start = time.perf_counter()
-        gpu = wt.WeightSender.pack(sender, weights.items(), "bfloat16")
+        gpu = sender.pack(weights.items(), "bfloat16")
         sync()
         pack_s = time.perf_counter() - start
         where = {b.device.type for b in gpu.buckets}

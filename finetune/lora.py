@@ -28,24 +28,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SAVED_PREFIX = "base_model.model."  # peft's prefix of the keys in a saved adapter
 
 
-def layer_projections(model_dir: str | os.PathLike) -> list[str] | None:
-    """The short names of the matrices inside the model's layers (q_proj, ..., down_proj for a Llama), read
-    from its safetensors key names (no weight is loaded): what an adapter may target. None: no safetensors.
-    The output head and the embeddings are not among them (vLLM's LoRA path for the head breaks prompt
-    log-probs of batched requests on this version: vllm-project/vllm#16668)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                parts = key.split(".")
-                if "layers" in parts and parts[-1] == "weight" and len(f.get_slice(key).get_shape()) == 2:
-                    names.add(parts[-2])
-    return sorted(names) if files else None
-
-
 def with_lora(lm, lora, seed: int = 0):
     """`lm` with LoRA adapters injected in place, and peft's LoraConfig (its target modules resolved). A
     target module the model does not have is refused with the names it has. The adapters' initial A

@@ -348,10 +348,10 @@ class _Session:
         self.state = {"status": "loading", "last_batch": None, "checkpoint": None, "optimizer_step": 0,
                       "batch_in_progress": None, "state_writing": None}  # fmt: skip
         self.last: int | None = None  # the newest batch trained
-        from finetune.weight_transfer import WeightSender
+        from finetune.publish import publisher_for
 
-        self.sender = WeightSender()  # the main process's end of the in-memory weight transfer
-        self.failed_generation = 0  # a group generation this learner could not join (not tried again)
+        # this learner's end of the weight path (finetune.publish), switched when the orchestrator announces another
+        self.publisher = publisher_for(self.run, None, config.lora.rank)
         self.in_flight: _StateWrite | None = None  # a full trainer state being written (land_state)
 
     def set_state(self, **fields) -> None:
@@ -525,35 +525,28 @@ class _Session:
 
     def _publish(self, index: int, samples: list, metrics: list[dict]) -> Path | None:
         """Checkpoint `index` built aside (every process saves its part), the learner's record, the
-        advantages and the step metrics written, then the checkpoint renamed into place. Then the weights
-        go to the servers: in memory when a weight-transfer group is joined (finetune.weight_transfer), else
-        as the checkpoint's model folder, which the servers reload."""
+        advantages and the step metrics written, then the checkpoint renamed into place. The weights go to
+        the servers by the mechanism the orchestrator announced (finetune.publish: a model folder, an
+        adapter, or in memory), written into the checkpoint before it is in place and delivered after."""
         from accelerate.utils import broadcast_object_list
 
         from contract.durable import atomic_write_json
-        from contract.rundir import ADAPTER_DIR, LEARNER_RECORD, TRANSFER_MANIFEST, optimizer_steps
+        from contract.rundir import LEARNER_RECORD, optimizer_steps
+        from finetune.publish import announced, publisher_for
 
         cfg = self.config
         tmp = self.run.temp_checkpoint(index) if self.main_process else None
+        name = announced(self.run) if self.main_process else None
         self.accelerator.wait_for_everyone()
-        tmp = Path(broadcast_object_list([str(tmp) if tmp else None])[0])
+        tmp, name = broadcast_object_list([str(tmp) if tmp else None, name])
+        tmp = Path(tmp)
+        self.publisher = publisher_for(self.run, name, cfg.lora.rank, self.publisher)  # the same in every process
         full_state = index % cfg.save_state_every == 0
-        lora = cfg.lora.rank > 0  # the servers load each version's adapter by path, nothing else
-        weights = self.learner.adapter_weights() if lora else self.learner.policy_weights()  # every process
-        packed = None
-        if self.main_process and lora:
-            self.learner.save_adapter(tmp / ADAPTER_DIR, weights)
-        elif self.main_process:
-            in_memory = self._join_group()
-            due = cfg.save_weights_every and index % cfg.save_weights_every == 0
-            if not in_memory or full_state or due:
-                self.learner.save_weights(tmp, weights)
-            if in_memory:
-                packed = self.sender.pack(weights.items(), self.learner.save_dtype)
-                manifest = {"version": index, "generation": self.sender.generation, **packed.manifest}
-                atomic_write_json(tmp / TRANSFER_MANIFEST, manifest)
+        weights = self.publisher.gather(self.learner)  # every process
         if not self.main_process:
             return None
+        due = bool(cfg.save_weights_every and index % cfg.save_weights_every == 0)
+        self.publisher.write(self.learner, tmp, index, weights, keep_folder=full_state or due)
         # published with the checkpoint: whether this batch moved the weights (the loop reads it to reload)
         record = {"batch": index, "samples": len(samples), "steps": optimizer_steps(metrics),
                   "weights_changed": any(m.get("weights_changed", True) for m in metrics)}  # fmt: skip
@@ -562,57 +555,22 @@ class _Session:
         for m in metrics:  # before the checkpoint too: a published batch has its records (a resume drops orphans)
             self.run.append_metrics({**m, "time": time.time()})
         final = self.run.publish_checkpoint(tmp, index)
-        if packed is not None:
-            self._send(index, packed, weights)
+        self.publisher.deliver(self.learner, index, weights)
         return final
 
-    # ---- weights in memory (finetune.weight_transfer), main process only ----
-
-    def _join_group(self) -> bool:
-        """Join the orchestrator's weight-transfer group when it set up a generation not joined yet; whether
-        a group is joined. A join that fails is logged and the weights go through the disk instead."""
-        info = self.run.read_json(self.run.weight_group)
-        if not info or info.get("backend") in (None, "disk"):
-            self.sender.close()
-            return False
-        if int(info.get("generation", 0)) == self.failed_generation:
-            return False
-        if int(info.get("generation", 0)) != self.sender.generation:
-            log.info("joining weight-transfer group %s (generation %s, %s ranks)", info.get("backend"),
-                     info.get("generation"), info.get("world_size"))  # fmt: skip
-            try:
-                self.sender.join(info)
-            except Exception as exc:  # noqa: BLE001 - the disk path still works
-                log.warning("could not join the weight-transfer group (%s); weights go through the disk", exc)
-                self.sender.close()
-                self.failed_generation = int(info.get("generation", 0))
-                return False
-        return True
-
-    def _send(self, index: int, packed, weights: dict) -> None:
-        """Version `index` to the servers in memory; on failure its model folder, for them to reload."""
-        start = time.perf_counter()
-        folder = self.run.checkpoint(index)
-        failed = self.sender.deliver(self.run, index, packed, lambda: self.learner.save_weights(folder, weights))
-        if failed:
-            log.warning("version %d: transfer failed (%s); its weights were written to disk", index, failed)
-        else:
-            log.info("version %d sent in memory in %.2f s (%d buckets)", index, time.perf_counter() - start,
-                     len(packed.buckets))  # fmt: skip
-
     def answer_requests(self) -> None:
-        """Between batches: join a new group generation; write the current version's weights to disk when
-        the orchestrator asks for them (a server that must reload). The main process decides, every process
-        takes part in gathering the weights."""
+        """Between batches: set up what the orchestrator announced (a new group generation: finetune.publish);
+        write the current version's weights to disk when the orchestrator asks for them (a server that must
+        reload). The main process decides, every process takes part in gathering the weights."""
         from accelerate.utils import broadcast_object_list
+
+        from finetune.publish import announced, publisher_for
 
         write = False
         if self.main_process:
-            self._join_group()  # a generation not joined yet (nothing when none is announced, or it is joined)
-            request = self.run.read_json(self.run.weights_request)
-            write = (
-                self.last is not None and request.get("version") == self.last and not self.run.has_weights(self.last)
-            )
+            self.publisher = publisher_for(self.run, announced(self.run), self.config.lora.rank, self.publisher)
+            self.publisher.between_batches()
+            write = self.publisher.asked_for(self.last)
         if broadcast_object_list([write])[0]:
             weights = self.learner.policy_weights()
             if self.main_process:
@@ -626,7 +584,7 @@ class _Session:
         if self.last is None:
             return
         folder = self.run.checkpoint(self.last)
-        if self.config.lora.rank == 0:  # a LoRA run's checkpoints hold their adapter already
+        if self.publisher.writes_final_folder:  # a LoRA run's checkpoints hold their adapter already
             weights = self.learner.policy_weights()
             if self.main_process and not self.run.has_weights(self.last):
                 self.learner.save_weights(folder, weights)

@@ -16,7 +16,8 @@ untempered trainer log-probs do *not* match at T = 0.7, so it would notice a
 server that returned raw log-probs.
 
 The same server takes new weights in memory (--server.weight_transfer gloo: the learner's
-finetune.weight_transfer, the servers' orchestrate.serving.vllm_plugin.weight_engine, driven by orchestrate.serving.weights) and
+finetune.publish.collective, the servers' orchestrate.serving.vllm_plugin.collective_engine, driven by
+orchestrate.serving.transports.collective) and
 serves exactly what a reload of the same weights from disk serves; a corrupted or partial transfer is
 refused and the server goes on serving the version it had.
 
@@ -197,7 +198,7 @@ def test_ratio_after_reload_weights(trained, tmp_path):
 
 
 class _Trainer:
-    """What PolicyWeights asks of the trainer process: it is ours, and alive."""
+    """What a transport asks of the trainer process: it is ours, and alive."""
 
     external = False
 
@@ -226,34 +227,36 @@ def _join(weights, sender, run) -> None:
     joining = _learner_joins_next(sender, run, weights.generation + 1)
     weights._form_group()
     joining.join()
-    assert weights.backend == "gloo" and sender.generation == weights.generation
+    assert weights.in_memory and sender.generation == weights.generation
 
 
 @pytest.fixture(scope="module")
 def in_memory(trained, tmp_path_factory):
-    """The orchestrator's PolicyWeights over the module's server, and the learner's WeightSender (this
+    """The orchestrator's end of the gloo mechanism over the module's server, and the learner's (this
     process plays the learner's main process: rank 0 of the group)."""
     from contract.rundir import RunDir
-    from finetune.weight_transfer import WeightSender
-    from orchestrate.serving.weights import PolicyWeights
+    from contract.weight_paths import select
+    from finetune.publish import publisher_for
+    from orchestrate.serving.weights import transport_for
 
     server = trained[0]
     run = RunDir(tmp_path_factory.mktemp("transfer_run"))
     run.checkpoints.mkdir(parents=True)
-    weights = PolicyWeights(run, [server], "gloo", timeout_s=60, trainer=_Trainer())
-    sender = WeightSender()
+    weights = transport_for(run, [server], select("gloo"), timeout_s=60, trainer=_Trainer())
+    sender = publisher_for(run, "gloo", lora_rank=0)
     _join(weights, sender, run)
     return weights, sender, run
 
 
 def _publish(run, learner, sender, index: int, corrupt: bool = False, unallocatable: bool = False):
     """The learner's side of version `index` (finetune.train): the checkpoint with its manifest, then, in a
-    thread, the broadcast and the wait for the ack (the model folder written if the ack is not good)."""
+    thread, the broadcast and the wait for the ack (the model folder written if the ack is not good): the
+    manifest here packs into several buckets, and may be corrupted, so it is written here, not by `write`."""
     import threading
 
     from contract.durable import atomic_write_json
     from contract.rundir import LEARNER_RECORD, TRANSFER_MANIFEST
-    from finetune.weight_transfer import pack
+    from contract.weight_wire import pack
 
     weights = learner.policy_weights()
     packed = pack(weights.items(), learner.save_dtype, bucket_bytes=2**20)  # several buckets
@@ -267,8 +270,8 @@ def _publish(run, learner, sender, index: int, corrupt: bool = False, unallocata
     atomic_write_json(tmp / LEARNER_RECORD, {"batch": index, "weights_changed": True})
     run.publish_checkpoint(tmp, index)
     result: list = []
-    write = lambda: learner.save_weights(run.checkpoint(index), weights)  # noqa: E731
-    thread = threading.Thread(target=lambda: result.append(sender.deliver(run, index, packed, write)))
+    sender.packed = packed  # as `write` leaves it
+    thread = threading.Thread(target=lambda: result.append(sender.deliver(learner, index, weights)))
     thread.start()
     return thread, result, packed, manifest
 
@@ -316,7 +319,7 @@ def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path
     assert weights.serve(7) == []  # every server holds version 7 in the end, from disk
     thread.join(timeout=120)
     joining.join(timeout=120)
-    assert weights.backend == "gloo" and sender.generation == weights.generation
+    assert weights.in_memory and sender.generation == weights.generation
     ack = run.read_json(run.weights_ack)
     assert ack["version"] == 7 and not ack["ok"] and "checksum" in ack["reason"], ack
     assert result and "checksum" in result[0] and run.has_weights(7)
@@ -332,7 +335,7 @@ def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path
     held = server.probe_logprobs()  # a version loaded from the staging buffers the next one is received into
 
     # partial: a learner that sends one bucket of several and dies; the served weights do not move
-    from finetune.weight_transfer import pack
+    from contract.weight_wire import pack
 
     one_step(learner, model_dir, 9)
     packed = pack(learner.policy_weights().items(), learner.save_dtype, bucket_bytes=2**20)
@@ -346,8 +349,10 @@ def test_a_corrupted_or_partial_transfer_is_refused(trained, in_memory, tmp_path
         pass
     dying = (
         "import json, os, sys, torch\n"
-        "from finetune.weight_transfer import WeightSender, broadcast_options\n"
-        f"s = WeightSender(); s.join(json.loads(open({str(run.weight_group)!r}).read()))\n"
+        "from contract.weight_paths import select\n"
+        "from contract.weight_wire import broadcast_options\n"
+        "from finetune.publish.collective import CollectivePublisher\n"
+        f"s = CollectivePublisher(None, select('gloo')); s.join(json.loads(open({str(run.weight_group)!r}).read()))\n"
         f"s.group.broadcast([torch.load({str(tmp_path / 'bucket0.pt')!r})], broadcast_options()).wait()\n"
         "os._exit(9)\n"
     )

@@ -60,18 +60,19 @@ def as_model(server, name: str):
 
 
 def test_each_version_is_served_as_its_adapter_and_the_old_one_unloaded(servers, tiny_model_dir, tmp_path):
-    """PolicyWeights (lora) loads version N's adapter as policy-vN: the server then samples what the learner
+    """The adapter transport loads version N's adapter as policy-vN: the server then samples what the learner
     computes (importance ratio 1 within 1e-3); the base name still serves the base model; the adapter before
     is unloaded; a server that rejoins gets the served adapter again (replacing one of the same name)."""
     from contract.rundir import RunDir
+    from contract.weight_paths import select
     from finetune.learner import Learner
-    from orchestrate.serving.weights import PolicyWeights
+    from orchestrate.serving.weights import transport_for
 
     policy, _ = servers
     learner = Learner(tiny_model_dir, TrainConfig(lr=1e-2, lora={"rank": RANK}))
     base = Learner(tiny_model_dir, TrainConfig())
     run = RunDir(tmp_path / "run")
-    weights = PolicyWeights(run, [policy], "disk", 60, _Trainer(), lora=True)
+    weights = transport_for(run, [policy], select("disk", RANK), 60, _Trainer())
     prompts = chat_prompts(tiny_model_dir)
     for version in (1, 2):
         one_step(learner, tiny_model_dir, version)

@@ -1,4 +1,4 @@
-"""The wire format of a version sent in memory (finetune.weight_transfer), without a server: what is packed
+"""The wire format of a version sent in memory (contract.weight_wire), without a server: what is packed
 is what is unpacked, a bucket that is not the manifest's is refused, and the learner packs each version into
 the host buckets of the one before (tests/test_finetune_vllm.py sends versions into a real vLLM server)."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.weight_transfer import ALIGN, TransferError, WeightSender, check_bucket, pack, unpack
+from contract.weight_paths import MECHANISMS
+from contract.weight_wire import ALIGN, TransferError, check_bucket, pack, unpack
+from finetune.publish.collective import CollectivePublisher
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -67,7 +69,7 @@ def test_a_version_packed_into_the_buckets_of_the_one_before_is_packed_whole():
 
 
 def test_the_learner_keeps_its_host_buckets_between_versions():
-    sender = WeightSender()
+    sender = CollectivePublisher(None, MECHANISMS["gloo"])  # the learner's end, no run folder needed here
     first = sender.pack(weights(0).items(), "float32")
     second = sender.pack(weights(1).items(), "float32")
     assert [b.data_ptr() for b in second.buckets] == [b.data_ptr() for b in first.buckets]
@@ -87,7 +89,7 @@ def test_an_nccl_group_is_built_with_waits_that_block_and_raise(monkeypatch):
 
     import torch.distributed as dist
 
-    from finetune import weight_transfer as wt
+    from contract import weight_wire as wt
 
     seen = {}
 
@@ -119,7 +121,7 @@ def test_the_learner_leaves_a_group_shut_down_or_aborted_after_a_failure():
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
-    sender = WeightSender()
+    sender = CollectivePublisher(None, MECHANISMS["gloo"])  # the learner's end, no run folder needed here
     sender.join({"backend": "gloo", "host": "127.0.0.1", "port": store.port, "world_size": 1,
                  "generation": 3, "timeout_s": 30})  # fmt: skip
     assert sender.generation == 3 and sender.group is not None
@@ -154,7 +156,7 @@ def test_a_version_received_through_one_buffer_is_the_version_sent():
 
     import torch.distributed as dist
 
-    from finetune.weight_transfer import broadcast_options, new_group, receive
+    from contract.weight_wire import broadcast_options, new_group, receive
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     versions = [pack(weights(v).items(), "float32", bucket_bytes=2048) for v in (0, 1)]
@@ -181,7 +183,7 @@ def test_a_version_received_through_one_buffer_is_the_version_sent():
 
 
 def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
-    from finetune import weight_transfer as wt
+    from contract import weight_wire as wt
 
     assert wt.staging_device("cpu", 10) == torch.device("cpu")
     free = {"bytes": 0}

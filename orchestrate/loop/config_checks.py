@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.cli import OptionError, check_finite
+from contract.weight_paths import DEFAULT, select
 from finetune.estimators import ESTIMATORS
 
 # A bad preset, option or value; the message is one line naming it. The same class as the command-line
@@ -123,7 +124,8 @@ def check_gpus(config, count: int | None = None) -> None:
                                   ("server.data_parallel_size", s.data_parallel_size)) if v > 1}  # fmt: skip
     if s.policy_urls and (s.reference_url or not config.train.needs_reference):
         parallel = {}  # no server runs here: parallelism is for `orchestrate.serve` on their machines
-    if s.weight_transfer == "nccl" and not s.policy_urls:  # our servers and trainer meet over NCCL: GPUs
+    one_rank_per_gpu = select(s.weight_transfer).one_rank_per_gpu  # our servers and trainer meet on GPUs
+    if one_rank_per_gpu and not s.policy_urls:
         parallel["server.weight_transfer"] = s.weight_transfer
     if not given and not parallel:
         return
@@ -161,17 +163,17 @@ def check_gpus(config, count: int | None = None) -> None:
             shared = format_cpus(chosen[server] & chosen["trainer.gpus"])
             raise ConfigError(f"--trainer.gpus: GPU(s) {shared} are also in --{server}; give the trainer and the "
                               "servers different GPUs, or leave one out")  # fmt: skip
-    if s.weight_transfer == "nccl" and not s.policy_urls and t.launch == "local":
-        # every policy server's workers and the learner's main process are ranks of one NCCL group, which
+    if one_rank_per_gpu and not s.policy_urls and t.launch == "local":
+        # every policy server's workers and the learner's main process are ranks of one group (NCCL), which
         # refuses two ranks on one GPU ("Duplicate GPU detected"): where nothing places them, both use GPU 0
         servers = chosen.get("server.gpus", set(range(s.policy_servers * per_server)))
         trainer = chosen.get("trainer.gpus", set(range(t.num_processes)))
         if servers & trainer:
             where = ", ".join(f"--{d} {given[d]}" for d in ("server.gpus", "trainer.gpus") if d in given)
-            raise ConfigError(f"--server.weight_transfer: nccl needs the learner and the policy servers on different "
+            raise ConfigError(f"--server.weight_transfer: {s.weight_transfer} needs the learner and the policy servers on different "
                               f"GPUs, and GPU(s) {format_cpus(servers & trainer)} would hold both "
                               f"({where or 'neither is placed'}): give --server.gpus and --trainer.gpus apart "
-                              f"(e.g. --server.gpus 0 --trainer.gpus 1), or leave it at disk")  # fmt: skip
+                              f"(e.g. --server.gpus 0 --trainer.gpus 1), or leave it at {DEFAULT}")  # fmt: skip
     if not s.policy_urls and "server.gpus" not in chosen and s.policy_servers * per_server > count:
         raise ConfigError(f"--server.policy_servers: {s.policy_servers} server(s) x {per_server} GPU(s) each do not "
                           f"fit on the {count} visible GPU(s)")  # fmt: skip
@@ -213,9 +215,10 @@ def check_lora(config) -> None:
         served_lora_rank(lora.rank)
     except ValueError as exc:
         raise ConfigError(f"--train.lora.rank: {exc}") from None
-    if s.weight_transfer != "disk":
+    if s.weight_transfer != DEFAULT:
         raise ConfigError(f"--server.weight_transfer: {s.weight_transfer} sends whole weights; a LoRA run "
-                          "(--train.lora.rank) sends only the adapter, loaded by path (megabytes): leave it at disk")  # fmt: skip
+                          f"(--train.lora.rank) sends only the adapter, loaded by path (megabytes): leave it at "
+                          f"{DEFAULT}")  # fmt: skip
     if lora.start_from:
         raise ConfigError("--train.lora.start_from: an RL run's version 0 is --model.policy; to start from an "
                           "adapter, fold it in (`uv run -m orchestrate.merge ADAPTER --out DIR`) and pass "
@@ -274,7 +277,7 @@ def check_config(config) -> None:
     if config.run.in_flight_swaps and not level:
         raise ConfigError("--run.in_flight_swaps: new weights arrive while episodes run only with --run.async_level "
                           "1 or more; raise it or leave the option out")  # fmt: skip
-    if config.run.in_flight_swaps and config.train.lora.rank:
+    if config.run.in_flight_swaps and select(config.server.weight_transfer, config.train.lora.rank).adapter:
         raise ConfigError("--run.in_flight_swaps: a LoRA run never pauses its calls (each version is an adapter of "
                           "its own name: calls in flight finish under the old one); leave the option out")  # fmt: skip
     if "search" in config.env.tools and not config.env.search.corpus:

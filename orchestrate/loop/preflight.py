@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from contract.rundir import RunDir
+from contract.weight_paths import select
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 # Suffixes that mark a value as meant to be a file (not a hub id such as "openai/gsm8k").
@@ -160,7 +161,7 @@ def preflight(config) -> None:
 def check_lora_targets(folder: Path, targets: list[str]) -> None:
     """--train.lora.target_modules names matrices inside the policy's layers: read from its weight files'
     names (no weight is loaded)."""
-    from finetune.lora import layer_projections
+    from contract.adapters import layer_projections
 
     names = layer_projections(folder)
     if names is None:
@@ -277,7 +278,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
             if role == "policy" and config.train.lora.rank:
                 check_served_rank(server, option, config.train.lora.rank)
             # a policy server reloads weights by path, unless they come in memory (then it needs no files of ours)
-            problem = server.sees(folder) if role == "policy" and s.weight_transfer == "disk" else None
+            by_path = select(s.weight_transfer, config.train.lora.rank).by_path  # contract.weight_paths
+            problem = server.sees(folder) if role == "policy" and by_path else None
         except ServerError as exc:
             raise PreflightError(f"{option}: {exc}") from None
         if problem:

@@ -14,6 +14,7 @@ import asyncio
 from contextlib import ExitStack
 
 from contract.rundir import RunDir
+from contract.weight_paths import KEEP, select
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import gpu_slices
 from orchestrate.loop.metrics import server_metrics
@@ -23,7 +24,7 @@ from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.models import untied_copy
 from orchestrate.serving.processes import parse_cpus
 from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
-from orchestrate.serving.weights import PolicyWeights
+from orchestrate.serving.weights import Transport, close_group, transport_for
 from tapes.tape import Tape
 
 ROLES = ("policy", "base", "reference")
@@ -40,9 +41,10 @@ class Servers:
         self.policy = list(policy)
         self.reference = reference
         self.progress = progress
-        self.lora = config.train.lora.rank > 0  # each version an adapter, served under its own name
+        # how new weights reach the policy servers (contract.weight_paths): a LoRA run's, each version an adapter
+        self.mechanism = select(config.server.weight_transfer, config.train.lora.rank)
         self.trainer = None
-        self.weights: PolicyWeights | None = None
+        self.weights: Transport | None = None
         self.counts = _no_counts()  # policy requests since the last record
 
     @classmethod
@@ -81,11 +83,11 @@ class Servers:
         for server in policy:
             # Checked before the run directory was written (preflight); now that it exists, exactly (before
             # the trainer writes there too).
-            if (isinstance(server, RemoteServer) and c.server.weight_transfer == "disk"
+            if (isinstance(server, RemoteServer) and select(c.server.weight_transfer, c.train.lora.rank).by_path
                     and (problem := server.sees(run.root.resolve()))):  # fmt: skip
                 raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
                                   f"so mount {run.root.resolve()} at the same path there")  # fmt: skip
-        PolicyWeights.close_group(run)  # before the learner starts: no joining the group of a killed run
+        close_group(run)  # before the learner starts: no joining the group of a killed run
         return cls(config, run, tokenizer, policy, reference, progress)
 
     @property
@@ -125,8 +127,7 @@ class Servers:
         """Serve the checkpoints of `trainer` (orchestrate.loop.trainer.TrainerProcess): the weight path starts."""
         c = self.config.server
         self.trainer = trainer
-        self.weights = PolicyWeights(self.run, self.policy, c.weight_transfer, c.weight_transfer_timeout_s, trainer,
-                                     lora=self.lora)  # fmt: skip
+        self.weights = transport_for(self.run, self.policy, self.mechanism, c.weight_transfer_timeout_s, trainer)
         self.weights.start()
 
     def resume(self) -> None:
@@ -160,7 +161,8 @@ class Servers:
         The client drains its calls in flight around the reload, so every call has one version; with
         `--run.in_flight_swaps` they are paused between two engine steps instead (`swap_in_flight`); with
         LoRA nothing waits: calls in flight finish under the old adapter, unloaded once the last is done."""
-        mode = "adapter" if self.lora else "keep" if self.config.run.in_flight_swaps else "drain"
+        mode = self.mechanism.swap(self.config.run.in_flight_swaps)
+        adapters = self.mechanism.adapter  # versions side by side: the one before is unloaded once idle
         unloads = []
         while not stop.is_set():
             newest = self.trainer.newest_checkpoint()
@@ -168,15 +170,15 @@ class Servers:
                 old = self.served
 
                 async def reload(v=newest):
-                    if mode == "keep":
+                    if mode == KEEP:
                         await self.swap_in_flight(client, v)
                     else:
-                        await asyncio.to_thread(self.serve, v, self.lora)
+                        await asyncio.to_thread(self.serve, v, adapters)
                     for server in list(self.stale):  # missed it: out until it rejoins with these weights
                         client.take_out(server)
 
                 await client.swap_weights(reload, newest, mode=mode)
-                if self.lora:
+                if adapters:
 
                     async def unload(v=old):
                         await client.version_idle(v)
@@ -244,7 +246,7 @@ class Servers:
             raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
         servers = [self.reference] if role == "reference" else self.policy
         adapter = None
-        if role == "policy" and self.lora:
+        if role == "policy" and self.mechanism.adapter:
             name = self.policy[0].served_model_name
             adapter = lambda v: adapter_name(name, v) if v else None  # noqa: E731 - version 0 is the base
         return VLLMClient(

@@ -27,11 +27,10 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
+from contract.weight_paths import DEFAULT, OPTIONS, select
 from orchestrate.serving.auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
 from orchestrate.serving.processes import format_cpus, spawn, stop
 
-# The name our weight-transfer engine (orchestrate.serving.vllm_plugin.weight_engine) is registered under in vLLM.
-WEIGHT_ENGINE = "tapeloop"
 WORKER_EXTENSION = "orchestrate.serving.vllm_plugin.worker_ext.OutputLengths"
 
 # The ranks vLLM can reserve for adapters (--max-lora-rank; vllm/config/lora.py MaxLoRARanks, checked by a test).
@@ -81,8 +80,8 @@ class ServerConfig(BaseModel):
     data_parallel_size: int = Field(
         1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)"
     )
-    weight_transfer: Literal["disk", "gloo", "nccl"] = Field(
-        "disk",
+    weight_transfer: Literal[OPTIONS] = Field(  # the mechanisms of contract.weight_paths that are options
+        DEFAULT,
         description="how new policy weights reach the servers: disk (each version written as a model folder, "
         "reloaded by path), gloo (in memory over torch.distributed, CPU) or nccl (in memory, GPUs); "
         "see docs/weights.md",
@@ -201,14 +200,12 @@ class VLLMServer:
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.max_lora_rank:  # a LoRA run: each version is an adapter, loaded by path (orchestrate.serving.weights)
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "2"]
-            from finetune.lora import layer_projections
+            from contract.adapters import layer_projections
 
             if targets := layer_projections(self.model):  # adapters live inside the layers; the head stays plain
                 cmd += ["--lora-target-modules", *targets]
-        if (
-            c.weight_transfer != "disk"
-        ):  # our engine (orchestrate.serving.vllm_plugin.weight_engine), loaded as a vLLM plugin
-            cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_ENGINE})]
+        if engine := select(c.weight_transfer).engine:  # ours (contract.weight_paths.ENGINES), a vLLM plugin
+            cmd += ["--weight-transfer-config", json.dumps({"backend": engine})]
         if self.on_gpu:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization), "--enable-sleep-mode"]
             if c.tensor_parallel_size > 1:

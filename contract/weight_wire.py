@@ -1,10 +1,11 @@
-"""Weights in memory: the wire format of a transfer into running vLLM servers, and the learner's side of it.
+"""Weights in memory: the wire format of a collective transfer into running vLLM servers, which both ends import.
 
 With `--server.weight_transfer gloo` (CPU) or `nccl` (GPUs) the learner does not write a model folder per
 iteration for vLLM to reload: its main process sends the policy's weights, in the served dtype, to every
 policy server over a torch.distributed process group of its own (rank 0: the learner; ranks 1..: the
-servers' workers, whose engine is orchestrate.serving.vllm_plugin.weight_engine). The run folder carries the rest of the
-protocol (file names in contract.rundir):
+servers' workers, whose engine is orchestrate.serving.vllm_plugin.collective_engine). The ends: the learner's
+finetune.publish.collective, the orchestrator's orchestrate.serving.transports.collective (contract.weight_paths
+names them). The run folder carries the rest of the protocol (file names in contract.rundir):
 
 1. The orchestrator hosts the group's TCP store and writes RUN/weight_group.json: {generation, backend,
    host, port, world_size, timeout_s}. The learner joins a generation it has not joined yet, between
@@ -35,31 +36,28 @@ fuses and shards them), with an untied output head, as in a checkpoint folder.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from finetune.lazy import lazy_import
+import torch
 
 if TYPE_CHECKING:
-    import torch
     from torch import Tensor
-else:
-    torch = lazy_import("torch")  # the orchestrator reads the file names without loading torch
 
 ALIGN = 64  # bytes: every weight starts at a multiple of this in its bucket
 BUCKET_BYTES = 256 * 2**20  # bytes per bucket: few collective calls, bounded staging per call
-BACKENDS = ("gloo", "nccl")  # torch.distributed backends of the transfer; "disk" is the reload from a folder
+BACKENDS = ("gloo", "nccl")  # the torch.distributed backends a group is built with (new_group)
+HOST_BACKENDS = ("gloo",)  # those that send and receive in host memory (NCCL: on the GPU)
 
 
 class TransferError(RuntimeError):
     """A transfer that did not deliver one whole, checked version."""
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -85,7 +83,7 @@ def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BU
     entries, groups, size = [], [[]], 0
     for name, tensor in named:
         t = tensor.detach().to(target).contiguous()
-        n = _aligned(t.numel() * t.element_size())
+        n = aligned(t.numel() * t.element_size())
         if groups[-1] and size + n > bucket_bytes:
             groups.append([])
             size = 0
@@ -96,7 +94,7 @@ def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BU
         if not group:
             continue
         name, last, offset = group[-1]
-        total = offset + _aligned(last.numel() * last.element_size())
+        total = offset + aligned(last.numel() * last.element_size())
         where = torch.device(device) if device is not None else last.device
         kept = reuse[b] if reuse is not None and b < len(reuse) else None
         fits = kept is not None and kept.numel() == total and kept.device == where
@@ -104,7 +102,7 @@ def pack(named: Iterable[tuple[str, Tensor]], dtype: str, bucket_bytes: int = BU
         for name, t, offset in group:  # every byte written: the weights, and zeros to each next offset
             nbytes = t.numel() * t.element_size()
             bucket[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
-            bucket[offset + nbytes : offset + _aligned(nbytes)].zero_()
+            bucket[offset + nbytes : offset + aligned(nbytes)].zero_()
             entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "bucket": b, "offset": offset})
         buckets.append(bucket)
         meta.append({"bytes": total, "checksum": checksum(bucket)})
@@ -246,77 +244,5 @@ def new_group(backend: str, host: str, port: int, rank: int, world_size: int, ti
             group = ProcessGroupNCCL(prefix, rank, world_size, options)
     else:
         raise ValueError(f"weight transfer backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    first_broadcast(group, device or ("cuda" if backend == "nccl" else "cpu"))
+    first_broadcast(group, device or ("cpu" if backend in HOST_BACKENDS else "cuda"))
     return group
-
-
-class WeightSender:
-    """The learner's end: joins the orchestrator's group as rank 0 and broadcasts packed versions."""
-
-    def __init__(self):
-        self.group = None
-        self.generation = 0  # the group generation joined (0: none)
-        self.info: dict = {}
-        self.buckets: list[Tensor] = []  # the last version's buckets in host memory, packed over by the next
-
-    def pack(self, named: Iterable[tuple[str, Tensor]], dtype: str) -> Packed:
-        """`pack` where staging_device says (weights on a GPU: on it while it has room, else in host memory),
-        into the buckets of the version before when they are in host memory (on a GPU the caching allocator
-        reuses freed memory by itself, and memory kept there would be taken from training)."""
-        named = list(named)
-        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        nbytes = sum(_aligned(t.numel() * size) for _, t in named)
-        device = staging_device(named[0][1].device, nbytes) if named else None
-        packed = pack(named, dtype, reuse=self.buckets, device=device)
-        self.buckets = packed.buckets if all(b.device.type == "cpu" for b in packed.buckets) else []
-        return packed
-
-    def join(self, info: dict) -> None:
-        self.close()
-        self.group = new_group(info["backend"], info["host"], int(info["port"]), 0, int(info["world_size"]),
-                               float(info.get("timeout_s", 600)))  # fmt: skip
-        self.generation, self.info = int(info["generation"]), info
-
-    def send(self, packed: Packed) -> float:
-        """Broadcast every bucket (blocks until all ranks have it, or the group's timeout: NCCL's waits block
-        too, NCCL_GROUP_ENV); seconds taken."""
-        if self.group is None:
-            raise TransferError("no weight-transfer group joined")
-        start = time.perf_counter()
-        opts = broadcast_options()
-        nccl = self.info["backend"] == "nccl"
-        for bucket in packed.buckets:
-            bucket = bucket.cuda() if nccl else bucket.cpu()  # gloo sends from host memory, NCCL from the GPU
-            self.group.broadcast([bucket], opts).wait()
-        return time.perf_counter() - start
-
-    def close(self, failed: bool = False) -> None:
-        """Leave the group: shut down (a failed transfer: aborted, so that nothing waits on the broadcast
-        that did not complete)."""
-        group, self.group, self.generation = self.group, None, 0
-        if group is not None:
-            try:
-                group.abort() if failed else group.shutdown()
-            except Exception:  # noqa: BLE001 - a group whose peers are gone may refuse; it is dropped anyway
-                pass
-
-    def deliver(self, run, index: int, packed: Packed, write_folder) -> str | None:
-        """Broadcast version `index`, then wait for the orchestrator's ack (RUN/weights_ack.json). Without a
-        good one, call write_folder() (the version's model folder, which the servers then reload) and leave
-        the group: the orchestrator forms a new generation. Returns None, or why the transfer failed."""
-        timeout = float(self.info.get("timeout_s", 600))
-        try:
-            self.send(packed)
-            deadline = time.monotonic() + timeout
-            while (ack := run.read_json(run.weights_ack)).get("version") != index:
-                if time.monotonic() > deadline:
-                    raise TransferError(f"no ack of version {index} within {timeout:.0f} s")
-                time.sleep(0.02)
-            if not ack.get("ok"):
-                raise TransferError(ack.get("reason") or "refused")
-            return None
-        except Exception as exc:  # noqa: BLE001 - the disk path still works
-            self.close(failed=True)
-            if not run.has_weights(index):
-                write_folder()
-            return f"{type(exc).__name__}: {exc}"
