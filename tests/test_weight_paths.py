@@ -289,3 +289,19 @@ def test_only_adapters_stay_loaded_side_by_side(run):
     assert transport.loaded - {0} == {2} and ("/v1/unload_lora_adapter", "policy-v1") in posted
     disk = transport_for(run, [Server()], select(None), 5, Trainer())
     disk.unload(1)  # nothing loaded side by side: nothing to do, nothing raised
+
+
+def test_the_plugin_entry_point_module_imports_no_vllm():
+    """vLLM imports the entry point's module in each of its processes; the engine class (and vLLM's
+    weight-transfer API with it) is loaded by path only where a server creates one."""
+    import subprocess
+    import sys
+
+    code = "import sys, orchestrate.serving.vllm_plugin.weight_engine; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'finetune')))"  # noqa: E501
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    module, _, cls = weight_paths.ENGINES["tapeloop"].partition(":")
+    assert (ROOT / (module.replace(".", "/") + ".py")).is_file() and f"class {cls}(" in (
+        ROOT / (module.replace(".", "/") + ".py")
+    ).read_text()
