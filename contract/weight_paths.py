@@ -5,8 +5,9 @@ uses it (so this module imports neither side, nor torch): the learner's publishe
 Publisher: writes or sends a version) and the orchestrator's transport (orchestrate.serving.weights.Transport:
 puts a version on every policy server). The command line maps onto this table: `--server.weight_transfer`
 takes the names of the mechanisms that are options, and `--train.lora.rank` above 0 selects the adapter
-mechanism (`select`). Nothing else names a mechanism: the loop, the checks and the servers read the
-properties below. Adding a mechanism is one file per end and one `register` call here (docs/weights.md,
+mechanism (`select`). Outside this table and each mechanism's own files nothing compares a mechanism's
+name (tests/test_weight_paths.py): the loop, the option checks and the servers read the properties below.
+Adding a mechanism is one file per end and one `register` call here (docs/weights.md,
 "Adding a weight transport").
 
 The run folder carries the announcement between the two ends: RUN/weight_group.json's "backend" is the name
