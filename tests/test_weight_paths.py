@@ -88,7 +88,7 @@ def test_the_option_and_lora_map_through_the_table():
 # The files that may name a mechanism or a swap timing: the table, each mechanism's own ends, and the client
 # that implements the swap timings (orchestrate.serving.llm.VLLMClient.swap_weights).
 MECHANISM_FILES = {
-    "contract/weight_paths.py", "contract/weight_wire.py", "orchestrate/serving/llm.py",
+    "contract/weight_paths.py", "contract/weight_wire.py",
     "finetune/publish/collective.py", "orchestrate/serving/transports/collective.py",
     "orchestrate/serving/vllm_plugin/collective_engine.py",
 }  # fmt: skip

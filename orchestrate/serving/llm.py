@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from contract.weight_paths import ADAPTER, DRAIN, KEEP
 from tapes.tape import LLMCall, SamplingParams, Tape, VersionChange
 
 
@@ -196,7 +197,7 @@ class VLLMClient:
 
     # -- weight swaps ------------------------------------------------------
 
-    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int, mode: str = "drain") -> float:
+    async def swap_weights(self, reload: Callable[[], Awaitable[Any]], version: int, mode: str = DRAIN) -> float:
         """New weights while calls run: `reload()` puts `version` on the servers, and calls started from then
         on are served by it. Returns the seconds calls were held back. `mode`:
 
@@ -209,17 +210,17 @@ class VLLMClient:
           nothing waits; calls go on under the old version while `reload()` loads the new one, then new
           calls name the new one; the old one may be unloaded once `version_idle` says so.
         """
-        if mode not in ("drain", "keep", "adapter"):
+        if mode not in (DRAIN, KEEP, ADAPTER):
             raise ValueError(f"swap mode {mode!r}: drain, keep or adapter")
         start = time.perf_counter()
-        if mode == "adapter":
+        if mode == ADAPTER:
             async with self._weights_lock():
                 await reload()
                 self.policy_version = version
             return 0.0
         self._gate.clear()
         try:
-            if mode == "drain":
+            if mode == DRAIN:
                 await self._idle.wait()
             async with self._weights_lock():  # a server rejoining meanwhile loads the weights after this
                 await reload()
