@@ -143,12 +143,9 @@ def test_a_compiled_learner_takes_the_same_step(tiny, monkeypatch):
     build of them takes most of a minute here, and its GPU build ran on an H200: docs/training.md)."""
     import functools
 
-    from finetune import learner as learner_module
-    from finetune import logprobs
+    from finetune import logprobs, models
 
-    monkeypatch.setattr(
-        learner_module, "compile_layers", functools.partial(logprobs.compile_layers, backend="aot_eager")
-    )
+    monkeypatch.setattr(models, "compile_layers", functools.partial(logprobs.compile_layers, backend="aot_eager"))
     monkeypatch.setattr(logprobs, "_COMPILED", {})  # compiled afresh, not taken from an earlier test
     rng = random.Random(5)
     batch = []
@@ -451,7 +448,7 @@ def test_tis_with_equal_logprobs_is_the_plain_step_and_a_cap_bounds_a_large_rati
 
 
 def test_loss_metrics_report_the_mismatch_only_where_measured_and_per_token_means_per_token():
-    from finetune.learner import StepSums, loss_metrics
+    from finetune.tally import StepSums, loss_metrics
 
     def sums(**mismatch) -> StepSums:
         return StepSums(base={"loss": 2.0, "entropy": 8.0, "tokens": 9.0, "slots": 12.0}, terms={"pg_loss": 1.5},
@@ -639,17 +636,17 @@ def test_auto_writes_the_state_in_the_background_on_cuda_when_its_copy_fits(tiny
 
     from accelerate.utils import DistributedType
 
-    import finetune.learner
+    import finetune.trainer_state
 
     learner = Learner(tiny, TrainConfig())
     assert learner.writes_state_in_background is False and "not on CUDA" in learner.background_state_why
     assert Learner(tiny, TrainConfig(async_state="on")).writes_state_in_background is True
     copy = 3 * 4 * sum(p.numel() for p in learner.model.parameters())
-    monkeypatch.setattr(learner, "accelerator", SimpleNamespace(device=torch.device("cuda"),
-                                                                distributed_type=DistributedType.NO))  # fmt: skip
-    monkeypatch.setattr(finetune.learner, "host_memory_available", lambda: 2 * copy)
+    monkeypatch.setattr(learner.models, "accelerator", SimpleNamespace(device=torch.device("cuda"),
+                                                                       distributed_type=DistributedType.NO))  # fmt: skip
+    monkeypatch.setattr(finetune.trainer_state, "host_memory_available", lambda: 2 * copy)
     assert learner.background_state_choice()[0] is True
-    monkeypatch.setattr(finetune.learner, "host_memory_available", lambda: 2 * copy - 1)
+    monkeypatch.setattr(finetune.trainer_state, "host_memory_available", lambda: 2 * copy - 1)
     on, why = learner.background_state_choice()
     assert on is False and "more than half the host memory available" in why
     learner.accelerator.distributed_type = DistributedType.FSDP
