@@ -3,8 +3,9 @@
     uv run accelerate launch --config_file finetune/accelerate/cpu.yaml -m finetune.train \\
         --model MODEL_DIR --run-dir RUN [--parent-pid PID] [--config finetune.json] [--lr 1e-6 ...]
 
-It imports nothing from the rest of tapeloop; it talks to the orchestrator
-through files in the run folder only:
+Of the rest of tapeloop it imports only contract (the run folder's names, the
+batch format, durable writes, the command-line generator); it talks to the
+orchestrator through files in the run folder only:
 
 1. The orchestrator writes RUN/batches/NNNNNN.jsonl (contract.batch.write_batch:
    one sample per line, temp file + rename, so a visible file is complete).
@@ -26,10 +27,11 @@ through files in the run folder only:
    the state file); it is renamed in between batches once it is whole.
    Only the newest full state is kept.
 3. Before the checkpoint appears, the batch's per-step metrics are appended to
-   RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
-   step, step_in_batch, samples, seconds and the figures of
-   contract.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
-   reports: ratio_min, the advantages' statistics, tokens), and
+   RUN/train_metrics.jsonl (one JSON object per optimizer step: which step it
+   is, contract.rundir.STEP_RECORD_KEYS; the batch's own figures,
+   BATCH_METRICS; and the step's figures, the learner's and every term its
+   loss reports, each of which the orchestrator averages into metrics.jsonl
+   as train_NAME), and
    RUN/learner_status.json is replaced (atomically) with
    {status, last_batch, checkpoint, optimizer_step, batch_in_progress,
    state_writing, pid, updated}; status is loading | waiting | training | saving | stopped | failed
@@ -95,12 +97,29 @@ def _setup_logging(path: Path | None, rank: int) -> None:
     log.propagate = False
 
 
-def _step_line(m: dict) -> str:
+# How the step line shows the terms a loss commonly reports (finetune.losses.policy_outputs's), in this order:
+# (label, format, the names it shows). A term it does not know follows them as `name value`.
+KNOWN_TERMS = (
+    ("pg", "{pg_loss:.4f}", ("pg_loss",)),
+    ("kl", "{kl:.4f}", ("kl",)),
+    ("entropy", "{entropy:.3f}", ()),  # the learner's own: on every line
+    ("clip", "{clip_frac:.3f}", ("clip_frac",)),
+    ("ratio", "{ratio_mean:.4f} [{ratio_min:.4f}, {ratio_max:.4f}]", ("ratio_mean", "ratio_min", "ratio_max")),
+)
+
+
+def _step_line(m: dict, terms: list[str]) -> str:
+    """The learner's line for one optimizer step: its loss, then the `terms` the loss reported (the known ones
+    in KNOWN_TERMS's order and format, then the others), then the step's gradient norm, rate and speed."""
+    shown, known = [f"loss {m['loss']:.4f}"], set()
+    for label, fmt, names in KNOWN_TERMS:
+        if all(name in terms for name in names):
+            shown.append(f"{label} {fmt.format(**m)}")
+            known.update(names)
+    shown += [f"{name} {m[name]:.4g}" for name in terms if name not in known]
     return (
-        f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): loss {m['loss']:.4f} pg {m['pg_loss']:.4f} "
-        f"kl {m['kl']:.4f} entropy {m['entropy']:.3f} clip {m['clip_frac']:.3f} ratio {m['ratio_mean']:.4f} "
-        f"[{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] grad_norm {m['grad_norm']:.3f} lr {m['lr']:.3g} "
-        f"{m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)"
+        f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): {' '.join(shown)} grad_norm {m['grad_norm']:.3f} "
+        f"lr {m['lr']:.3g} {m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)"
     )
 
 
@@ -198,7 +217,7 @@ class _Session:
         metrics = self.learner.train_batch(
             samples,
             index,
-            on_step=lambda m: log.info(_step_line(m)),
+            on_step=lambda m: log.info(_step_line(m, self.learner.loss_terms)),
             on_progress=self._progress_writer(),
         )
         final = self._publish(index, samples, metrics)

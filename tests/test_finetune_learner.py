@@ -462,6 +462,27 @@ def test_loss_metrics_report_the_mismatch_only_where_measured_and_per_token_mean
     assert "tis_ratio_min" not in first
 
 
+def test_the_step_line_shows_the_terms_a_loss_reports():
+    """finetune.train's line per step: grpo's terms as before (the known ones, in their order and format);
+    a term it does not know (PPO's value_loss) follows them; one a loss does not report is not asked for."""
+    from finetune.train import _step_line
+
+    m = {"batch": 3, "step": 7, "epoch": 1, "loss": 0.25, "pg_loss": 0.2, "kl": 0.01, "entropy": 2.5,
+         "clip_frac": 0.125, "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "value_loss": 0.5,
+         "vf_clip_frac": 0.0, "grad_norm": 1.5, "lr": 1e-6, "tokens_per_s": 1234.4, "micro_batches": 2,
+         "seconds": 0.75}  # fmt: skip
+    grpo = ["kl", "pg_loss", "clip_frac", "ratio_mean", "ratio_max", "ratio_min"]  # as loss_terms names them
+    tail = "grad_norm 1.500 lr 1e-06 1234 tok/s (2 micro-batches, 0.8 s)"
+    assert _step_line(m, grpo) == (
+        "batch 3 step 7 (epoch 1): loss 0.2500 pg 0.2000 kl 0.0100 entropy 2.500 clip 0.125 ratio 1.0000 "
+        f"[0.9000, 1.1000] {tail}"
+    )
+    assert _step_line(m, [*grpo, "value_loss", "vf_clip_frac"]).endswith(
+        f"ratio 1.0000 [0.9000, 1.1000] value_loss 0.5 vf_clip_frac 0 {tail}"
+    )
+    assert _step_line(m, ["pg_loss"]) == f"batch 3 step 7 (epoch 1): loss 0.2500 pg 0.2000 entropy 2.500 {tail}"
+
+
 # ---- LoRA ---------------------------------------------------------------------------------------
 
 
