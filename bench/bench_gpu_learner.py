@@ -366,7 +366,7 @@ def background_state(learner, work: Path, samples, state_every: int, folder_s: f
     # the learner's cost per iteration: gathering and packing the version to send, and once every state_every
     # iterations the copy, the slowdown and the model folder (written before the version is published)
     per_iteration = send_s + (last["taken_s"] + max(last["slower_s"], 0.0) + folder_s) / state_every
-    out = {"saves": attempts, "kept_host_gib": round(learner._stage.kept_bytes / 2**30, 2),
+    out = {"saves": attempts, "kept_host_gib": round(learner.state.stage.kept_bytes / 2**30, 2),
            "per_iteration_s": round(per_iteration, 3), "of_step": round(per_iteration / step_s, 4)}  # fmt: skip
     print(f"publishing with the full state every {state_every} in the background: gather + pack {send_s:.2f} s + "
           f"(copy {last['taken_s']:.2f} s + slowdown "

@@ -25,7 +25,7 @@ The files the learner shares with the orchestrator:
                                   - adapter/, the LoRA adapter (peft's folder: adapter_config.json written
                                     last) in every checkpoint of a LoRA run, which the servers load by path;
                                   - transfer.json, the manifest of the weights sent in memory
-                                    (finetune.weight_transfer), when a weight-transfer group is joined;
+                                    (finetune.publish.collective; format: contract.weight_wire), when a weight-transfer group is joined;
                                   - trainer_state/ (optimizer, RNG, critic) every --save-state-every batches
                                     and at a clean stop: what a resumed learner starts from
     RUN/weight_group.json         the orchestrator's weight-transfer group: the learner joins it
@@ -70,14 +70,11 @@ LOOP_PHASES = ("rollouts", "reference", "samples", "training", "weight_reload", 
 CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 
 # RUN/train_metrics.jsonl holds one record per optimizer step (a batch that takes none: one record with samples
-# 0). The orchestrator folds a batch's records into its line of metrics.jsonl: STEP_METRICS averaged, as
-# train_NAME; BATCH_METRICS, the same on every record of a batch, copied.
-STEP_METRICS = (
-    "loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "grad_norm", "lr", "tokens_per_s",
-    "padding_frac",
-    "mismatch_abs_logp", "tis_ratio_mean", "tis_ratio_max",  # training-inference mismatch, a batch's first step
-    "value_loss", "vf_clip_frac", "value_mean", "returns_mean", "explained_variance",  # PPO's critic
-)  # fmt: skip
+# 0): STEP_RECORD_KEYS say which step it is, BATCH_METRICS are the same on every record of a batch, and every
+# other number is a figure of the step (the learner's and whatever the loss reports). The orchestrator folds a
+# batch's records into its line of metrics.jsonl: each step figure averaged, as train_NAME; BATCH_METRICS
+# copied; seconds summed (train_seconds).
+STEP_RECORD_KEYS = ("batch", "epoch", "step_in_batch", "step", "samples", "seconds", "weights_changed", "time")
 BATCH_METRICS = ("lag_mean", "lag_max", "lag_token_mean", "stale_dropped", "overlong_masked")  # staleness, overlong
 
 

@@ -123,7 +123,9 @@ class LossInputs:
 
 @dataclass
 class LossOutputs:
-    """A loss and what the learner reports of it.
+    """A loss and what the learner reports of it: open mappings, by how a step's micro-batches add them up.
+    Every name in them reaches the learner's step line, train_metrics.jsonl and metrics.jsonl (train_NAME);
+    none is required.
 
     loss: to minimise (with grad), already aggregated with the inputs' weights.
     terms: detached parts of the loss aggregated with the same weights (`pg_loss`, `kl`, `value_loss`):
@@ -141,7 +143,7 @@ class LossOutputs:
 
 
 class LossConfig(BaseModel):
-    """Options of one loss: a section of the training config named after the algorithm."""
+    """Options of one loss: a section of the training config named after the loss (`--train.NAME.OPTION`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -192,7 +194,7 @@ def kl_term(x: LossInputs) -> tuple[Tensor, Tensor]:
     return kl, (x.weights * kl).sum().detach()
 
 
-def _policy_outputs(
+def policy_outputs(
     x: LossInputs,
     pg: Tensor,
     ratio: Tensor,
@@ -200,6 +202,9 @@ def _policy_outputs(
     extra: Tensor | None = None,
     terms: dict[str, Tensor] | None = None,
 ) -> LossOutputs:
+    """A policy-gradient loss's outputs, as grpo, reinforce, gspo and ppo report them: per token `pg` (plus
+    kl_coef x k3 to the reference, minus entropy_coef x the entropy) aggregated, plus `extra`; terms pg_loss,
+    kl (and `terms`), clip_frac and ratio_mean per token, the ratio's extremes."""
     kl, kl_sum = kl_term(x)
     per_token = pg + x.kl_coef * kl if x.kl_coef else pg
     if x.entropy_coef:  # the entropy bonus: higher entropy lowers the loss
@@ -227,7 +232,7 @@ def grpo_loss(x: LossInputs, c: ClipConfig) -> LossOutputs:
     """PPO-clip policy term against the behaviour log-probs, advantages from returns (group / batch / none
     baseline), plus kl_coef x k3 to the reference."""
     pg, ratio, clipped = grpo_token_loss(x.logp, x.behaviour_logp, x.advantages, c.clip_eps_low, c.clip_eps_high)
-    return _policy_outputs(x, pg, ratio, clipped)
+    return policy_outputs(x, pg, ratio, clipped)
 
 
 class ReinforceConfig(LossConfig):
@@ -239,7 +244,7 @@ def reinforce_loss(x: LossInputs, c: ReinforceConfig) -> LossOutputs:
     """log-prob x advantage, no importance ratio, plus kl_coef x k3 to the reference."""
     pg = reinforce_token_loss(x.logp, x.advantages)
     ratio = torch.exp(x.logp - x.behaviour_logp).detach()  # reported, not used
-    return _policy_outputs(x, pg, ratio, torch.zeros_like(x.logp, dtype=torch.bool))
+    return policy_outputs(x, pg, ratio, torch.zeros_like(x.logp, dtype=torch.bool))
 
 
 class GSPOConfig(LossConfig):
@@ -271,7 +276,7 @@ def gspo_loss(x: LossInputs, c: GSPOConfig) -> LossOutputs:
     unclipped = ratio * x.advantages
     clipped_obj = torch.clamp(ratio, 1 - c.clip_eps_low, 1 + c.clip_eps_high) * x.advantages
     pg = -torch.minimum(unclipped, clipped_obj)
-    return _policy_outputs(x, pg, ratio.detach(), (clipped_obj < unclipped).detach())
+    return policy_outputs(x, pg, ratio.detach(), (clipped_obj < unclipped).detach())
 
 
 class PPOConfig(CriticOptions, ClipConfig):
@@ -287,6 +292,6 @@ def ppo_loss(x: LossInputs, c: PPOConfig) -> LossOutputs:
     pg, ratio, clipped = grpo_token_loss(x.logp, x.behaviour_logp, x.advantages, c.clip_eps_low, c.clip_eps_high)
     vl, v_clipped = value_loss(x.values, x.old_values, x.returns, c.value_clip)
     v_sum = (x.weights * vl).sum()
-    out = _policy_outputs(x, pg, ratio, clipped, extra=c.vf_coef * v_sum, terms={"value_loss": v_sum.detach()})
+    out = policy_outputs(x, pg, ratio, clipped, extra=c.vf_coef * v_sum, terms={"value_loss": v_sum.detach()})
     out.token_means["vf_clip_frac"] = v_clipped.to(x.logp.dtype)
     return out

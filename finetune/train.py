@@ -3,8 +3,9 @@
     uv run accelerate launch --config_file finetune/accelerate/cpu.yaml -m finetune.train \\
         --model MODEL_DIR --run-dir RUN [--parent-pid PID] [--config finetune.json] [--lr 1e-6 ...]
 
-It imports nothing from the rest of tapeloop; it talks to the orchestrator
-through files in the run folder only:
+Of the rest of tapeloop it imports only contract (the run folder's names, the
+batch format, durable writes, the command-line generator); it talks to the
+orchestrator through files in the run folder only:
 
 1. The orchestrator writes RUN/batches/NNNNNN.jsonl (contract.batch.write_batch:
    one sample per line, temp file + rename, so a visible file is complete).
@@ -14,7 +15,7 @@ through files in the run folder only:
    contract.rundir): a Hugging Face folder (config.json, model.safetensors,
    generation_config.json, tokenizer files) that vLLM and transformers load;
    transfer.json when the weights go to the servers in memory
-   (finetune.weight_transfer: the learner then broadcasts them and waits for
+   (finetune.publish.collective, in contract.weight_wire's format: the learner then broadcasts them and waits for
    the orchestrator's ack). The folder is built as checkpoints/.tmp-NNNNNN,
    fsynced and renamed: it appears complete or not at all. Every
    --save-state-every batches and at a clean stop, once the version has gone
@@ -26,10 +27,11 @@ through files in the run folder only:
    the state file); it is renamed in between batches once it is whole.
    Only the newest full state is kept.
 3. Before the checkpoint appears, the batch's per-step metrics are appended to
-   RUN/train_metrics.jsonl (one JSON object per optimizer step: batch, epoch,
-   step, step_in_batch, samples, seconds and the figures of
-   contract.rundir.STEP_METRICS and BATCH_METRICS, with more the learner
-   reports: ratio_min, the advantages' statistics, tokens), and
+   RUN/train_metrics.jsonl (one JSON object per optimizer step: which step it
+   is, contract.rundir.STEP_RECORD_KEYS; the batch's own figures,
+   BATCH_METRICS; and the step's figures, the learner's and every term its
+   loss reports, each of which the orchestrator averages into metrics.jsonl
+   as train_NAME), and
    RUN/learner_status.json is replaced (atomically) with
    {status, last_batch, checkpoint, optimizer_step, batch_in_progress,
    state_writing, pid, updated}; status is loading | waiting | training | saving | stopped | failed
@@ -66,227 +68,18 @@ Run `python -m finetune.train --help` for every option.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
-import os
-import shutil
 import sys
-import threading
 import time
 import traceback
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from contract.cli import (
-    OptionError,
-    StrictParser,
-    add_options,
-    check_finite,
-    dashed,
-    error_line,
-    given,
-    nest,
-    refuse_repeated,
-)
-from contract.rundir import STATE_ASIDE, TRAINER_STATE_DIR
-from finetune.config import LoraOptions, TrainConfig
-from finetune.losses import LOSSES
+from finetune.command_line import parse_args
+from finetune.config import TrainConfig
+from finetune.liveness import start_heartbeat, start_parent_watch
+from finetune.state_writes import StateWrites
 
 log = logging.getLogger("finetune")
-
-
-# ---- command line ---------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = StrictParser(
-        prog="finetune.train",
-        description="GRPO / REINFORCE / PPO learner: trains on RUN/batches/*.jsonl as they appear and writes "
-        "RUN/checkpoints/*/ (see the module docstring for the file protocol). Launch it with "
-        "`accelerate launch -m finetune.train ...`.",
-    )
-    run = parser.add_argument_group("process")
-    run.add_argument(
-        "--model",
-        required=True,
-        help="Hugging Face model folder to start from (config.json, "
-        "safetensors, tokenizer). When the run folder has a checkpoint, training resumes from its "
-        "weights and optimizer state; the architecture still comes from this folder.",
-    )
-    run.add_argument(
-        "--run-dir",
-        required=True,
-        help="Run folder: batches/ in, checkpoints/, train_metrics.jsonl, learner_status.json, trainer.log out.",
-    )
-    run.add_argument(
-        "--config",
-        help="JSON file of training options (the names below with underscores); command-line options override it.",
-    )
-    run.add_argument(
-        "--parent-pid",
-        type=int,
-        help="Exit as soon as this process is gone (the orchestrator's "
-        "pid: under `accelerate launch` the direct parent is the launcher).",
-    )
-    run.add_argument(
-        "--once",
-        action="store_true",
-        help="Train every batch already there, then exit (offline training from saved samples).",
-    )
-    run.add_argument(
-        "--max-batches", type=int, default=0, help="Exit after training this many batches (0: no limit). [default: 0]"
-    )
-    run.add_argument(
-        "--poll-seconds", type=float, default=0.5, help="Seconds between looks for the next batch. [default: 0.5]"
-    )
-    run.add_argument(
-        "--heartbeat-seconds",
-        type=float,
-        default=5.0,
-        help="Seconds between beats of RUN/trainer_heartbeat.json (written by the main process; an orchestrator "
-        "that did not start this trainer watches it). [default: 5]",
-    )
-    run.add_argument(
-        "--print-config",
-        action="store_true",
-        help="Print the resolved training options as JSON and exit (checks them without loading a model).",
-    )
-    add_options(
-        parser.add_argument_group("training (finetune.config.TrainConfig)"), TrainConfig, dash=True, nested=False
-    )
-    add_options(
-        parser.add_argument_group("LoRA adapters (finetune.config.LoraOptions)"), LoraOptions, "lora.", dash=True
-    )
-    for loss, spec in LOSSES.items():
-        group = parser.add_argument_group(f"options of --loss {loss} (finetune.losses)")
-        add_options(group, spec.config, f"{loss}.", dash=True)
-    return parser
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
-    """Options and the validated TrainConfig; a bad value exits with one line naming it."""
-    parser = build_parser()
-    try:
-        refuse_repeated(sys.argv[1:] if argv is None else argv)
-    except OptionError as exc:
-        parser.error(str(exc))
-    args = parser.parse_args(argv)
-    values: dict = {}
-    if args.config:
-        try:
-            values = json.loads(Path(args.config).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            parser.error(f"--config {args.config}: {exc}")
-        if not isinstance(values, dict):
-            parser.error(f"--config {args.config}: expected a JSON object of training options")
-    try:
-        nest(given(args), values)
-        config = TrainConfig.model_validate(values)
-        check_finite(config.model_dump(), spell=dashed)
-    except ValidationError as exc:
-        parser.error(error_line(exc, spell=dashed))
-    except OptionError as exc:
-        parser.error(str(exc))
-    if not (args.heartbeat_seconds > 0 and math.isfinite(args.heartbeat_seconds)):
-        parser.error(f"--heartbeat-seconds: {args.heartbeat_seconds} is not a positive number of seconds")
-    if not args.print_config and not (Path(args.model) / "config.json").is_file():
-        parser.error(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
-    return args, config
-
-
-# ---- never outlive the orchestrator -----------------------------------------------------------
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a dead parent not yet reaped is a zombie
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def start_parent_watch(parent_pid: int | None, interval: float = 1.0) -> Callable[[], None]:
-    """A thread that ends the process when its parent (or --parent-pid) is gone; returns its stop function.
-
-    os._exit on purpose: nothing half-written is ever visible, and the
-    orchestrator that would read a clean shutdown is gone anyway. The thread
-    is stopped before a normal exit: a daemon thread still running at
-    interpreter shutdown can abort the process ("terminate called without an
-    active exception") once torch.distributed is loaded.
-    """
-    ppid = os.getppid()
-    done = threading.Event()
-
-    def watch():
-        while not done.wait(interval):
-            reason = None
-            if os.getppid() != ppid:
-                reason = f"parent process {ppid} exited"
-            elif parent_pid is not None and not _alive(parent_pid):
-                reason = f"--parent-pid {parent_pid} exited"
-            if reason:
-                log.error("%s: exiting now", reason)
-                logging.shutdown()
-                os._exit(3)
-
-    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
-    thread.start()
-
-    def stop():
-        done.set()
-        thread.join()
-
-    return stop
-
-
-# ---- a heartbeat for an orchestrator that did not start us -----------------------------------
-
-
-def start_heartbeat(run, interval: float, **fields) -> Callable[[str], None]:
-    """Beat at once, then every `interval` seconds from a thread (run.write_heartbeat); returns stop(status),
-    which ends the thread and writes a last beat with that status ("stopped" or "failed").
-
-    A thread, so that the beats go on through a long training step; a
-    trainer that dies or loses its machine stops beating, which is what an
-    orchestrator on another machine can see (--trainer.launch external). The
-    trainer_id tells this trainer's beats from an earlier one's.
-    """
-    trainer_id, beat, done = uuid.uuid4().hex, [0], threading.Event()
-
-    def write(status: str) -> None:
-        beat[0] += 1
-        try:
-            run.write_heartbeat(trainer_id=trainer_id, beat=beat[0], status=status, interval_s=interval, **fields)
-        except OSError as exc:  # a full or unreachable disk: the next beat tries again
-            log.warning("could not write %s: %s", run.trainer_heartbeat, exc)
-
-    def loop():
-        while not done.wait(interval):
-            write("alive")
-
-    write("alive")
-    thread = threading.Thread(target=loop, name="heartbeat", daemon=True)
-    thread.start()
-
-    def stop(status: str) -> None:
-        done.set()
-        thread.join()
-        write(status)
-
-    return stop
-
-
-# ---- the loop -------------------------------------------------------------------------------
 
 
 def _setup_logging(path: Path | None, rank: int) -> None:
@@ -304,26 +97,30 @@ def _setup_logging(path: Path | None, rank: int) -> None:
     log.propagate = False
 
 
-def _step_line(m: dict) -> str:
+# How the step line shows the terms a loss commonly reports (finetune.losses.policy_outputs's), in this order:
+# (label, format, the names it shows). A term it does not know follows them as `name value`.
+KNOWN_TERMS = (
+    ("pg", "{pg_loss:.4f}", ("pg_loss",)),
+    ("kl", "{kl:.4f}", ("kl",)),
+    ("entropy", "{entropy:.3f}", ()),  # the learner's own: on every line
+    ("clip", "{clip_frac:.3f}", ("clip_frac",)),
+    ("ratio", "{ratio_mean:.4f} [{ratio_min:.4f}, {ratio_max:.4f}]", ("ratio_mean", "ratio_min", "ratio_max")),
+)
+
+
+def _step_line(m: dict, terms: list[str]) -> str:
+    """The learner's line for one optimizer step: its loss, then the `terms` the loss reported (the known ones
+    in KNOWN_TERMS's order and format, then the others), then the step's gradient norm, rate and speed."""
+    shown, known = [f"loss {m['loss']:.4f}"], set()
+    for label, fmt, names in KNOWN_TERMS:
+        if all(name in terms for name in names):
+            shown.append(f"{label} {fmt.format(**m)}")
+            known.update(names)
+    shown += [f"{name} {m[name]:.4g}" for name in terms if name not in known]
     return (
-        f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): loss {m['loss']:.4f} pg {m['pg_loss']:.4f} "
-        f"kl {m['kl']:.4f} entropy {m['entropy']:.3f} clip {m['clip_frac']:.3f} ratio {m['ratio_mean']:.4f} "
-        f"[{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] grad_norm {m['grad_norm']:.3f} lr {m['lr']:.3g} "
-        f"{m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)"
+        f"batch {m['batch']} step {m['step']} (epoch {m['epoch']}): {' '.join(shown)} grad_norm {m['grad_norm']:.3f} "
+        f"lr {m['lr']:.3g} {m['tokens_per_s']:.0f} tok/s ({m['micro_batches']} micro-batches, {m['seconds']:.1f} s)"
     )
-
-
-@dataclass
-class _StateWrite:
-    """A full trainer state on its way into checkpoint `index` (finetune.train._Session.land_state)."""
-
-    index: int
-    aside: Path
-    why: str
-    started: float
-    taken_s: float = 0.0
-    thread: threading.Thread | None = None  # the background write (None: written already)
-    errors: list[str] = field(default_factory=list)
 
 
 class _Session:
@@ -333,7 +130,7 @@ class _Session:
         from accelerate import Accelerator
 
         from contract.rundir import RunDir
-        from finetune.learner import mixed_precision_for
+        from finetune.models import mixed_precision_for
 
         self.args, self.config = args, config
         self.run = RunDir(args.run_dir)
@@ -352,7 +149,6 @@ class _Session:
 
         # this learner's end of the weight path (finetune.publish), switched when the orchestrator announces another
         self.publisher = publisher_for(self.run, None, config.lora.rank)
-        self.in_flight: _StateWrite | None = None  # a full trainer state being written (land_state)
 
     def set_state(self, **fields) -> None:
         self.state.update(fields)
@@ -375,6 +171,7 @@ class _Session:
         # Built from the initial model (checkpoints are written with an untied head for vLLM; the trainer
         # keeps the model's own architecture), weights from trainer_state/ when resuming.
         self.learner = Learner(self.args.model, self.config, acc)
+        self.state_writes = StateWrites(self.run, self.learner, self.set_state)
         if resume is not None:
             self.last, folder = resume
             progress = self.learner.load_trainer_state(folder)
@@ -418,7 +215,10 @@ class _Session:
         self.set_state(status="training", batch_in_progress=index, progress=None)
         start = time.perf_counter()
         metrics = self.learner.train_batch(
-            samples, index, on_step=lambda m: log.info(_step_line(m)), on_progress=self._progress_writer()
+            samples,
+            index,
+            on_step=lambda m: log.info(_step_line(m, self.learner.loss_terms)),
+            on_progress=self._progress_writer(),
         )
         final = self._publish(index, samples, metrics)
         if self.main_process:
@@ -436,81 +236,12 @@ class _Session:
         self.set_state(status="waiting", **done)
 
     def _save_full_state(self, index: int, progress: dict, why: str) -> None:
-        """trainer_state/ of published checkpoint `index`: written aside (every process adds its part),
-        synced, renamed in whole, then the older full states removed (land_state). With
-        TrainConfig.async_state the learner takes a copy in host memory and goes on training while a thread
-        writes it; otherwise it writes it now. A kill before the rename leaves the previous full state to
-        resume from (and the aside folder, removed at the next start)."""
-        from accelerate.utils import broadcast_object_list
-
-        self.land_state(block=True)  # one at a time (the host copy's buffers are reused)
-        folder = self.run.checkpoint(index)
-        aside = folder / STATE_ASIDE if self.main_process else None
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-        aside = Path(broadcast_object_list([str(aside) if aside else None])[0])
-        start = time.perf_counter()
-        if not self.learner.writes_state_in_background:
-            self.learner.save_trainer_state(aside, progress)
-            self.in_flight = _StateWrite(index, aside, why, start)
-            self.land_state(block=True)
-            return
-        write = self.learner.stage_trainer_state(aside, progress)
-        pending = self.in_flight = _StateWrite(index, aside, why, start, taken_s=time.perf_counter() - start)
-
-        def run() -> None:
-            try:
-                write()
-            except BaseException as exc:  # noqa: BLE001 - reported by land_state, in the main thread
-                pending.errors.append(f"{type(exc).__name__}: {exc}")
-
-        pending.thread = threading.Thread(target=run, name=f"trainer-state-{index}", daemon=True)
-        pending.thread.start()
-        self.set_state(state_writing=index)
-        log.info("full trainer state of version %d taken in %.1f s, written in the background (%s)", index,
-                 pending.taken_s, why)  # fmt: skip
+        """trainer_state/ of published checkpoint `index` (finetune.state_writes)."""
+        self.state_writes.save(index, progress, why)
 
     def land_state(self, block: bool = False) -> None:
-        """The full state being written, renamed into its checkpoint once every process has written its
-        part (block: wait for that; else only when it is done). Every process calls it at the same points:
-        between batches, and before the next full state or a clean stop. A write that failed fails the
-        learner, naming why."""
-        from accelerate.utils import gather_object
-
-        from contract.durable import fsync_dir, fsync_tree
-
-        pending = self.in_flight
-        if pending is None:
-            return
-        if block and pending.thread is not None:
-            pending.thread.join()
-        done, errors = pending.thread is None or not pending.thread.is_alive(), pending.errors
-        if self.accelerator.num_processes > 1:
-            done = all(gather_object([done]))
-            if done:
-                errors = gather_object(list(errors))
-        if not done:
-            return
-        self.in_flight = None
-        if errors:
-            raise RuntimeError(f"writing the full trainer state of version {pending.index} failed: {errors[0]}")
-        self.accelerator.wait_for_everyone()
-        if self.main_process:
-            folder = self.run.checkpoint(pending.index)
-            fsync_tree(pending.aside)
-            os.rename(pending.aside / TRAINER_STATE_DIR, folder / TRAINER_STATE_DIR)
-            fsync_dir(folder)
-            shutil.rmtree(pending.aside, ignore_errors=True)
-            self.run.drop_old_trainer_states(keep=pending.index)
-            seconds = time.perf_counter() - pending.started
-            if pending.thread is None:
-                log.info("full trainer state of version %d saved in %.1f s (%s)", pending.index, seconds, pending.why)
-            else:
-                log.info("full trainer state of version %d saved, %.1f s after it was taken in %.1f s (%s)",
-                         pending.index, seconds - pending.taken_s, pending.taken_s, pending.why)  # fmt: skip
-        if pending.thread is not None:
-            self.set_state(state_writing=None)
-        self.accelerator.wait_for_everyone()  # every process sees the state in place (finish() looks for it)
+        """The full state being written, renamed into its checkpoint once whole (finetune.state_writes)."""
+        self.state_writes.land(block)
 
     def _progress_writer(self):
         """on_progress for the learner: the orchestrator's bar reads it from the state file (twice a second)."""

@@ -76,7 +76,7 @@ def merge(adapter: Path, base: Path, out: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.learner import folder_dtype
+    from contract.model_folder import folder_dtype
 
     dtype = getattr(torch, folder_dtype(base))
     aside = out.parent / f".tmp-{out.name}"

@@ -124,12 +124,14 @@ def test_finetune_train_is_strict_too(capsys, tmp_path):
 def test_the_learners_options_are_the_loops_train_options(tmp_path, tiny_model_dir):
     """One TrainConfig, two spellings generated from it: every `--train.X` of orchestrate.rl is `--X` (dashed)
     of finetune.train and back, and the same values give the same TrainConfig fields."""
-    from finetune import train
+    from finetune import command_line, train
     from orchestrate.loop.config import build_parser, resolve
 
     loop = {o.removeprefix("--train.") for a in build_parser()._actions for o in a.option_strings
             if o.startswith("--train.")}  # fmt: skip
-    groups = [g for g in train.build_parser()._action_groups if g.title.startswith(("training", "LoRA", "options of"))]
+    groups = [
+        g for g in command_line.build_parser()._action_groups if g.title.startswith(("training", "LoRA", "options of"))
+    ]
     learner = {o[2:].replace("-", "_") for g in groups for a in g._group_actions for o in a.option_strings}
     learner -= {name for name in learner if name.removeprefix("no_") != name and name[3:] in learner}  # --no-FLAG
     assert len(loop) > 40 and loop == learner

@@ -143,12 +143,9 @@ def test_a_compiled_learner_takes_the_same_step(tiny, monkeypatch):
     build of them takes most of a minute here, and its GPU build ran on an H200: docs/training.md)."""
     import functools
 
-    from finetune import learner as learner_module
-    from finetune import logprobs
+    from finetune import logprobs, models
 
-    monkeypatch.setattr(
-        learner_module, "compile_layers", functools.partial(logprobs.compile_layers, backend="aot_eager")
-    )
+    monkeypatch.setattr(models, "compile_layers", functools.partial(logprobs.compile_layers, backend="aot_eager"))
     monkeypatch.setattr(logprobs, "_COMPILED", {})  # compiled afresh, not taken from an earlier test
     rng = random.Random(5)
     batch = []
@@ -451,7 +448,7 @@ def test_tis_with_equal_logprobs_is_the_plain_step_and_a_cap_bounds_a_large_rati
 
 
 def test_loss_metrics_report_the_mismatch_only_where_measured_and_per_token_means_per_token():
-    from finetune.learner import StepSums, loss_metrics
+    from finetune.tally import StepSums, loss_metrics
 
     def sums(**mismatch) -> StepSums:
         return StepSums(base={"loss": 2.0, "entropy": 8.0, "tokens": 9.0, "slots": 12.0}, terms={"pg_loss": 1.5},
@@ -463,6 +460,27 @@ def test_loss_metrics_report_the_mismatch_only_where_measured_and_per_token_mean
     first = loss_metrics(sums(abs=0.4, ratio=5.0, n=4.0), n_completion=4)
     assert first["mismatch_abs_logp"] == 0.1 and first["tis_ratio_mean"] == 1.25 and first["tis_ratio_max"] == 3.0
     assert "tis_ratio_min" not in first
+
+
+def test_the_step_line_shows_the_terms_a_loss_reports():
+    """finetune.train's line per step: grpo's terms as before (the known ones, in their order and format);
+    a term it does not know (PPO's value_loss) follows them; one a loss does not report is not asked for."""
+    from finetune.train import _step_line
+
+    m = {"batch": 3, "step": 7, "epoch": 1, "loss": 0.25, "pg_loss": 0.2, "kl": 0.01, "entropy": 2.5,
+         "clip_frac": 0.125, "ratio_mean": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "value_loss": 0.5,
+         "vf_clip_frac": 0.0, "grad_norm": 1.5, "lr": 1e-6, "tokens_per_s": 1234.4, "micro_batches": 2,
+         "seconds": 0.75}  # fmt: skip
+    grpo = ["kl", "pg_loss", "clip_frac", "ratio_mean", "ratio_max", "ratio_min"]  # as loss_terms names them
+    tail = "grad_norm 1.500 lr 1e-06 1234 tok/s (2 micro-batches, 0.8 s)"
+    assert _step_line(m, grpo) == (
+        "batch 3 step 7 (epoch 1): loss 0.2500 pg 0.2000 kl 0.0100 entropy 2.500 clip 0.125 ratio 1.0000 "
+        f"[0.9000, 1.1000] {tail}"
+    )
+    assert _step_line(m, [*grpo, "value_loss", "vf_clip_frac"]).endswith(
+        f"ratio 1.0000 [0.9000, 1.1000] value_loss 0.5 vf_clip_frac 0 {tail}"
+    )
+    assert _step_line(m, ["pg_loss"]) == f"batch 3 step 7 (epoch 1): loss 0.2500 pg 0.2000 entropy 2.500 {tail}"
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------
@@ -639,17 +657,17 @@ def test_auto_writes_the_state_in_the_background_on_cuda_when_its_copy_fits(tiny
 
     from accelerate.utils import DistributedType
 
-    import finetune.learner
+    import finetune.trainer_state
 
     learner = Learner(tiny, TrainConfig())
     assert learner.writes_state_in_background is False and "not on CUDA" in learner.background_state_why
     assert Learner(tiny, TrainConfig(async_state="on")).writes_state_in_background is True
     copy = 3 * 4 * sum(p.numel() for p in learner.model.parameters())
-    monkeypatch.setattr(learner, "accelerator", SimpleNamespace(device=torch.device("cuda"),
-                                                                distributed_type=DistributedType.NO))  # fmt: skip
-    monkeypatch.setattr(finetune.learner, "host_memory_available", lambda: 2 * copy)
+    monkeypatch.setattr(learner.models, "accelerator", SimpleNamespace(device=torch.device("cuda"),
+                                                                       distributed_type=DistributedType.NO))  # fmt: skip
+    monkeypatch.setattr(finetune.trainer_state, "host_memory_available", lambda: 2 * copy)
     assert learner.background_state_choice()[0] is True
-    monkeypatch.setattr(finetune.learner, "host_memory_available", lambda: 2 * copy - 1)
+    monkeypatch.setattr(finetune.trainer_state, "host_memory_available", lambda: 2 * copy - 1)
     on, why = learner.background_state_choice()
     assert on is False and "more than half the host memory available" in why
     learner.accelerator.distributed_type = DistributedType.FSDP

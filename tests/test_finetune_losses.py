@@ -23,7 +23,12 @@ The fixed batch: two groups, five completions, seven completion tokens.
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +245,76 @@ def test_micro_batch_weights_sum_to_the_step_loss():
         a, _ = policy_loss("grpo", logp[:3], behaviour[:3], adv[:3], first)
         b, _ = policy_loss("grpo", logp[3:], behaviour[3:], adv[3:], rest)
         assert (a + b).item() == pytest.approx(whole.item(), abs=1e-12)
+
+
+# ---- a new loss: docs/training.md's example, trained ---------------------------------------------
+
+NEW_LOSS_RUN = """
+import json, sys
+from pathlib import Path
+
+import torch
+
+from finetune.losses import LossConfig, LossInputs, LossOutputs, register_loss
+
+exec(sys.argv[2])  # registered before the config is built, as a loss in finetune/losses.py is
+
+from contract.batch import Sample
+from contract.rundir import RunDir
+from finetune.config import TrainConfig
+from finetune.learner import Learner
+from finetune.tiny_model import make_tiny_model
+from finetune.train import _step_line
+from orchestrate.loop.trainer import TrainerProcess
+
+tmp = Path(sys.argv[1])
+model = make_tiny_model(tmp / "model")
+cfg = TrainConfig(loss="mine", mine={"beta": 0.2}, lr=1e-3, epochs=2)
+learner = Learner(model, cfg)
+samples = [Sample(prompt_ids=[40, 41, 42], completion_ids=c, behaviour_logprobs=[-1.0] * len(c), reward=r,
+                  group_id="g") for c, r in [([10, 11, 12], 1.0), ([20, 21], 0.0)]]
+before = torch.cat(learner.logprobs(samples))
+steps = learner.train_batch(samples, 1)
+run = RunDir(tmp / "run")
+run.create()
+for m in steps:  # as finetune.train writes them
+    run.append_metrics({**m, "time": 0.0})
+print(json.dumps({
+    "beta": cfg.loss_options.beta, "terms": learner.loss_terms, "drift": [m["drift"] for m in steps],
+    "expected_first_drift": float(((before + 1) ** 2).mean()), "lines": [_step_line(m, learner.loss_terms) for m in steps],
+    "iteration": TrainerProcess(run, model, cfg).iteration_metrics(1),
+}))
+"""
+
+
+def new_loss_example() -> str:
+    """The code of docs/training.md's new loss (its indented block that registers "mine")."""
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "training.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "class MyOptions(LossConfig):")
+    block = []
+    for line in lines[start:]:
+        if line and not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return "\n".join(block)
+
+
+def test_the_documented_new_loss_trains_and_reports_its_own_terms(tmp_path):
+    """docs/training.md's example, registered before the config is built (as a loss in finetune/losses.py is):
+    the config takes its section, the learner trains a batch with it (two epochs: two steps), and its own
+    term (`drift`, the weighted squared log-ratio to the sampler) reaches the step records, the step line and
+    the iteration's metrics (averaged over the steps), with no list of names to keep."""
+    code = new_loss_example()
+    assert '@register_loss("mine", MyOptions)' in code and '"drift"' in code
+    out = subprocess.run([sys.executable, "-c", NEW_LOSS_RUN, str(tmp_path), code],
+                         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["beta"] == 0.2 and got["terms"] == ["drift", "pg_loss"]
+    first, second = got["drift"]
+    # token mean of (logp - (-1))^2 over the 5 tokens, with the weights before the first update
+    assert first == pytest.approx(got["expected_first_drift"], rel=1e-5) and first > 1 and second != first
+    assert got["iteration"]["train_drift"] == pytest.approx((first + second) / 2)
+    assert "train_pg_loss" in got["iteration"] and "train_kl" not in got["iteration"]
+    line = got["lines"][0]
+    assert re.search(r"\): loss -?[\d.]+ pg -?[\d.]+ entropy [\d.]+ drift [\d.]+ grad_norm ", line), line

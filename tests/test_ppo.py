@@ -273,43 +273,6 @@ def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
     assert read_batch(batch_file(run / "batches", 2))  # the batch files stay
 
 
-def test_a_new_loss_is_one_function_and_one_options_class():
-    """docs/training.md's example, registered before the config is built (as a loss in finetune/losses.py is):
-    the config takes its section and the learner's metrics take its terms."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = '''
-import torch
-from finetune.losses import LOSSES, LossConfig, LossInputs, LossOutputs, register_loss
-
-class MyOptions(LossConfig):
-    beta: float = 0.1
-
-@register_loss("mine", MyOptions)
-def my_loss(x: LossInputs, c: MyOptions) -> LossOutputs:
-    """One line for --help."""
-    pg = -x.logp * x.advantages
-    return LossOutputs(loss=(x.weights * pg).sum(), terms={"pg_loss": (x.weights * pg).sum().detach()})
-
-from finetune.config import TrainConfig
-cfg = TrainConfig(loss="mine", mine={"beta": 0.2})
-x = LossInputs(logp=torch.tensor([-1.0, -2.0]), behaviour_logp=torch.zeros(2), advantages=torch.tensor([1.0, -1.0]),
-               weights=torch.tensor([0.5, 0.5]))
-print(cfg.loss_options.beta, float(cfg.loss_spec.fn(x, cfg.loss_options).loss))
-'''
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["0.2", "-0.5"]  # -logp x A = [1, -2], weighted 0.5 each
-
-
 def test_critic_step_trains_the_critic_alone(tiny):
     """Learner.critic_step (bench/bench_critic.py's replay): the value loss falls towards the returns and the
     policy's weights do not move."""

@@ -35,12 +35,17 @@ def test_trainer_metrics_are_averaged_per_iteration(tmp_path, tiny_model_dir):
 
     run = RunDir(tmp_path / "run")
     run.create()
+    step = {"epoch": 0, "step_in_batch": 0, "step": 1, "weights_changed": True, "time": 1e9, "lag_mean": 0.5}
     lines = [
-        {"batch": 1, "samples": 4, "loss": 1.0, "kl": 0.5, "seconds": 2.0},
-        {"batch": 1, "samples": 4, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
+        {**step, "batch": 1, "samples": 4, "loss": 1.0, "kl": 0.5, "drift": 1.0, "seconds": 2.0},
+        {**step, "batch": 1, "samples": 4, "loss": 3.0, "kl": 0.25, "seconds": 1.0},
         {"batch": 1, "samples": 0, "seconds": 0.0},  # no step (every sample cut or stale): not a step
         {"batch": 2, "samples": 4, "loss": 9.0, "seconds": 5.0},
     ]
     run.train_metrics.write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
     m = TrainerProcess(run, tiny_model_dir, TrainConfig()).iteration_metrics(1)
     assert m["train_loss"] == 2.0 and m["train_kl"] == 0.375 and m["train_steps"] == 2 and m["train_seconds"] == 3.0
+    # a figure no list names (a new loss's term) is averaged over the steps that report it; which step a
+    # record is, and the batch's own figures, are not step figures
+    assert m["train_drift"] == 1.0 and m["lag_mean"] == 0.5
+    assert set(m) == {"train_steps", "train_seconds", "train_loss", "train_kl", "train_drift", "lag_mean"}

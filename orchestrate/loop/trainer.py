@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from contract.durable import atomic_write_text, read_jsonl
-from contract.rundir import BATCH_METRICS, STEP_METRICS, RunDir, optimizer_steps
+from contract.rundir import BATCH_METRICS, STEP_RECORD_KEYS, RunDir, optimizer_steps
 from finetune.config import TrainConfig
 from orchestrate.loop.config import TrainerSection
 from orchestrate.loop.progress import progress_bar
@@ -35,6 +35,11 @@ from orchestrate.serving.vllm_server import cuda_available, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
+
+
+def _number(value) -> bool:
+    """A figure to average: an int or a float, not a flag (bool is an int in Python)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class TrainerError(RuntimeError):
@@ -283,7 +288,9 @@ class TrainerProcess:
         return [r for r in read_jsonl(self.run.train_metrics) if r.get("batch") == iteration]
 
     def iteration_metrics(self, iteration: int) -> dict[str, float]:
-        """Means of the trainer's per-step metrics for one batch, prefixed 'train_'."""
+        """One batch's step records folded (contract.rundir): every figure of its steps averaged over the steps
+        that have it, as train_NAME, whoever reports it (the learner or its loss); the batch's own figures
+        copied; the steps counted and their seconds summed."""
         steps = self._steps(iteration)
         if not steps:
             return {}
@@ -292,12 +299,12 @@ class TrainerProcess:
             "train_seconds": sum(s.get("seconds", 0.0) for s in steps),
         }
         for key in BATCH_METRICS:  # the same on every step of a batch
-            if isinstance(steps[0].get(key), (int, float)):
+            if _number(steps[0].get(key)):
                 out[key] = steps[0][key]
-        for key in STEP_METRICS:
-            values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
-            if values:
-                out[f"train_{key}"] = sum(values) / len(values)
+        not_figures = (*STEP_RECORD_KEYS, *BATCH_METRICS)
+        for key in dict.fromkeys(k for s in steps for k, v in s.items() if _number(v) and k not in not_figures):
+            values = [s[key] for s in steps if _number(s.get(key))]
+            out[f"train_{key}"] = sum(values) / len(values)
         return out
 
     def stop(self, timeout: float = 5) -> None:

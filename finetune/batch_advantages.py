@@ -1,0 +1,88 @@
+"""What a batch trains with before its first step: the samples fresh enough to train (max_lag) and the lag
+figures, then per-turn returns (discount gamma) and advantages (the chosen estimator, see
+`estimators.turn_advantages`; with a loss's critic, token-level GAE on the critic's values instead, see
+finetune.critic), one advantage per trained token, and the record of each turn the trainer writes beside the
+checkpoint (RUN/advantages/)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from contract.batch import Sample, lag
+from finetune.config import TrainConfig
+from finetune.critic import Critic, CriticBatch
+from finetune.estimators import turn_advantages
+
+
+@dataclass
+class BatchAdvantages:
+    per_token: list[torch.Tensor]  # per sample: one advantage per trained token
+    turn_records: list[dict]  # per sample, per turn: reward, return, advantage (and value, overlong penalty)
+    stats: dict  # the critic's figures of the batch (none without one)
+    critic: CriticBatch | None  # the critic's advantages, old values and returns (with one)
+
+
+def drop_stale(samples: list[Sample], batch_index: int, max_lag: int | None) -> tuple[list[Sample], dict]:
+    """Samples within max_lag of the version that trains them (batch b trains version b - 1), and the
+    lag figures: lag_mean and lag_max over samples of known version, stale_dropped."""
+    lags = [lag(batch_index, s.policy_version) for s in samples if s.policy_version is not None]
+    stats: dict = {"stale_dropped": 0}
+    if lags:
+        stats.update(lag_mean=sum(lags) / len(lags), lag_max=max(lags))
+        tokens = [lag(batch_index, v) for s in samples for v in s.token_versions() if v is not None]
+        stats["lag_token_mean"] = sum(tokens) / len(tokens) if tokens else 0.0  # each token's own version
+    if max_lag is None:
+        return samples, stats
+    kept = [s for s in samples if s.policy_version is None or lag(batch_index, s.policy_version) <= max_lag]
+    stats["stale_dropped"] = len(samples) - len(kept)
+    return kept, stats
+
+
+def is_cut(sample: Sample) -> bool:
+    """Whether an output of the sample was cut by its sampling limit (its finish reason: overlong
+    filtering)."""
+    if any(t.truncated is None for t in sample.all_turns):
+        raise ValueError(f"overlong_filter: sample {sample.sample_id} does not record whether its outputs were cut "
+                         "(a batch written before turns carried it): write its batch again from its tapes")  # fmt: skip
+    return any(t.truncated for t in sample.all_turns)
+
+
+def batch_advantages(
+    samples: list[Sample], cfg: TrainConfig, critic: Critic | None, values: Callable[[list[Sample]], list]
+) -> BatchAdvantages:
+    """The batch's advantages from the estimator, or from `critic` on the `values` it gives the samples now."""
+    shaped = [[cfg.shaped_reward(t.reward, t.length, t.max_tokens) for t in sample.all_turns] for sample in samples]
+    returns, turn_adv = turn_advantages(
+        [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
+        [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
+        [sample.group_id for sample in samples],
+        cfg.estimator, cfg.gamma, cfg.normalize_std, cfg.std_eps,
+        lengths=[[t.length for t in sample.all_turns] for sample in samples],
+    )  # fmt: skip
+    critic_batch = None
+    stats: dict[str, float | None] = {}
+    if critic is not None:
+        critic_batch = critic.batch(samples, values(samples))
+        advantages, stats = critic_batch.advantages, critic_batch.stats
+        turn_adv, turn_values = critic_batch.per_turn(samples)
+    else:
+        advantages = [
+            torch.tensor(
+                [a for t, a in zip(sample.all_turns, sample_adv) for _ in range(t.length)], dtype=torch.float32
+            )
+            for sample, sample_adv in zip(samples, turn_adv)
+        ]  # one per trained token
+        turn_values = None
+    # what the step trains with, per sample and turn: the trainer writes it beside the checkpoint
+    records = [
+        {"sample_id": sample.sample_id, "turns": [
+            {"index": t.index, "reward": t.reward, "return": g, "advantage": a,
+             **({} if turn_values is None else {"value": turn_values[i][k]}),
+             **({"overlong_penalty": shaped[i][k] - t.reward} if cfg.overlong_buffer else {})}
+            for k, (t, g, a) in enumerate(zip(sample.all_turns, sample_returns, sample_adv))]}
+        for i, (sample, sample_returns, sample_adv) in enumerate(zip(samples, returns, turn_adv))
+    ]  # fmt: skip
+    return BatchAdvantages(advantages, records, stats, critic_batch)
