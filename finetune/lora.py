@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
+from contract.adapters import ADAPTER_WEIGHTS, SAVED_PREFIX
 from contract.rundir import ADAPTER_CONFIG
 
 ADAPTER = "default"  # peft's name of the one adapter
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-SAVED_PREFIX = "base_model.model."  # peft's prefix of the keys in a saved adapter
 
 
 def with_lora(lm, lora, seed: int = 0):
@@ -69,16 +68,6 @@ def load_adapter_weights(lm, folder: str | os.PathLike) -> None:
     with torch.no_grad():
         for key, param in params.items():
             param.copy_(saved[key].to(param.dtype))
-
-
-def adapter_options(folder: str | os.PathLike) -> dict:
-    """The lora options (finetune.config.LoraOptions) an adapter folder was trained with, start_from it."""
-    saved = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
-    options = {"rank": int(saved["r"]), "alpha": float(saved.get("lora_alpha") or 2 * saved["r"]),
-               "dropout": float(saved.get("lora_dropout") or 0.0), "start_from": str(Path(folder).resolve())}  # fmt: skip
-    if targets := saved.get("target_modules"):
-        options["target_modules"] = sorted([targets] if isinstance(targets, str) else targets)
-    return options
 
 
 def adapter_tensors(lm_state: dict) -> dict:
@@ -137,37 +126,3 @@ def _jsonable(value):
     if hasattr(value, "value"):  # enums (task_type, peft_type)
         return value.value
     return str(value)
-
-
-def is_adapter(folder: str | os.PathLike) -> bool:
-    return (Path(folder) / ADAPTER_CONFIG).is_file()
-
-
-def adapter_mismatch(adapter: str | os.PathLike, base: str | os.PathLike) -> str | None:
-    """None when the adapter folder fits the base model folder (its target modules are the model's, each
-    A and B shaped for that module), else what does not fit. Reads shapes only, loads no weights."""
-    from safetensors import safe_open
-
-    adapter, base = Path(adapter), Path(base)
-    if not is_adapter(adapter):
-        return f"{adapter} is not an adapter folder (no {ADAPTER_CONFIG})"
-    if not (adapter / ADAPTER_WEIGHTS).is_file():
-        return f"{adapter} has no {ADAPTER_WEIGHTS}"
-    shapes = {}
-    for file in sorted(base.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    if not shapes:
-        return f"{base} has no safetensors weights"
-    with safe_open(str(adapter / ADAPTER_WEIGHTS), "pt") as f:
-        for key in f.keys():
-            module = key.removeprefix(SAVED_PREFIX).rsplit(".lora_", 1)[0]
-            weight = shapes.get(f"{module}.weight")
-            if weight is None:
-                return f"the adapter has a layer {module} that {base} does not"
-            out_features, in_features = weight
-            shape = tuple(f.get_slice(key).get_shape())
-            if ".lora_A." in key and shape[1] != in_features or ".lora_B." in key and shape[0] != out_features:
-                return f"the adapter's {key} {list(shape)} does not fit {module} {list(weight)} of {base}"
-    return None

@@ -27,8 +27,8 @@ class MergeError(ValueError):
 
 def adapter_and_base(source: Path, version: int | None, model: str | None) -> tuple[Path, Path, str]:
     """The adapter folder, the base model folder and a name for what is merged (checked to fit)."""
+    from contract.adapters import adapter_mismatch, is_adapter
     from contract.rundir import ADAPTER_CONFIG, RunDir
-    from finetune.lora import adapter_mismatch, is_adapter
     from orchestrate.serving.models import resolve_model
 
     if not source.exists():

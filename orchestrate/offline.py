@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from contract.adapters import adapter_mismatch, adapter_options, is_adapter
 from contract.cli import (
     StrictParser,
     add_options,
@@ -65,7 +66,6 @@ from contract.cli import (
 from contract.rundir import ADAPTER_CONFIG, RunDir
 from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
-from finetune.lora import adapter_mismatch, adapter_options, is_adapter
 from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.samples import save_tapes

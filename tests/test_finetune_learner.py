@@ -583,7 +583,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused(tiny, tmp_path, capsys
 def test_lora_starts_from_an_adapter_folder_and_refuses_one_of_another_rank(tiny, tmp_path):
     """lora.start_from (orchestrate.offline --model ADAPTER): the adapters start as the folder's, so the
     learner scores as the one that wrote it; a folder of another rank is refused, naming what differs."""
-    from finetune.lora import adapter_options
+    from contract.adapters import adapter_options
 
     cfg = TrainConfig(lr=1e-2, lora={"rank": 2, "alpha": 8, "target_modules": "q_proj,v_proj"})
     learner = Learner(tiny, cfg)

@@ -121,6 +121,22 @@ def test_imports_flow_one_way(package):
     assert not wrong, "imports against the layering: " + "; ".join(wrong)
 
 
+# What the orchestrator takes from the learner's package: the training options it resolves and hands over, and
+# the registries and formulas it reads or applies the same way (one source each); never the learner itself.
+FINETUNE_FOR_ORCHESTRATE = ("finetune.config", "finetune.algorithms", "finetune.estimators")
+
+
+def test_the_orchestrator_takes_only_options_and_formulas_from_finetune():
+    wrong = []
+    for path in sorted((ROOT / "orchestrate").rglob("*.py")):
+        for line, name in sorted(imported_modules(path.read_text(encoding="utf-8"), own="orchestrate")):
+            if name.split(".")[0] == "finetune" and not any(
+                name == m or name.startswith(m + ".") for m in FINETUNE_FOR_ORCHESTRATE
+            ):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not wrong, f"orchestrate may import of finetune only {FINETUNE_FOR_ORCHESTRATE}: " + "; ".join(wrong)
+
+
 def test_every_package_is_covered():
     """A new top-level package needs its rule here before it can be imported from."""
     ours = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
