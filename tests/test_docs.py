@@ -1,5 +1,6 @@
 """The guide keeps its promises: README.md stays short, every relative link of README.md and docs/ leads
-somewhere, the README's test command is the one CI runs, and the options the docs name exist."""
+somewhere, every file of the repository they name exists, the README's test command is the one CI runs, and
+the options the docs name exist."""
 
 import re
 import subprocess
@@ -77,6 +78,38 @@ def readme_commands() -> list[str]:
     block = re.search(r"((?:^    \S.*\n)+)", section.group(1), re.MULTILINE)
     assert block, "the two-commands section of README.md has no command block"
     return [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+
+
+# A path of the repository as the pages name files: `orchestrate/loop/iteration.py`, bench/gpu/x_h200 (a stem
+# its .json and .log share). Not: placeholders in capitals (NAME.py, iter_NNNNNN), globs, a run directory's own
+# tapes/iter_* and tapes/eval_* files.
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:tapes|agents|orchestrate|finetune|contract|tests|bench|docs)/[\w/.-]*\w)")
+
+
+def named_paths(text: str) -> list[str]:
+    return [
+        m.group(1)
+        for m in REPO_PATH.finditer(text)
+        if not re.search(r"[A-Z]{3,}|\bN\b|/N\.", m.group(1))
+        and not re.match(r"tapes/(iter|eval)_", m.group(1))
+        and text[m.end() : m.end() + 1] != "*"  # a glob
+    ]
+
+
+def test_named_paths_skip_placeholders_and_run_files():
+    text = "`orchestrate/loop/iteration.py`, finetune/publish/NAME.py, RUN/tapes/iter_000003.jsonl, bench/x_*.txt, tapes/store.py"
+    assert named_paths(text) == ["orchestrate/loop/iteration.py", "tapes/store.py"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_files_the_docs_name_exist(page):
+    """A moved or renamed file leaves no page pointing at its old place."""
+    missing = [
+        path
+        for path in named_paths(page.read_text())
+        if not (ROOT / path).exists() and not list((ROOT / path).parent.glob((ROOT / path).name + ".*"))
+    ]
+    assert not missing, f"{page.name} names files that do not exist: {sorted(set(missing))}"
 
 
 def test_readme_test_command_is_the_one_ci_runs():

@@ -150,3 +150,11 @@ def test_reading_the_options_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_architecture_page_draws_every_place():
+    """docs/architecture.md's picture of the packages names every place ruled here: a new place is drawn."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    picture = page.split("## The packages and their arrows", 1)[1].split("\n## ", 1)[0]
+    missing = [p for p in ALLOWED if p.replace(".", "/") + "/" not in picture]
+    assert not missing, f"docs/architecture.md's picture does not name {missing}"
