@@ -24,6 +24,36 @@ def test_presets_resolve():
     assert gsm8k.train.algorithm == "grpo" and gsm8k.train.kl_coef > 0
 
 
+@pytest.mark.parametrize("name", presets())
+def test_every_shipped_preset_is_written_in_todays_option_names(name):
+    """Each key of a shipped preset is an option the command line takes (`--SECTION.OPTION`), and the preset
+    resolves as `--preset NAME` resolves it."""
+    from orchestrate.loop.config import config_differences, load_preset
+
+    known = {dotted for dotted, _, _ in options()}
+
+    def unknown(table: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in table.items():
+            dotted = f"{prefix}{key}"
+            if dotted in known:
+                continue
+            out += unknown(value, f"{dotted}.") if isinstance(value, dict) else [dotted]
+        return out
+
+    assert unknown(load_preset(name)) == []
+    saved = resolve(name, {}).model_dump(mode="json")  # what a run saves (config.json) reads back the same
+    assert config_differences(RLConfig.model_validate(saved).model_dump(mode="json"), saved) == []
+
+
+def test_the_multi_turn_presets_normalise_over_the_batch():
+    """game and countdown discount their turns (gamma 0.9), where a group baseline does not fit: their
+    estimator is the batch's."""
+    for name in ("game", "countdown"):
+        train = resolve(name, {}).train
+        assert (train.algorithm, train.loss, train.estimator, train.gamma) == ("grpo", "grpo", "batch", 0.9), name
+
+
 def test_dotted_overrides_are_typed():
     config = resolve(
         "gsm8k",
