@@ -63,23 +63,6 @@ def _set_default(data: dict, dotted: str, value: Any) -> None:
     data.setdefault(leaf, value)
 
 
-def upgrade_train(data: dict) -> dict:
-    """Train options saved before algorithms were registered: `algorithm` named the loss and `baseline` the
-    estimator. Returns them as loss, estimator and the algorithm of the loss's name (every saved option is
-    explicit, so the run resolves as it ran); a copy of the sampling limit (`max_tokens`) is dropped."""
-    from finetune.losses import LOSSES
-
-    if "baseline" not in data and "loss" in data and "max_tokens" not in data:
-        return data
-    data = dict(data)
-    data.pop("max_tokens", None)  # the sampling limit: rollouts.max_tokens, recorded on every turn since
-    if "baseline" in data:
-        data.setdefault("estimator", data.pop("baseline"))
-    if "loss" not in data and data.get("algorithm") in LOSSES:
-        data["loss"] = data["algorithm"]
-    return data
-
-
 def with_algorithm(train: dict) -> dict:
     """Train options with the chosen algorithm's settings filled in where not given (before validation)."""
     algorithm = ALGORITHMS.get(train.get("algorithm", "grpo"))

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from finetune.algorithms import ALGORITHMS, upgrade_train, with_algorithm
+from finetune.algorithms import ALGORITHMS, with_algorithm
 from finetune.algorithms import listing as algorithm_listing
 from finetune.estimators import ESTIMATORS, overlong_penalty
 from finetune.losses import LOSSES, LossConfig, LossSpec
@@ -233,9 +233,8 @@ class _TrainOptions(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _algorithm_settings(cls, data: Any) -> Any:
-        """The chosen algorithm's settings where not given (runs saved before algorithms were registered are
-        upgraded first: their algorithm was the loss, their baseline the estimator)."""
-        return with_algorithm(upgrade_train(data)) if isinstance(data, dict) else data
+        """The chosen algorithm's settings where not given."""
+        return with_algorithm(data) if isinstance(data, dict) else data
 
     @field_validator("algorithm", "loss", "estimator")
     @classmethod

@@ -66,7 +66,7 @@ from contract.rundir import ADAPTER_CONFIG, RunDir
 from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
 from finetune.lora import adapter_mismatch, adapter_options, is_adapter
-from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
+from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.samples import save_tapes
 from tapes.store import TapeFileError, read_tapes
@@ -302,7 +302,7 @@ def resolve(args: argparse.Namespace) -> Inputs:
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
     if len(runs) == 1 and (config_path := RunDir(runs.pop()).config_path).is_file():
         try:
-            run_config = upgrade_saved(json.loads(config_path.read_text()))
+            run_config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
