@@ -45,7 +45,6 @@ from urllib.parse import parse_qs, urlparse
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.loop.dynamic_sampling import DROPPED_BY
-from tapes import legacy
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
@@ -189,9 +188,7 @@ def _episode_end(tape: Tape, ordered: list[dict]) -> dict:
 
 
 def summarize(data: dict, file: str, index: int, kind: str) -> dict:
-    """What a tape list shows and filters on, from one parsed tape line (a tape written before episodes
-    in today's shape: tapes/legacy.py)."""
-    data = legacy.upgrade(data)
+    """What a tape list shows and filters on, from one parsed tape line."""
     meta = data.get("metadata") or {}
     steps = data.get("steps") or []
     calls = data.get("llm_calls") or []
@@ -551,11 +548,10 @@ def _keep(s: dict, q: dict[str, str]) -> bool:
         return False
     for flag, key in (
         ("format_error", "format_error"),
-        ("parse_failure", "format_error"),
         ("truncated", "truncated"),
         ("success", "success"),
         ("trained", "trained"),
-    ):  # parse_failure: the older name
+    ):
         want = q.get(flag) or ""
         if want in ("yes", "no") and bool(s[key]) != (want == "yes"):
             return False

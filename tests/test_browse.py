@@ -538,10 +538,9 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
     )
     assert first[made["held_out"].metadata.id]["learner_note"] == "not trained on (evaluation)"
 
-    # filters on the episode's flags; parse_failure is the older name of format_error
+    # filters on the episode's flags
     for query, ids in (
         ({"format_error": "yes"}, [lost]),
-        ({"parse_failure": "yes"}, [lost]),
         ({"success": "yes"}, [solved]),
         ({"truncated": "yes"}, [lost]),
         ({"trained": "no"}, [made["crashed"]]),
