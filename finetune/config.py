@@ -273,8 +273,8 @@ class _TrainOptions(BaseModel):
         if not self.overlong_buffer:
             return float(reward)
         if max_tokens is None:
-            raise ValueError("overlong_buffer: a turn has no sampling limit recorded (a batch written before turns "
-                             "carried it): write its batch again from its tapes")  # fmt: skip
+            raise ValueError("overlong_buffer: a turn records no sampling limit (its sample has no turns[].max_tokens "
+                             "in the batch file); the buffer is measured against it")  # fmt: skip
         return float(reward) + overlong_penalty(length, max_tokens, self.overlong_buffer, self.overlong_penalty)
 
     @property
