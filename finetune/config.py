@@ -119,7 +119,7 @@ class _TrainOptions(BaseModel):
     estimator: str = Field(
         "group",
         description="the advantage estimator, by name (set by algorithm; finetune.estimators; any combines with "
-        "any loss, ppo's critic excepted): " + _listing(ESTIMATORS) + ".",
+        "any loss but ppo, whose critic gives the advantages instead): " + _listing(ESTIMATORS) + ".",
     )
     gamma: float = Field(
         1.0,
