@@ -14,9 +14,11 @@ paged, and a tape is read from its offset when it is asked for. Only the
 layout of the run directory is known here (tapes/iter_*.jsonl,
 tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/, and the
 learner's advantages/NNNNNN.jsonl read with `contract.rundir.read_advantages`),
-so this module imports nothing from agents or the rest of orchestrate. It lives
-here, not in tapes/, because it reads the learner's files (finetune owns them)
-and tapes, the bottom layer, imports nothing of ours.
+so this module imports nothing from agents, and of the rest of orchestrate only
+the mark dynamic sampling leaves on the tapes it drops
+(`orchestrate.loop.dynamic_sampling.DROPPED_BY`). It lives here, not in tapes/,
+because it reads the run directory (contract) and tapes, the bottom layer,
+imports nothing of ours.
 
 A tape is shown as the episode it records: the environment's observations and
 the agent's actions turn by turn, each turn with its reward and the return and

@@ -23,13 +23,14 @@
    that adapter trained on, on its base), OUT/metrics.jsonl and
    OUT/train_metrics.jsonl its metrics, OUT/logs/ the logs.
 
-The learner is GRPO / REINFORCE with group advantages (reward minus the
-group's mean): samples train only where the attempts at one task earned
-different rewards, and the recorded behaviour log-probs make the step
-off-policy-correct (clipped importance ratio). A filter that leaves every
-group with equal rewards would train nothing, and is refused, unless the
-advantages are the rewards themselves: `--filter 'reward>0' --train.algorithm
-reinforce` (no baseline) is rejection-sampling fine-tuning.
+The learner trains with the run's algorithm (or `--train.algorithm`; grpo by
+default: group advantages, reward minus the group's mean over its std):
+under a group baseline samples train only where the attempts at one task
+earned different rewards, and the recorded behaviour log-probs make the step
+off-policy-correct (grpo's clipped importance ratio). A filter that leaves
+every group with equal rewards would train nothing there, and is refused,
+unless the advantages are the rewards themselves: `--filter 'reward>0'
+--train.algorithm reinforce` (no baseline) is rejection-sampling fine-tuning.
 
 Bad input is refused before anything loads, with one line naming the option
 (exit status 2).
