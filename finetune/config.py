@@ -2,7 +2,7 @@
 
 `finetune.train` turns every field into a command-line option
 (`--lr 1e-5`; a loss's own options as `--grpo.clip-eps-high 0.28`) and also reads them from a JSON file (`--config`),
-so the orchestrator can write its finetune section there. A bad value is
+so the orchestrator writes its train section there (RUN/train_config.json). A bad value is
 refused with one line naming the field, before any model is loaded.
 """
 
