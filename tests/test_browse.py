@@ -493,7 +493,7 @@ def handmade_run(root: Path) -> dict:
             )
         )
     )
-    (root / "config.json").write_text(json.dumps({"env": {"id": ENV}, "train": {"baseline": "none"}}))
+    (root / "config.json").write_text(json.dumps({"env": {"id": ENV}, "train": {"estimator": "none"}}))
     return {
         "solved": solved,
         "lost": lost,
