@@ -179,7 +179,7 @@ def check_run_dir(name: str, run_dir: Path, config: dict) -> None:
     """A run directory already there must hold this recipe's run with these options (those a resume may
     change aside: orchestrate.rl's RESUMABLE, the time budget among them)."""
     from contract.rundir import RunDir, RunDirError
-    from orchestrate.loop.config import config_differences, upgrade_saved
+    from orchestrate.loop.config import config_differences
     from orchestrate.rl import RESUMABLE
 
     try:
@@ -188,7 +188,7 @@ def check_run_dir(name: str, run_dir: Path, config: dict) -> None:
         raise Refused(f"recipe {name}: {exc}") from None
     if saved is None:
         return
-    changed = [d for d in config_differences(upgrade_saved(saved), config) if d not in RESUMABLE]
+    changed = [d for d in config_differences(saved, config) if d not in RESUMABLE]
     if changed:
         raise Refused(f"recipe {name}: {run_dir} holds a run with other settings ({', '.join('--' + c for c in changed)}"
                       "): another recipe's, or other --eval-every / --eval-tasks / --options; pass another --out or its options")  # fmt: skip

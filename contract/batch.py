@@ -25,8 +25,9 @@ Advantages are not stored: the learner computes them from the rewards (per
 turn returns with a discount, then a group or batch baseline), so a batch file
 is exactly what the policy did and what it earned; the learner writes the
 advantages it used beside its checkpoints. The orchestrator writes these files with
-`write_batch` (atomically: a reader sees the whole file or no file) and may
-import this module; it imports nothing but Pydantic.
+`write_batch` (atomically, through contract.durable: a reader sees the whole file
+or no file). Both sides import this module; it imports nothing but Pydantic and
+contract.durable (the standard library only).
 """
 
 from __future__ import annotations

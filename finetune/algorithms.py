@@ -27,7 +27,7 @@ from typing import Any
 class Algorithm:
     name: str
     loss: str  # a registered loss (finetune.losses.LOSSES): it names the options section, train.LOSS.*
-    estimator: str  # a registered advantage estimator (finetune.estimators.ESTIMATORS); ppo: its critic's GAE
+    estimator: str  # a registered advantage estimator (finetune.estimators.ESTIMATORS); ppo: saved, not trained with
     aggregation: str  # "token": one mean over a step's tokens; "sequence": the mean of each sequence's mean
     paper: str
     doc: str
@@ -61,23 +61,6 @@ def _set_default(data: dict, dotted: str, value: Any) -> None:
         data[part] = dict(data[part])
         data = data[part]
     data.setdefault(leaf, value)
-
-
-def upgrade_train(data: dict) -> dict:
-    """Train options saved before algorithms were registered: `algorithm` named the loss and `baseline` the
-    estimator. Returns them as loss, estimator and the algorithm of the loss's name (every saved option is
-    explicit, so the run resolves as it ran); a copy of the sampling limit (`max_tokens`) is dropped."""
-    from finetune.losses import LOSSES
-
-    if "baseline" not in data and "loss" in data and "max_tokens" not in data:
-        return data
-    data = dict(data)
-    data.pop("max_tokens", None)  # the sampling limit: rollouts.max_tokens, recorded on every turn since
-    if "baseline" in data:
-        data.setdefault("estimator", data.pop("baseline"))
-    if "loss" not in data and data.get("algorithm") in LOSSES:
-        data["loss"] = data["algorithm"]
-    return data
 
 
 def with_algorithm(train: dict) -> dict:
@@ -122,5 +105,7 @@ register_algorithm(Algorithm("reinforce_pp", "grpo", "reinforce_pp", "token", "a
 # Williams' REINFORCE: log-prob x return, no baseline, no ratio.
 register_algorithm(Algorithm("reinforce", "reinforce", "none", "token", "Williams 1992",
                              "log-prob x return, no baseline"))  # fmt: skip
-# PPO: a critic (train.ppo.critic) and token-level GAE advantages; the estimator is not used.
+# PPO: a critic (train.ppo.critic) and token-level GAE advantages. Its estimator is saved like every
+# algorithm's (the learner reads train.estimator whatever the loss), but the critic's advantages take the
+# estimator's place (finetune.critic): another estimator trains PPO the same (tests/test_ppo.py).
 register_algorithm(Algorithm("ppo", "ppo", "group", "token", "arXiv:1707.06347", "critic, GAE, clipped ratio"))

@@ -46,7 +46,7 @@ def is_cut(sample: Sample) -> bool:
     filtering)."""
     if any(t.truncated is None for t in sample.all_turns):
         raise ValueError(f"overlong_filter: sample {sample.sample_id} does not record whether its outputs were cut "
-                         "(a batch written before turns carried it): write its batch again from its tapes")  # fmt: skip
+                         "(no turns[].truncated in the batch file); the filter reads it")  # fmt: skip
     return any(t.truncated for t in sample.all_turns)
 
 

@@ -2,7 +2,7 @@
 
 `finetune.train` turns every field into a command-line option
 (`--lr 1e-5`; a loss's own options as `--grpo.clip-eps-high 0.28`) and also reads them from a JSON file (`--config`),
-so the orchestrator can write its finetune section there. A bad value is
+so the orchestrator writes its train section there (RUN/train_config.json). A bad value is
 refused with one line naming the field, before any model is loaded.
 """
 
@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from finetune.algorithms import ALGORITHMS, upgrade_train, with_algorithm
+from finetune.algorithms import ALGORITHMS, with_algorithm
 from finetune.algorithms import listing as algorithm_listing
 from finetune.estimators import ESTIMATORS, overlong_penalty
 from finetune.losses import LOSSES, LossConfig, LossSpec
@@ -119,7 +119,7 @@ class _TrainOptions(BaseModel):
     estimator: str = Field(
         "group",
         description="the advantage estimator, by name (set by algorithm; finetune.estimators; any combines with "
-        "any loss, ppo's critic excepted): " + _listing(ESTIMATORS) + ".",
+        "any loss but ppo, whose critic gives the advantages instead): " + _listing(ESTIMATORS) + ".",
     )
     gamma: float = Field(
         1.0,
@@ -233,9 +233,8 @@ class _TrainOptions(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _algorithm_settings(cls, data: Any) -> Any:
-        """The chosen algorithm's settings where not given (runs saved before algorithms were registered are
-        upgraded first: their algorithm was the loss, their baseline the estimator)."""
-        return with_algorithm(upgrade_train(data)) if isinstance(data, dict) else data
+        """The chosen algorithm's settings where not given."""
+        return with_algorithm(data) if isinstance(data, dict) else data
 
     @field_validator("algorithm", "loss", "estimator")
     @classmethod
@@ -274,8 +273,8 @@ class _TrainOptions(BaseModel):
         if not self.overlong_buffer:
             return float(reward)
         if max_tokens is None:
-            raise ValueError("overlong_buffer: a turn has no sampling limit recorded (a batch written before turns "
-                             "carried it): write its batch again from its tapes")  # fmt: skip
+            raise ValueError("overlong_buffer: a turn records no sampling limit (its sample has no turns[].max_tokens "
+                             "in the batch file); the buffer is measured against it")  # fmt: skip
         return float(reward) + overlong_penalty(length, max_tokens, self.overlong_buffer, self.overlong_penalty)
 
     @property

@@ -14,9 +14,11 @@ paged, and a tape is read from its offset when it is asked for. Only the
 layout of the run directory is known here (tapes/iter_*.jsonl,
 tapes/eval_*.jsonl, config.json, metrics.jsonl, checkpoints/*/, and the
 learner's advantages/NNNNNN.jsonl read with `contract.rundir.read_advantages`),
-so this module imports nothing from agents or the rest of orchestrate. It lives
-here, not in tapes/, because it reads the learner's files (finetune owns them)
-and tapes, the bottom layer, imports nothing of ours.
+so this module imports nothing from agents, and of the rest of orchestrate only
+the mark dynamic sampling leaves on the tapes it drops
+(`orchestrate.loop.dynamic_sampling.DROPPED_BY`). It lives here, not in tapes/,
+because it reads the run directory (contract) and tapes, the bottom layer,
+imports nothing of ours.
 
 A tape is shown as the episode it records: the environment's observations and
 the agent's actions turn by turn, each turn with its reward and the return and
@@ -45,7 +47,6 @@ from urllib.parse import parse_qs, urlparse
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.loop.dynamic_sampling import DROPPED_BY
-from tapes import legacy
 from tapes.store import read_tape_at
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
@@ -189,9 +190,7 @@ def _episode_end(tape: Tape, ordered: list[dict]) -> dict:
 
 
 def summarize(data: dict, file: str, index: int, kind: str) -> dict:
-    """What a tape list shows and filters on, from one parsed tape line (a tape written before episodes
-    in today's shape: tapes/legacy.py)."""
-    data = legacy.upgrade(data)
+    """What a tape list shows and filters on, from one parsed tape line."""
     meta = data.get("metadata") or {}
     steps = data.get("steps") or []
     calls = data.get("llm_calls") or []
@@ -551,11 +550,10 @@ def _keep(s: dict, q: dict[str, str]) -> bool:
         return False
     for flag, key in (
         ("format_error", "format_error"),
-        ("parse_failure", "format_error"),
         ("truncated", "truncated"),
         ("success", "success"),
         ("trained", "trained"),
-    ):  # parse_failure: the older name
+    ):
         want = q.get(flag) or ""
         if want in ("yes", "no") and bool(s[key]) != (want == "yes"):
             return False

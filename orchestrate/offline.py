@@ -23,13 +23,14 @@
    that adapter trained on, on its base), OUT/metrics.jsonl and
    OUT/train_metrics.jsonl its metrics, OUT/logs/ the logs.
 
-The learner is GRPO / REINFORCE with group advantages (reward minus the
-group's mean): samples train only where the attempts at one task earned
-different rewards, and the recorded behaviour log-probs make the step
-off-policy-correct (clipped importance ratio). A filter that leaves every
-group with equal rewards would train nothing, and is refused, unless the
-advantages are the rewards themselves: `--filter 'reward>0' --train.algorithm
-reinforce` (no baseline) is rejection-sampling fine-tuning.
+The learner trains with the run's algorithm (or `--train.algorithm`; grpo by
+default: group advantages, reward minus the group's mean over its std):
+under a group baseline samples train only where the attempts at one task
+earned different rewards, and the recorded behaviour log-probs make the step
+off-policy-correct (grpo's clipped importance ratio). A filter that leaves
+every group with equal rewards would train nothing there, and is refused,
+unless the advantages are the rewards themselves: `--filter 'reward>0'
+--train.algorithm reinforce` (no baseline) is rejection-sampling fine-tuning.
 
 Bad input is refused before anything loads, with one line naming the option
 (exit status 2).
@@ -66,7 +67,7 @@ from contract.cli import (
 from contract.rundir import ADAPTER_CONFIG, RunDir
 from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
-from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection, upgrade_saved
+from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.samples import save_tapes
 from tapes.store import TapeFileError, read_tapes
@@ -302,7 +303,7 @@ def resolve(args: argparse.Namespace) -> Inputs:
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
     if len(runs) == 1 and (config_path := RunDir(runs.pop()).config_path).is_file():
         try:
-            run_config = upgrade_saved(json.loads(config_path.read_text()))
+            run_config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--tapes: cannot read the run's {config_path} ({exc})") from None
     overrides = given(args)
@@ -451,7 +452,7 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     kept = [t for t in tapes if keep(t)]
     if not kept:
         raise ConfigError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
-    if "group" in ESTIMATORS[train.estimator].needs and not groups_with_signal(kept):
+    if "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not groups_with_signal(kept):
         raise ConfigError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "

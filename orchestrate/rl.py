@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 from contract.rundir import RunDir, RunDirError
-from orchestrate.loop.config import config_differences, parse_args, upgrade_saved
+from orchestrate.loop.config import config_differences, parse_args
 from orchestrate.loop.metrics import repair_metrics
 from orchestrate.loop.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
 from orchestrate.loop.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed: its length (iterations, and the time budget: a job under a
-# time limit resumes with a new one), servers and trainer machines elsewhere may move (a run
-# started here may resume on trainer machines, --trainer.launch external), and a run saved before these
-# options existed resumes too.
+# time limit resumes with a new one), where its metrics also go (wandb, tensorboard), how long to wait for
+# servers and the learner, and where they are: servers and trainer machines elsewhere may move (a run
+# started here may resume on trainer machines, --trainer.launch external).
 RESUMABLE = {"run.iterations", "run.max_minutes", "run.wandb", "run.tensorboard", "trainer.timeout_s",
              "server.startup_timeout_s", "server.policy_urls", "server.reference_url", "server.api_key_file",
              "trainer.launch", "trainer.num_machines", "trainer.main_process_ip", "trainer.main_process_port",
@@ -96,7 +96,6 @@ def _check_resume(run_dir: RunDir, current: dict) -> None:
     """A saved run may be resumed with the same settings only (RESUMABLE aside); its state must be readable."""
     saved = run_dir.saved_config()
     if saved is not None:
-        saved = upgrade_saved(saved)  # a run started before the trainer section resumes too
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
         if changed:
             raise _Refused(f"{run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "

@@ -27,7 +27,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from orchestrate.loop.config import RLConfig, parse_args, upgrade_saved
+from orchestrate.loop.config import RLConfig, parse_args
 from orchestrate.loop.config_checks import gpu_slices
 from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
 from orchestrate.serving.processes import format_cpus, parse_cpus
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
-        config = RLConfig.model_validate(upgrade_saved(json.loads(saved.read_text())))
+        config = RLConfig.model_validate(json.loads(saved.read_text()))
         config.server = config.server.model_copy(update=placement)
     from orchestrate.loop.preflight import PreflightError, check_model
 

@@ -8,8 +8,7 @@ the turn with (read from RUN/advantages/NNNNNN.jsonl, never recomputed), the
 environment's answer, and how the episode ended. The first call's prompt is
 printed before its output; `--tokens` adds one line per output token with its
 log-prob (and reference log-prob and KL where annotated); `--steps` adds the
-steps as recorded. Tapes made before episodes are read in today's shape
-(tapes/legacy.py).
+steps as recorded.
 Colours are used when the output is a terminal (`--no-color` turns them off).
 """
 

@@ -11,9 +11,7 @@ token ids vLLM actually sampled (nothing is re-tokenized).
 Step kinds are open: subclass `Step` (or `Observation` / `Thought` /
 `Action`) with a `kind: Literal["..."]` field and the class registers itself;
 `Tape.model_validate` turns each step dict back into its class by `kind` and
-refuses a kind it does not know. Tapes written before episodes (their `task`,
-`reasoning_thought`, `final_answer_action` and `parse_failure` steps) are
-read in today's shape: `tapes/legacy.py`.
+refuses a kind it does not know.
 
 Every float is written back as it was read. JSON has no NaN or infinity, yet
 a log-prob of -inf is legitimate vLLM output and a reward may be NaN, so
@@ -38,9 +36,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny, field_validator, model_validator
-
-from tapes import legacy
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny, field_validator
 
 
 def new_id() -> str:
@@ -258,11 +254,6 @@ class Tape(OpenTapeModel):
     context: JsonValue = None
     steps: list[SerializeAsAny[Step]] = Field(default_factory=list)
     llm_calls: list[LLMCall] = Field(default_factory=list)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _upgrade(cls, data: Any) -> Any:
-        return legacy.upgrade(data)  # a tape written before episodes, in today's shape
 
     @field_validator("steps", mode="before")
     @classmethod

@@ -493,7 +493,7 @@ def handmade_run(root: Path) -> dict:
             )
         )
     )
-    (root / "config.json").write_text(json.dumps({"env": {"id": ENV}, "train": {"baseline": "none"}}))
+    (root / "config.json").write_text(json.dumps({"env": {"id": ENV}, "train": {"estimator": "none"}}))
     return {
         "solved": solved,
         "lost": lost,
@@ -538,10 +538,9 @@ def test_api_shows_the_learners_advantages_per_turn(tmp_path):
     )
     assert first[made["held_out"].metadata.id]["learner_note"] == "not trained on (evaluation)"
 
-    # filters on the episode's flags; parse_failure is the older name of format_error
+    # filters on the episode's flags
     for query, ids in (
         ({"format_error": "yes"}, [lost]),
-        ({"parse_failure": "yes"}, [lost]),
         ({"success": "yes"}, [solved]),
         ({"truncated": "yes"}, [lost]),
         ({"trained": "no"}, [made["crashed"]]),

@@ -24,6 +24,36 @@ def test_presets_resolve():
     assert gsm8k.train.algorithm == "grpo" and gsm8k.train.kl_coef > 0
 
 
+@pytest.mark.parametrize("name", presets())
+def test_every_shipped_preset_is_written_in_todays_option_names(name):
+    """Each key of a shipped preset is an option the command line takes (`--SECTION.OPTION`), and the preset
+    resolves as `--preset NAME` resolves it."""
+    from orchestrate.loop.config import config_differences, load_preset
+
+    known = {dotted for dotted, _, _ in options()}
+
+    def unknown(table: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in table.items():
+            dotted = f"{prefix}{key}"
+            if dotted in known:
+                continue
+            out += unknown(value, f"{dotted}.") if isinstance(value, dict) else [dotted]
+        return out
+
+    assert unknown(load_preset(name)) == []
+    saved = resolve(name, {}).model_dump(mode="json")  # what a run saves (config.json) reads back the same
+    assert config_differences(RLConfig.model_validate(saved).model_dump(mode="json"), saved) == []
+
+
+def test_the_multi_turn_presets_normalise_over_the_batch():
+    """game and countdown discount their turns (gamma 0.9), where a group baseline does not fit: their
+    estimator is the batch's."""
+    for name in ("game", "countdown"):
+        train = resolve(name, {}).train
+        assert (train.algorithm, train.loss, train.estimator, train.gamma) == ("grpo", "grpo", "batch", 0.9), name
+
+
 def test_dotted_overrides_are_typed():
     config = resolve(
         "gsm8k",
@@ -91,9 +121,9 @@ def test_config_error_is_one_line():
     assert "\n" not in str(err.value) and "--train.grpo.clip_eps_low" in str(err.value)
 
 
-def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_path):
+def test_the_learner_config_is_a_section_and_a_resume_with_other_settings_is_refused(tmp_path):
     """RLConfig holds the learner's TrainConfig whole (train) and how it is run beside it (trainer); a run
-    dir whose config.json was written before (train.timeout_s, ...) resumes with the same settings."""
+    dir resumes with the settings it was started with, and one of them changed is refused, named."""
     from contract.rundir import RunDir
     from finetune.config import TrainConfig
     from orchestrate import rl
@@ -101,57 +131,17 @@ def test_the_learner_config_is_a_section_and_an_old_run_dir_still_resumes(tmp_pa
     config = resolve("embedded", {"trainer.timeout_s": "99", "train.lr": "3e-6"})
     assert type(config.train) is TrainConfig and config.trainer.timeout_s == 99
     current = config.model_dump(mode="json")
-    old = json.loads(json.dumps(current))
-    from orchestrate.loop.config import MOVED_TO_TRAINER
-
-    trainer = old.pop("trainer")  # the shape of config.json before the trainer section (and its later options)
-    old["train"].update({k: trainer[k] for k in MOVED_TO_TRAINER})
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
-    run_dir.config_path.write_text(json.dumps(old))
+    run_dir.config_path.write_text(json.dumps(current))
     rl._check_resume(run_dir, current)  # the same settings: not refused
-    old["train"]["num_processes"] = 2
-    run_dir.config_path.write_text(json.dumps(old))
+    saved = json.loads(json.dumps(current))
+    saved["trainer"]["num_processes"] = 2
+    run_dir.config_path.write_text(json.dumps(saved))
     with pytest.raises(rl._Refused, match="--trainer.num_processes"):
         rl._check_resume(run_dir, current)
-
-
-def old_train(current: dict, **changes) -> dict:
-    """A run's train section as saved before algorithms were registered: `algorithm` named the loss and
-    `baseline` the estimator; no `loss`, no `estimator`."""
-    train = {k: v for k, v in current["train"].items() if k not in ("loss", "estimator")}
-    return {**current, "train": {**train, **changes}}
-
-
-def test_a_run_saved_before_algorithms_were_registered_resumes_as_it_ran():
-    from orchestrate.loop.config import config_differences, upgrade_saved
-
-    # RLOO as it was spelled then: the reinforce loss with the rloo baseline
-    now = resolve("embedded", {"train.algorithm": "reinforce", "train.estimator": "rloo"}).model_dump(mode="json")
-    saved = old_train(now, algorithm="reinforce", baseline="rloo")
-    assert config_differences(upgrade_saved(saved), now) == []
-    upgraded = RLConfig.model_validate(upgrade_saved(saved)).train
-    assert (upgraded.algorithm, upgraded.loss, upgraded.estimator) == ("reinforce", "reinforce", "rloo")
-    # the learner reads an old train_config.json the same way
-    from finetune.config import TrainConfig
-
-    assert TrainConfig.model_validate(saved["train"]) == upgraded
-    # a GSPO run saved then had the token mean (the default then); the algorithm's own is the sequence mean,
-    # so resuming it takes the option that says so, and the refusal names it
-    gspo = resolve("embedded", {"train.algorithm": "gspo"}).model_dump(mode="json")
-    old_gspo = old_train(gspo, algorithm="gspo", baseline="group", aggregation="token")
-    assert config_differences(upgrade_saved(old_gspo), gspo) == ["train.aggregation"]
-    same = resolve("embedded", {"train.algorithm": "gspo", "train.aggregation": "token"}).model_dump(mode="json")
-    assert config_differences(upgrade_saved(old_gspo), same) == []
-
-
-def test_the_old_estimator_option_is_refused_with_its_new_name(rl_cli):
-    code, line = rl_cli(["--train.baseline", "rloo"])
-    assert (
-        code == 2
-        and line
-        == "error: --train.baseline: renamed --train.estimator (the advantage estimator; --train.algorithm sets it)"
-    )
+    # the learner reads its train_config.json (the train section) back as the same options
+    assert TrainConfig.model_validate(current["train"]) == config.train
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])

@@ -264,13 +264,12 @@ def test_group_relative_is_declared_on_the_registration():
     assert "not-grouped" not in ESTIMATORS
 
 
-def test_a_run_saved_before_dynamic_sampling_resumes_with_it_off():
-    from orchestrate.loop.config import config_differences, upgrade_saved
+def test_turning_dynamic_sampling_on_is_a_change_a_resume_refuses():
+    """A run started without dynamic sampling resumed with it on differs in both its options (orchestrate.rl
+    refuses the resume, naming them)."""
+    from orchestrate.loop.config import config_differences
 
-    current = RLConfig().model_dump(mode="json")
-    saved = {**current, "rollouts": {k: v for k, v in current["rollouts"].items()
-                                     if k not in ("dynamic_sampling", "max_extra_tasks")}}  # fmt: skip
-    assert config_differences(saved, current) == ["rollouts.dynamic_sampling"]  # refused as changed before
-    assert config_differences(upgrade_saved(saved), current) == []
+    off = RLConfig().model_dump(mode="json")
     on = RLConfig.model_validate({"rollouts": {"dynamic_sampling": True}}).model_dump(mode="json")
-    assert config_differences(upgrade_saved(saved), on) == ["rollouts.dynamic_sampling", "rollouts.max_extra_tasks"]
+    assert config_differences(off, off) == []
+    assert config_differences(off, on) == ["rollouts.dynamic_sampling", "rollouts.max_extra_tasks"]

@@ -86,7 +86,7 @@ def test_overlong_penalty_is_dapos_eq_13_by_hand():
 
 def test_the_sampling_limit_has_one_owner_recorded_on_every_turn(rl_cli, tmp_path):
     """rollouts.max_tokens is the limit; each turn of a batch carries it and whether its output was cut (the
-    call's finish reason), so the learner reads them; the learner's old copy of the limit is refused."""
+    call's finish reason), so the learner reads them; the learner has no option of its own for it."""
     from orchestrate.loop.config import ConfigError, resolve
     from orchestrate.loop.samples import tape_samples
     from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
@@ -106,8 +106,10 @@ def test_the_sampling_limit_has_one_owner_recorded_on_every_turn(rl_cli, tmp_pat
     ):
         resolve("embedded", {"train.overlong_buffer": "200"})
     code, line = rl_cli(["--run-dir", tmp_path / "r", "--train.max_tokens", "96"])
-    assert code == 2 and line == ("error: --train.max_tokens: removed: the sampling limit is --rollouts.max_tokens, "
-                                  "recorded on every LLM call")  # fmt: skip
+    assert code == 2 and "unrecognized arguments: --train.max_tokens" in line, line
+    # a turn that records no limit (a one-turn sample without turns) cannot be shaped: refused, naming the field
+    with pytest.raises(ValueError, match=r"turns\[\]\.max_tokens"):
+        TrainConfig(overlong_buffer=4).shaped_reward(1.0, 10, None)
 
 
 # ---- gspo ------------------------------------------------------------------------------------

@@ -157,3 +157,18 @@ def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args
     assert exc.value.code == 2
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {option}") and words in err, err
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic():
+    """A kept set whose groups all have equal rewards trains nothing under a group baseline (refused), while
+    PPO's critic still gives its advantages (kept): the refusal reads the loss, as config_checks does."""
+    from finetune.config import TrainConfig
+    from orchestrate.loop.config import ConfigError
+    from orchestrate.offline import score_and_filter
+    from tests.test_tapes import make_tape
+
+    tapes = [make_tape(i) for i in range(4)]  # one group, every reward 1.0
+    with pytest.raises(ConfigError, match="every group"):
+        score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(algorithm="grpo"), progress=False)
+    kept = score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(algorithm="ppo"), progress=False)
+    assert kept == tapes

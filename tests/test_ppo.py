@@ -209,6 +209,21 @@ def test_ppo_on_multi_turn_episodes_puts_each_turns_reward_at_its_last_token(tin
     assert advantages[0].tolist() == pytest.approx([2, 2, 2, 2, 2]) and returns[0].tolist() == pytest.approx([2] * 5)
 
 
+def test_ppo_trains_with_its_critic_whatever_estimator_its_config_names(tiny):
+    """PPO's config names an estimator like every algorithm's (finetune.algorithms), but the critic's GAE
+    takes the estimator's place: another estimator trains the same step, with the same advantages."""
+    from finetune.learner import Learner
+
+    runs = []
+    for estimator in ("group", "rloo"):
+        cfg = TrainConfig(algorithm="ppo", estimator=estimator, lr=1e-4, token_budget=256, ppo={"critic": "head"})
+        learner = Learner(tiny, cfg)
+        batch = [s.model_copy(update={"reward": float(i % 3)}) for i, s in enumerate(constant_batch(0))]
+        metrics = learner.train_batch(batch, 1)  # rewards that differ within groups: group and rloo differ
+        runs.append((learner.turn_records, [m["loss"] for m in metrics]))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.slow
 def test_ppo_learner_killed_mid_run_resumes_policy_and_critic(tiny, tmp_path):
     from test_finetune_process import launch, stop, wait_for, weights

@@ -386,20 +386,6 @@ def _environment_line(exc: ValidationError) -> str | None:
     return f"--env.{field}: {msg}"
 
 
-# Options renamed since a run could have used them: refused with the new name.
-RENAMED = {
-    "--train.baseline": "renamed --train.estimator (the advantage estimator; --train.algorithm sets it)",
-    "--train.max_tokens": "removed: the sampling limit is --rollouts.max_tokens, recorded on every LLM call",
-}
-
-
-def refuse_renamed(argv: list[str]) -> None:
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        if name in RENAMED:
-            raise ConfigError(f"{name}: {RENAMED[name]}")
-
-
 ENV_OPTION = "--env.options."
 
 
@@ -426,40 +412,11 @@ def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, found
 
 
-# Options of the finetune process that were train.* before the trainer section (config.json of older runs).
-MOVED_TO_TRAINER = ("accelerate_config", "num_processes", "timeout_s")
-
-
-def upgrade_saved(saved: dict) -> dict:
-    """A run's saved config.json in today's shape: train.accelerate_config, train.num_processes and
-    train.timeout_s of runs started before the trainer section become trainer.*, a run started before
-    dynamic sampling had it off, and one started before algorithms were registered had train.algorithm name
-    the loss and train.baseline the estimator (finetune.algorithms.upgrade_train), so such a run resumes."""
-    from finetune.algorithms import upgrade_train
-
-    if isinstance(saved.get("train"), dict):
-        saved = {**saved, "train": upgrade_train(saved["train"])}
-    rollouts = saved.get("rollouts")
-    if isinstance(rollouts, dict) and "dynamic_sampling" not in rollouts:
-        saved = {**saved, "rollouts": {**rollouts, "dynamic_sampling": False, "max_extra_tasks": None}}
-    train = saved.get("train")
-    if not isinstance(train, dict) or not any(k in train for k in MOVED_TO_TRAINER):
-        return saved
-    moved = {k: train[k] for k in MOVED_TO_TRAINER if k in train}
-    trainer = saved.get("trainer") if isinstance(saved.get("trainer"), dict) else {}
-    return {
-        **saved,
-        "train": {k: v for k, v in train.items() if k not in MOVED_TO_TRAINER},
-        "trainer": {**moved, **trainer},
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         refuse_repeated(argv, {"--iterations": "--run.iterations"})
-        refuse_renamed(argv)
         argv, env_options = split_env_options(argv)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")

@@ -48,7 +48,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             raise SampleError(
                 f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's {len(rewards)} turns"
             )
-    if not rewards:  # a tape made before episodes: one turn with the tape's reward
+    if not rewards:  # a tape that counts no agent turn (metadata.turns 0: not played by the agent): its reward, once
         rewards = [float(tape.metadata.reward)]
     segments = call_chains(calls)
     samples = []
