@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 import traceback
@@ -165,6 +166,12 @@ class _Session:
         log.info("learner starting: %s processes (%s), device %s, mixed precision %s, %d threads, config %s",
                  acc.num_processes, acc.distributed_type.value, acc.device, acc.mixed_precision,
                  torch.get_num_threads(), self.config.model_dump_json())  # fmt: skip
+        if acc.device.type == "cuda":  # which physical GPUs, whatever CUDA_VISIBLE_DEVICES renumbered
+            from accelerate.utils import gather_object
+
+            uuids = gather_object([str(torch.cuda.get_device_properties(acc.device).uuid)])
+            log.info("learner GPUs by process: %s (CUDA_VISIBLE_DEVICES=%s)", ", ".join(f"GPU-{u}" for u in uuids),
+                     os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))  # fmt: skip
         if self.main_process:
             self.run.clean_temp()
         resume = self.run.latest_checkpoint()

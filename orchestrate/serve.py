@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
         config = RLConfig.model_validate(json.loads(saved.read_text()))
         config.server = config.server.model_copy(update=placement)
-    from orchestrate.loop.preflight import PreflightError, check_model
+    from orchestrate.loop.preflight import PreflightError, check_model, check_vllm
 
-    try:  # the model folder, as the run checks it
+    try:  # the model folder and vLLM, as the run checks them
+        check_vllm()
         check_model(config.model.policy, "--model.policy")
         if ours.role == "reference" and config.model.reference:
             check_model(config.model.reference, "--model.reference")

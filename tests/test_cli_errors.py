@@ -242,3 +242,17 @@ def test_tools_with_one_turn_are_refused(tmp_path, rl_cli, folder_model):
                          "--agent.max_turns", "1"])  # fmt: skip
     assert code == 2 and "--agent.max_turns" in line and "--env.tools python" in line, line
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.33.0", None])
+def test_a_vllm_outside_the_range_is_refused_before_the_run_directory(tmp_path, rl_cli, monkeypatch, version):
+    """Servers start here only on the vLLM releases our engine and routes are written for (VLLM_RANGE)."""
+    from orchestrate.serving import vllm_server
+
+    low, high = vllm_server.VLLM_RANGE
+    assert vllm_server.vllm_problem(f"{low}.0") is None and vllm_server.vllm_problem(f"{high}.9+cpu") is None
+    monkeypatch.setattr(vllm_server, "vllm_version", lambda: version)
+    run_dir = tmp_path / "run"
+    code, line = rl_cli(["--run-dir", str(run_dir)])
+    assert code == 2 and f"{low}" in line and f"{high}" in line and (version or "not installed") in line, line
+    assert not run_dir.exists()

@@ -62,6 +62,38 @@ def test_local_processes_meet_on_a_free_port(tmp_path):
     assert int(two[two.index("--main_process_port") + 1]) != 29500
 
 
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
+def test_the_learner_is_launched_on_its_gpus_and_processes(tmp_path, monkeypatch, cuda):
+    """--trainer.gpus reaches accelerate as --gpu_ids (its launcher sets CUDA_VISIBLE_DEVICES from them,
+    overriding ours), as physical names when our own CUDA_VISIBLE_DEVICES renumbers them; several processes
+    get a multi-process config, one process a single-process one."""
+    import orchestrate.loop.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "cuda_available", lambda: cuda)
+    monkeypatch.setattr("orchestrate.loop.config_checks.visible_gpus", lambda: ["4", "5", "6", "7"])
+
+    def launch(**section):
+        trainer = TrainerProcess(RunDir(tmp_path), tmp_path, TrainConfig(), TrainerSection(**section))
+        command = trainer.command()
+        config = Path(command[command.index("--config_file") + 1]).name
+        gpu_ids = command[command.index("--gpu_ids") + 1] if "--gpu_ids" in command else None
+        env = trainer.environment()
+        assert (env.get("ACCELERATE_USE_CPU") == "true") == (config == "multi_cpu.yaml")  # else no gloo group
+        return config, gpu_ids, env.get("CUDA_VISIBLE_DEVICES")
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one, many = ("one_gpu.yaml", "multi_gpu_ddp.yaml") if cuda else ("cpu.yaml", "multi_cpu.yaml")
+    assert launch() == (one, None, None)
+    assert launch(num_processes=2) == (many, None, None)
+    assert launch(gpus="1") == (one, "5", "5")
+    assert launch(gpus="2-3", num_processes=2) == (many, "6,7", "6,7")
+    assert launch(gpus="1", accelerate_config="/x/fsdp.yaml") == ("fsdp.yaml", "5", "5")
+    for name in ("multi_cpu.yaml", "one_gpu.yaml"):
+        text = (trainer_module.ACCELERATE_CONFIGS / name).read_text()
+        assert "gpu_ids" not in text  # a config's gpu_ids would override the trainer's GPUs
+    assert "distributed_type: MULTI_GPU" in (trainer_module.ACCELERATE_CONFIGS / "multi_cpu.yaml").read_text()
+
+
 def test_no_heartbeat_is_an_error_naming_the_timeout_option(tmp_path, capsys):
     trainer = external(tmp_path, timeout_s=0.5)
     beat(trainer.run, "earlier-trainer", 7, "stopped")  # the last beat of a trainer gone before this start
@@ -167,12 +199,14 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
 def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_dir, lora):
     """One process and two 'machines' (torchrun, gloo) train the same batch to the same weights: every weight,
-    or with LoRA the adapter, whose trainer state rank 0 saves at the stop holds the adapters only."""
+    or with LoRA the adapter, whose trainer state rank 0 saves at the stop holds the adapters only. Without
+    LoRA, two processes launched here by --trainer.num_processes 2 alone (no config file) do too."""
     train = CONFIG.model_copy(update={"lora": TrainConfig(lora={"rank": lora}).lora}) if lora else CONFIG
     samples = hand_built_batch(tiny_model_dir)
     one = RunDir(tmp_path / "one")
     two = RunDir(tmp_path / "two")
-    for run in (one, two):
+    three = RunDir(tmp_path / "three")
+    for run in (one, two, three):
         run.create()
         write_batch(run.batch(1), samples)
     config = tmp_path / "multi_cpu.yaml"
@@ -194,6 +228,16 @@ def test_two_machines_train_to_the_weights_of_one_process(tmp_path, tiny_model_d
         expected = read(local.wait_for_checkpoint(1))
         got = read(remote.wait_for_checkpoint(1))
         remote.stop()  # the stop file: both machines exit after the batch
+        if not lora:  # the local multi-process launch (finetune/accelerate/multi_cpu.yaml, ACCELERATE_USE_CPU)
+            local_two = TrainerProcess(three, tiny_model_dir, train, TrainerSection(num_processes=2, timeout_s=300))
+            local_two.start()
+            try:
+                got_here = read(local_two.wait_for_checkpoint(1))
+            finally:
+                local_two.stop()
+            assert RunDir(three.root).read_heartbeat()["num_processes"] == 2
+            for name, tensor in expected.items():
+                torch.testing.assert_close(got_here[name], tensor, atol=1e-5, rtol=0, msg=name)
         for rank, machine in enumerate(machines):
             assert machine.wait(timeout=120) == 0, (tmp_path / f"machine{rank}.log").read_text()[-3000:]
     finally:

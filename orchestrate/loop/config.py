@@ -211,7 +211,8 @@ class TrainerSection(BaseModel):
     accelerate_config: str | None = Field(
         None,
         description="accelerate config file for the trainer; default: finetune/accelerate/cpu.yaml on CPU, "
-        "one_gpu.yaml on a GPU, multi_gpu_ddp.yaml with --trainer.launch external",
+        "one_gpu.yaml on a GPU, multi_cpu.yaml or multi_gpu_ddp.yaml for --trainer.num_processes above 1, "
+        "multi_gpu_ddp.yaml with --trainer.launch external",
     )
     num_processes: int = Field(1, gt=0, description="trainer processes (GPUs), over all its machines")
     num_machines: int = Field(1, gt=0, description="machines the trainer runs on (more than 1: launch external)")

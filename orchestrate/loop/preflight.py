@@ -151,11 +151,22 @@ def preflight(config) -> None:
         check_search_corpus(config.env.search)
     check_capabilities(config)
     check_environment(config)
+    s = config.server
+    if not (s.policy_urls and (s.reference_url or not config.train.needs_reference)):  # a server starts here
+        check_vllm()
     policy = check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
+
+
+def check_vllm() -> None:
+    """The installed vLLM is one our servers run on (orchestrate.serving.vllm_server.VLLM_RANGE)."""
+    from orchestrate.serving.vllm_server import vllm_problem, vllm_version
+
+    if problem := vllm_problem(vllm_version()):
+        raise PreflightError(problem)
 
 
 def check_lora_targets(folder: Path, targets: list[str]) -> None:

