@@ -214,6 +214,12 @@ class _TrainOptions(BaseModel):
     )
     logit_chunk_tokens: int = Field(1024, ge=1, description="fused: completion tokens per chunk of logits.")
     seed: int = Field(0, description="Seed of the mini-batch shuffling (with the batch number).")
+    colocated: bool = Field(
+        False,
+        description="The learner's GPUs are time-shared with vLLM servers that sleep while it trains: it gives "
+        "back the GPU memory torch caches after each batch, before the checkpoint (set by the orchestrator, "
+        "--server.colocate).",
+    )
     max_lag: int | None = Field(
         None,
         ge=0,

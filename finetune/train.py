@@ -227,7 +227,9 @@ class _Session:
             on_step=lambda m: log.info(_step_line(m, self.learner.loss_terms)),
             on_progress=self._progress_writer(),
         )
+        self._release_gpu_memory()  # before the checkpoint appears: the orchestrator then wakes the servers
         final = self._publish(index, samples, metrics)
+        self._release_gpu_memory()
         if self.main_process:
             log.info("batch %d done in %.1f s: %s", index, time.perf_counter() - start, final)
         self.accelerator.wait_for_everyone()
@@ -241,6 +243,18 @@ class _Session:
             self._save_full_state(index, {"batch": index, "samples": len(samples)}, "every "
                                   f"{self.config.save_state_every} batches")  # fmt: skip
         self.set_state(status="waiting", **done)
+
+    def _release_gpu_memory(self) -> None:
+        """Colocated (vLLM servers sleep on this GPU while the learner trains): what torch's allocator caches goes
+        back to the GPU, so the woken servers find it; the model and optimizer stay."""
+        if not self.config.colocated or self.accelerator.device.type != "cuda":
+            return
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def _save_full_state(self, index: int, progress: dict, why: str) -> None:
         """trainer_state/ of published checkpoint `index` (finetune.state_writes)."""

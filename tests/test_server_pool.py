@@ -13,7 +13,7 @@ import pytest
 
 from contract.cli import OptionError
 from orchestrate.loop.config import RLConfig
-from orchestrate.loop.config_checks import check_gpus, gpu_slices
+from orchestrate.loop.config_checks import check_colocation, check_gpus, colocated, gpu_slices
 from orchestrate.loop.metrics import server_metrics
 from orchestrate.loop.preflight import PreflightError, check_remote_servers
 from orchestrate.serve import build_server
@@ -354,11 +354,17 @@ def gpu_config(server=None, trainer=None):
         ({"gpus": "0-4"}, {}, 4, "--server.gpus: GPU(s) 4 are not visible"),
         ({"gpus": "0-1"}, {}, 4, "--server.gpus: 2 GPU(s) given"),
         (
-            {"gpus": "0-1", "policy_servers": 2},
+            {"gpus": "0-1", "policy_servers": 2, "colocate": "off"},
             {"gpus": "1-2"},
             4,
             "--trainer.gpus: GPU(s) 1 are also in --server.gpus",
         ),
+        # colocated (auto: common GPUs), the learner takes exactly the policy servers' GPUs
+        ({"gpus": "0-1", "policy_servers": 2}, {"gpus": "1-2"}, 4, "--trainer.gpus: colocated"),
+        ({"gpus": "0"}, {"gpus": "0-1", "num_processes": 2}, 4, "--trainer.gpus: colocated"),
+        ({"colocate": "on"}, {}, 0, "--server.colocate: on time-shares GPUs and none is visible"),
+        ({"colocate": "on", "policy_urls": "http://a:8000"}, {}, 1, "--server.colocate: on needs the policy"),
+        ({"colocate": "on"}, {"launch": "external"}, 1, "--server.colocate: on needs the policy servers"),
         ({"reference_gpus": "3"}, {"gpus": "3"}, 4, "--trainer.gpus: GPU(s) 3 are also in --server.reference_gpus"),
         ({"gpus": "0", "reference_gpus": "0-1"}, {}, 4, "--server.reference_gpus: 2 GPU(s) given"),
         ({}, {"gpus": "2", "num_processes": 2}, 4, "--trainer.gpus: 1 GPU(s) for --trainer.num_processes 2"),
@@ -371,9 +377,31 @@ def gpu_config(server=None, trainer=None):
     ],
 )
 def test_gpu_placement_is_refused_in_one_line_naming_the_option(server, trainer, count, named):
+    config = gpu_config(server, trainer)
     with pytest.raises(OptionError) as caught:
-        check_gpus(gpu_config(server, trainer), count=count)
+        check_gpus(config, count=count)  # in check_config's order
+        check_colocation(config, count=count)
     assert str(caught.value).startswith(named) and "\n" not in str(caught.value)
+
+
+def test_colocation_is_chosen_when_the_servers_and_the_learner_share_gpus():
+    """auto: our servers and a local learner on common GPUs (one GPU, nothing placed: both on GPU 0); never on
+    CPU, by URL or with an external learner; on and off as said."""
+    assert colocated(gpu_config(), count=1) and colocated(gpu_config({"gpus": "1"}, {"gpus": "1"}), count=2)
+    assert not colocated(gpu_config({"gpus": "0"}, {"gpus": "1"}), count=2)
+    assert not colocated(gpu_config(), count=0)  # CPU
+    assert not colocated(gpu_config({"policy_urls": "http://a:8000"}), count=1)
+    assert not colocated(gpu_config({}, {"launch": "external"}), count=1)
+    assert colocated(gpu_config({"colocate": "on", "gpus": "0"}, {"gpus": "1"}), count=2)
+    assert not colocated(gpu_config({"colocate": "off"}), count=1)
+    # accepted: one GPU for everything (the reference server sleeps on it too), one server and learner per GPU
+    for server, trainer in [({}, {}), ({"reference_gpus": "0"}, {}),
+                            ({"gpus": "0-1", "policy_servers": 2}, {"gpus": "0-1", "num_processes": 2})]:  # fmt: skip
+        config = gpu_config(server, trainer)
+        check_gpus(config, count=2)
+        check_colocation(config, count=2)
+    with pytest.raises(OptionError, match=r"^--run.async_level: 1 generates while the learner trains"):
+        check_colocation(RLConfig.model_validate({"run": {"async_level": 1}}), count=1)
 
 
 def test_gpu_placement_that_fits(monkeypatch):

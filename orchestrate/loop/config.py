@@ -180,7 +180,7 @@ class ServerSection(ServerConfig):
     gpus: DeviceList = Field(
         None,
         description="GPUs of the policy servers, e.g. '0-3' (tensor_parallel_size x data_parallel_size each, "
-        "in order); keep them apart from --trainer.gpus; default: one per server",
+        "in order); apart from --trainer.gpus, or the same ones to colocate; default: one per server",
     )
     reference_gpus: DeviceList = Field(
         None, description="GPUs of the reference server, e.g. '4'; default: the policy's (it sleeps meanwhile)"
@@ -195,6 +195,12 @@ class ServerSection(ServerConfig):
     )
     api_key_file: str | None = Field(
         None, description="file holding the API key of the servers given by URL; default: $VLLM_API_KEY"
+    )
+    colocate: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the policy servers and the learner time-share their GPUs: the servers sleep (weights and KV "
+        "cache off the GPU) while the learner trains, and the learner frees its cached memory while they "
+        "generate; auto: on when they are given (or default to) the same GPUs; docs/config.md#gpus",
     )
 
 

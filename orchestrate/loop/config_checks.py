@@ -159,10 +159,13 @@ def check_gpus(config, count: int | None = None) -> None:
         raise ConfigError(f"--trainer.gpus: {len(chosen['trainer.gpus'])} GPU(s) for --trainer.num_processes "
                           f"{t.num_processes}; give one GPU per process")  # fmt: skip
     for server in ("server.gpus", "server.reference_gpus"):
+        if colocated(config, count):
+            break  # they time-share their GPUs (check_colocation said how they may)
         if server in chosen and "trainer.gpus" in chosen and chosen[server] & chosen["trainer.gpus"]:
             shared = format_cpus(chosen[server] & chosen["trainer.gpus"])
             raise ConfigError(f"--trainer.gpus: GPU(s) {shared} are also in --{server}; give the trainer and the "
-                              "servers different GPUs, or leave one out")  # fmt: skip
+                              "servers different GPUs, or leave one out, or let them time-share the policy servers' "
+                              "GPUs (--server.colocate auto or on)")  # fmt: skip
     if one_rank_per_gpu and not s.policy_urls and t.launch == "local":
         # every policy server's workers and the learner's main process are ranks of one group (NCCL), which
         # refuses two ranks on one GPU ("Duplicate GPU detected"): where nothing places them, both use GPU 0
@@ -177,6 +180,60 @@ def check_gpus(config, count: int | None = None) -> None:
     if not s.policy_urls and "server.gpus" not in chosen and s.policy_servers * per_server > count:
         raise ConfigError(f"--server.policy_servers: {s.policy_servers} server(s) x {per_server} GPU(s) each do not "
                           f"fit on the {count} visible GPU(s)")  # fmt: skip
+
+
+def placements(config) -> tuple[set[int], set[int]]:
+    """The policy servers' GPUs and the learner's, as indices of the visible GPUs: given, or the defaults (one
+    after the other from GPU 0 for the servers; one per learner process from GPU 0 for the learner)."""
+    from orchestrate.serving.processes import parse_cpus
+
+    s, t = config.server, config.trainer
+    per_server = s.tensor_parallel_size * s.data_parallel_size
+    servers = set(parse_cpus(s.gpus)) if s.gpus else set(range(s.policy_servers * per_server))
+    learner = set(parse_cpus(t.gpus)) if t.gpus else set(range(t.num_processes))
+    return servers, learner
+
+
+def colocated(config, count: int | None = None) -> bool:
+    """Whether the policy servers and the learner time-share GPUs (--server.colocate; auto: our servers and a
+    learner started here on common GPUs). `count`: the visible GPUs (for tests; default: torch's count)."""
+    s, t = config.server, config.trainer
+    if s.colocate != "auto":
+        return s.colocate == "on"
+    if s.policy_urls or t.launch != "local" or not (len(visible_gpus()) if count is None else count):
+        return False
+    servers, learner = placements(config)
+    return bool(servers & learner)
+
+
+def check_colocation(config, count: int | None = None) -> None:
+    """Colocated servers sleep while the learner trains: what that rules out, each refused in one line."""
+    from orchestrate.serving.processes import format_cpus
+
+    s, t = config.server, config.trainer
+    if not colocated(config, count):
+        return
+    why = "--server.colocate on" if s.colocate == "on" else "the servers and the learner share GPUs"
+    if not (len(visible_gpus()) if count is None else count):
+        raise ConfigError("--server.colocate: on time-shares GPUs and none is visible here; on CPU the servers "
+                          "and the learner share cores (--server.cpus, --trainer.cpus): leave it at auto")  # fmt: skip
+    if s.policy_urls or t.launch != "local":
+        where = "--server.policy_urls" if s.policy_urls else "--trainer.launch external"
+        raise ConfigError(f"--server.colocate: on needs the policy servers and the learner on this machine, and "
+                          f"{where} puts them elsewhere; leave it at auto")  # fmt: skip
+    if config.run.async_level:
+        raise ConfigError(f"--run.async_level: {config.run.async_level} generates while the learner trains, but "
+                          f"colocated servers sleep then ({why}); set 0, or give the learner GPUs of its own "
+                          "(--trainer.gpus) and --server.colocate off")  # fmt: skip
+    if select(s.weight_transfer).one_rank_per_gpu:
+        raise ConfigError(f"--server.weight_transfer: {s.weight_transfer} needs the learner and the policy servers on "
+                          f"different GPUs, and they share them ({why}); leave it at {DEFAULT} or place them "
+                          "apart (--server.gpus, --trainer.gpus, --server.colocate off)")  # fmt: skip
+    servers, learner = placements(config)
+    if servers != learner:
+        raise ConfigError(f"--trainer.gpus: colocated ({why}), the learner runs one process on each of the policy "
+                          f"servers' GPUs ({format_cpus(servers)}), and it is given {format_cpus(learner)}; give "
+                          "both the same GPUs (--trainer.num_processes as many), or none in common")  # fmt: skip
 
 
 def check_dynamic_sampling(config) -> None:
@@ -269,6 +326,7 @@ def check_config(config) -> None:
         raise ConfigError(f"--train.overlong_buffer: {config.train.overlong_buffer} tokens is more than --rollouts.max_tokens "
                           f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip
     check_gpus(config)
+    check_colocation(config)
     lag, level = config.train.max_lag, config.run.async_level
     if lag is not None and lag < level:
         raise ConfigError(f"--train.max_lag: {lag} is below --run.async_level {level}, so batches generated "

@@ -105,15 +105,19 @@ class Loop:
         # versions before it.
         self.servers = Servers.for_run(c, self.run, self.policy_dir, self.reference_dir, self.tokenizer,
                                        progress=self.progress)  # fmt: skip
-        train = (
-            c.train.model_copy(update={"max_lag": c.run.async_level})
-            if c.run.async_level and c.train.max_lag is None
-            else c.train
-        )
+        train = c.train.model_copy(update={"colocated": self.servers.colocated})
+        if c.run.async_level and c.train.max_lag is None:
+            train = train.model_copy(update={"max_lag": c.run.async_level})
         self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
-        self.trainer.start()
-        stack.callback(self.trainer.stop)
-        self.servers.start(stack, self.trainer)  # serving the version the trainer resumes at
+        if not self.servers.colocated:  # it loads its model while the servers start
+            self.trainer.start()
+            stack.callback(self.trainer.stop)
+        self.servers.launch(stack)
+        if self.servers.colocated:  # after the servers measured the GPU's free memory
+            self.trainer.start()
+            stack.callback(self.trainer.stop)
+        self.servers.use(self.trainer)
+        self.servers.resume()  # serving the version the trainer resumes at
 
     # -- episodes --------------------------------------------------------------------
 
@@ -184,8 +188,15 @@ class Loop:
             save_tapes(tape_file, tapes)
         if not self.run.batch(i).exists():
             batch = [t for t in tapes if not dropped(t)]  # the tapes marked dropped are saved, not trained on
+            self._make_room()  # colocated: the learner trains as soon as the batch file is there
             write_samples(self.run.batch(i), batch, require_ref=self.use_reference)
         self.generated[i] = tapes
+
+    def _make_room(self) -> None:
+        """Colocated: the policy servers go to sleep before the learner trains (its time: weight_sync)."""
+        start = time.perf_counter()
+        self.servers.make_room()
+        self.timer.add("weight_sync", time.perf_counter() - start)
 
     def catch_up(self, until: int, generated: int) -> None:
         """Complete iterations in order: through `until` (waiting for their checkpoints), then any later
@@ -195,9 +206,13 @@ class Loop:
             if j > until and self.trainer.newest_checkpoint() < j:
                 break
             self._enter(j, "training")
+            self._make_room()  # a resumed run's batch may be there already
             start = time.perf_counter()
             self.trainer.wait_for_checkpoint(j, progress=self.progress, desc=f"iteration {j} train")
             self.timer.add("train", time.perf_counter() - start)
+            start = time.perf_counter()
+            self.servers.wake()  # colocated: back on the GPU the learner has given back, before the new weights
+            self.timer.add("weight_sync", time.perf_counter() - start)
             newest = self.trainer.newest_checkpoint()
             if newest > self.servers.served:  # always the newest weights: with async_level 0 checkpoint j
                 self._enter(j, "weight_reload")

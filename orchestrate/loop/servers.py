@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from contract.rundir import RunDir
 from contract.weight_paths import KEEP, select
 from orchestrate.loop.config import RLConfig
-from orchestrate.loop.config_checks import gpu_slices
+from orchestrate.loop.config_checks import colocated, gpu_slices
 from orchestrate.loop.metrics import server_metrics
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.serving.auth import APIKeyMissing, read_api_key
@@ -46,6 +46,9 @@ class Servers:
         self.trainer = None
         self.weights: Transport | None = None
         self.counts = _no_counts()  # policy requests since the last record
+        # time-sharing the learner's GPUs (--server.colocate): the policy servers sleep while it trains
+        self.colocated = colocated(config) and any(isinstance(s, VLLMServer) for s in self.policy)
+        self.asleep = False  # the policy servers sleep (colocated, between the batch and its checkpoint)
 
     @classmethod
     def for_run(cls, config: RLConfig, run: RunDir, policy_dir, reference_dir, tokenizer, progress=True) -> Servers:
@@ -107,11 +110,18 @@ class Servers:
     # -- start -------------------------------------------------------------------------
 
     def start(self, stack: ExitStack, trainer) -> None:
-        """Start every server at once and wait for them; the servers by URL serve their own model again (one
-        used by an earlier run may hold its weights); then serve the version the learner resumes at."""
+        """Start the servers (`launch`), then serve the checkpoints of `trainer` from the version it resumes at."""
+        self.launch(stack)
+        self.use(trainer)
+        self.resume()
+
+    def launch(self, stack: ExitStack) -> None:
+        """Start every server and wait for them: all at once, or colocated one after the other (vLLM measures
+        the GPU's free memory at start, so no two may measure at once); the servers by URL serve their own
+        model again (one used by an earlier run may hold its weights)."""
         for server in self.all:
             stack.callback(server.stop)
-            server.start(wait=False)
+            server.start(wait=self.colocated)
         for server in self.all:
             server.wait_ready()
         if self.reference is not None:
@@ -120,8 +130,20 @@ class Servers:
             if isinstance(server, RemoteServer):
                 server.resume()  # an orchestrator killed during an in-flight swap may have left it paused
                 server.reload_weights(server.model_root(), verify=False)
-        self.use(trainer)
-        self.resume()
+
+    def make_room(self) -> None:
+        """Colocated: the policy servers sleep (weights and KV cache off the GPU) while the learner trains."""
+        if self.colocated and not self.asleep:
+            for server in self.policy:
+                server.sleep()
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Colocated: the policy servers back on the GPU, before they load the learner's new weights."""
+        if self.asleep:
+            for server in self.policy:
+                server.wake_up()
+            self.asleep = False
 
     def use(self, trainer) -> None:
         """Serve the checkpoints of `trainer` (orchestrate.loop.trainer.TrainerProcess): the weight path starts."""
@@ -282,15 +304,19 @@ class Servers:
 
         if role == "base":
             return asyncio.run(score())
-        for server in self.policy:
-            server.sleep()
+        if self.colocated:
+            self.make_room()
+        else:
+            for server in self.policy:
+                server.sleep()
         self.reference.wake_up()
         try:
             asyncio.run(score())
         finally:
             self.reference.sleep()
-            for server in self.policy:
-                server.wake_up()
+            if not self.colocated:  # colocated, they sleep on: the learner trains next (`wake` after it)
+                for server in self.policy:
+                    server.wake_up()
 
 
 def _no_counts() -> dict:
