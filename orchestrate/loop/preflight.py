@@ -159,6 +159,28 @@ def preflight(config) -> None:
         check_model(config.model.reference, "--model.reference")
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
+    check_memory(config, policy)
+
+
+def check_memory(config, policy: Path, totals: list[float] | None = None) -> dict[str, float] | None:
+    """On GPUs, the run's memory plan (orchestrate.loop.memory_plan) fits the GPU it is tightest on: the
+    colocated servers' first, else the learner's. `totals`: each visible GPU's GiB (for tests)."""
+    from orchestrate.loop.config_checks import colocated, placements, visible_gpus
+    from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check, gpu_totals_gib
+
+    if config.trainer.launch != "local" or not visible_gpus() and totals is None:
+        return None
+    totals = gpu_totals_gib() if totals is None else totals
+    together = colocated(config, len(totals))
+    servers, learner = placements(config)
+    gpu = min(servers if together else learner)
+    if gpu >= len(totals):
+        return None  # check_gpus names what is not visible
+    compiled = config.train.compile == "on" or (config.train.compile == "auto" and not config.trainer.accelerate_config)
+    try:
+        return check(config, Shape.of(policy), totals[gpu], compiled, together)
+    except MemoryPlanError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_vllm() -> None:

@@ -116,15 +116,21 @@ class Servers:
         self.resume()
 
     def launch(self, stack: ExitStack) -> None:
-        """Start every server and wait for them: all at once, or colocated one after the other (vLLM measures
-        the GPU's free memory at start, so no two may measure at once); the servers by URL serve their own
-        model again (one used by an earlier run may hold its weights)."""
+        """Start every server and wait for them: all at once, or colocated one after the other, each asleep
+        before the next starts (vLLM takes its share of the GPU's free memory at start: no two measure at once,
+        and each finds the others' share free), then the policy servers woken; the servers by URL serve their
+        own model again (one used by an earlier run may hold its weights)."""
         for server in self.all:
             stack.callback(server.stop)
             server.start(wait=self.colocated)
+            if self.colocated:
+                server.sleep()
         for server in self.all:
             server.wait_ready()
-        if self.reference is not None:
+        if self.colocated:
+            for server in self.policy:
+                server.wake_up()
+        if self.reference is not None and not self.colocated:  # colocated, it is asleep already
             self.reference.sleep()  # GPU: woken for the reference pass only
         for server in self.policy:
             if isinstance(server, RemoteServer):
