@@ -10,7 +10,10 @@ version differs):
   disk   - the learner writes the version's model folder, the server reloads it by path
            (Transport.serve on the disk path: /collective_rpc reload_weights + /reset_prefix_cache);
   memory - the learner packs the version into checked buckets and broadcasts them while the server
-           receives them (CollectiveTransport.serve in memory: the loop's weight_sync), then acks.
+           receives them (CollectiveTransport.serve in memory: the loop's weight_sync), then acks;
+  shm    - the learner writes the version's model folder into shared memory (/dev/shm, nothing synced), the
+           server reloads it by path (ShmTransport.serve).
+The learner's side of disk and shm is timed with the checkpoint's publication (its syncs included).
 weight_sync is the time the loop waits in Transport.serve; the learner's side is timed apart:
   before - what the learner wrote after every batch until this change: the model folder and its full
            trainer state (finetune.learner.Learner.save_checkpoint);
@@ -37,6 +40,7 @@ from contract.weight_paths import select
 from finetune.config import TrainConfig
 from finetune.learner import Learner
 from finetune.publish.collective import CollectivePublisher
+from finetune.publish.shm import ShmPublisher
 from orchestrate.serving.models import resolve_model, untied_copy
 from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
 from orchestrate.serving.weights import transport_for
@@ -81,11 +85,15 @@ def main() -> None:
             joining.start()
             weights.start()
             joining.join()
-            sync = {"disk": [], "memory": []}
-            learner_s = {"checkpoint": [], "gather_pack": [], "folder": []}
+            shm_weights = transport_for(run, [server], select("shm"), 120, _OwnTrainer())
+            shm_weights.start()
+            shm_sender = ShmPublisher(run, select("shm"))
+            sync = {"disk": [], "memory": [], "shm": []}
+            learner_s = {"checkpoint": [], "gather_pack": [], "folder": [], "disk_out": [], "shm_out": []}
             version = 0
+            paths = ("disk", "memory", "shm")
             for r in range(args.repeats):
-                for path in ("disk", "memory") if r % 2 == 0 else ("memory", "disk"):
+                for path in paths[r % 3 :] + paths[: r % 3]:  # each first in turn
                     version += 1
                     with torch.no_grad():
                         for p in params.values():
@@ -93,9 +101,16 @@ def main() -> None:
                     state = learner.policy_weights()
                     tmp_ck = run.temp_checkpoint(version)
                     atomic_write_json(tmp_ck / LEARNER_RECORD, {"batch": version, "weights_changed": True})
+                    if path == "shm":
+                        learner_s["shm_out"].append(timed(lambda s=state, t=tmp_ck, v=version: (
+                            shm_sender.write(learner, t, v, s, keep_folder=False), run.publish_checkpoint(t, v))))  # fmt: skip
+                        sync["shm"].append(timed(lambda v=version: shm_weights.serve(v, verify=False)))
+                        continue
                     if path == "disk":
+                        start = time.perf_counter()
                         learner_s["folder"].append(timed(lambda s=state, t=tmp_ck: learner.save_weights(t, s)))
                         run.publish_checkpoint(tmp_ck, version)
+                        learner_s["disk_out"].append(time.perf_counter() - start)
                         weights.in_memory = False  # the collective's own disk path
                         sync["disk"].append(timed(lambda v=version: weights.serve(v, verify=False)))
                         weights.in_memory = True
@@ -117,6 +132,7 @@ def main() -> None:
                 # the model folder and the full state: every batch before, every --state-every batches after
                 learner_s["checkpoint"].append(timed(lambda r=r: learner.save_checkpoint(Path(tmp) / f"ck-{r}", {})))
         finally:
+            shm_weights.close()
             server.stop()
             for line in (Path(tmp) / "server.log").read_text().splitlines():
                 if "received in" in line:  # the engine's own split of each in-memory version
@@ -131,6 +147,13 @@ def main() -> None:
     print(f"weight_sync, in memory (gloo): {memory:.2f} s (n={len(sync['memory'])}: "
           f"{', '.join(f'{x:.2f}' for x in sync['memory'])})")  # fmt: skip
     print(f"ratio memory / disk: {memory / disk:.2f} (target <= 0.3)")
+    shm = median(sync["shm"])
+    print(f"weight_sync, shared memory (shm): {shm:.2f} s (n={len(sync['shm'])}: "
+          f"{', '.join(f'{x:.2f}' for x in sync['shm'])}); ratio shm / disk {shm / disk:.2f}")  # fmt: skip
+    disk_out, shm_out = median(learner_s["disk_out"]), median(learner_s["shm_out"])
+    print(f"learner per version, model folder written and published: disk {disk_out:.2f} s, shm {shm_out:.2f} s; "
+          f"a version both sides: disk {disk_out + disk:.2f} s, shm {shm_out + shm:.2f} s, ratio "
+          f"{(shm_out + shm) / (disk_out + disk):.2f}")  # fmt: skip
     print(f"learner per batch, before (model folder + full state every batch): {before:.2f} s")
     folder = median(learner_s["folder"]) + before / args.state_every
     print(f"learner per batch, disk path after (model folder {median(learner_s['folder']):.2f} s, full state "

@@ -40,6 +40,7 @@ class Mechanism:
     by_path: bool = True  # servers load versions from the run folder by path, so they must see it
     one_rank_per_gpu: bool = False  # the learner and every server's worker are ranks on GPUs of their own
     adapter: bool = False  # each version an adapter of its own name; the one before stays while calls use it
+    same_machine: bool = False  # the learner, the orchestrator and the servers share this machine's memory
 
     def swap(self, in_flight: bool) -> str:
         """The client's swap timing for this mechanism; `in_flight`: --run.in_flight_swaps."""
@@ -62,6 +63,8 @@ for _backend in ("gloo", "nccl"):
     register(Mechanism(_backend, "finetune.publish.collective:CollectivePublisher",
                        "orchestrate.serving.transports.collective:CollectiveTransport", backend=_backend,
                        engine="tapeloop", by_path=False, one_rank_per_gpu=_backend == "nccl"))  # fmt: skip
+register(Mechanism("shm", "finetune.publish.shm:ShmPublisher", "orchestrate.serving.transports.shm:ShmTransport",
+                   same_machine=True))  # fmt: skip
 LORA = register(Mechanism("lora", "finetune.publish.adapter:AdapterPublisher",
                           "orchestrate.serving.transports.adapter:AdapterTransport", option=False,
                           adapter=True)).name  # fmt: skip

@@ -207,7 +207,7 @@ def test_browse_port_out_of_range(bad_run, port):
     (["--train.lora.rank", "8", "--server.reference_url", "http://127.0.0.1:9", "--train.kl_coef", "0.01"],
      ["--server.reference_url", "scored on the policy servers"]),
     (["--server.weight_transfer", "nccl"], ["--server.weight_transfer", "no GPU"]),
-    (["--server.weight_transfer", "tcp"], ["--server.weight_transfer", "'disk', 'gloo' or 'nccl'"]),
+    (["--server.weight_transfer", "tcp"], ["--server.weight_transfer", "'disk', 'gloo', 'nccl' or 'shm'"]),
 ])  # fmt: skip
 def test_placement_staleness_lora_and_weight_options_are_checked_before_anything_starts(
     tmp_path, rl_cli, tiny_model_dir, argv, words

@@ -75,24 +75,24 @@ def test_a_registered_mechanism_is_picked_by_both_ends(stand_in, tmp_path):
 
 
 def test_the_option_and_lora_map_through_the_table():
-    assert OPTIONS == ("disk", "gloo", "nccl") and ServerConfig().weight_transfer == DEFAULT
+    assert OPTIONS == ("disk", "gloo", "nccl", "shm") and ServerConfig().weight_transfer == DEFAULT
     for name in OPTIONS:
         assert ServerConfig(weight_transfer=name).weight_transfer == name and select(name).name == name
-    with pytest.raises(ValueError, match="'disk', 'gloo' or 'nccl'"):
+    with pytest.raises(ValueError, match="'disk', 'gloo', 'nccl' or 'shm'"):
         ServerConfig(weight_transfer="tcp")
     assert select(None) is MECHANISMS[DEFAULT]
     assert select("disk", lora_rank=8).adapter and not select("disk", lora_rank=8).option
     assert select("gloo").backend == "gloo" and select("nccl").one_rank_per_gpu and not select("gloo").by_path
 
 
-# The files that may name a mechanism or a swap timing: the table, each mechanism's own ends, and the client
-# that implements the swap timings (orchestrate.serving.llm.VLLMClient.swap_weights).
+# The files that may name a mechanism or a swap timing: the table and each mechanism's own ends (the client,
+# orchestrate.serving.llm.VLLMClient.swap_weights, takes the swap timings' names from the table).
 MECHANISM_FILES = {
     "contract/weight_paths.py", "contract/weight_wire.py",
     "finetune/publish/collective.py", "orchestrate/serving/transports/collective.py",
     "orchestrate/serving/vllm_plugin/collective_engine.py",
 }  # fmt: skip
-NAMES = {"disk", "gloo", "nccl", "lora", DRAIN, KEEP, weight_paths.ADAPTER}
+NAMES = {"disk", "gloo", "nccl", "lora", *MECHANISMS, DRAIN, KEEP, weight_paths.ADAPTER}  # the registered ones too
 
 
 def compared_names(source: str) -> list[tuple[int, str]]:

@@ -236,6 +236,20 @@ def check_colocation(config, count: int | None = None) -> None:
                           "both the same GPUs (--trainer.num_processes as many), or none in common")  # fmt: skip
 
 
+def check_same_machine(config) -> None:
+    """A weight path through this machine's memory (shm) needs the learner and the policy servers here."""
+    s, t = config.server, config.trainer
+    mechanism = select(s.weight_transfer, config.train.lora.rank)
+    if mechanism.same_machine and (s.policy_urls or t.launch != "local"):
+        where = (
+            "--server.policy_urls puts the policy servers"
+            if s.policy_urls
+            else "--trainer.launch external puts the learner"
+        )
+        raise ConfigError(f"--server.weight_transfer: {mechanism.name} passes each version through this machine's "
+                          f"shared memory, and {where} elsewhere; use {DEFAULT} (a shared file system) instead")  # fmt: skip
+
+
 def check_dynamic_sampling(config) -> None:
     """Dynamic sampling drops groups whose attempts all earn the same return: only where such a group has
     advantage 0 (a group-relative estimator, no critic), and with groups of two or more."""
@@ -327,6 +341,7 @@ def check_config(config) -> None:
                           f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip
     check_gpus(config)
     check_colocation(config)
+    check_same_machine(config)
     lag, level = config.train.max_lag, config.run.async_level
     if lag is not None and lag < level:
         raise ConfigError(f"--train.max_lag: {lag} is below --run.async_level {level}, so batches generated "

@@ -117,6 +117,7 @@ class Loop:
             self.trainer.start()
             stack.callback(self.trainer.stop)
         self.servers.use(self.trainer)
+        stack.callback(self.servers.close)
         self.servers.resume()  # serving the version the trainer resumes at
 
     # -- episodes --------------------------------------------------------------------

@@ -158,6 +158,11 @@ class Servers:
         self.weights = transport_for(self.run, self.policy, self.mechanism, c.weight_transfer_timeout_s, trainer)
         self.weights.start()
 
+    def close(self) -> None:
+        """The run stops: the weight path frees what it holds (shared memory, say)."""
+        if self.weights is not None:
+            self.weights.close()
+
     def resume(self) -> None:
         """Resuming: the servers get the newest version the learner holds. The learner resumes from its
         last full state and trains the batches after it again, publishing each (served in turn) up to the

@@ -83,7 +83,8 @@ class ServerConfig(BaseModel):
     weight_transfer: Literal[OPTIONS] = Field(  # the mechanisms of contract.weight_paths that are options
         DEFAULT,
         description="how new policy weights reach the servers: disk (each version written as a model folder, "
-        "reloaded by path), gloo (in memory over torch.distributed, CPU) or nccl (in memory, GPUs); "
+        "reloaded by path), shm (the same folder in this machine's shared memory, /dev/shm: nothing synced or "
+        "written to disk), gloo (in memory over torch.distributed, CPU) or nccl (in memory, GPUs); "
         "see docs/weights.md",
     )
     weight_transfer_timeout_s: float = Field(

@@ -78,6 +78,9 @@ class Transport:
     def unload(self, version: int) -> None:
         """No call uses version `version` any more (nothing to free unless versions stay loaded side by side)."""
 
+    def close(self) -> None:
+        """The run stops: free what the mechanism holds outside the run directory (nothing by default)."""
+
     # -- the disk path, shared --------------------------------------------------------------
 
     def wait_for_folder(self, version: int) -> Path:
