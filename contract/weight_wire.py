@@ -116,11 +116,14 @@ def staging_device(device, nbytes: int):
     """Where a version of `nbytes` bytes is held whole, to be sent or checked before it is loaded: on the GPU
     `device` while it has room for it and STAGING_MARGIN more (a vLLM server's GPU is mostly its KV cache,
     taken up front; a 8B model's version is 16 GB in bf16), else in host memory, from which (or into which)
-    the buckets go through the GPU one at a time. Not a GPU: host memory."""
+    the buckets go through the GPU one at a time. Not a GPU: host memory. The room counts what torch's caching
+    allocator holds free (reserved, not allocated): it serves the staging from there, and the driver's free
+    memory (mem_get_info) does not count it."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.device("cpu")
     free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return device if free >= nbytes + STAGING_MARGIN else torch.device("cpu")
 
 

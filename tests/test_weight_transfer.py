@@ -183,6 +183,8 @@ def test_a_version_received_through_one_buffer_is_the_version_sent():
 
 
 def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
+    """The room on a GPU (stood in for: no GPU here) is the driver's free memory plus what torch's caching
+    allocator holds free."""
     from contract import weight_wire as wt
 
     assert wt.staging_device("cpu", 10) == torch.device("cpu")
@@ -192,4 +194,10 @@ def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
     free["bytes"] = version + wt.STAGING_MARGIN
     assert wt.staging_device("cuda:1", version) == torch.device("cuda:1")
     free["bytes"] = version + wt.STAGING_MARGIN - 1
+    assert wt.staging_device("cuda:1", version) == torch.device("cpu")
+    # what the caching allocator holds free (reserved, not allocated) is room too: the driver does not count it
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**30 - 1)
+    assert wt.staging_device("cuda:1", version) == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**30)
     assert wt.staging_device("cuda:1", version) == torch.device("cpu")
