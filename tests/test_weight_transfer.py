@@ -201,3 +201,52 @@ def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
     assert wt.staging_device("cuda:1", version) == torch.device("cuda:1")
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**30)
     assert wt.staging_device("cuda:1", version) == torch.device("cpu")
+
+
+def test_a_version_that_does_not_set_every_parameter_is_refused():
+    """The engine's checks of a load (vLLM would put a layer's old tensors back with only a warning): the
+    parameters load_weights did not report are named; a manifest without a weight the last whole version
+    had is refused before anything is loaded, and one with them all becomes the reference only once its
+    load is known whole."""
+    from orchestrate.serving.vllm_plugin.collective_engine import CollectiveEngine, unloaded
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    assert unloaded(model, {"0.weight", "0.bias", "1.weight", "1.bias"}) == []
+    assert unloaded(model, {"0.weight", "0.bias", "1.weight"}) == ["1.bias"]
+    assert unloaded(model, None) == []  # a model whose load reports nothing: nothing to compare
+
+    engine = CollectiveEngine.__new__(CollectiveEngine)  # its checks only: no vLLM worker here
+    engine.names, engine.pending = set(), set()
+    whole = {"tensors": [{"name": n} for n in ("a", "b", "c")]}
+    engine.check_names(whole, 1)  # no reference yet: the load's own check decides
+    engine.names = engine.pending
+    with pytest.raises(TransferError, match="1 weights missing from the manifest \\(b\\)"):
+        engine.check_names({"tensors": [{"name": "a"}, {"name": "c"}]}, 2)
+    engine.check_names(whole, 3)
+
+
+def test_a_load_that_leaves_a_parameter_out_raises_and_sets_no_reference(monkeypatch):
+    """The engine's load with vLLM's layerwise reload stood in for: a load_weights that reports one parameter
+    fewer than the model has raises (the reload is finalized all the same, so no parameter stays on the meta
+    device), and its names do not become the reference; a whole one does."""
+    import vllm.model_executor.model_loader.reload as reload
+
+    from orchestrate.serving.vllm_plugin.collective_engine import CollectiveEngine
+
+    calls = []
+    monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: calls.append("init"))
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, config: calls.append("finalize"))
+
+    class Model(torch.nn.Linear):
+        def load_weights(self, named):
+            return {name for name, _ in named}
+
+    engine = CollectiveEngine.__new__(CollectiveEngine)
+    engine.model, engine.model_config, engine.device = Model(2, 2), None, torch.device("cpu")
+    engine.names, engine.pending = set(), {"weight"}
+    with pytest.raises(TransferError, match="1 parameters of the model not loaded \\(bias\\)"):
+        engine.load([("weight", torch.zeros(2, 2))], 4)
+    assert calls == ["init", "finalize"] and engine.names == set()
+    engine.pending = {"weight", "bias"}
+    engine.load([("weight", torch.zeros(2, 2)), ("bias", torch.zeros(2))], 5)
+    assert engine.names == {"weight", "bias"}

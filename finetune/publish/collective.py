@@ -18,10 +18,12 @@ from contract.weight_wire import (
     HOST_BACKENDS,
     Packed,
     TransferError,
+    aborted_on_signal,
     aligned,
     broadcast_options,
     new_group,
     pack,
+    signal_abort,
     staging_device,
 )
 from finetune.publish.disk import DiskPublisher
@@ -115,7 +117,8 @@ class CollectivePublisher(DiskPublisher):
         start = time.perf_counter()
         timeout = float(self.info.get("timeout_s", 600))
         try:
-            self.send(packed)
+            with aborted_on_signal(self.group, self.info["host"], int(self.info["port"])):
+                self.send(packed)  # a server's failure, signalled on the store, ends it at once
             deadline = time.monotonic() + timeout
             while (ack := self.run.read_json(self.run.weights_ack)).get("version") != index:
                 if time.monotonic() > deadline:
@@ -124,6 +127,7 @@ class CollectivePublisher(DiskPublisher):
             if not ack.get("ok"):
                 raise TransferError(ack.get("reason") or "refused")
         except Exception as exc:  # noqa: BLE001 - the disk path still works
+            signal_abort(self.info["host"], int(self.info["port"]), f"the learner: {type(exc).__name__}: {exc}")
             self.close(failed=True)
             if not self.run.has_weights(index):
                 learner.save_weights(self.run.checkpoint(index), weights)
