@@ -111,7 +111,7 @@ def test_a_server_whose_receive_fails_tells_every_rank_and_aborts_its_end():
     with pytest.raises(wt.TransferError):
         engine.update_weights({"version": 3})
     assert group.aborted.is_set() and engine.group is None
-    assert b"checksum" in master.get(wt.ABORT)
+    assert master.check([wt.ABORT]) and b"checksum" in master.get(wt.ABORT)
 
 
 class Server:
@@ -175,7 +175,9 @@ def test_the_first_version_of_a_group_is_checked_by_a_change_of_log_probs(tmp_pa
     t = transport([bad])
     failed = t._transfer(5, {}, probe=True)
     assert failed and "left the model's log-probs unchanged" in failed[0][1] and t.probed == 0
-    assert t.store.get(wt.ABORT).startswith(b"http://s: version 5")  # the group aborted at the failure
+    assert t.store.check([wt.ABORT]) and t.store.get(wt.ABORT).startswith(
+        b"http://s: version 5"
+    )  # the group aborted at the failure
 
 
 def test_the_first_failure_is_signalled_on_the_groups_store():
@@ -185,4 +187,17 @@ def test_the_first_failure_is_signalled_on_the_groups_store():
     t = transport([failing])
     failed = t._transfer(7, {}, probe=False)
     assert failed == [(failing, "HTTP 500: no room for the staging")]
-    assert b"no room" in t.store.get(wt.ABORT) and "/shutdown_weight_transfer_engine" in failing.calls
+    assert (
+        t.store.check([wt.ABORT])
+        and b"no room" in t.store.get(wt.ABORT)
+        and "/shutdown_weight_transfer_engine" in failing.calls
+    )
+
+
+def test_the_servers_nccl_group_is_built_in_vllms_unpinned_env():
+    """vLLM 0.32 has unpinned_nccl_env (its own NCCL weight transfer builds communicators in it): the engine's
+    NCCL set-up uses it; gloo builds no communicator, and nothing is wrapped."""
+    from orchestrate.serving.vllm_plugin.collective_engine import unpinned
+
+    assert unpinned("nccl").gen.__name__ == "unpinned_nccl_env"
+    assert not hasattr(unpinned("gloo"), "gen")
