@@ -201,3 +201,40 @@ def test_the_servers_nccl_group_is_built_in_vllms_unpinned_env():
 
     assert unpinned("nccl").gen.__name__ == "unpinned_nccl_env"
     assert not hasattr(unpinned("gloo"), "gen")
+
+
+def test_with_several_learner_processes_the_ack_is_awaited_within_their_groups_timeout():
+    """The main learner process waits for the servers' ack while the others wait in their default process
+    group's next collective, whose watchdog would end them past its timeout (TRL #7103): with several
+    processes the wait is at most half that timeout; alone, the transfer's timeout."""
+    from finetune.publish.collective import ack_wait_s, learner_group
+
+    assert ack_wait_s(600, 1, None) == 600
+    assert ack_wait_s(600, 2, 600) == 300  # NCCL's default group timeout: 10 minutes
+    assert ack_wait_s(600, 2, 1800) == 600  # gloo's: 30 minutes
+    assert ack_wait_s(60, 4, None) == 60  # no timeout known: the transfer's
+    assert learner_group() == (1, None)  # this test process: no default group
+
+
+def _learner_process(rank: int, init: str, out) -> None:
+    from finetune.publish.collective import ack_wait_s, learner_group
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    processes, group_timeout = learner_group()
+    out.put((rank, processes, group_timeout, ack_wait_s(1200, processes, group_timeout)))
+    dist.destroy_process_group()
+
+
+def test_two_learner_processes_read_their_groups_timeout(tmp_path):
+    """Two CPU processes in a gloo default group (as accelerate forms it): each reads 2 processes and gloo's
+    default timeout (30 minutes), so a 20-minute transfer timeout is waited 15 minutes at most."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_learner_process, args=(rank, init, out)) for rank in range(2)]
+    [p.start() for p in procs]
+    got = sorted(out.get(timeout=120) for _ in procs)
+    [p.join(timeout=60) for p in procs]
+    assert got == [(0, 2, 1800.0, 900.0), (1, 2, 1800.0, 900.0)]
