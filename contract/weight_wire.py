@@ -159,16 +159,34 @@ def receive(group, sizes: list[int], device, staging: list[Tensor], via=None) ->
     return list(staging), sums
 
 
-def unpack(buckets: list[Tensor], manifest: dict) -> Iterator[tuple[str, Tensor]]:
-    """The named weights of checked buckets (views into them, no copy)."""
+def unpack(buckets: list[Tensor], manifest: dict, index: int | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The named weights of checked buckets (views into them, no copy). `index`: those of bucket `index`
+    only, which `buckets[0]` holds (a version received one bucket at a time)."""
     for e in manifest["tensors"]:
+        if index is not None and e["bucket"] != index:
+            continue
         dtype = getattr(torch, e["dtype"])
         numel = 1
         for d in e["shape"]:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        raw = buckets[e["bucket"]][e["offset"] : e["offset"] + nbytes]
+        raw = buckets[e["bucket"] if index is None else 0][e["offset"] : e["offset"] + nbytes]
         yield e["name"], raw.view(dtype).view(e["shape"])
+
+
+def receive_each(group, manifest: dict, buffer: Tensor) -> Iterator[tuple[str, Tensor]]:
+    """A version's named weights one bucket at a time, each bucket broadcast by rank 0 of `group` into
+    `buffer` (room for the largest, reused: each bucket's weights must be used before the next is asked
+    for), checked against the manifest as it arrives. A bucket that fails its check raises after the
+    buckets before it were given out."""
+    opts = broadcast_options()
+    for index, expected in enumerate(manifest["buckets"]):
+        if not 0 <= int(expected["bytes"]) <= buffer.numel():
+            raise TransferError(f"bucket {index}: {expected['bytes']} bytes in the manifest, {buffer.numel()} room")
+        bucket = buffer[: int(expected["bytes"])]
+        group.broadcast([bucket], opts).wait()
+        check_bucket(bucket, expected, index)
+        yield from unpack([bucket], manifest, index)
 
 
 def check_bucket(bucket: Tensor, expected: dict, index: int, got: int | None = None) -> None:

@@ -460,3 +460,29 @@ def test_a_version_without_one_weight_is_refused_and_the_old_one_served(trained,
     thread.join(timeout=120)
     assert result[0] and run.has_weights(13)
     _join(weights, sender, run)  # the learner left the group: a new generation for what comes next
+
+
+def test_a_version_received_one_bucket_at_a_time_serves_what_the_learner_has(trained, in_memory):
+    """The path a tensor-parallel server takes (each worker receives and loads one bucket at a time through
+    one buffer, instead of staging a whole version), forced on this one-worker server: the version served
+    is the learner's (the importance ratio stays 1)."""
+    from contract.durable import atomic_write_json
+
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    held = server.probe_logprobs()
+    one_step(learner, model_dir, 14)
+    thread, result, packed, manifest = _publish(run, learner, sender, 14)
+    try:
+        server._post("/start_weight_update")
+        server._post("/update_weights", {"update_info": {"version": 14, "manifest": manifest, "bucketed": True}},
+                     timeout=120)  # fmt: skip
+        server._post("/finish_weight_update", {"weight_version": "14"})
+        server._post("/reset_prefix_cache")
+    finally:
+        atomic_write_json(run.weights_ack, {"version": 14, "ok": True, "reason": ""})
+        thread.join(timeout=120)
+    assert result == [None] and len(packed.buckets) > 1
+    assert server.probe_logprobs() != held
+    samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
+    assert worst_ratio(learner, samples) < 1e-3

@@ -250,3 +250,43 @@ def test_a_load_that_leaves_a_parameter_out_raises_and_sets_no_reference(monkeyp
     engine.pending = {"weight", "bias"}
     engine.load([("weight", torch.zeros(2, 2)), ("bias", torch.zeros(2))], 5)
     assert engine.names == {"weight", "bias"}
+
+
+def test_a_version_received_one_bucket_at_a_time_is_the_version_sent():
+    """The tensor-parallel servers' path (forced here: one worker, gloo): each bucket arrives in one reused
+    buffer, is checked, and its weights are given out before the next is received; a bucket that is not the
+    manifest's raises once the buckets before it were given out."""
+    import threading
+
+    import torch.distributed as dist
+
+    from contract.weight_wire import broadcast_options, new_buffer, new_group, receive_each
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    sent = weights(0)
+    packed = pack(sent.items(), "float32", bucket_bytes=2048)
+    assert len(packed.buckets) > 2
+
+    def learner():
+        group = new_group("gloo", "127.0.0.1", store.port, 0, 2, 30)
+        for _ in range(2):
+            for bucket in packed.buckets:
+                group.broadcast([bucket], broadcast_options()).wait()
+
+    sending = threading.Thread(target=learner)
+    sending.start()
+    group = new_group("gloo", "127.0.0.1", store.port, 1, 2, 30)
+    buffer = new_buffer(max(b.numel() for b in packed.buckets), "cpu")
+    got = {name: t.clone() for name, t in receive_each(group, packed.manifest, buffer)}
+    assert got.keys() == sent.keys() and all(torch.equal(got[n], sent[n]) for n in sent)
+
+    bad = {**packed.manifest, "buckets": [dict(b) for b in packed.manifest["buckets"]]}
+    bad["buckets"][1]["checksum"] += 1
+    given = []
+    with pytest.raises(TransferError, match="bucket 1: checksum"):
+        for name, _ in receive_each(group, bad, buffer):
+            given.append(name)
+    assert given == [e["name"] for e in bad["tensors"] if e["bucket"] == 0]
+    for bucket in packed.buckets[2:]:  # what the learner still sends
+        group.broadcast([buffer[: bucket.numel()]], broadcast_options()).wait()
+    sending.join(timeout=60)

@@ -11,7 +11,11 @@ very protocol that GPUs run.
 The wire format is contract.weight_wire, which the learner's end (finetune.publish.collective) imports too.
 Unlike vLLM's own NCCL engine, a version is received whole into staging buffers and checked against its
 manifest before any weight is loaded: a partial or corrupted transfer raises (the route answers HTTP 500)
-and the server goes on holding the version it had, never a mix of two.
+and the server goes on holding the version it had, never a mix of two; so does a version that lacks a weight,
+and a load that leaves a parameter of the model unset. A tensor-parallel worker (or a version sent with
+"bucketed") receives and loads one bucket at a time instead (receive_in_buckets): a failure part-way leaves a
+mix, which the orchestrator's disk fallback replaces. Any failure is signalled on the group's store, so that
+every rank aborts its end at once (contract.weight_wire.signal_abort).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from contract.weight_wire import (
     check_bucket,
     first_broadcast,
     group_env,
+    new_buffer,
     receive,
+    receive_each,
     signal_abort,
     staging_device,
     unpack,
@@ -77,6 +83,7 @@ class InitInfo(WeightTransferInitInfo):
 class UpdateInfo(WeightTransferUpdateInfo):
     version: int
     manifest: dict = field(default_factory=dict)
+    bucketed: bool = False  # one bucket at a time where a version would be staged whole (tests force it)
 
 
 class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
@@ -142,6 +149,8 @@ class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def receive_weights(self, update_info: UpdateInfo) -> None:
         import torch
 
+        if update_info.bucketed or self.parallel_config.tensor_parallel_size > 1:
+            return self.receive_in_buckets(update_info.manifest, update_info.version)
         manifest = update_info.manifest
         start = time.perf_counter()
         sizes = [int(expected["bytes"]) for expected in manifest["buckets"]]
@@ -162,6 +171,34 @@ class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         logger.info("version %s: %d bytes received in %.3f s, checked in %.3f s, loaded in %.3f s",
                     update_info.version, sum(b.numel() for b in buckets), received - start, checked - received,
                     time.perf_counter() - checked)  # fmt: skip
+
+    def receive_in_buckets(self, manifest: dict, version) -> None:
+        """A version received and loaded one bucket at a time, through one buffer kept for the next version
+        (in host memory over gloo, on the GPU over NCCL): with tensor parallelism every worker receives the
+        whole version, and staging it whole would take as many versions as workers, in host memory or beside
+        the KV cache. Each bucket is checked as it arrives, so a bad one is refused after the ones before it
+        were loaded: the server then holds a mix, which the orchestrator's disk fallback replaces with the
+        whole version."""
+        import torch
+
+        start = time.perf_counter()
+        room = max(int(b["bytes"]) for b in manifest["buckets"])
+        where = torch.device("cpu") if self.backend in HOST_BACKENDS else torch.device(self.device)
+        kept = self.staging[0] if self.staging else None
+        fits = kept is not None and kept.numel() == room and kept.device == where
+        self.staging = []  # the old buffers freed before a new one is taken
+        buffer = kept if fits else new_buffer(room, where)
+        self.staging = [buffer]
+        self.check_names(manifest, version)
+        try:
+            # copies: vLLM's layerwise reload keeps a layer's weights until the whole layer has come, and a
+            # layer may span buckets; the buffer is written over by the next one
+            self.load(((name, t.clone()) for name, t in receive_each(self.group, manifest, buffer)), version)
+        except Exception as exc:
+            raise TransferError(f"version {version} failed part-way, one bucket at a time ({exc}): reload a "
+                                "whole version") from exc  # fmt: skip
+        logger.info("version %s: received and loaded one bucket at a time (%d bytes of room) in %.3f s",
+                    version, room, time.perf_counter() - start)  # fmt: skip
 
     def check_names(self, manifest: dict, version) -> None:
         """Refuse, before the model is touched, a version that lacks a weight the last whole version had."""
