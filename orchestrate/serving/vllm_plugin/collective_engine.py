@@ -99,6 +99,7 @@ class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         # version, received over it when the sizes match: a fresh buffer costs a page fault per 4 KiB
         # (receiving into kept ones is 3x faster on CPU); one version's bytes stay in host memory. On a GPU:
         # fresh ones, which the caching allocator serves from freed memory without holding it for good.
+        # Received one bucket at a time: the one bucket's buffer, kept on either.
         self.staging: list = []
         # The weight names of the last version loaded whole (checked by `load`): a version without one of
         # them is refused before anything is loaded, so the served version stays whole.
