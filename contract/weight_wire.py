@@ -36,6 +36,7 @@ fuses and shards them), with an untied output head, as in a checkpoint folder.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -116,11 +117,14 @@ def staging_device(device, nbytes: int):
     """Where a version of `nbytes` bytes is held whole, to be sent or checked before it is loaded: on the GPU
     `device` while it has room for it and STAGING_MARGIN more (a vLLM server's GPU is mostly its KV cache,
     taken up front; a 8B model's version is 16 GB in bf16), else in host memory, from which (or into which)
-    the buckets go through the GPU one at a time. Not a GPU: host memory."""
+    the buckets go through the GPU one at a time. Not a GPU: host memory. The room counts what torch's caching
+    allocator holds free (reserved, not allocated): it serves the staging from there, and the driver's free
+    memory (mem_get_info) does not count it."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.device("cpu")
     free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return device if free >= nbytes + STAGING_MARGIN else torch.device("cpu")
 
 
@@ -155,16 +159,34 @@ def receive(group, sizes: list[int], device, staging: list[Tensor], via=None) ->
     return list(staging), sums
 
 
-def unpack(buckets: list[Tensor], manifest: dict) -> Iterator[tuple[str, Tensor]]:
-    """The named weights of checked buckets (views into them, no copy)."""
+def unpack(buckets: list[Tensor], manifest: dict, index: int | None = None) -> Iterator[tuple[str, Tensor]]:
+    """The named weights of checked buckets (views into them, no copy). `index`: those of bucket `index`
+    only, which `buckets[0]` holds (a version received one bucket at a time)."""
     for e in manifest["tensors"]:
+        if index is not None and e["bucket"] != index:
+            continue
         dtype = getattr(torch, e["dtype"])
         numel = 1
         for d in e["shape"]:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        raw = buckets[e["bucket"]][e["offset"] : e["offset"] + nbytes]
+        raw = buckets[e["bucket"] if index is None else 0][e["offset"] : e["offset"] + nbytes]
         yield e["name"], raw.view(dtype).view(e["shape"])
+
+
+def receive_each(group, manifest: dict, buffer: Tensor) -> Iterator[tuple[str, Tensor]]:
+    """A version's named weights one bucket at a time, each bucket broadcast by rank 0 of `group` into
+    `buffer` (room for the largest, reused: each bucket's weights must be used before the next is asked
+    for), checked against the manifest as it arrives. A bucket that fails its check raises after the
+    buckets before it were given out."""
+    opts = broadcast_options()
+    for index, expected in enumerate(manifest["buckets"]):
+        if not 0 <= int(expected["bytes"]) <= buffer.numel():
+            raise TransferError(f"bucket {index}: {expected['bytes']} bytes in the manifest, {buffer.numel()} room")
+        bucket = buffer[: int(expected["bytes"])]
+        group.broadcast([bucket], opts).wait()
+        check_bucket(bucket, expected, index)
+        yield from unpack([bucket], manifest, index)
 
 
 def check_bucket(bucket: Tensor, expected: dict, index: int, got: int | None = None) -> None:
@@ -209,12 +231,80 @@ def group_env(backend: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+ABORT = "tapeloop/abort"  # set on a group's store by the first rank, or the orchestrator, that fails a version
+ABORT_POLL_S = 0.05  # how often a rank in a broadcast looks for ABORT: the failure reaches it that much later
+SIGNAL_TIMEOUT = timedelta(seconds=2)  # to reach the group's store for ABORT (gone: the group's timeout is left)
+
+
+def signal_abort(host: str, port: int, why: str) -> None:
+    """Tell every rank of the group on the store at host:port that the version in flight failed: each
+    aborts its end (`aborted_on_signal`). Best effort: with the store's host gone, the group's timeout is
+    what is left."""
+    from torch.distributed import TCPStore
+
+    try:
+        TCPStore(host, port, world_size=None, is_master=False, timeout=SIGNAL_TIMEOUT).set(ABORT, why)
+    except Exception:  # noqa: BLE001 - see above
+        pass
+
+
+@contextmanager
+def aborted_on_signal(group, host: str, port: int) -> Iterator[None]:
+    """While the body runs (a version's broadcasts), a thread aborts `group` once ABORT is set on its store.
+    Over NCCL a peer's abort does not reach the other ranks, whose waits would last the group's timeout
+    (600 s by default); aborting a group from another thread of its process ends them at once. Over gloo an
+    abort does not end a wait; a peer that drops the group closes its sockets, which does."""
+    from torch.distributed import TCPStore
+
+    done = threading.Event()
+
+    def watch() -> None:
+        try:
+            store = TCPStore(host, port, world_size=None, is_master=False, timeout=SIGNAL_TIMEOUT)
+            while not done.wait(ABORT_POLL_S):
+                if store.check([ABORT]):
+                    group.abort()
+                    return
+        except Exception:  # noqa: BLE001 - no store to read, or a group that refuses its abort: the timeout
+            pass
+
+    watcher = threading.Thread(target=watch, name="weight-transfer-abort", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+FORMED = "tapeloop/formed"  # the store key each rank of a new group adds 1 to (one store per generation)
+
+
+def barrier(store, world_size: int, timeout_s: float) -> None:
+    """Every rank of a new group passes this on the group's TCP store before its first collective: NCCL's
+    communicator set-up, which that collective enters, has no timeout, so a rank that never comes (a server
+    that could not join) would hold the others there for good (TRL #6796). Here they wait on the store, for
+    at most `timeout_s`, and raise a TransferError naming how many came: the run goes on on the disk path."""
+    arrived = store.add(FORMED, 1)
+    if arrived == world_size:
+        store.set(FORMED + "/all", "1")
+    try:
+        store.wait([FORMED + "/all"], timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout (DistStoreError), or its host gone
+        try:
+            arrived = store.add(FORMED, 0)
+        except Exception:  # noqa: BLE001 - the store is gone: its last count is what we know
+            pass
+        raise TransferError(f"{arrived} of {world_size} ranks joined the weight-transfer group within "
+                            f"{timeout_s:.0f} s ({type(exc).__name__})") from None  # fmt: skip
+
+
 def first_broadcast(group, device) -> None:
-    """One 4-byte broadcast from rank 0, which every rank of a new group passes before the group counts as
-    formed (the learner in new_group, each server's worker in its engine's init). Gloo connects its ranks
-    when the group is built; NCCL only at the first collective, so without this a rank that never came
-    would show at the first version's broadcast, not when the group forms, where a failure leaves the run
-    on the disk path."""
+    """One 4-byte broadcast from rank 0, which every rank of a new group passes (after `barrier`) before the
+    group counts as formed (the learner in new_group, each server's worker in its engine's init). Gloo
+    connects its ranks when the group is built; NCCL only at the first collective, so without this a rank
+    that cannot connect would show at the first version's broadcast, not when the group forms, where a
+    failure leaves the run on the disk path."""
     probe = torch.zeros(1, device=device)
     group.broadcast([probe], broadcast_options()).wait()
     if probe.is_cuda:
@@ -223,9 +313,9 @@ def first_broadcast(group, device) -> None:
 
 def new_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float, device=None):
     """A process group of its own (not torch.distributed's default one, which accelerate or vLLM may hold),
-    on the TCP store the orchestrator hosts at host:port. The same construction as vLLM's
-    stateless_init_torch_distributed_process_group, which the servers' side uses, so the two meet: the
-    store's keys are prefixed with tcp://host:port."""
+    on the TCP store the orchestrator hosts at host:port, formed: every rank passed `barrier`, then
+    `first_broadcast`. The same construction as vLLM's stateless_init_torch_distributed_process_group, which
+    the servers' side uses, so the two meet: the group's keys are prefixed with tcp://host:port."""
     from torch.distributed import PrefixStore, TCPStore
 
     timeout = timedelta(seconds=timeout_s)
@@ -244,5 +334,6 @@ def new_group(backend: str, host: str, port: int, rank: int, world_size: int, ti
             group = ProcessGroupNCCL(prefix, rank, world_size, options)
     else:
         raise ValueError(f"weight transfer backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    barrier(store, world_size, timeout_s)
     first_broadcast(group, device or ("cpu" if backend in HOST_BACKENDS else "cuda"))
     return group

@@ -248,10 +248,11 @@ def in_memory(trained, tmp_path_factory):
     return weights, sender, run
 
 
-def _publish(run, learner, sender, index: int, corrupt: bool = False, unallocatable: bool = False):
+def _publish(run, learner, sender, index: int, corrupt: bool = False, unallocatable: bool = False, drop: str = ""):
     """The learner's side of version `index` (finetune.train): the checkpoint with its manifest, then, in a
     thread, the broadcast and the wait for the ack (the model folder written if the ack is not good): the
-    manifest here packs into several buckets, and may be corrupted, so it is written here, not by `write`."""
+    manifest here packs into several buckets (without the weight `drop`), and may be corrupted, so it is
+    written here, not by `write`."""
     import threading
 
     from contract.durable import atomic_write_json
@@ -259,7 +260,7 @@ def _publish(run, learner, sender, index: int, corrupt: bool = False, unallocata
     from contract.weight_wire import pack
 
     weights = learner.policy_weights()
-    packed = pack(weights.items(), learner.save_dtype, bucket_bytes=2**20)  # several buckets
+    packed = pack([(n, t) for n, t in weights.items() if n != drop], learner.save_dtype, bucket_bytes=2**20)
     manifest = {"version": index, "generation": sender.generation, **packed.manifest}
     if corrupt:
         manifest["buckets"][-1]["checksum"] += 1
@@ -434,5 +435,54 @@ def test_a_server_that_fails_before_the_broadcast_does_not_hold_the_learner(trai
           f"{time.monotonic() - start:.1f} s: {result}")  # fmt: skip
     assert time.monotonic() - start < 30, "the learner's broadcast waited for its timeout"
     assert result[0] and run.has_weights(12) and sender.generation == weights.generation
+    samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
+    assert worst_ratio(learner, samples) < 1e-3
+
+
+def test_a_version_without_one_weight_is_refused_and_the_old_one_served(trained, in_memory):
+    """A version that arrives whole and checked but lacks one weight (vLLM's reload would keep that layer's
+    old tensors with only a warning, and report success): the server refuses it before loading anything and
+    serves the version it had; the learner, told so by the ack, writes the version's folder."""
+    from contract.durable import atomic_write_json
+
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    held = server.probe_logprobs()
+    one_step(learner, model_dir, 13)
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    assert dropped in learner.policy_weights()
+    thread, result, _, manifest = _publish(run, learner, sender, 13, drop=dropped)
+    failure = weights._receive(server, 13, manifest)
+    print("a version without one weight refused:", failure)
+    assert failure and "1 weights missing from the manifest" in failure and dropped in failure
+    assert server.probe_logprobs() == held
+    atomic_write_json(run.weights_ack, {"version": 13, "ok": False, "reason": failure})  # as `put` writes it
+    thread.join(timeout=120)
+    assert result[0] and run.has_weights(13)
+    _join(weights, sender, run)  # the learner left the group: a new generation for what comes next
+
+
+def test_a_version_received_one_bucket_at_a_time_serves_what_the_learner_has(trained, in_memory):
+    """The path a tensor-parallel server takes (each worker receives and loads one bucket at a time through
+    one buffer, instead of staging a whole version), forced on this one-worker server: the version served
+    is the learner's (the importance ratio stays 1)."""
+    from contract.durable import atomic_write_json
+
+    server, learner, model_dir = trained
+    weights, sender, run = in_memory
+    held = server.probe_logprobs()
+    one_step(learner, model_dir, 14)
+    thread, result, packed, manifest = _publish(run, learner, sender, 14)
+    try:
+        server._post("/start_weight_update")
+        server._post("/update_weights", {"update_info": {"version": 14, "manifest": manifest, "bucketed": True}},
+                     timeout=120)  # fmt: skip
+        server._post("/finish_weight_update", {"weight_version": "14"})
+        server._post("/reset_prefix_cache")
+    finally:
+        atomic_write_json(run.weights_ack, {"version": 14, "ok": True, "reason": ""})
+        thread.join(timeout=120)
+    assert result == [None] and len(packed.buckets) > 1
+    assert server.probe_logprobs() != held
     samples = [sample_from_vllm(server, p, 1.0) for p in chat_prompts(model_dir)]
     assert worst_ratio(learner, samples) < 1e-3

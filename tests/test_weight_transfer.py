@@ -183,6 +183,8 @@ def test_a_version_received_through_one_buffer_is_the_version_sent():
 
 
 def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
+    """The room on a GPU (stood in for: no GPU here) is the driver's free memory plus what torch's caching
+    allocator holds free."""
     from contract import weight_wire as wt
 
     assert wt.staging_device("cpu", 10) == torch.device("cpu")
@@ -193,3 +195,98 @@ def test_a_version_is_staged_on_the_gpu_while_it_has_room(monkeypatch):
     assert wt.staging_device("cuda:1", version) == torch.device("cuda:1")
     free["bytes"] = version + wt.STAGING_MARGIN - 1
     assert wt.staging_device("cuda:1", version) == torch.device("cpu")
+    # what the caching allocator holds free (reserved, not allocated) is room too: the driver does not count it
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**30 - 1)
+    assert wt.staging_device("cuda:1", version) == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**30)
+    assert wt.staging_device("cuda:1", version) == torch.device("cpu")
+
+
+def test_a_version_that_does_not_set_every_parameter_is_refused():
+    """The engine's checks of a load (vLLM would put a layer's old tensors back with only a warning): the
+    parameters load_weights did not report are named; a manifest without a weight the last whole version
+    had is refused before anything is loaded, and one with them all becomes the reference only once its
+    load is known whole."""
+    from orchestrate.serving.vllm_plugin.collective_engine import CollectiveEngine, unloaded
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    assert unloaded(model, {"0.weight", "0.bias", "1.weight", "1.bias"}) == []
+    assert unloaded(model, {"0.weight", "0.bias", "1.weight"}) == ["1.bias"]
+    assert unloaded(model, None) == []  # a model whose load reports nothing: nothing to compare
+
+    engine = CollectiveEngine.__new__(CollectiveEngine)  # its checks only: no vLLM worker here
+    engine.names, engine.pending = set(), set()
+    whole = {"tensors": [{"name": n} for n in ("a", "b", "c")]}
+    engine.check_names(whole, 1)  # no reference yet: the load's own check decides
+    engine.names = engine.pending
+    with pytest.raises(TransferError, match="1 weights missing from the manifest \\(b\\)"):
+        engine.check_names({"tensors": [{"name": "a"}, {"name": "c"}]}, 2)
+    engine.check_names(whole, 3)
+
+
+def test_a_load_that_leaves_a_parameter_out_raises_and_sets_no_reference(monkeypatch):
+    """The engine's load with vLLM's layerwise reload stood in for: a load_weights that reports one parameter
+    fewer than the model has raises (the reload is finalized all the same, so no parameter stays on the meta
+    device), and its names do not become the reference; a whole one does."""
+    import vllm.model_executor.model_loader.reload as reload
+
+    from orchestrate.serving.vllm_plugin.collective_engine import CollectiveEngine
+
+    calls = []
+    monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: calls.append("init"))
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, config: calls.append("finalize"))
+
+    class Model(torch.nn.Linear):
+        def load_weights(self, named):
+            return {name for name, _ in named}
+
+    engine = CollectiveEngine.__new__(CollectiveEngine)
+    engine.model, engine.model_config, engine.device = Model(2, 2), None, torch.device("cpu")
+    engine.names, engine.pending = set(), {"weight"}
+    with pytest.raises(TransferError, match="1 parameters of the model not loaded \\(bias\\)"):
+        engine.load([("weight", torch.zeros(2, 2))], 4)
+    assert calls == ["init", "finalize"] and engine.names == set()
+    engine.pending = {"weight", "bias"}
+    engine.load([("weight", torch.zeros(2, 2)), ("bias", torch.zeros(2))], 5)
+    assert engine.names == {"weight", "bias"}
+
+
+def test_a_version_received_one_bucket_at_a_time_is_the_version_sent():
+    """The tensor-parallel servers' path (forced here: one worker, gloo): each bucket arrives in one reused
+    buffer, is checked, and its weights are given out before the next is received; a bucket that is not the
+    manifest's raises once the buckets before it were given out."""
+    import threading
+
+    import torch.distributed as dist
+
+    from contract.weight_wire import broadcast_options, new_buffer, new_group, receive_each
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    sent = weights(0)
+    packed = pack(sent.items(), "float32", bucket_bytes=2048)
+    assert len(packed.buckets) > 2
+
+    def learner():
+        group = new_group("gloo", "127.0.0.1", store.port, 0, 2, 30)
+        for _ in range(2):
+            for bucket in packed.buckets:
+                group.broadcast([bucket], broadcast_options()).wait()
+
+    sending = threading.Thread(target=learner)
+    sending.start()
+    group = new_group("gloo", "127.0.0.1", store.port, 1, 2, 30)
+    buffer = new_buffer(max(b.numel() for b in packed.buckets), "cpu")
+    got = {name: t.clone() for name, t in receive_each(group, packed.manifest, buffer)}
+    assert got.keys() == sent.keys() and all(torch.equal(got[n], sent[n]) for n in sent)
+
+    bad = {**packed.manifest, "buckets": [dict(b) for b in packed.manifest["buckets"]]}
+    bad["buckets"][1]["checksum"] += 1
+    given = []
+    with pytest.raises(TransferError, match="bucket 1: checksum"):
+        for name, _ in receive_each(group, bad, buffer):
+            given.append(name)
+    assert given == [e["name"] for e in bad["tensors"] if e["bucket"] == 0]
+    for bucket in packed.buckets[2:]:  # what the learner still sends
+        group.broadcast([buffer[: bucket.numel()]], broadcast_options()).wait()
+    sending.join(timeout=60)

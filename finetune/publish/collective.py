@@ -18,15 +18,39 @@ from contract.weight_wire import (
     HOST_BACKENDS,
     Packed,
     TransferError,
+    aborted_on_signal,
     aligned,
     broadcast_options,
     new_group,
     pack,
+    signal_abort,
     staging_device,
 )
 from finetune.publish.disk import DiskPublisher
 
 log = logging.getLogger("finetune.publish")
+
+
+def learner_group() -> tuple[int, float | None]:
+    """The learner's processes, and the timeout of their default process group (torch's default for its
+    backend: accelerate leaves it there unless told otherwise); (1, None) with one process."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return 1, None
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
+    return dist.get_world_size(), _get_default_timeout(dist.get_backend()).total_seconds()
+
+
+def ack_wait_s(timeout_s: float, processes: int, group_timeout_s: float | None) -> float:
+    """How long the main process waits for the servers' ack of a version: the transfer's timeout, but with
+    several learner processes at most half the timeout of their default process group. The others wait
+    meanwhile in its next collective, and its watchdog ends a process that waits past it (TRL #7103); a
+    version not acked in time goes through the disk."""
+    if processes > 1 and group_timeout_s:
+        return min(timeout_s, group_timeout_s / 2)
+    return timeout_s
 
 
 class CollectivePublisher(DiskPublisher):
@@ -113,9 +137,10 @@ class CollectivePublisher(DiskPublisher):
         if packed is None:
             return None
         start = time.perf_counter()
-        timeout = float(self.info.get("timeout_s", 600))
+        timeout = ack_wait_s(float(self.info.get("timeout_s", 600)), *learner_group())
         try:
-            self.send(packed)
+            with aborted_on_signal(self.group, self.info["host"], int(self.info["port"])):
+                self.send(packed)  # a server's failure, signalled on the store, ends it at once
             deadline = time.monotonic() + timeout
             while (ack := self.run.read_json(self.run.weights_ack)).get("version") != index:
                 if time.monotonic() > deadline:
@@ -124,6 +149,7 @@ class CollectivePublisher(DiskPublisher):
             if not ack.get("ok"):
                 raise TransferError(ack.get("reason") or "refused")
         except Exception as exc:  # noqa: BLE001 - the disk path still works
+            signal_abort(self.info["host"], int(self.info["port"]), f"the learner: {type(exc).__name__}: {exc}")
             self.close(failed=True)
             if not self.run.has_weights(index):
                 learner.save_weights(self.run.checkpoint(index), weights)

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from contract.durable import atomic_write_json
 from contract.weight_paths import DEFAULT
+from contract.weight_wire import signal_abort
 from orchestrate.serving.transports.disk import DiskTransport
 from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer
 
@@ -30,6 +31,7 @@ class CollectiveTransport(DiskTransport):
         self.store = None
         self.generation = 0
         self.regroup = False  # a transfer failed: form a new generation before the next version
+        self.probed = 0  # the generation whose first version was checked by a change of log-probs
 
     def start(self) -> None:
         self._form_group()
@@ -45,10 +47,12 @@ class CollectiveTransport(DiskTransport):
         if manifest is None or manifest.get("generation") != self.generation:  # not sent: from its folder
             return self.reload_all(version, verify=verify)
         if self.regroup:  # a server rejoined since the group formed: it cannot take part
-            self._leave_group()  # the learner's broadcast fails at once instead of waiting out its timeout
+            self._abort_group(
+                "a server rejoined"
+            )  # the learner's broadcast fails at once instead of waiting out its timeout
             failed = [(s, "a server rejoined: the group is formed anew") for s in self.servers]
         else:
-            failed = self._transfer(version, manifest)
+            failed = self._transfer(version, manifest, probe=verify and self.probed != self.generation)
         atomic_write_json(self.run.weights_ack, {"version": version, "ok": not failed,
                                                  "reason": "; ".join(r for _, r in failed)})  # fmt: skip
         if failed:  # the learner writes the version's folder now: reload every server from it
@@ -111,8 +115,11 @@ class CollectiveTransport(DiskTransport):
             return str(exc).splitlines()[0]
         return None
 
-    def _leave_group(self) -> None:
-        """Every server drops its end of the group (their sockets close, so a broadcast in progress fails)."""
+    def _abort_group(self, why: str) -> None:
+        """Every rank drops its end of the group: told on the group's store, the learner and the servers in a
+        broadcast abort theirs (over NCCL another rank's abort does not reach them), and every server is asked
+        to drop its end (over gloo their sockets close, so a broadcast in progress fails)."""
+        signal_abort(self.store_host, self.store.port, why)
         for server in self.servers:
             try:
                 server._post("/shutdown_weight_transfer_engine", timeout=30)
@@ -127,30 +134,38 @@ class CollectiveTransport(DiskTransport):
 
     # -- one version -------------------------------------------------------------------
 
-    def _transfer(self, version: int, manifest: dict) -> list[tuple[VLLMServer, str]]:
-        """Every server receives version `version`. At the first that fails, every server drops its end of
-        the group: a server that failed before it took part in the broadcast would otherwise hold the
-        learner's broadcast, and the others', until the group's timeout (the next version forms a new one)."""
+    def _transfer(self, version: int, manifest: dict, probe: bool) -> list[tuple[VLLMServer, str]]:
+        """Every server receives version `version`. At the first that fails, every rank drops its end of the
+        group: a server that failed before it took part in the broadcast would otherwise hold the learner's
+        broadcast, and the others', until the group's timeout (the next version forms a new one). `probe`:
+        check the load by a change of log-probs, as a disk reload is (the first version of a generation: a
+        group that delivers bytes the model does not take shows once)."""
         with ThreadPoolExecutor(len(self.servers)) as pool:
-            futures = {pool.submit(self._receive, s, version, manifest): s for s in self.servers}
+            futures = {pool.submit(self._receive, s, version, manifest, probe): s for s in self.servers}
             results = {}
             for future in as_completed(futures):
                 results[futures[future]] = future.result()
                 if results[futures[future]] and sum(map(bool, results.values())) == 1:
-                    self._leave_group()
+                    self._abort_group(f"{futures[future].base_url}: {results[futures[future]]}")
         failed = [(s, results[s]) for s in self.servers if results[s]]
         for server in self.servers:
             if server not in dict(failed):
                 self.stale.discard(server)
+        if probe and not failed:
+            self.probed = self.generation
         return failed
 
-    def _receive(self, server: VLLMServer, version: int, manifest: dict) -> str | None:
+    def _receive(self, server: VLLMServer, version: int, manifest: dict, probe: bool = False) -> str | None:
         try:
+            before = server.probe_logprobs() if probe else None
             server._post("/start_weight_update")
             server._post("/update_weights", {"update_info": {"version": version, "manifest": manifest}},
                          timeout=self.timeout_s + 30)  # fmt: skip
             server._post("/finish_weight_update", {"weight_version": str(version)})
             server._post("/reset_prefix_cache")  # cached KV was computed with the old weights
+            if probe and server.probe_logprobs() == before:
+                return (f"version {version} was received in memory but left the model's log-probs unchanged: "
+                        "its weights did not take")  # fmt: skip
         except ServerError as exc:
             return str(exc).splitlines()[0]
         return None
