@@ -100,6 +100,9 @@ def test_the_learner_starts_after_colocated_servers(tmp_path, monkeypatch, embed
         def resume(self):
             calls.append("resume")
 
+        def close(self):
+            calls.append("close")
+
     class FakeTrainer:
         def __init__(self, run, model_dir, train, launch):
             self.train = train
@@ -117,7 +120,7 @@ def test_the_learner_starts_after_colocated_servers(tmp_path, monkeypatch, embed
         loop._start(stack)
     trainer = ("trainer", colocated)
     expected = ["servers", trainer] if colocated else [trainer, "servers"]
-    assert calls == [*expected, "use", "resume"]
+    assert calls == [*expected, "use", "resume", "close"]  # the weight path closed when the run stops
 
 
 def test_the_colocated_learner_gives_back_its_cached_gpu_memory(monkeypatch):
