@@ -57,6 +57,7 @@ SMALL_INIT = 0.08  # the small model's weights' std: logits of std ~2 (not ~unif
 SPREAD = 1.0  # the probe's log-probs must span at least this much (nats) for a gap bound to mean something
 PEAK_SHARE = 0.9  # the colocated 1B loop's peak GPU memory, as a share of the GPU's
 ITERATIONS = 3
+BUDGET_S = 480  # the whole GPU run: one call of the device tool (10 min at most) with room to start and copy
 
 
 class Skip(Exception):
@@ -103,6 +104,7 @@ class Context:
     servers: list = field(default_factory=list)
     state: dict = field(default_factory=dict)  # what a check leaves for the next (the learner, the server)
     calls: queue.Queue = field(default_factory=queue.Queue)  # what a check asks the main thread to run
+    deadline: float = float("inf")  # the running check's end (time.monotonic())
 
     def on_main(self, fn):
         """fn() run by the main thread (run_check serves these while a check runs): a server spawned there
@@ -134,10 +136,15 @@ class Context:
         self.state.pop("gloo", None)
 
 
-def run_check(c: Check, ctx: Context) -> dict:
-    """One check in a thread of its own: PASS with its figures, FAIL (what failed, or a timeout), SKIP."""
+def run_check(c: Check, ctx: Context, budget_s: float = float("inf")) -> dict:
+    """One check in a thread of its own: PASS with its figures, FAIL (what failed, or a timeout: its own or
+    the run's budget left, `budget_s`), SKIP."""
     if c.cuda and not ctx.cuda:
         return {"status": "SKIP", "why": "needs CUDA", "seconds": 0.0, "figures": {}}
+    if budget_s < 10:
+        return {"status": "FAIL", "why": f"not run: {budget_s:.0f} s of the run's budget left", "seconds": 0.0,
+                "figures": {}}  # fmt: skip
+    timeout_s = min(c.timeout_s, budget_s)
     box: dict = {}
 
     def body() -> None:
@@ -152,7 +159,7 @@ def run_check(c: Check, ctx: Context) -> dict:
     start = time.monotonic()
     thread = threading.Thread(target=body, name=c.name, daemon=True)  # a hung one does not hold the exit
     thread.start()
-    deadline = start + c.timeout_s
+    deadline = ctx.deadline = start + timeout_s
     while thread.is_alive() and time.monotonic() < deadline:
         try:
             fn, reply = ctx.calls.get(timeout=0.1)
@@ -165,7 +172,7 @@ def run_check(c: Check, ctx: Context) -> dict:
     seconds = round(time.monotonic() - start, 2)
     if thread.is_alive():
         ctx.cleanup()  # its servers stopped: the calls it waits on fail, and the next check starts afresh
-        return {"status": "FAIL", "why": f"no result within its timeout of {c.timeout_s:.0f} s", "seconds": seconds,
+        return {"status": "FAIL", "why": f"no result within its timeout of {timeout_s:.0f} s", "seconds": seconds,
                 "figures": {}}  # fmt: skip
     if "skip" in box:
         return {"status": "SKIP", "why": box["skip"], "seconds": seconds, "figures": {}}
@@ -633,7 +640,7 @@ def loop_command(preset: str, model_dir: Path, run_dir: Path, extra: list[str]) 
             "--server.colocate", "on", *extra]  # fmt: skip
 
 
-def run_loop(ctx: Context, name: str, command: list[str], timeout_s: float) -> dict:
+def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
     """Runs the loop; samples the GPU's memory in use by phase (RUN/phase.json) meanwhile. Each phase's time
     (metrics.jsonl's time_PHASE, per iteration) and peak memory."""
     from contract.rundir import RunDir
@@ -657,7 +664,7 @@ def run_loop(ctx: Context, name: str, command: list[str], timeout_s: float) -> d
     with open(log_path, "w") as out:
         p = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = p.wait(timeout_s)
+            rc = p.wait(max(1.0, ctx.deadline - time.monotonic() - 5))  # killed before the check times out
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # the loop, its servers and its learner
             p.wait()
@@ -700,7 +707,7 @@ def check_loop_embedded(ctx: Context) -> dict:
     folder, what = embedded_or_shaped(ctx)
     command = loop_command("embedded", folder, ctx.work / "runs" / "loop_embedded",
                            ["--rollouts.tasks_per_iteration", "8", "--rollouts.attempts", "4"])  # fmt: skip
-    figures = run_loop(ctx, "loop_embedded", command, 140)
+    figures = run_loop(ctx, "loop_embedded", command)
     return {"model": what, **figures, **overhead(figures)}
 
 
@@ -710,16 +717,19 @@ GSM8K_ROWS = [  # a local GSM8K file (no hub): the preset's task, a short batch
 ]
 
 
+def gsm8k_options(folder: Path) -> list[str]:
+    """The gsm8k preset's options for a short batch on a local file (written into `folder`)."""
+    data = folder / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    return ["--env.options.train", str(data), "--env.options.test", str(data), "--rollouts.tasks_per_iteration",
+            "4", "--rollouts.attempts", "16", "--rollouts.max_tokens", "256"]  # fmt: skip
+
+
 @check("loop_gsm8k_1b", 240, cuda=True)
 def check_loop_gsm8k_1b(ctx: Context) -> dict:
     ctx.cleanup()
-    data = ctx.work / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
-    command = loop_command("gsm8k", model(ctx, "1b"), ctx.work / "runs" / "loop_gsm8k_1b",
-                           ["--env.options.train", str(data), "--env.options.test", str(data),
-                            "--rollouts.tasks_per_iteration", "4", "--rollouts.attempts", "16",
-                            "--rollouts.max_tokens", "256"])  # fmt: skip
-    figures = run_loop(ctx, "loop_gsm8k_1b", command, 230)
+    command = loop_command("gsm8k", model(ctx, "1b"), ctx.work / "runs" / "loop_gsm8k_1b", gsm8k_options(ctx.work))
+    figures = run_loop(ctx, "loop_gsm8k_1b", command)
     require(figures["peak_share"] < PEAK_SHARE, f"peak {figures['peak_gib']} GiB is {figures['peak_share']:.0%} of the GPU "
             f"(target under {PEAK_SHARE:.0%})")  # fmt: skip
     return {**figures, **overhead(figures)}
@@ -754,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for check_gpu_path.json and its log")
     ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the checks and exit")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time limit (seconds)")
     args = ap.parse_args(argv)
     names = [c.name for c in CHECKS]
     only = args.only.split(",") if args.only else names
@@ -786,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in CHECKS:
             if c.name not in only:
                 continue
-            result = run_check(c, ctx)
+            result = run_check(c, ctx, args.budget_s - (time.monotonic() - start))
             record["checks"][c.name] = result
             detail = result.get("why") or ", ".join(f"{k} {v}" for k, v in result["figures"].items())
             ctx.say(f"{result['status']} {c.name} ({result['seconds']:.1f} s): {detail}")

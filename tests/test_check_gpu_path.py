@@ -1,0 +1,143 @@
+"""bench/check_gpu_path.py without a server: its options and check list, and its harness (a check that
+raises or runs past its timeout is a FAIL, one that needs CUDA is a SKIP here). Its real run: `--cpu`
+(docs/set-up.md, "Checking a GPU machine")."""
+
+import importlib.util
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location(
+    "check_gpu_path", Path(__file__).parent.parent / "bench" / "check_gpu_path.py"
+)
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
+spec.loader.exec_module(gpu_check)
+
+EXPECTED = ["serve", "disk_reload", "sleep_wake", "gloo", "corrupt", "colocated", "nccl_one_gpu", "loop_embedded",
+            "loop_gsm8k_1b"]  # fmt: skip
+
+
+def test_list_prints_every_check_in_order(capsys):
+    assert gpu_check.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == EXPECTED
+    assert all(("needs CUDA" in line) == c.cuda for line, c in zip(lines, gpu_check.CHECKS))
+    # the whole GPU run fits one call of the device tool (at most 8 minutes) even if each check takes its longest
+    # apart from the few that take little: the timeouts are per check, so no single hang eats the call
+    assert all(c.timeout_s <= 300 for c in gpu_check.CHECKS)
+
+
+def test_an_unknown_check_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--list", "--only", "serve,nope"])
+    assert exc.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def context(tmp_path, cuda=False):
+    return gpu_check.Context(work=tmp_path, cuda=cuda)
+
+
+def run(fn, tmp_path, timeout_s=5.0, cuda=False):
+    return gpu_check.run_check(gpu_check.Check("x", timeout_s, cuda, fn), context(tmp_path))
+
+
+def test_a_check_that_raises_is_a_fail_with_its_error(tmp_path):
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    result = run(broken, tmp_path)
+    assert result["status"] == "FAIL" and "RuntimeError: boom" in result["why"] and "boom" in result["trace"]
+
+    def false(ctx):
+        gpu_check.require(1 > 2, "one is not above two")
+
+    result = run(false, tmp_path)
+    assert result["status"] == "FAIL" and "one is not above two" in result["why"]
+
+
+def test_a_check_past_its_timeout_is_a_fail_and_its_servers_are_stopped(tmp_path):
+    stopped = threading.Event()
+
+    class Server:
+        def stop(self):
+            stopped.set()
+
+    def hangs(ctx):
+        ctx.servers.append(Server())
+        time.sleep(60)
+
+    start = time.monotonic()
+    result = gpu_check.run_check(gpu_check.Check("x", 0.5, False, hangs), context(tmp_path))
+    assert time.monotonic() - start < 5
+    assert result["status"] == "FAIL" and "timeout" in result["why"]
+    assert stopped.is_set()  # what the hung check waits on is gone
+
+
+def test_a_check_gets_at_most_the_runs_budget_left(tmp_path):
+    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: time.sleep(60)), context(tmp_path), 10.5)
+    assert result["status"] == "FAIL" and "timeout of 10 s" in result["why"] and result["seconds"] < 15
+    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: {}), context(tmp_path), 3)
+    assert result["status"] == "FAIL" and result["why"].startswith("not run")
+
+
+def test_skips_passes_and_the_main_thread(tmp_path):
+    assert run(lambda ctx: {"a": 1}, tmp_path, cuda=True) == {"status": "SKIP", "why": "needs CUDA", "seconds": 0.0,
+                                                             "figures": {}}  # fmt: skip
+
+    def skip(ctx):
+        raise gpu_check.Skip("no server")
+
+    assert run(skip, tmp_path)["why"] == "no server"
+    # a server is spawned by the main thread (its parent-death signal is the thread's): on_main runs it there
+    result = run(lambda ctx: {"main": ctx.on_main(lambda: threading.current_thread() is threading.main_thread())},
+                 tmp_path)  # fmt: skip
+    assert result["status"] == "PASS" and result["figures"] == {"main": True}
+
+
+def test_a_cpu_run_of_the_cuda_checks_only_records_them_skipped(tmp_path, capsys):
+    """The whole main path (record, log, exit status) without a server: only checks that need CUDA."""
+    cuda_only = ",".join(c.name for c in gpu_check.CHECKS if c.cuda)
+    assert gpu_check.main(["--cpu", "--only", cuda_only, "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "check_gpu_path.json").read_text())
+    assert record["device"].startswith("CPU") and "torch" in record["versions"]
+    assert {r["status"] for r in record["checks"].values()} == {"SKIP"}
+    assert "SKIP loop_gsm8k_1b" in (tmp_path / "check_gpu_path.log").read_text()
+
+
+def test_the_padded_tokenizer_decodes_every_id_of_its_vocabulary():
+    tokenizer, vocab = gpu_check.padded_byte_tokenizer(1000)
+    assert len(vocab) == len(tokenizer) == 1000 == len(set(vocab.values()))
+    assert tokenizer.decode(tokenizer.encode("12 + 30 = 42")) == "12 + 30 = 42"
+    assert all(isinstance(tokenizer.decode([i]), str) for i in range(1000))
+    assert tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_the_loop_commands_are_the_loops_options(tmp_path):
+    """The colocated loop's command lines parse as orchestrate.rl's (--server.colocate aside while the
+    project lacks it), the gsm8k one with its local task file."""
+    from orchestrate.loop.config import options, parse_args
+
+    names = {name for name, _, _ in options()}
+    for preset, extra in (("embedded", []), ("gsm8k", gpu_check.gsm8k_options(tmp_path))):
+        argv = gpu_check.loop_command(preset, Path("/m"), Path("/r"), extra)[3:]  # after `python -m orchestrate.rl`
+        assert argv[argv.index("--server.colocate") + 1] == "on"
+        if "server.colocate" not in names:
+            i = argv.index("--server.colocate")
+            argv = argv[:i] + argv[i + 2 :]
+        _, config = parse_args(argv)
+        assert config.run.iterations == gpu_check.ITERATIONS and config.eval.every == 0
+
+
+def test_figures_read_from_a_run():
+    log = "INFO ... Available KV cache memory: 12.5 GiB\n... Available KV cache memory: 11.25 GiB\n"
+    assert gpu_check.kv_cache_gib(log) == 11.25 and gpu_check.kv_cache_gib("nothing") is None
+    times = {"time_train": [2.0, 4.0], "time_weight_sync": [0.5, 0.5], "time_wake": [0.5, 1.5], "time_generate": [9, 9]}
+    figures = gpu_check.overhead({"phase_times_s": times})
+    assert figures["overhead_s"] == [1.0, 2.0] and figures["overhead_vs_train"] == [0.5, 0.5]
