@@ -375,6 +375,12 @@ def gpu_used_gib() -> float:
     return (total - free) / 2**30
 
 
+def gpu_total_gib() -> float:
+    import torch
+
+    return torch.cuda.mem_get_info()[1] / 2**30
+
+
 class _Trainer:
     """What a transport asks of the trainer process: it is ours (this process), and alive."""
 
@@ -464,7 +470,7 @@ def in_memory_equals_disk(ctx: Context, mechanism_name: str) -> dict:
 # ---- the checks, in order ----------------------------------------------------------------------------------
 
 
-@check("serve", 300)
+@check("serve", 150)
 def check_serve(ctx: Context) -> dict:
     server, start_s = start_server(ctx, "disk", model(ctx, "small"))
     ctx.state["disk_server"] = server
@@ -485,7 +491,7 @@ def check_serve(ctx: Context) -> dict:
     return figures
 
 
-@check("disk_reload", 180)
+@check("disk_reload", 60)
 def check_disk_reload(ctx: Context) -> dict:
     server = ctx.state.get("disk_server")
     if server is None:
@@ -510,7 +516,7 @@ def kv_cache_gib(log: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-@check("sleep_wake", 180, cuda=True)
+@check("sleep_wake", 60, cuda=True)
 def check_sleep_wake(ctx: Context) -> dict:
     server = ctx.state.get("disk_server")
     if server is None:
@@ -545,7 +551,7 @@ def check_sleep_wake(ctx: Context) -> dict:
             "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "max_gap_after_wake": worst}  # fmt: skip
 
 
-@check("gloo", 300)
+@check("gloo", 120)
 def check_gloo(ctx: Context) -> dict:
     ds = ctx.state.pop("disk_server", None)
     if ds is not None:
@@ -553,7 +559,7 @@ def check_gloo(ctx: Context) -> dict:
     return in_memory_equals_disk(ctx, "gloo")
 
 
-@check("corrupt", 180)
+@check("corrupt", 60)
 def check_corrupt(ctx: Context) -> dict:
     if "gloo" not in ctx.state:
         raise Skip("no gloo group (gloo failed)")
@@ -577,7 +583,7 @@ def check_corrupt(ctx: Context) -> dict:
 COLOCATED = "colocat"  # the colocated weight path's mechanism name starts so (contract.weight_paths)
 
 
-@check("colocated", 300, cuda=True)
+@check("colocated", 120, cuda=True)
 def check_colocated(ctx: Context) -> dict:
     from contract.weight_paths import MECHANISMS
 
@@ -590,12 +596,14 @@ def check_colocated(ctx: Context) -> dict:
     return {"mechanism": names[0], **in_memory_equals_disk(ctx, names[0])}
 
 
+NCCL_TIMEOUT_S = 30  # the group's timeout: a rank may wait this long, plus ~30 s to start, and no more
+
 NCCL_RANK = r"""
 import sys, time
 from contract.weight_wire import new_group
 start = time.monotonic()
 try:
-    new_group("nccl", "127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), 2, 30, device="cuda:0")
+    new_group("nccl", "127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), 2, float(sys.argv[3]), device="cuda:0")
 except Exception as exc:
     print(f"refused after {time.monotonic() - start:.1f} s: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     sys.exit(3)
@@ -603,20 +611,20 @@ print("formed")
 """
 
 
-@check("nccl_one_gpu", 120, cuda=True)
+@check("nccl_one_gpu", 90, cuda=True)
 def check_nccl_one_gpu(ctx: Context) -> dict:
     import torch
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.monotonic()
-    ranks = [subprocess.Popen([sys.executable, "-c", NCCL_RANK, str(store.port), str(r)], env=env, text=True,
+    ranks = [subprocess.Popen([sys.executable, "-c", NCCL_RANK, str(store.port), str(r), str(NCCL_TIMEOUT_S)], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
              for r in range(2)]  # fmt: skip
     outputs, hung = [], False
     for p in ranks:
         try:
-            outputs.append(p.communicate(timeout=max(1.0, 90 - (time.monotonic() - start)))[0])
+            outputs.append(p.communicate(timeout=max(1.0, NCCL_TIMEOUT_S + 30 - (time.monotonic() - start)))[0])
         except subprocess.TimeoutExpired:
             hung = True
             os.killpg(p.pid, signal.SIGKILL)
@@ -647,6 +655,7 @@ def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
 
     run = RunDir(Path(command[command.index("--run-dir") + 1]))
     peaks: dict = {}
+    idle = gpu_used_gib()  # before the loop: this process's CUDA context and whatever else holds memory
     done = threading.Event()
 
     def sample() -> None:
@@ -674,16 +683,27 @@ def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
     seconds = time.monotonic() - start
     tail = log_path.read_text(errors="replace")[-1500:]
     require(rc == 0, f"the loop exited with {rc} after {seconds:.0f} s; its output ends:\n{tail}")
-    records = [json.loads(line) for line in (run.root / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line.strip()]
     records = [r for r in records if r.get("iteration", 0) >= 1]
     require(len(records) == ITERATIONS, f"{len(records)} iterations in metrics.jsonl, not {ITERATIONS}")
     times = {k: [round(r[k], 2) for r in records] for k in sorted(records[0]) if k.startswith("time_")}
-    import torch
-
-    total = torch.cuda.mem_get_info()[1] / 2**30
+    total = gpu_total_gib()
+    require(bool(peaks), "no memory sample")
     peak = max(peaks.values())
     return {"seconds": round(seconds, 1), "phase_times_s": times, "peak_gib_by_phase": {k: round(v, 2) for k, v in peaks.items()},
-            "peak_gib": round(peak, 2), "gpu_gib": round(total, 1), "peak_share": round(peak / total, 3)}  # fmt: skip
+            "peak_gib": round(peak, 2), "idle_gib": round(idle, 2), "gpu_gib": round(total, 1), "peak_share": round(peak / total, 3)}  # fmt: skip
+
+
+def free_gpu(ctx: Context) -> None:
+    """The loop's servers and learner get the GPU: ours stopped, this process's learner freed."""
+    import gc
+
+    import torch
+
+    ctx.cleanup()
+    ctx.state.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def overhead(figures: dict) -> dict:
@@ -700,10 +720,9 @@ def overhead(figures: dict) -> dict:
             "overhead_vs_train": [round(o / t, 3) if t else None for o, t in zip(per_iteration, train)]}  # fmt: skip
 
 
-@check("loop_embedded", 150, cuda=True)
+@check("loop_embedded", 180, cuda=True)
 def check_loop_embedded(ctx: Context) -> dict:
-    ctx.cleanup()  # the loop's servers and learner get the whole GPU
-    ctx.state.pop("learner", None)
+    free_gpu(ctx)
     folder, what = embedded_or_shaped(ctx)
     command = loop_command("embedded", folder, ctx.work / "runs" / "loop_embedded",
                            ["--rollouts.tasks_per_iteration", "8", "--rollouts.attempts", "4"])  # fmt: skip
@@ -727,7 +746,7 @@ def gsm8k_options(folder: Path) -> list[str]:
 
 @check("loop_gsm8k_1b", 240, cuda=True)
 def check_loop_gsm8k_1b(ctx: Context) -> dict:
-    ctx.cleanup()
+    free_gpu(ctx)
     command = loop_command("gsm8k", model(ctx, "1b"), ctx.work / "runs" / "loop_gsm8k_1b", gsm8k_options(ctx.work))
     figures = run_loop(ctx, "loop_gsm8k_1b", command)
     require(figures["peak_share"] < PEAK_SHARE, f"peak {figures['peak_gib']} GiB is {figures['peak_share']:.0%} of the GPU "

@@ -141,3 +141,46 @@ def test_figures_read_from_a_run():
     times = {"time_train": [2.0, 4.0], "time_weight_sync": [0.5, 0.5], "time_wake": [0.5, 1.5], "time_generate": [9, 9]}
     figures = gpu_check.overhead({"phase_times_s": times})
     assert figures["overhead_s"] == [1.0, 2.0] and figures["overhead_vs_train"] == [0.5, 0.5]
+
+
+FAKE_LOOP = """
+import json, sys, time
+from contract.rundir import RunDir
+run = RunDir(sys.argv[sys.argv.index("--run-dir") + 1])
+run.root.mkdir(parents=True)
+for i in range(1, ITERATIONS + 1):
+    for phase in ("rollouts", "training", "weight_reload"):
+        run.write_phase(i, phase)
+        time.sleep(0.3)
+    with open(run.metrics_path, "a") as f:
+        f.write(json.dumps({"iteration": i, "time_train": 2.0, "time_weight_sync": 0.5, "time_generate": 1.0}) + "\\n")
+"""
+
+
+def test_a_loop_is_timed_by_phase_and_its_peak_memory_sampled(tmp_path, monkeypatch):
+    """run_loop on a stand-in for orchestrate.rl (it writes phase.json and metrics.jsonl as the loop does),
+    the GPU's memory faked: a different amount in use in each phase."""
+    import sys
+
+    used = {"rollouts": 10.0, "training": 30.0, "weight_reload": 20.0}
+    ctx = context(tmp_path)
+    run_dir = tmp_path / "run"
+    from contract.rundir import RunDir
+
+    def in_use():
+        phase = RunDir(run_dir).read_phase() if run_dir.is_dir() else None
+        return used.get((phase or {}).get("phase"), 1.0)
+
+    monkeypatch.setattr(gpu_check, "gpu_used_gib", in_use)
+    monkeypatch.setattr(gpu_check, "gpu_total_gib", lambda: 80.0)
+    code = FAKE_LOOP.replace("ITERATIONS", str(gpu_check.ITERATIONS))
+    figures = gpu_check.run_loop(ctx, "fake", [sys.executable, "-c", code, "--run-dir", str(run_dir)])
+    assert figures["peak_gib"] == 30.0 and figures["peak_share"] == 30.0 / 80
+    assert figures["peak_gib_by_phase"]["training"] == 30.0 and figures["peak_gib_by_phase"]["weight_reload"] == 20.0
+    assert figures["phase_times_s"]["time_train"] == [2.0] * gpu_check.ITERATIONS
+    assert gpu_check.overhead(figures)["overhead_vs_train"] == [0.25] * gpu_check.ITERATIONS
+
+    with pytest.raises(gpu_check.CheckFailed, match="exited with 1"):
+        gpu_check.run_loop(
+            ctx, "fails", [sys.executable, "-c", "raise SystemExit(1)", "--run-dir", str(tmp_path / "r2")]
+        )
