@@ -36,6 +36,7 @@ import os
 import platform
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -757,6 +758,20 @@ def check_loop_gsm8k_1b(ctx: Context) -> dict:
 # ---- main ----------------------------------------------------------------------------------------------------
 
 
+LOG_TAIL_BYTES = 256 * 1024  # of each server's or loop's log brought back (the ends say why a start failed)
+
+
+def keep_logs(source: Path, target: Path) -> None:
+    """The end of every log under `source`, copied to `target` (--out: it comes back with the device call)."""
+    for path in sorted(source.rglob("*")) if source.is_dir() else []:
+        if path.is_file():
+            dest = target / path.relative_to(source)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+                dest.write_bytes(f.read())
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -783,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for check_gpu_path.json and its log")
     ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the checks and exit")
+    ap.add_argument("--keep-work", action="store_true", help="keep the work folder (models, runs, logs)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's time limit (seconds)")
     args = ap.parse_args(argv)
     names = [c.name for c in CHECKS]
@@ -809,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         log = open(out / "check_gpu_path.log", "w")
     ctx = Context(work=work, cuda=cuda, log=log)
     record = {"device": device_name(cuda), "versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "work": str(work), "checks": {}}  # fmt: skip
+              "work": str(work), "budget_s": args.budget_s, "checks": {}}  # fmt: skip
     ctx.say(f"device: {record['device']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
     start = time.monotonic()
     try:
@@ -833,7 +849,16 @@ def main(argv: list[str] | None = None) -> int:
     if out:
         (out / "check_gpu_path.json").write_text(json.dumps(record, indent=2) + "\n")
         ctx.say(f"record: {out / 'check_gpu_path.json'}")
-    ctx.say("JSON " + json.dumps(record, separators=(",", ":")))
+    if out:
+        keep_logs(work / "logs", out / "logs")
+        ctx.say(f"servers' and loops' logs: {out / 'logs'}")
+    # traces stay in the log and the file: the line keeps to what the device tool's output tail shows
+    brief = {**record, "checks": {k: {f: v for f, v in r.items() if f != "trace"} for k, r in record["checks"].items()}}
+    ctx.say("JSON " + json.dumps(brief, separators=(",", ":")))
+    if args.keep_work:
+        ctx.say(f"work folder kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)  # the models (the 1B one and its untied copy: 5 GB)
     return 1 if counts["FAIL"] else 0
 
 

@@ -99,8 +99,10 @@ def test_skips_passes_and_the_main_thread(tmp_path):
     assert result["status"] == "PASS" and result["figures"] == {"main": True}
 
 
-def test_a_cpu_run_of_the_cuda_checks_only_records_them_skipped(tmp_path, capsys):
+def test_a_cpu_run_of_the_cuda_checks_only_records_them_skipped(tmp_path, monkeypatch):
     """The whole main path (record, log, exit status) without a server: only checks that need CUDA."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what --cpu sets, restored after the test
+    monkeypatch.setenv("TAPELOOP_CACHE", str(tmp_path / "cache"))  # what main sets by default, likewise
     cuda_only = ",".join(c.name for c in gpu_check.CHECKS if c.cuda)
     assert gpu_check.main(["--cpu", "--only", cuda_only, "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "check_gpu_path.json").read_text())
@@ -184,3 +186,13 @@ def test_a_loop_is_timed_by_phase_and_its_peak_memory_sampled(tmp_path, monkeypa
         gpu_check.run_loop(
             ctx, "fails", [sys.executable, "-c", "raise SystemExit(1)", "--run-dir", str(tmp_path / "r2")]
         )
+
+
+def test_the_ends_of_the_logs_come_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "LOG_TAIL_BYTES", 4)
+    (tmp_path / "logs" / "runs").mkdir(parents=True)
+    (tmp_path / "logs" / "policy.log").write_text("start ... the end")
+    (tmp_path / "logs" / "runs" / "loop.out").write_text("ok")
+    gpu_check.keep_logs(tmp_path / "logs", tmp_path / "out")
+    assert (tmp_path / "out" / "policy.log").read_text() == " end"
+    assert (tmp_path / "out" / "runs" / "loop.out").read_text() == "ok"
