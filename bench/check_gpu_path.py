@@ -578,7 +578,7 @@ def check_corrupt(ctx: Context) -> dict:
     require(server.answers(), "the server died refusing it")
     worst = gap(held, server.probe_logprobs())
     require(worst == 0, f"the served log-probs moved by {worst:.2e}: the old version is not served whole")
-    return {"refused": why[:160]}
+    return {"refused": why[why.find("bucket") :].split('"')[0][:160]}  # the server's reason
 
 
 COLOCATED = "colocat"  # the colocated weight path's mechanism name starts so (contract.weight_paths)
@@ -812,7 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks: every part of the run sees no GPU
     import torch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one line per check on the console, not a bar per model saved
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu:
         ap.error("no CUDA here: pass --cpu to run the checks that need none")
