@@ -591,8 +591,8 @@ def check_colocated(ctx: Context) -> dict:
     names = [n for n in MECHANISMS if n.startswith(COLOCATED)]
     require(len(names) == 1, f"contract.weight_paths has no colocated mechanism (it has {sorted(MECHANISMS)})")
     state = ctx.state.pop("gloo", None)
-    if state is not None:
-        state[2].close()
+    if state is not None:  # the gloo server's share of the GPU to this one
+        state[2].close(failed=True)  # an abort: the group may be half down after the refused version
         state[0].stop()
     return {"mechanism": names[0], **in_memory_equals_disk(ctx, names[0])}
 
@@ -758,6 +758,24 @@ def check_loop_gsm8k_1b(ctx: Context) -> dict:
 # ---- main ----------------------------------------------------------------------------------------------------
 
 
+def targets(checks: dict) -> dict:
+    """What issue 48 asks the GPU run to report, read from the checks' figures (None: not measured)."""
+
+    def figure(name: str, key: str):
+        return checks.get(name, {}).get("figures", {}).get(key)
+
+    return {
+        "every_check_passes": all(r["status"] == "PASS" for r in checks.values()),
+        "hung": [n for n, r in checks.items() if "timeout" in r.get("why", "")],
+        "gsm8k_1b_peak_share": figure("loop_gsm8k_1b", "peak_share"),
+        "gsm8k_1b_peak_under": PEAK_SHARE,
+        "overhead_vs_train": {n: figure(n, "overhead_vs_train") for n in ("loop_embedded", "loop_gsm8k_1b")},
+        "weight_update_s": {"disk_reload": figure("disk_reload", "reload_s"), "gloo": figure("gloo", "serve_s"),
+                            "colocated": figure("colocated", "serve_s"),
+                            **{n: figure(n, "overhead_s") for n in ("loop_embedded", "loop_gsm8k_1b")}},
+    }  # fmt: skip
+
+
 LOG_TAIL_BYTES = 256 * 1024  # of each server's or loop's log brought back (the ends say why a start failed)
 
 
@@ -847,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
     record["seconds"] = round(time.monotonic() - start, 1)
     counts = {s: sum(r["status"] == s for r in record["checks"].values()) for s in ("PASS", "FAIL", "SKIP")}
     record["summary"] = counts
+    record["targets"] = targets(record["checks"])
+    ctx.say("targets: " + json.dumps(record["targets"]))
     ctx.say(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {record['seconds']:.0f} s")
     if out:
         (out / "check_gpu_path.json").write_text(json.dumps(record, indent=2) + "\n")

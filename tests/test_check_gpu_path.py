@@ -76,6 +76,7 @@ def test_a_check_past_its_timeout_is_a_fail_and_its_servers_are_stopped(tmp_path
     assert time.monotonic() - start < 5
     assert result["status"] == "FAIL" and "timeout" in result["why"]
     assert stopped.is_set()  # what the hung check waits on is gone
+    assert gpu_check.targets({"x": result})["hung"] == ["x"]
 
 
 def test_a_check_gets_at_most_the_runs_budget_left(tmp_path):
@@ -109,6 +110,7 @@ def test_a_cpu_run_of_the_cuda_checks_only_records_them_skipped(tmp_path, monkey
     assert record["device"].startswith("CPU") and "torch" in record["versions"]
     assert {r["status"] for r in record["checks"].values()} == {"SKIP"}
     assert "SKIP loop_gsm8k_1b" in (tmp_path / "check_gpu_path.log").read_text()
+    assert record["targets"]["every_check_passes"] is False and record["targets"]["gsm8k_1b_peak_share"] is None
 
 
 def test_the_padded_tokenizer_decodes_every_id_of_its_vocabulary():
