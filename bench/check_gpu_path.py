@@ -827,6 +827,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in CHECKS:
             print(f"{c.name:14} {c.timeout_s:4.0f} s{'  needs CUDA' if c.cuda else ''}")
         return 0
+    # no network on a lent GPU machine: nothing waits on the hub or on usage statistics (servers and loops too)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+        os.environ.setdefault(name, "1")
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks: every part of the run sees no GPU
     import torch

@@ -104,6 +104,8 @@ def test_a_cpu_run_of_the_cuda_checks_only_records_them_skipped(tmp_path, monkey
     """The whole main path (record, log, exit status) without a server: only checks that need CUDA."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what --cpu sets, restored after the test
     monkeypatch.setenv("TAPELOOP_CACHE", str(tmp_path / "cache"))  # what main sets by default, likewise
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+        monkeypatch.setenv(name, "1")
     cuda_only = ",".join(c.name for c in gpu_check.CHECKS if c.cuda)
     assert gpu_check.main(["--cpu", "--only", cuda_only, "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "check_gpu_path.json").read_text())
