@@ -200,3 +200,45 @@ def test_the_ends_of_the_logs_come_back(tmp_path, monkeypatch):
     gpu_check.keep_logs(tmp_path / "logs", tmp_path / "out")
     assert (tmp_path / "out" / "policy.log").read_text() == " end"
     assert (tmp_path / "out" / "runs" / "loop.out").read_text() == "ok"
+
+
+class FakeServer:
+    """What sleep_wake asks of a server, with the GPU's memory it holds asleep and awake."""
+
+    def __init__(self, folder, frees_gib):
+        self.model = str(folder)
+        self.log_path = folder / "server.log"
+        self.log_path.write_text("... Available KV cache memory: 2.0 GiB\n")
+        (folder / "model.safetensors").write_bytes(b"\0" * 2**20)
+        self.used, self.frees, self.asleep, self.stopped = 10.0, frees_gib, False, False
+
+    def probe_logprobs(self):
+        return [-1.0, -2.0]
+
+    def sleep(self):
+        self.asleep, self.used = True, self.used - self.frees
+
+    def wake_up(self):
+        self.asleep, self.used = False, self.used + self.frees
+
+    def get(self, route):
+        class Response:
+            json = staticmethod(lambda: {"is_sleeping": self.asleep})
+
+        return Response()
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("frees", [2.5, 1.0])
+def test_sleep_must_free_the_weights_and_the_kv_cache(tmp_path, monkeypatch, frees):
+    server = FakeServer(tmp_path, frees)
+    ctx = context(tmp_path, cuda=True)
+    ctx.state["disk_server"] = server
+    monkeypatch.setattr(gpu_check, "gpu_used_gib", lambda: server.used)
+    result = gpu_check.run_check(next(c for c in gpu_check.CHECKS if c.name == "sleep_wake"), ctx)
+    if frees > 2.0:  # the KV cache (2 GiB) and the weights (1 MiB)
+        assert result["status"] == "PASS" and result["figures"]["freed_gib"] == frees and server.stopped
+    else:
+        assert result["status"] == "FAIL" and "sleep freed 1.00 GiB" in result["why"]
