@@ -60,6 +60,7 @@ SMALL_INIT = 0.08  # the small model's weights' std: logits of std ~2 (not ~unif
 SPREAD = 1.0  # the probe's log-probs must span at least this much (nats) for a gap bound to mean something
 PEAK_SHARE = 0.9  # the colocated 1B loop's peak GPU memory, as a share of the GPU's
 ITERATIONS = 3
+MIN_CHECK_S = 10  # a check is not started with less of the budget left
 BUDGET_S = 480  # the whole GPU run: one call of the device tool (10 min at most) with room to start and copy
 
 
@@ -144,7 +145,7 @@ def run_check(c: Check, ctx: Context, budget_s: float = float("inf")) -> dict:
     the run's budget left, `budget_s`), SKIP."""
     if c.cuda and not ctx.cuda:
         return {"status": "SKIP", "why": "needs CUDA", "seconds": 0.0, "figures": {}}
-    if budget_s < 10:
+    if budget_s < MIN_CHECK_S:
         return {"status": "FAIL", "why": f"not run: {budget_s:.0f} s of the run's budget left", "seconds": 0.0,
                 "figures": {}}  # fmt: skip
     timeout_s = min(c.timeout_s, budget_s)

@@ -79,10 +79,11 @@ def test_a_check_past_its_timeout_is_a_fail_and_its_servers_are_stopped(tmp_path
     assert gpu_check.targets({"x": result})["hung"] == ["x"]
 
 
-def test_a_check_gets_at_most_the_runs_budget_left(tmp_path):
-    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: time.sleep(60)), context(tmp_path), 10.5)
-    assert result["status"] == "FAIL" and "timeout of 10 s" in result["why"] and result["seconds"] < 15
-    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: {}), context(tmp_path), 3)
+def test_a_check_gets_at_most_the_runs_budget_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "MIN_CHECK_S", 0.5)
+    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: time.sleep(60)), context(tmp_path), 1.2)
+    assert result["status"] == "FAIL" and "timeout of 1 s" in result["why"] and result["seconds"] < 5
+    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: {}), context(tmp_path), 0.3)
     assert result["status"] == "FAIL" and result["why"].startswith("not run")
 
 
