@@ -1,0 +1,245 @@
+"""bench/check_gpu_path.py without a server: its options and check list, and its harness (a check that
+raises or runs past its timeout is a FAIL, one that needs CUDA is a SKIP here). Its real run: `--cpu`
+(docs/set-up.md, "Checking a GPU machine")."""
+
+import importlib.util
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location(
+    "check_gpu_path", Path(__file__).parent.parent / "bench" / "check_gpu_path.py"
+)
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
+spec.loader.exec_module(gpu_check)
+
+EXPECTED = ["serve", "disk_reload", "sleep_wake", "gloo", "corrupt", "colocated", "nccl_one_gpu", "loop_embedded",
+            "loop_gsm8k_1b"]  # fmt: skip
+
+
+def test_list_prints_every_check_in_order(capsys):
+    assert gpu_check.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == EXPECTED
+    assert all(("needs CUDA" in line) == c.cuda for line, c in zip(lines, gpu_check.CHECKS))
+    # the whole GPU run fits one call of the device tool (at most 8 minutes) even if each check takes its longest
+    # apart from the few that take little: the timeouts are per check, so no single hang eats the call
+    assert all(c.timeout_s <= 300 for c in gpu_check.CHECKS)
+
+
+def test_an_unknown_check_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--list", "--only", "serve,nope"])
+    assert exc.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def context(tmp_path, cuda=False):
+    return gpu_check.Context(work=tmp_path, cuda=cuda)
+
+
+def run(fn, tmp_path, timeout_s=5.0, cuda=False):
+    return gpu_check.run_check(gpu_check.Check("x", timeout_s, cuda, fn), context(tmp_path))
+
+
+def test_a_check_that_raises_is_a_fail_with_its_error(tmp_path):
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    result = run(broken, tmp_path)
+    assert result["status"] == "FAIL" and "RuntimeError: boom" in result["why"] and "boom" in result["trace"]
+
+    def false(ctx):
+        gpu_check.require(1 > 2, "one is not above two")
+
+    result = run(false, tmp_path)
+    assert result["status"] == "FAIL" and "one is not above two" in result["why"]
+
+
+def test_a_check_past_its_timeout_is_a_fail_and_its_servers_are_stopped(tmp_path):
+    stopped = threading.Event()
+
+    class Server:
+        def stop(self):
+            stopped.set()
+
+    def hangs(ctx):
+        ctx.servers.append(Server())
+        time.sleep(60)
+
+    start = time.monotonic()
+    result = gpu_check.run_check(gpu_check.Check("x", 0.5, False, hangs), context(tmp_path))
+    assert time.monotonic() - start < 5
+    assert result["status"] == "FAIL" and "timeout" in result["why"]
+    assert stopped.is_set()  # what the hung check waits on is gone
+    assert gpu_check.targets({"x": result})["hung"] == ["x"]
+
+
+def test_a_check_gets_at_most_the_runs_budget_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "MIN_CHECK_S", 0.5)
+    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: time.sleep(60)), context(tmp_path), 1.2)
+    assert result["status"] == "FAIL" and "timeout of 1 s" in result["why"] and result["seconds"] < 5
+    result = gpu_check.run_check(gpu_check.Check("x", 60, False, lambda ctx: {}), context(tmp_path), 0.3)
+    assert result["status"] == "FAIL" and result["why"].startswith("not run")
+
+
+def test_skips_passes_and_the_main_thread(tmp_path):
+    assert run(lambda ctx: {"a": 1}, tmp_path, cuda=True) == {"status": "SKIP", "why": "needs CUDA", "seconds": 0.0,
+                                                             "figures": {}}  # fmt: skip
+
+    def skip(ctx):
+        raise gpu_check.Skip("no server")
+
+    assert run(skip, tmp_path)["why"] == "no server"
+    # a server is spawned by the main thread (its parent-death signal is the thread's): on_main runs it there
+    result = run(lambda ctx: {"main": ctx.on_main(lambda: threading.current_thread() is threading.main_thread())},
+                 tmp_path)  # fmt: skip
+    assert result["status"] == "PASS" and result["figures"] == {"main": True}
+
+
+def test_a_cpu_run_of_the_cuda_checks_only_records_them_skipped(tmp_path, monkeypatch):
+    """The whole main path (record, log, exit status) without a server: only checks that need CUDA."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # what --cpu sets, restored after the test
+    monkeypatch.setenv("TAPELOOP_CACHE", str(tmp_path / "cache"))  # what main sets by default, likewise
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+        monkeypatch.setenv(name, "1")
+    cuda_only = ",".join(c.name for c in gpu_check.CHECKS if c.cuda)
+    assert gpu_check.main(["--cpu", "--only", cuda_only, "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "check_gpu_path.json").read_text())
+    assert record["device"].startswith("CPU") and "torch" in record["versions"]
+    assert {r["status"] for r in record["checks"].values()} == {"SKIP"}
+    assert "SKIP loop_gsm8k_1b" in (tmp_path / "check_gpu_path.log").read_text()
+    assert record["targets"]["every_check_passes"] is False and record["targets"]["gsm8k_1b_peak_share"] is None
+
+
+def test_the_padded_tokenizer_decodes_every_id_of_its_vocabulary():
+    tokenizer, vocab = gpu_check.padded_byte_tokenizer(1000)
+    assert len(vocab) == len(tokenizer) == 1000 == len(set(vocab.values()))
+    assert tokenizer.decode(tokenizer.encode("12 + 30 = 42")) == "12 + 30 = 42"
+    assert all(isinstance(tokenizer.decode([i]), str) for i in range(1000))
+    assert tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_the_loop_commands_are_the_loops_options(tmp_path):
+    """The colocated loop's command lines parse as orchestrate.rl's (--server.colocate aside while the
+    project lacks it), the gsm8k one with its local task file."""
+    from orchestrate.loop.config import options, parse_args
+
+    names = {name for name, _, _ in options()}
+    for preset, extra in (("embedded", []), ("gsm8k", gpu_check.gsm8k_options(tmp_path))):
+        argv = gpu_check.loop_command(preset, Path("/m"), Path("/r"), extra)[3:]  # after `python -m orchestrate.rl`
+        assert argv[argv.index("--server.colocate") + 1] == "on"
+        if "server.colocate" not in names:
+            i = argv.index("--server.colocate")
+            argv = argv[:i] + argv[i + 2 :]
+        _, config = parse_args(argv)
+        assert config.run.iterations == gpu_check.ITERATIONS and config.eval.every == 0
+
+
+def test_figures_read_from_a_run():
+    log = "INFO ... Available KV cache memory: 12.5 GiB\n... Available KV cache memory: 11.25 GiB\n"
+    assert gpu_check.kv_cache_gib(log) == 11.25 and gpu_check.kv_cache_gib("nothing") is None
+    times = {"time_train": [2.0, 4.0], "time_weight_sync": [0.5, 0.5], "time_wake": [0.5, 1.5], "time_generate": [9, 9]}
+    figures = gpu_check.overhead({"phase_times_s": times})
+    assert figures["overhead_s"] == [1.0, 2.0] and figures["overhead_vs_train"] == [0.5, 0.5]
+
+
+FAKE_LOOP = """
+import json, sys, time
+from contract.rundir import RunDir
+run = RunDir(sys.argv[sys.argv.index("--run-dir") + 1])
+run.root.mkdir(parents=True)
+for i in range(1, ITERATIONS + 1):
+    for phase in ("rollouts", "training", "weight_reload"):
+        run.write_phase(i, phase)
+        time.sleep(0.3)
+    with open(run.metrics_path, "a") as f:
+        f.write(json.dumps({"iteration": i, "time_train": 2.0, "time_weight_sync": 0.5, "time_generate": 1.0}) + "\\n")
+"""
+
+
+def test_a_loop_is_timed_by_phase_and_its_peak_memory_sampled(tmp_path, monkeypatch):
+    """run_loop on a stand-in for orchestrate.rl (it writes phase.json and metrics.jsonl as the loop does),
+    the GPU's memory faked: a different amount in use in each phase."""
+    import sys
+
+    used = {"rollouts": 10.0, "training": 30.0, "weight_reload": 20.0}
+    ctx = context(tmp_path)
+    run_dir = tmp_path / "run"
+    from contract.rundir import RunDir
+
+    def in_use():
+        phase = RunDir(run_dir).read_phase() if run_dir.is_dir() else None
+        return used.get((phase or {}).get("phase"), 1.0)
+
+    monkeypatch.setattr(gpu_check, "gpu_used_gib", in_use)
+    monkeypatch.setattr(gpu_check, "gpu_total_gib", lambda: 80.0)
+    code = FAKE_LOOP.replace("ITERATIONS", str(gpu_check.ITERATIONS))
+    figures = gpu_check.run_loop(ctx, "fake", [sys.executable, "-c", code, "--run-dir", str(run_dir)])
+    assert figures["peak_gib"] == 30.0 and figures["peak_share"] == 30.0 / 80
+    assert figures["peak_gib_by_phase"]["training"] == 30.0 and figures["peak_gib_by_phase"]["weight_reload"] == 20.0
+    assert figures["phase_times_s"]["time_train"] == [2.0] * gpu_check.ITERATIONS
+    assert gpu_check.overhead(figures)["overhead_vs_train"] == [0.25] * gpu_check.ITERATIONS
+
+    with pytest.raises(gpu_check.CheckFailed, match="exited with 1"):
+        gpu_check.run_loop(
+            ctx, "fails", [sys.executable, "-c", "raise SystemExit(1)", "--run-dir", str(tmp_path / "r2")]
+        )
+
+
+def test_the_ends_of_the_logs_come_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "LOG_TAIL_BYTES", 4)
+    (tmp_path / "logs" / "runs").mkdir(parents=True)
+    (tmp_path / "logs" / "policy.log").write_text("start ... the end")
+    (tmp_path / "logs" / "runs" / "loop.out").write_text("ok")
+    gpu_check.keep_logs(tmp_path / "logs", tmp_path / "out")
+    assert (tmp_path / "out" / "policy.log").read_text() == " end"
+    assert (tmp_path / "out" / "runs" / "loop.out").read_text() == "ok"
+
+
+class FakeServer:
+    """What sleep_wake asks of a server, with the GPU's memory it holds asleep and awake."""
+
+    def __init__(self, folder, frees_gib):
+        self.model = str(folder)
+        self.log_path = folder / "server.log"
+        self.log_path.write_text("... Available KV cache memory: 2.0 GiB\n")
+        (folder / "model.safetensors").write_bytes(b"\0" * 2**20)
+        self.used, self.frees, self.asleep, self.stopped = 10.0, frees_gib, False, False
+
+    def probe_logprobs(self):
+        return [-1.0, -2.0]
+
+    def sleep(self):
+        self.asleep, self.used = True, self.used - self.frees
+
+    def wake_up(self):
+        self.asleep, self.used = False, self.used + self.frees
+
+    def get(self, route):
+        class Response:
+            json = staticmethod(lambda: {"is_sleeping": self.asleep})
+
+        return Response()
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("frees", [2.5, 1.0])
+def test_sleep_must_free_the_weights_and_the_kv_cache(tmp_path, monkeypatch, frees):
+    server = FakeServer(tmp_path, frees)
+    ctx = context(tmp_path, cuda=True)
+    ctx.state["disk_server"] = server
+    monkeypatch.setattr(gpu_check, "gpu_used_gib", lambda: server.used)
+    result = gpu_check.run_check(next(c for c in gpu_check.CHECKS if c.name == "sleep_wake"), ctx)
+    if frees > 2.0:  # the KV cache (2 GiB) and the weights (1 MiB)
+        assert result["status"] == "PASS" and result["figures"]["freed_gib"] == frees and server.stopped
+    else:
+        assert result["status"] == "FAIL" and "sleep freed 1.00 GiB" in result["why"]
