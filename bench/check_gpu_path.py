@@ -23,7 +23,7 @@ The checks (--list prints them with their timeouts):
                  the same weights serves
   corrupt        a version whose bucket does not match its manifest's checksum is refused; the old one is
                  still served
-  colocated      the colocated weight path (a mechanism of contract.weight_paths) equals a disk reload
+  colocated      the colocated weight path (shm: each version in /dev/shm) equals a disk reload
   nccl_one_gpu   two NCCL ranks on one GPU fail fast (contract.weight_wire.new_group), never hang
   loop_embedded  three iterations of the loop (orchestrate.rl, --server.colocate on) at the embedded
                  preset's shape: each phase's time and peak GPU memory
@@ -584,20 +584,48 @@ def check_corrupt(ctx: Context) -> dict:
     return {"refused": why[why.find("bucket") :].split('"')[0][:160]}  # the server's reason
 
 
-COLOCATED = "colocat"  # the colocated weight path's mechanism name starts so (contract.weight_paths)
+COLOCATED = "shm"  # the colocated runs' weight path: each version in /dev/shm, no byte through the disk
 
 
 @check("colocated", 120, cuda=True)
 def check_colocated(ctx: Context) -> dict:
-    from contract.weight_paths import MECHANISMS
+    """The colocated weight path (contract.weight_paths: shm) equals a disk reload; the learner's write and the
+    server's reload of a version timed apart."""
+    from contract.weight_paths import select
+    from finetune.publish import announced, publisher_for
+    from orchestrate.serving.weights import transport_for
 
-    names = [n for n in MECHANISMS if n.startswith(COLOCATED)]
-    require(len(names) == 1, f"contract.weight_paths has no colocated mechanism (it has {sorted(MECHANISMS)})")
     state = ctx.state.pop("gloo", None)
     if state is not None:  # the gloo server's share of the GPU to this one
         state[2].close(failed=True)  # an abort: the group may be half down after the refused version
         state[0].stop()
-    return {"mechanism": names[0], **in_memory_equals_disk(ctx, names[0])}
+    server, start_s = start_server(ctx, COLOCATED, model(ctx, "small"), weight_transfer=COLOCATED)
+    run = new_run(ctx, COLOCATED)
+    learner = learner_for(ctx)
+    weights = transport_for(run, [server], select(COLOCATED), timeout_s=60, trainer=_Trainer())
+    weights.start()  # announces the mechanism to the learner's end
+    sender = publisher_for(run, announced(run), lora_rank=0)
+    try:
+        one_step(learner, 12)
+        before = server.probe_logprobs()
+        tmp = run.temp_checkpoint(1)
+        t0 = time.perf_counter()
+        sender.write(learner, tmp, 1, sender.gather(learner), keep_folder=False)
+        run.publish_checkpoint(tmp, 1)
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stale = weights.serve(1)
+        serve_s = time.perf_counter() - t0
+        require(stale == [] and not run.has_weights(1), f"not served from shared memory: stale {stale}")
+        in_memory = server.probe_logprobs()
+        require(gap(in_memory, before) > 0, "the new version left the served log-probs unchanged")
+        server.reload_weights(write_checkpoint(learner, new_run(ctx, f"{COLOCATED}-disk"), 1), verify=False)
+        worst = gap(in_memory, server.probe_logprobs())
+        require(worst <= EQUAL_BOUND, f"shared memory vs disk reload: max |logp gap| {worst:.2e} > {EQUAL_BOUND}")
+    finally:
+        weights.close()
+    return {"mechanism": COLOCATED, "server_start_s": round(start_s, 1), "write_s": round(write_s, 3),
+            "serve_s": round(serve_s, 3), "max_gap_vs_disk": worst}  # fmt: skip
 
 
 NCCL_TIMEOUT_S = 30  # the group's timeout: a rank may wait this long, plus ~30 s to start, and no more
@@ -649,7 +677,7 @@ def loop_command(preset: str, model_dir: Path, run_dir: Path, extra: list[str]) 
     """`orchestrate.rl` as a user runs it, colocated, three iterations, no evaluation."""
     return [sys.executable, "-m", "orchestrate.rl", "--preset", preset, "--run-dir", str(run_dir),
             "--iterations", str(ITERATIONS), "--model.policy", str(model_dir), "--eval.every", "0",
-            "--server.colocate", "on", *extra]  # fmt: skip
+            "--server.colocate", "on", "--server.weight_transfer", COLOCATED, *extra]  # fmt: skip
 
 
 def run_loop(ctx: Context, name: str, command: list[str]) -> dict:

@@ -127,19 +127,22 @@ def test_the_padded_tokenizer_decodes_every_id_of_its_vocabulary():
 
 
 def test_the_loop_commands_are_the_loops_options(tmp_path):
-    """The colocated loop's command lines parse as orchestrate.rl's (--server.colocate aside while the
-    project lacks it), the gsm8k one with its local task file."""
-    from orchestrate.loop.config import options, parse_args
+    """The colocated loop's command lines parse as orchestrate.rl's, the gsm8k one with its local task file;
+    here, with no GPU, colocation itself is refused (that is the GPU's to run), so it is parsed without it."""
+    from orchestrate.loop.config import ConfigError, options, parse_args
 
     names = {name for name, _, _ in options()}
+    assert {"server.colocate", "server.weight_transfer"} <= names
     for preset, extra in (("embedded", []), ("gsm8k", gpu_check.gsm8k_options(tmp_path))):
         argv = gpu_check.loop_command(preset, Path("/m"), Path("/r"), extra)[3:]  # after `python -m orchestrate.rl`
         assert argv[argv.index("--server.colocate") + 1] == "on"
-        if "server.colocate" not in names:
-            i = argv.index("--server.colocate")
-            argv = argv[:i] + argv[i + 2 :]
-        _, config = parse_args(argv)
+        assert argv[argv.index("--server.weight_transfer") + 1] == gpu_check.COLOCATED
+        with pytest.raises((ConfigError, SystemExit)):
+            parse_args(argv)  # colocated on CPU
+        i = argv.index("--server.colocate")
+        _, config = parse_args(argv[:i] + argv[i + 2 :])
         assert config.run.iterations == gpu_check.ITERATIONS and config.eval.every == 0
+        assert config.server.weight_transfer == gpu_check.COLOCATED
 
 
 def test_figures_read_from_a_run():
