@@ -238,3 +238,36 @@ def test_two_learner_processes_read_their_groups_timeout(tmp_path):
     got = sorted(out.get(timeout=120) for _ in procs)
     [p.join(timeout=60) for p in procs]
     assert got == [(0, 2, 1800.0, 900.0), (1, 2, 1800.0, 900.0)]
+
+
+def test_the_servers_group_and_store_on_a_vllm_without_timeout_or_return_store():
+    """vLLM 0.26's stateless group takes no `timeout` and no `return_store`: the engine then takes a client of
+    the same store (the barrier's and the abort key's), and the group PyTorch's default timeout; 0.32's is
+    asked for both."""
+    import types
+    from datetime import timedelta
+
+    import torch
+
+    from orchestrate.serving.vllm_plugin.collective_engine import CollectiveEngine, group_and_store
+
+    master = torch.distributed.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    info = types.SimpleNamespace(host="127.0.0.1", port=master.port, world_size=2, timeout_s=5.0)
+    calls = []
+
+    def old(host, port, rank, world_size, backend):  # 0.26's signature
+        calls.append({})
+        return "group"
+
+    group, store = group_and_store(old, info, 1, "gloo")
+    master.set("abort", "1")
+    assert group == "group" and store.get("abort") == b"1" and calls == [{}]  # the same keys as the group's store
+
+    def new(host, port, rank, world_size, backend, return_store=False, timeout=None):  # 0.32's
+        calls.append({"return_store": return_store, "timeout": timeout})
+        return "group", master
+
+    assert group_and_store(new, info, 1, "gloo") == ("group", master)
+    assert calls[-1] == {"return_store": True, "timeout": timedelta(seconds=5.0)}
+    with pytest.raises(NotImplementedError):  # 0.26 makes it abstract: the engine must define it to be built
+        CollectiveEngine.trainer_send_weights(iter(()), None)

@@ -69,6 +69,24 @@ def unloaded(model, loaded) -> list[str]:
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
 
 
+def group_and_store(init, info, rank: int, backend: str):
+    """vLLM's stateless process group (`init`: vllm.distributed.utils.stateless_init_torch_distributed_process_group)
+    and the raw TCP store under it, where the barrier and the abort key live. vLLM 0.26's takes neither
+    `timeout` (the group then has PyTorch's default) nor `return_store` (a client of the same store instead:
+    the keys are the same, vLLM prefixes only the group's own)."""
+    import inspect
+    from datetime import timedelta
+
+    params = inspect.signature(init).parameters
+    kwargs = {"timeout": timedelta(seconds=info.timeout_s)} if "timeout" in params else {}
+    if "return_store" in params:
+        return init(info.host, info.port, rank, info.world_size, backend=backend, return_store=True, **kwargs)
+    from torch.distributed import TCPStore
+
+    group = init(info.host, info.port, rank, info.world_size, backend=backend, **kwargs)
+    return group, TCPStore(info.host, info.port, is_master=False, timeout=timedelta(seconds=info.timeout_s))
+
+
 @dataclass
 class InitInfo(WeightTransferInitInfo):
     backend: str
@@ -107,7 +125,6 @@ class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.pending: set[str] = set()
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
-        from datetime import timedelta
 
         import torch
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -118,16 +135,19 @@ class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.backend, self.store_at = init_info.backend, (init_info.host, init_info.port)
         with unpinned(self.backend):  # NCCL builds its communicator at the first collective: that too
             with group_env(self.backend):  # NCCL: waits that block and raise, no watchdog ending the server
-                self.group, store = stateless_init_torch_distributed_process_group(
-                    init_info.host, init_info.port, rank, init_info.world_size, backend=self.backend,
-                    timeout=timedelta(seconds=init_info.timeout_s), return_store=True,
-                )  # fmt: skip
+                self.group, store = group_and_store(stateless_init_torch_distributed_process_group, init_info,
+                                                    rank, self.backend)  # fmt: skip
             try:
                 barrier(store, init_info.world_size, init_info.timeout_s)  # before NCCL's set-up, which has none
                 first_broadcast(self.group, torch.device("cpu") if self.backend in HOST_BACKENDS else self.device)
             except Exception:
                 self.shutdown()
                 raise
+
+    @staticmethod
+    def trainer_send_weights(*args, **kwargs) -> None:
+        """vLLM's own trainer side (abstract in 0.26): ours is finetune.publish.collective, in the learner."""
+        raise NotImplementedError("tapeloop's learner sends through finetune.publish.collective")
 
     def start_weight_update(self) -> None:
         """Nothing to do yet: the model is touched only once a whole version has arrived."""
