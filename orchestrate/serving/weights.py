@@ -111,12 +111,16 @@ class Transport:
             self.stale.discard(server)
         return failed
 
+    def folder(self, version: int) -> Path:
+        """Where the servers reload version `version` from: its checkpoint's model folder (wait_for_folder)."""
+        return self.wait_for_folder(version)
+
     def reload_all(self, version: int, verify: bool) -> list[tuple[VLLMServer, str]]:
-        path = self.wait_for_folder(version)
+        path = self.folder(version)
         return self.on_every_server(lambda server: server.reload_weights(path, verify=verify))
 
     def reload(self, server: VLLMServer) -> None:
         """`server` reloads the served version's model folder (none before the first version)."""
         if self.served:
-            server.reload_weights(self.wait_for_folder(self.served), verify=False)
+            server.reload_weights(self.folder(self.served), verify=False)
         self.stale.discard(server)

@@ -6,33 +6,24 @@ memory are removed when the run stops."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 from contract.durable import atomic_write_json
 from contract.rundir import WEIGHTS_FILE
 from contract.shm_folder import shm_root, shm_version
-from orchestrate.serving.vllm_server import VLLMServer
-from orchestrate.serving.weights import Transport
+from orchestrate.serving.transports.disk import DiskTransport
 
 
-class ShmTransport(Transport):
+class ShmTransport(DiskTransport):  # the disk path's reload, from another folder
     def start(self) -> None:
         shutil.rmtree(shm_root(self.run.root), ignore_errors=True)  # what a killed run left in memory
         # the learner publishes by what is announced (finetune.publish.announced): this mechanism, from now on
         generation = int(self.run.read_json(self.run.weight_group).get("generation", 0)) + 1
         atomic_write_json(self.run.weight_group, {"generation": generation, "backend": self.mechanism.name})
 
-    def folder(self, version: int):
+    def folder(self, version: int) -> Path:
         shared = shm_version(self.run.root, version)
         return shared if (shared / WEIGHTS_FILE).is_file() else self.wait_for_folder(version)
-
-    def put(self, version: int, verify: bool, keep_previous: bool) -> list[tuple[VLLMServer, str]]:
-        path = self.folder(version)
-        return self.on_every_server(lambda server: server.reload_weights(path, verify=verify))
-
-    def rejoin(self, server: VLLMServer) -> None:
-        if self.served:
-            server.reload_weights(self.folder(self.served), verify=False)
-        self.stale.discard(server)
 
     def close(self) -> None:
         shutil.rmtree(shm_root(self.run.root), ignore_errors=True)
