@@ -83,10 +83,11 @@ class Servers:
                 gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
                 reference = VLLMServer(reference_dir, log_path=run.logs / "reference.log", name="reference",
                                        config=c.server, gpu_ids=gpus, cpus=cpus)  # fmt: skip
+        by_path = select(c.server.weight_transfer, c.train.lora.rank).by_path  # servers reload versions by path
         for server in policy:
             # Checked before the run directory was written (preflight); now that it exists, exactly (before
             # the trainer writes there too).
-            if (isinstance(server, RemoteServer) and select(c.server.weight_transfer, c.train.lora.rank).by_path
+            if (isinstance(server, RemoteServer) and by_path
                     and (problem := server.sees(run.root.resolve()))):  # fmt: skip
                 raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
                                   f"so mount {run.root.resolve()} at the same path there")  # fmt: skip
@@ -108,12 +109,6 @@ class Servers:
         return self.weights.stale if self.weights is not None else set()
 
     # -- start -------------------------------------------------------------------------
-
-    def start(self, stack: ExitStack, trainer) -> None:
-        """Start the servers (`launch`), then serve the checkpoints of `trainer` from the version it resumes at."""
-        self.launch(stack)
-        self.use(trainer)
-        self.resume()
 
     def launch(self, stack: ExitStack) -> None:
         """Start every server and wait for them: all at once, or colocated one after the other, each asleep
