@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agents.chat import ChatTokens
 from agents.envs.base import Env, capabilities, jsonable
@@ -83,6 +83,27 @@ class AgentConfig(BaseModel):
         description="reward of a turn whose output was cut by max_tokens; the episode "
         "ends there, truncated, without asking the environment",
     )
+    program: str | None = Field(
+        None,
+        description="an agent program of your own, MODULE:CALLABLE (async def play(task, client)): it plays each "
+        "episode through an OpenAI-compatible gateway, recorded as tapes (docs/programs.md); none: the built-in "
+        "agent (system_prompt, instruction, examples and max_turns are the built-in agent's)",
+    )
+    tool_parser: str = Field(
+        "hermes", description="a program's tool calls are read by this vLLM tool parser (vLLM's --tool-call-parser)"
+    )
+    time_limit_s: float = Field(600.0, gt=0, description="a program's seconds per episode; past it the episode is a failure")
+    gateway_host: str = Field("127.0.0.1", description="the gateway's address (loopback unless asked otherwise)")
+    gateway_port: int = Field(0, ge=0, le=65535, description="the gateway's port (0: any free one)")
+
+    @field_validator("program")
+    @classmethod
+    def _program_loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            from agents.program import load_program
+
+            load_program(value)  # ProgramError (a ValueError): refused before anything starts
+        return value
 
 
 class ChatAgent:
@@ -192,7 +213,7 @@ def summarize(tape: Tape) -> Tape:
     rewards = [s.reward for s in observations if s.reward is not None]
     last = observations[-1] if observations else None
     m = tape.metadata
-    m.turns = sum(isinstance(s, EnvAction) for s in tape.steps)
+    m.turns = len({s.turn for s in tape.steps if isinstance(s, EnvAction)})  # a turn may hold several tool calls
     m.reward = float(sum(rewards)) if rewards else None
     m.terminated = bool(last and last.terminated)
     m.truncated = bool(last and last.truncated)
@@ -206,5 +227,8 @@ def summarize(tape: Tape) -> Tape:
 
 def turn_rewards(tape: Tape) -> list[float]:
     """The reward of each agent turn, in order (a turn's reward is on the observation that answers it)."""
-    by_turn = {s.turn: s.reward for s in tape.steps if isinstance(s, EnvObservation) and s.turn > 0}
-    return [float(by_turn.get(t) or 0.0) for t in range(1, tape.metadata.turns + 1)]
+    by_turn: dict[int, float] = {}
+    for s in tape.steps:
+        if isinstance(s, EnvObservation) and s.turn > 0 and s.reward is not None:
+            by_turn[s.turn] = by_turn.get(s.turn, 0.0) + s.reward
+    return [float(by_turn.get(t, 0.0)) for t in range(1, tape.metadata.turns + 1)]

@@ -33,15 +33,18 @@ class ChatTokens:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
-    def _template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _template(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **template: Any) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def first_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        """The whole first prompt (chat template + generation prompt) as text and ids."""
-        text = self._template(messages, add_generation_prompt=True)
+    def first_prompt(self, messages: list[dict[str, Any]], **template: Any) -> tuple[str, list[int]]:
+        """The whole first prompt (chat template + generation prompt) as text and ids; `template`: more of the
+        template's arguments (tools)."""
+        text = self._template(messages, add_generation_prompt=True, **template)
         return text, self.encode(text)
 
     @cached_property
@@ -59,8 +62,19 @@ class ChatTokens:
 
     def user_delta(self, content: str) -> str:
         """The template's text for one more user message and the generation prompt, after a closed assistant turn."""
-        base = self._template(self._dummy, add_generation_prompt=False)
-        full = self._template([*self._dummy, {"role": "user", "content": content}], add_generation_prompt=True)
+        return self.messages_delta([{"role": "user", "content": content}])
+
+    def messages_delta(self, messages: list[dict[str, Any]], tool_calls: list[dict[str, Any]] | None = None,
+                       **template: Any) -> str:
+        """The template's text for `messages` (user, tool or system ones) and the generation prompt, after a
+        closed assistant turn; `tool_calls`: the calls that turn made (a template may render tool results by
+        them); `template`: more of the template's arguments (tools)."""
+        assistant: dict[str, Any] = {"role": "assistant", "content": _MARK}
+        if tool_calls:
+            assistant["tool_calls"] = tool_calls
+        dummy = [self._dummy[0], assistant]
+        base = self._template(dummy, add_generation_prompt=False, **template)
+        full = self._template([*dummy, *messages], add_generation_prompt=True, **template)
         if not full.startswith(base):
             raise ValueError(
                 "the chat template renders earlier turns differently once a message is added; "
@@ -68,13 +82,18 @@ class ChatTokens:
             )
         return full[len(base) :]
 
-    def continuation(self, output_ids: list[int], observation: str) -> tuple[str, list[int]]:
-        """Text and ids to append after a turn's sampled `output_ids` so that the model reads `observation`
-        as the next user message and starts its answer."""
+    def close_turn(self, output_ids: list[int]) -> str:
+        """What closes an assistant turn after its sampled `output_ids`: the template's end of turn, less the
+        end-of-turn token when vLLM sampled it itself."""
         end = self.turn_end
         if output_ids and output_ids[-1] in set(self.tokenizer.all_special_ids):
             sampled = self.tokenizer.decode([output_ids[-1]], skip_special_tokens=False)
             if sampled and end.startswith(sampled):
                 end = end[len(sampled) :]  # vLLM sampled the end-of-turn token itself
-        text = end + self.user_delta(observation)
+        return end
+
+    def continuation(self, output_ids: list[int], observation: str) -> tuple[str, list[int]]:
+        """Text and ids to append after a turn's sampled `output_ids` so that the model reads `observation`
+        as the next user message and starts its answer."""
+        text = self.close_turn(output_ids) + self.user_delta(observation)
         return text, self.encode(text)

@@ -214,6 +214,22 @@ class ToolCallAction(EnvAction):
     call: str = Field(description="what the tool was given: the code, the query")
 
 
+class AgentMessage(EnvAction):
+    """An agent program's call answered without a tool call: the assistant's reply (`text`, as sampled)."""
+
+    kind: Literal["agent_message"] = "agent_message"  # type: ignore[assignment]
+
+
+class ProgramMessage(Observation):
+    """A message an agent program added to its conversation (a user or system message; tool results are
+    `ToolResultObservation`s), read from the call that first sent it: `turn` is the call it follows."""
+
+    kind: Literal["program_message"] = "program_message"
+    role: str
+    text: str
+    turn: int = 0
+
+
 class ToolResultObservation(EnvObservation):
     """A tool's answer to the call of `turn`: `text` is what the agent reads next; `info` holds the details
     (stdout, stderr, exit code, timed out, output cut)."""
@@ -242,6 +258,9 @@ class TapeMetadata(OpenTapeModel):
     turns: int = Field(0, description="agent turns (LLM calls that acted) in the episode")
     terminated: bool = False
     truncated: bool = False
+    branch_at: int | None = Field(
+        None, description="a fork: the calls replayed from the parent tape (parent_id) before sampling went live"
+    )
     dropped: str | None = Field(
         None, description="why the tape was left out of its iteration's batch ('dynamic_sampling'); none: it was not"
     )

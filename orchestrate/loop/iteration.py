@@ -51,11 +51,19 @@ from tapes.store import read_tapes
 from tapes.tape import SamplingParams, Tape
 
 
-def build_agent(config: RLConfig, tokenizer) -> ChatAgent:
-    """The agent a run uses (replay and offline build it the same way from the run's config)."""
-    r = config.rollouts
+def build_agent(config: RLConfig, tokenizer):
+    """The agent a run uses (replay and offline build it the same way from the run's config): the built-in
+    ChatAgent, or the program of `--agent.program` through the gateway (orchestrate.gateway.agent)."""
+    r, a = config.rollouts, config.agent
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
-    return ChatAgent(config.agent, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
+    if a.program is None:
+        return ChatAgent(a, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
+    from orchestrate.gateway.agent import ProgramAgent
+
+    spec = EnvSpec.from_config(config, "train")
+    return ProgramAgent(a.program, sampling, tokenizer, max_context=config.server.max_model_len,
+                        tool_parser=a.tool_parser, time_limit_s=a.time_limit_s, host=a.gateway_host,
+                        port=a.gateway_port, sandbox=spec.sandbox)  # fmt: skip
 
 
 class Loop:
@@ -99,6 +107,8 @@ class Loop:
         self.train_env = EnvSpec.from_config(c, "train")
         self.evaluation = Evaluation(c, self.run)
         self.agent = build_agent(c, self.tokenizer)
+        if hasattr(self.agent, "close"):  # a program's gateway
+            stack.callback(self.agent.close)
 
         # The servers (ours are started here; those given by URL run elsewhere), then the trainer before they
         # start: it loads its model meanwhile. With async_level K it trains nothing generated more than K

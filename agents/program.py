@@ -1,0 +1,106 @@
+"""An agent is a program: `--agent.program pkg.module:name` names an async callable that plays one episode.
+
+    async def play(task: ProgramTask, client: openai.AsyncOpenAI) -> float | str | None: ...
+
+`task` is the episode's task: the environment's first observation (`task.observation`), its seed and info,
+and what the program may do besides calling the LLM: send an action to the environment (`await
+task.step(text)`, recorded on the tape with its reward) and run Python in the run's sandbox (`await
+task.run_python(code)`). `client` is an OpenAI client bound to this episode: its calls go through the
+orchestrator's gateway to the policy servers and are recorded token-exactly on the episode's tape
+(orchestrate.gateway). A program in another process or language uses the same gateway by URL:
+`task.base_url`, `task.api_key` and `task.model` are what an OpenAI client needs.
+
+What it returns decides the reward:
+- a number: the episode's reward;
+- a string: sent to the environment as the final answer; the environment's reward;
+- None: the last reply's text is sent to the environment, unless the program already stepped it
+  (`task.step`), whose rewards stand.
+
+`load_program` checks the path before a run starts: it must import, name an `async def` taking two
+positional parameters; anything else is refused in one line (exit 2 at the command line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Program = Callable[..., Awaitable[Any]]
+
+
+class ProgramError(ValueError):
+    """The program path cannot be used; the message says why, in one line."""
+
+
+def load_program(path: str) -> Program:
+    """The async callable `pkg.module:name` names, checked for its shape."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ProgramError(f"{path!r}: expected MODULE:CALLABLE, e.g. agents.programs.openai_tools:play")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure refuses the path, naming it
+        raise ProgramError(f"{path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from None
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ProgramError(f"{path!r}: module {module_name!r} has no {attribute!r}")
+        target = getattr(target, part)
+    call = target if inspect.isfunction(target) or inspect.ismethod(target) else getattr(target, "__call__", None)
+    if call is None or not callable(target):
+        raise ProgramError(f"{path!r}: {attribute!r} is not callable")
+    if not inspect.iscoroutinefunction(call):
+        raise ProgramError(f"{path!r}: {attribute!r} must be an async function (async def {attribute}(task, client))")
+    try:
+        signature = inspect.signature(target)
+        signature.bind(None, None)
+    except (TypeError, ValueError):
+        raise ProgramError(
+            f"{path!r}: {attribute!r} must take two arguments (task, client); it takes {signature}"
+        ) from None
+    return target
+
+
+@dataclass
+class StepResult:
+    """The environment's answer to an action."""
+
+    observation: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ProgramTask:
+    """What a program gets for one episode besides its client."""
+
+    observation: str  # the environment's first observation: the task
+    seed: int
+    info: dict[str, Any]
+    model: str  # the name to pass as `model`
+    base_url: str  # this episode's OpenAI-compatible base URL (".../v1")
+    api_key: str  # the run's key: `Authorization: Bearer KEY`
+    _step: Callable[[str], Awaitable[StepResult]] | None = field(default=None, repr=False)
+    _run_python: Callable[[str], Any] | None = field(default=None, repr=False)
+    stepped: bool = False
+
+    async def step(self, action: str) -> StepResult:
+        """Send `action` to the environment; its answer and reward go on the tape."""
+        if self._step is None:
+            raise RuntimeError("this episode has no environment to step")
+        self.stepped = True
+        return await self._step(action)
+
+    async def run_python(self, code: str) -> str:
+        """Run `code` in the run's sandbox (bubblewrap, limits, no network); what it printed, with its errors
+        and how it ended, as `agents.sandbox.SandboxResult.observation` words it."""
+        if self._run_python is None:
+            raise RuntimeError("this episode has no sandbox")
+        result = await asyncio.to_thread(self._run_python, code)
+        return result.observation(1000).rstrip("\n")

@@ -1,0 +1,158 @@
+"""The agent of a run with `--agent.program`: the user's program plays each episode through the gateway.
+
+`ProgramAgent.run_episode` has the built-in agent's shape (agents.agent.ChatAgent), so rollouts, evaluation,
+replay and fork play programs as they play the built-in agent: the environment is reset from the episode's
+seed, a session is opened on the gateway with the episode's LLM (the policy servers' client, or a tape's
+recorded calls), the program runs with a client bound to it, and the reward is settled (agents.program):
+
+- the program's return: a number is the reward; a string, or (None) the last reply's text, is sent to the
+  environment as the answer, unless the program stepped the environment itself;
+- a program that raises, runs past `agent.time_limit_s`, or made a request the gateway refused (its first
+  fault) leaves the episode with `metadata.error`: an infrastructure failure, left out of training, never
+  a zero reward. A failure of the servers themselves (LLMError) stops the run, as it does for the built-in agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+import weakref
+from typing import Any
+
+from agents.agent import summarize
+from agents.chat import ChatTokens
+from agents.envs import capabilities
+from agents.envs.base import jsonable
+from agents.program import Program, ProgramTask, StepResult, load_program
+from agents.tool_format import ToolFormat
+from orchestrate.gateway.server import Gateway
+from tapes.tape import EnvObservation, SamplingParams, Tape
+
+MODEL_NAME = "policy"  # the model name the gateway serves: what a program passes as `model`
+
+
+class ProgramAgent:
+    """Plays episodes with an agent program; one gateway per agent (started on first use)."""
+
+    def __init__(
+        self,
+        program: str | Program,
+        sampling: SamplingParams,
+        tokenizer: Any,
+        *,
+        max_context: int | None = None,
+        tool_parser: str = "hermes",
+        time_limit_s: float = 600.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        key: str | None = None,
+        sandbox: Any = None,
+    ):
+        self.program = load_program(program) if isinstance(program, str) else program
+        self.name = program if isinstance(program, str) else getattr(program, "__qualname__", "program")
+        self.sampling, self.max_context, self.time_limit_s = sampling, max_context, time_limit_s
+        self.chat = ChatTokens(tokenizer)
+        self.tool_format = ToolFormat(tokenizer, tool_parser)
+        self.gateway = Gateway(host, port, key)
+        self._sandbox = sandbox  # a Sandbox, or a callable that makes one (first use)
+        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> AsyncOpenAI
+        self.mismatches = 0  # calls, over this agent's episodes, that did not extend their predecessor
+
+    def close(self) -> None:
+        self.gateway.stop()
+
+    def _client(self, base_url: str):
+        """An OpenAI client for one episode: one per event loop, its connections shared, the base URL its own."""
+        import openai
+
+        loop = asyncio.get_running_loop()
+        base = self._clients.get(loop)
+        if base is None:
+            base = openai.AsyncOpenAI(base_url=self.gateway.url, api_key=self.gateway.key, max_retries=0,
+                                      timeout=self.time_limit_s)  # fmt: skip
+            self._clients[loop] = base
+        return base.with_options(base_url=base_url)
+
+    def _run_python(self, code: str):
+        if callable(self._sandbox) and not hasattr(self._sandbox, "run"):
+            self._sandbox = self._sandbox()
+        if self._sandbox is None:
+            from agents.sandbox import Sandbox
+
+            self._sandbox = Sandbox()
+        return self._sandbox.run(code)
+
+    async def run_episode(
+        self, env, seed: int, llm, tape: Tape, sampling: SamplingParams | None = None
+    ) -> Tape:
+        """Play one episode of `env` from `seed` with the program, its calls answered by `llm`; extends `tape`."""
+        sampling = sampling or self.sampling
+        self.gateway.start()
+        tape.metadata.author = self.name
+        can = capabilities(env)
+        observation, info = env.reset(seed=seed)
+        first = EnvObservation(text=str(observation), turn=0, info=jsonable(info))
+        first.metadata.agent, first.metadata.node = self.name, "env"
+        tape.append(first)
+        session = self.gateway.open(
+            tape=tape, llm=llm, chat=self.chat, tool_format=self.tool_format, sampling=sampling,
+            model_name=MODEL_NAME, max_context=self.max_context, loop=asyncio.get_running_loop(),
+        )  # fmt: skip
+        ended = False
+
+        async def step(action: str) -> StepResult:
+            nonlocal ended
+            if ended:
+                raise RuntimeError("the environment's episode has ended")
+            answer = await env.astep(action) if can.async_step else env.step(action)
+            text, reward, terminated, truncated, step_info = answer
+            record = EnvObservation(text=str(text), turn=max(1, session.calls), reward=float(reward),
+                                    terminated=bool(terminated), truncated=bool(truncated), info=jsonable(step_info))  # fmt: skip
+            record.metadata.agent, record.metadata.node = self.name, "env"
+            tape.append(record)
+            ended = bool(terminated or truncated)
+            return StepResult(str(text), float(reward), bool(terminated), bool(truncated), record.info)
+
+        task = ProgramTask(
+            observation=str(observation), seed=seed, info=jsonable(info), model=MODEL_NAME,
+            base_url=self.gateway.base_url(session.id), api_key=self.gateway.key,
+            _step=step, _run_python=self._run_python,
+        )  # fmt: skip
+        result: Any = None
+        try:
+            result = await asyncio.wait_for(self.program(task, self._client(task.base_url)), self.time_limit_s)
+        except TimeoutError:
+            tape.metadata.error = f"the program ran past its time limit of {self.time_limit_s:g} s (agent.time_limit_s)"
+        except Exception as exc:  # noqa: BLE001 - the program's failure: on the tape, left out of training
+            if session.server_error is None:
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                tape.metadata.error = (f"the program raised {type(exc).__name__}: {exc} "
+                                       f"({where.filename}:{where.lineno})")  # fmt: skip
+        finally:
+            self.gateway.close(session)
+            self.mismatches += session.mismatches
+        if session.server_error is not None:
+            raise session.server_error  # the servers failed: the run stops, as with the built-in agent
+        if tape.metadata.error is None and session.error is not None:
+            tape.metadata.error = session.error
+        if tape.metadata.error is None:
+            try:
+                await self._settle(result, session, step, task.stepped)
+            except Exception as exc:  # noqa: BLE001 - the environment failed: as a rollout keeps it
+                tape.metadata.error = f"{type(exc).__name__}: {exc}"
+        summarize(tape)
+        return tape
+
+    async def _settle(self, result: Any, session, step, stepped: bool) -> None:
+        """The episode's reward from what the program returned."""
+        if isinstance(result, bool) or not (result is None or isinstance(result, (int, float, str))):
+            raise TypeError(f"the program returned a {type(result).__name__}; expected a number, a string or None")
+        if isinstance(result, (int, float)):
+            record = EnvObservation(text="", turn=max(1, session.calls), reward=float(result), terminated=True,
+                                    info={"reason": "the program's reward"})  # fmt: skip
+            record.metadata.agent, record.metadata.node = self.name, "program"
+            session.tape.append(record)
+        elif isinstance(result, str):
+            await step(result)
+        elif not stepped:
+            await step(session.last_reply)

@@ -1,0 +1,306 @@
+"""One episode's calls through the gateway, recorded token-exactly on its tape.
+
+A chat request's messages are compared with the previous call's messages and the reply it got. When they
+extend them (the same messages, that reply, then new ones: tool results, a user message), the prompt sent to
+vLLM is the previous prompt ids + the ids it sampled + the template's rendering of the new messages alone
+(`agents.chat.ChatTokens`), so what is trained is exactly what was sampled. When they do not (a history
+edited or summarised, a sub-agent, a retry), the messages are rendered whole and the call starts a new
+sample of the same episode (`LLMCall.extends_previous` False; `prompt_mismatches` in metrics counts them).
+A reply is compared as what it said: the same tool calls (names and arguments as JSON values) and the same
+text, or no text where the client left it out.
+
+Each call goes on the tape as its LLM call (prompt and output ids and log-probs from the server) and its
+steps: the messages it added (`ToolResultObservation` for a tool's result, `ProgramMessage` for a user or
+system message), then what the model did (one `ToolCallAction` per tool call, or an `AgentMessage`).
+
+A fault of the program's own (a prompt longer than the context, an unknown model, malformed tools or
+messages) is answered with an HTTP error it can read (`GatewayError`) and kept in `error`: the episode
+is then an infrastructure failure, left out of training. A server failure (`LLMError`) is kept in
+`server_error` and stops the run, as with the built-in agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from agents.chat import ChatTokens
+from agents.tool_format import ToolFormat, ToolFormatError, check_tools, same_calls, written
+from tapes.tape import AgentMessage, LLMCall, ProgramMessage, SamplingParams, Tape, ToolCallAction, ToolResultObservation
+
+
+class GatewayError(Exception):
+    """An HTTP error for the program: status, OpenAI error type, message."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "code": self.status}}
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise GatewayError(400, f"{where}: only text content parts are served")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise GatewayError(400, f"{where}: content must be a string or a list of text parts")
+
+
+def normalise(messages: Any) -> list[dict[str, Any]]:
+    """The request's messages as the template reads them: role, text content, tool calls, tool call id."""
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "messages: expected a non-empty list of messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise GatewayError(400, f"{where}: expected a message with role system, user, assistant or tool")
+        role = "system" if message["role"] == "developer" else message["role"]
+        clean: dict[str, Any] = {"role": role, "content": _text(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls"):
+            calls = message["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+                raise GatewayError(400, f"{where}.tool_calls: expected a list of function calls")
+            clean["tool_calls"] = [
+                {"id": str(c.get("id", "")), "type": "function",
+                 "function": {"name": c["function"].get("name"), "arguments": c["function"].get("arguments", "{}")}}
+                for c in calls
+            ]  # fmt: skip
+        if role == "tool":
+            clean["tool_call_id"] = str(message.get("tool_call_id", ""))
+        out.append(clean)
+    return out
+
+
+def _same_message(sent: dict[str, Any], echoed: dict[str, Any]) -> bool:
+    """Is `echoed` (from the client) the message `sent`? A reply: the same calls, and the same text or none."""
+    if sent["role"] != echoed["role"]:
+        return False
+    if sent["role"] != "assistant":
+        return sent == echoed
+    if not same_calls(sent.get("tool_calls", []), echoed.get("tool_calls", [])):
+        return False
+    return echoed["content"].strip() in ("", sent["content"].strip())
+
+
+class EpisodeSession:
+    """The gateway's side of one episode: its tape, its LLM (a VLLMClient, or a ReplayLLM for a replay), the
+    run's sampling, and the previous call to extend."""
+
+    def __init__(
+        self,
+        episode_id: str,
+        tape: Tape,
+        llm: Any,
+        chat: ChatTokens,
+        tool_format: ToolFormat,
+        sampling: SamplingParams,
+        *,
+        model_name: str,
+        max_context: int | None,
+        loop: asyncio.AbstractEventLoop,
+    ):
+        self.id, self.tape, self.llm, self.tokens, self.tools = episode_id, tape, llm, chat, tool_format
+        self.sampling, self.model_name, self.max_context, self.loop = sampling, model_name, max_context, loop
+        self.calls = 0
+        self.mismatches = 0
+        self.closed = False
+        self.error: str | None = None  # the program's first fault (GatewayError)
+        self.server_error: BaseException | None = None
+        self.last_reply = ""  # the last call's text (sent to the environment when the program returns None)
+        # the previous chat call: its messages + the reply it got, its tools, its prompt + output ids
+        self._history: list[dict[str, Any]] = []
+        self._tools: list[dict[str, Any]] = []
+        self._ids: list[int] | None = None
+        self._last_call: LLMCall | None = None
+        self._names: dict[str, str] = {}  # tool call id -> the function it called
+
+    def fault(self, error: GatewayError) -> GatewayError:
+        if self.error is None:
+            self.error = f"gateway: HTTP {error.status}: {error}"
+        return error
+
+    # -- requests ----------------------------------------------------------------
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model != self.model_name:
+            raise GatewayError(404, f"model {model!r} is not served here; this gateway serves {self.model_name!r}",
+                               "not_found_error")  # fmt: skip
+
+    def _sampling(self, body: dict[str, Any], stop: list[str]) -> SamplingParams:
+        """The run's sampling (its temperature and top_p are the behaviour policy the learner corrects for);
+        a request may ask for fewer new tokens and add stop strings."""
+        if body.get("n", 1) != 1:
+            raise GatewayError(400, "n: one choice per request is served")
+        if body.get("stream"):
+            raise GatewayError(400, "stream: streamed responses are not served; send stream=false")
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise GatewayError(400, "max_tokens: expected a positive integer")
+        asked = body.get("stop") or []
+        asked = [asked] if isinstance(asked, str) else asked
+        if not isinstance(asked, list) or not all(isinstance(s, str) for s in asked):
+            raise GatewayError(400, "stop: expected a string or a list of strings")
+        max_tokens = min(limit or self.sampling.max_tokens, self.sampling.max_tokens)
+        stops = [*self.sampling.stop, *(s for s in [*asked, *stop] if s not in self.sampling.stop)]
+        return self.sampling.model_copy(update={"max_tokens": max_tokens, "stop": list(dict.fromkeys(stops))})
+
+    def _fit(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
+        if self.max_context is None:
+            return sampling
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                                    f"{self.max_context} (prompt + new tokens)", "context_length_exceeded")  # fmt: skip
+        return sampling if sampling.max_tokens <= room else sampling.model_copy(update={"max_tokens": room})
+
+    async def _complete(self, prompt_ids, sampling, messages, prompt_text) -> LLMCall:
+        from orchestrate.serving.llm import LLMError, RequestRejected
+
+        try:
+            return await self.llm.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+        except RequestRejected as exc:
+            raise GatewayError(400, f"the server refused the request: {exc}") from None
+        except LLMError as exc:
+            self.server_error = exc
+            raise GatewayError(503, f"the policy servers failed: {exc}", "server_error") from None
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/chat/completions."""
+        self._check_model(body)
+        messages = normalise(body.get("messages"))
+        try:
+            tools = check_tools(body.get("tools"))
+        except ToolFormatError as exc:
+            raise GatewayError(400, str(exc)) from None
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise GatewayError(400, "tool_choice: 'auto' and 'none' are served (a forced call is not)")
+        offered = [] if body.get("tool_choice") == "none" else tools
+        sampling = self._sampling(body, self.tools.stop(offered))
+        extends = (
+            self._ids is not None
+            and tools == self._tools
+            and len(messages) > len(self._history)
+            and all(_same_message(a, b) for a, b in zip(self._history, messages))
+        )
+        try:
+            if extends:
+                new = messages[len(self._history) :]
+                previous_calls = self._history[-1].get("tool_calls")
+                delta = self.tokens.close_turn(self._last_call.output_token_ids) + self.tokens.messages_delta(
+                    self.tools.prepare(new, []), previous_calls if self.tools.renders_tool_calls else None,
+                    **self.tools.template_kwargs(tools),
+                )  # fmt: skip
+                prompt_ids = self._ids + self.tokens.encode(delta)
+                prompt_text = self._last_call.prompt_text + self.tokens.tokenizer.decode(
+                    self._last_call.output_token_ids, skip_special_tokens=False) + delta  # fmt: skip
+            else:
+                new = messages[self._common_prefix(messages) :]
+                prompt_text, prompt_ids = self.tokens.first_prompt(
+                    self.tools.prepare(messages, tools), **self.tools.template_kwargs(tools)
+                )
+        except (ValueError, TypeError, KeyError) as exc:  # the template refused these messages
+            raise GatewayError(400, f"messages: the chat template cannot render them ({exc})") from None
+        sampling = self._fit(prompt_ids, sampling)
+        call = await self._complete(prompt_ids, sampling, messages, prompt_text)
+        content, calls = self.tools.parse(call.output_text, offered)
+        for i, c in enumerate(calls):  # ids of ours, the same in a replay (the parser's are random)
+            c["id"] = f"call_{self.calls + 1}_{i}"
+        self._record(call, new, calls, extends)
+        reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
+        if calls:
+            reply["tool_calls"] = calls
+        self._history, self._tools, self._last_call = [*messages, reply], tools, call
+        self._ids = call.prompt_token_ids + call.output_token_ids
+        self.last_reply = content or ""
+        finish = "tool_calls" if calls else call.finish_reason or "stop"
+        return self._response("chat.completion", call, {"index": 0, "message": {**reply, "content": content},
+                                                        "finish_reason": finish, "logprobs": None})  # fmt: skip
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/completions: a prompt as text or token ids, continued as sent."""
+        self._check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            prompt_text, prompt_ids = prompt, self.tokens.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = list(prompt)
+            prompt_text = self.tokens.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        else:
+            raise GatewayError(400, "prompt: expected a non-empty string or list of token ids (one prompt)")
+        sampling = self._fit(prompt_ids, self._sampling(body, []))
+        extends = self._ids is not None and len(prompt_ids) > len(self._ids) and prompt_ids[: len(self._ids)] == self._ids
+        call = await self._complete(prompt_ids, sampling, [], prompt_text)
+        self._record(call, [], [], extends)
+        self._history, self._tools, self._last_call = [], [], call
+        self._ids = call.prompt_token_ids + call.output_token_ids
+        self.last_reply = call.output_text
+        return self._response("text_completion", call, {"index": 0, "text": call.output_text,
+                                                        "finish_reason": call.finish_reason or "stop", "logprobs": None})  # fmt: skip
+
+    # -- the tape ----------------------------------------------------------------
+
+    def _common_prefix(self, messages: list[dict[str, Any]]) -> int:
+        n = 0
+        for a, b in zip(self._history, messages):
+            if not _same_message(a, b):
+                break
+            n += 1
+        return n
+
+    def _record(self, call: LLMCall, new: list[dict[str, Any]], calls: list[dict[str, Any]], extends: bool) -> None:
+        self.calls += 1
+        turn = self.calls
+        call.turn = turn
+        if self._ids is not None:
+            call.extends_previous = extends
+            self.mismatches += not extends
+        tape = self.tape
+        for message in new:
+            answered = message.get("tool_call_id") in self._names  # the result of a call this episode's model made
+            if message["role"] == "tool" and answered:
+                step = ToolResultObservation(text=message["content"], turn=turn - 1, tool=self._names[message["tool_call_id"]],
+                                             info={"tool_call_id": message["tool_call_id"]})  # fmt: skip
+            else:  # the program's own messages, a few-shot example's replies and tool results among them
+                step = ProgramMessage(role=message["role"], text=written(message), turn=turn - 1)
+            step.metadata.agent, step.metadata.node = tape.metadata.author or "", "program"
+            tape.append(step)
+        actions = [
+            ToolCallAction(text=call.output_text, turn=turn, tool=c["function"]["name"], call=c["function"]["arguments"])
+            for c in calls
+        ] or [AgentMessage(text=call.output_text, turn=turn)]
+        for c in calls:
+            self._names[c["id"]] = c["function"]["name"]
+        for action in actions:
+            action.metadata.agent, action.metadata.node = tape.metadata.author or "", "llm"
+            tape.append(action, llm_call=call)
+
+    def _response(self, kind: str, call: LLMCall, choice: dict[str, Any]) -> dict[str, Any]:
+        prompt, output = len(call.prompt_token_ids), len(call.output_token_ids)
+        return {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{call.id}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
+        }
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()

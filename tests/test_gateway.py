@@ -1,0 +1,314 @@
+"""The gateway and agent programs (orchestrate.gateway, agents.program), against a scripted LLM: the embedded
+model's real tokenizer and chat template, the plain `openai` client over real HTTP, no vLLM server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from agents.agent import turn_rewards
+from agents.envs import make_env
+from agents.program import ProgramError, load_program
+from agents.tool_format import ToolFormat, check_tools, ToolFormatError
+from orchestrate.gateway.agent import MODEL_NAME, ProgramAgent
+from orchestrate.loop.samples import tape_samples
+from orchestrate.serving.llm import LLMError, ReplayLLM
+from tapes.tape import AgentMessage, ProgramMessage, SamplingParams, Tape, ToolCallAction, ToolResultObservation
+from tests.scripted import scripted_call
+
+SAMPLING = SamplingParams(temperature=0.7, max_tokens=64)
+
+
+class ScriptedLLM:
+    """Answers each call with the next text of `replies`, tokenised (the ids a server would have sampled, the
+    end-of-turn token appended where `eos`)."""
+
+    def __init__(self, tokenizer, replies, eos=True):
+        self.tokenizer, self.replies, self.eos = tokenizer, list(replies), eos
+        self.prompts: list[list[int]] = []
+
+    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+        self.prompts.append(list(prompt_ids))
+        text = self.replies.pop(0)
+        if isinstance(text, Exception):
+            raise text
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        stopped = any(text.endswith(s) for s in sampling.stop)
+        if self.eos and not stopped:
+            ids = ids + [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+
+
+def arithmetic():
+    return make_env("math:arithmetic", {"digits": 3, "operands": 2, "operations": ["*"]}, split="train", run_seed=0)
+
+
+def play(agent, llm, seed=3):
+    tape = Tape()
+    asyncio.run(agent.run_episode(arithmetic(), seed, llm, tape))
+    return tape
+
+
+def answer_of(seed=3):
+    env = arithmetic()
+    question, _ = env.reset(seed=seed)
+    a, b = [int(x) for x in question.removeprefix("What is ").rstrip("?").split(" * ")]
+    return a, b, a * b
+
+
+class FakeSandbox:
+    def run(self, code):
+        from agents.sandbox import SandboxResult
+
+        namespace: dict = {}
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code, namespace)  # test code of our own
+        return SandboxResult(stdout=out.getvalue(), stderr="", exit_code=0)
+
+
+@pytest.fixture
+def agent_for(tokenizer):
+    made = []
+
+    def make(program, **kw):
+        agent = ProgramAgent(program, SAMPLING, tokenizer, max_context=kw.pop("max_context", 1024),
+                             sandbox=FakeSandbox(), **kw)  # fmt: skip
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def tool_reply(a, b):
+    return '<tool_call>\n{"name": "python", "arguments": {"code": "print(%d * %d)"}}\n</tool_call>' % (a, b)
+
+
+def test_the_shipped_example_is_recorded_token_exactly_and_scored_by_the_environment(tokenizer, agent_for):
+    a, b, product = answer_of()
+    llm = ScriptedLLM(tokenizer, [tool_reply(a, b), f"The answer is \\boxed{{{product}}}."])
+    agent = agent_for("agents.programs.openai_tools:play")
+    tape = play(agent, llm)
+    assert tape.metadata.error is None, tape.metadata.error
+    assert tape.metadata.reward == 1.0 and tape.metadata.success is True and tape.metadata.turns == 2
+    first, second = tape.llm_calls
+    # the second prompt is the first prompt + the sampled ids + the rendered tool result: never re-rendered
+    assert second.extends_previous is True and agent.mismatches == 0
+    assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.output_token_ids)] == (
+        first.prompt_token_ids + first.output_token_ids
+    )
+    added = tokenizer.decode(second.prompt_token_ids[len(first.prompt_token_ids) + len(first.output_token_ids):])
+    assert added == f"<|im_end|>\n<|im_start|>tool\n{product}<|im_end|>\n<|im_start|>assistant\n"
+    # the tools reach a template that does not render them (SmolLM2's) in the Hermes format, the example's
+    # call written into its content; sampling stops after a call
+    assert '<tools>\n{"type": "function", "function": {"name": "python"' in first.prompt_text
+    assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 45)"}}\n</tool_call>' in first.prompt_text
+    assert "</tool_call>" in first.sampling.stop and first.sampling.temperature == 0.7
+    # the program's messages (its worked example's among them), then what the model did and the tools said
+    roles = [(type(s).__name__, getattr(s, "role", None)) for s in tape.steps]
+    assert roles == [("EnvObservation", None)] + [("ProgramMessage", r) for r in (
+        "system", "user", "assistant", "tool", "assistant", "user")] + [
+        ("ToolCallAction", None), ("ToolResultObservation", None), ("AgentMessage", None), ("EnvObservation", None)]  # fmt: skip
+    call, result = tape.steps[7], tape.steps[8]
+    assert isinstance(call, ToolCallAction) and call.tool == "python"
+    assert json.loads(call.call) == {"code": f"print({a} * {b})"}
+    assert isinstance(result, ToolResultObservation) and result.text == str(product)
+    assert result.tool == "python" and call.metadata.prompt_id == first.id
+    assert turn_rewards(tape) == [0.0, 1.0]
+    (sample,) = tape_samples(tape, require_ref=False)  # one sample: the calls chain
+    assert [t["index"] for t in sample["turns"]] == [0, 1]
+    assert sample["reward"] == 1.0
+
+
+def test_a_history_that_does_not_extend_starts_a_new_sample_of_the_same_episode(tokenizer, agent_for):
+    async def summarising(task, client):
+        first = await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+        # a summarised history: not the previous messages + reply
+        await client.chat.completions.create(model=task.model, messages=[
+            {"role": "user", "content": "Summary: " + first.choices[0].message.content}])  # fmt: skip
+        return 0.5
+
+    tape = play(agent_for(summarising), ScriptedLLM(tokenizer, ["one", "two"]))
+    assert [c.extends_previous for c in tape.llm_calls] == [None, False]
+    assert [type(s).__name__ for s in tape.steps] == ["EnvObservation", "ProgramMessage", "AgentMessage",
+                                                      "ProgramMessage", "AgentMessage", "EnvObservation"]  # fmt: skip
+    assert isinstance(tape.steps[3], ProgramMessage) and tape.steps[3].text == "Summary: one"
+    samples = tape_samples(tape, require_ref=False)
+    assert len(samples) == 2 and len({s["episode_id"] for s in samples}) == 1
+    assert [s["turns"][0]["reward"] for s in samples] == [0.0, 0.5]
+
+
+def test_a_user_message_after_a_reply_extends_it(tokenizer, agent_for):
+    async def chatty(task, client):
+        messages = [{"role": "user", "content": task.observation}]
+        for _ in range(3):
+            reply = await client.chat.completions.create(model=task.model, messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "Are you sure?"}]  # fmt: skip
+        return 1.0
+
+    llm = ScriptedLLM(tokenizer, ["x", "y", "z"])
+    tape = play(agent_for(chatty), llm)
+    assert [c.extends_previous for c in tape.llm_calls] == [None, True, True]
+    assert len(tape_samples(tape, require_ref=False)) == 1
+
+
+def test_a_program_that_raises_or_hangs_is_an_infrastructure_failure(tokenizer, agent_for):
+    async def raises(task, client):
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+        raise KeyError("oops")
+
+    tape = play(agent_for(raises), ScriptedLLM(tokenizer, ["x"]))
+    assert tape.metadata.error.startswith("the program raised KeyError: 'oops'")
+    assert tape_samples(tape, require_ref=False) == []  # never a zero reward
+
+    async def hangs(task, client):
+        await asyncio.sleep(30)
+
+    tape = play(agent_for(hangs, time_limit_s=0.2), ScriptedLLM(tokenizer, []))
+    assert "time limit of 0.2 s" in tape.metadata.error
+
+
+def test_the_programs_faults_get_readable_http_errors_and_stay_on_the_tape(tokenizer, agent_for):
+    import openai
+
+    seen = {}
+
+    async def faulty(task, client):
+        user = [{"role": "user", "content": "A"}]
+        for name, kwargs in {
+            "model": dict(model="gpt-4o", messages=user),
+            "tools": dict(model=task.model, messages=user, tools=[{"type": "function", "function": {"name": ""}}]),
+            "context": dict(model=task.model, messages=[{"role": "user", "content": "word " * 3000}]),
+            "stream": dict(model=task.model, messages=user, stream=True),
+        }.items():
+            try:
+                await client.chat.completions.create(**kwargs)
+            except openai.APIStatusError as exc:
+                seen[name] = (exc.status_code, exc.message)
+        return 1.0
+
+    tape = play(agent_for(faulty), ScriptedLLM(tokenizer, []))
+    assert seen["model"][0] == 404 and "'gpt-4o' is not served" in seen["model"][1]
+    assert seen["tools"][0] == 400 and "tools[0].function.name" in seen["tools"][1]
+    assert seen["context"][0] == 400 and "the model's context is 1024" in seen["context"][1]
+    assert seen["stream"][0] == 400
+    assert tape.metadata.error.startswith("gateway: HTTP 404: model 'gpt-4o'")  # the first fault
+    assert tape_samples(tape, require_ref=False) == []
+
+
+def test_requests_without_the_key_for_other_episodes_or_after_the_end_are_refused(tokenizer, agent_for):
+    kept = {}
+
+    async def keeps_its_url(task, client):
+        kept["url"], kept["key"] = task.base_url, task.api_key
+        async with httpx.AsyncClient() as http:
+            kept["no_key"] = (await http.get(task.base_url + "/models")).status_code
+            kept["models"] = (await http.get(task.base_url + "/models", headers=auth(task.api_key))).json()
+            other = task.base_url.replace("/episodes/", "/episodes/0")
+            kept["other"] = (await http.get(other + "/models", headers=auth(task.api_key))).status_code
+        return 1.0
+
+    agent = agent_for(keeps_its_url)
+    play(agent, ScriptedLLM(tokenizer, []))
+    assert kept["no_key"] == 401 and kept["other"] == 404
+    assert [m["id"] for m in kept["models"]["data"]] == [MODEL_NAME]
+    late = httpx.post(kept["url"] + "/chat/completions", headers=auth(kept["key"]),
+                      json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "A"}]})  # fmt: skip
+    assert late.status_code == 409 and "has ended" in late.json()["error"]["message"]
+    assert agent.gateway.host == "127.0.0.1"
+
+
+def auth(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_server_failure_stops_the_run(tokenizer, agent_for):
+    async def one_call(task, client):
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+
+    with pytest.raises(LLMError):
+        play(agent_for(one_call), ScriptedLLM(tokenizer, [LLMError("every server is gone")]))
+
+
+def test_a_replay_answers_from_the_tape_and_gives_it_back(tokenizer, agent_for):
+    a, b, product = answer_of()
+    agent = agent_for("agents.programs.openai_tools:play")
+    tape = play(agent, ScriptedLLM(tokenizer, [tool_reply(a, b), f"\\boxed{{{product}}}"]))
+    again = play(agent, ReplayLLM(tape, strict=True))
+    assert [c.prompt_token_ids for c in again.llm_calls] == [c.prompt_token_ids for c in tape.llm_calls]
+    assert [s.model_dump(exclude={"metadata"}) for s in again.steps] == [
+        s.model_dump(exclude={"metadata"}) for s in tape.steps
+    ]
+
+
+def test_many_concurrent_episodes_each_get_their_own_calls(tokenizer, agent_for):
+    async def echo(task, client):
+        reply = await client.chat.completions.create(model=task.model, messages=[
+            {"role": "user", "content": task.observation}])  # fmt: skip
+        return 1.0 if reply.choices[0].message.content == task.observation else 0.0
+
+    class Echo:
+        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+            await asyncio.sleep(0.01)
+            text = messages[-1]["content"]
+            return scripted_call(text, tokenizer(text, add_special_tokens=False)["input_ids"], prompt_ids, sampling)
+
+    agent = agent_for(echo)
+
+    async def many():
+        tapes = [Tape() for _ in range(80)]
+        await asyncio.gather(*(agent.run_episode(arithmetic(), seed, Echo(), t) for seed, t in enumerate(tapes)))
+        return tapes
+
+    tapes = asyncio.run(many())
+    assert all(t.metadata.reward == 1.0 for t in tapes), [t.metadata.error for t in tapes if t.metadata.reward != 1.0]
+
+
+async def one_argument(task):
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "path, words",
+    [
+        ("agents.programs.openai_tools", "expected MODULE:CALLABLE"),
+        ("no.such.module:play", "does not import (ModuleNotFoundError"),
+        ("agents.programs.openai_tools:nothing", "has no 'nothing'"),
+        ("agents.programs.openai_tools:SYSTEM", "is not callable"),
+        ("agents.programs.openai_tools:MAX_TURNS", "is not callable"),
+        ("json:dumps", "must be an async function"),
+        ("tests.test_gateway:one_argument", "must take two arguments (task, client); it takes (task)"),
+    ],
+)
+def test_a_program_path_of_the_wrong_shape_is_refused_in_one_line(path, words):
+    with pytest.raises(ProgramError, match=None) as info:
+        load_program(path)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tools_are_checked_and_parsed_by_vllms_parser(tokenizer):
+    with pytest.raises(ToolFormatError, match=r"tools\[1\].function.parameters"):
+        check_tools([{"type": "function", "function": {"name": "a"}},
+                     {"type": "function", "function": {"name": "b", "parameters": "x"}}])  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "python"}}]
+    content, calls = ToolFormat(tokenizer).parse('Let me. <tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', tools)
+    assert content == "Let me. " and calls[0]["function"] == {"name": "python", "arguments": '{"code": "1"}'}
+    assert ToolFormat(tokenizer).parse("no call", tools) == ("no call", [])
+    with pytest.raises(ToolFormatError, match="unknown tool parser 'nope'"):
+        ToolFormat(tokenizer, "nope").parse("<tool_call>{}</tool_call>", tools)
+
+
+def test_agent_message_steps_read_back(tokenizer):
+    tape = Tape()
+    tape.append(AgentMessage(text="hi", turn=1))
+    tape.append(ProgramMessage(role="user", text="more", turn=1))
+    assert Tape.model_validate_json(tape.model_dump_json()).steps == tape.steps
