@@ -19,6 +19,7 @@ Only full renders use this: a call that extends the previous one appends the ids
 from __future__ import annotations
 
 import json
+import logging
 from functools import cached_property
 from typing import Any
 
@@ -95,9 +96,14 @@ class ToolFormat:
         from vllm.tool_parsers import ToolParserManager
 
         try:
-            return ToolParserManager.get_tool_parser(self.parser_name)
+            parser = ToolParserManager.get_tool_parser(self.parser_name)
         except KeyError:
-            raise ToolFormatError(f"unknown tool parser {self.parser_name!r} (vLLM's: {', '.join(parser_names())})")
+            raise ToolFormatError(
+                f"unknown tool parser {self.parser_name!r} (vLLM's: {', '.join(parser_names())})"
+            ) from None
+        # a malformed call is text to the program (no tool call), not a traceback in the run's log
+        logging.getLogger(parser.__module__).setLevel(logging.CRITICAL)
+        return parser
 
     def _render(self, messages: list[dict[str, Any]], **template: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **template)
