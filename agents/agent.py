@@ -89,20 +89,28 @@ class AgentConfig(BaseModel):
         "episode through an OpenAI-compatible gateway, recorded as tapes (docs/programs.md); none: the built-in "
         "agent (system_prompt, instruction, examples and max_turns are the built-in agent's)",
     )
+    reward: str | None = Field(
+        None,
+        description="a program's reward function of the tape, MODULE:FUNCTION (def reward(tape) -> float), for "
+        "episodes whose program returns None and gives no reward itself; none: the environment scores the last reply",
+    )
     tool_parser: str = Field(
         "hermes", description="a program's tool calls are read by this vLLM tool parser (vLLM's --tool-call-parser)"
     )
-    time_limit_s: float = Field(600.0, gt=0, description="a program's seconds per episode; past it the episode is a failure")
+    time_limit_s: float = Field(
+        600.0, gt=0, description="a program's seconds per episode; past it the episode is a failure"
+    )
     gateway_host: str = Field("127.0.0.1", description="the gateway's address (loopback unless asked otherwise)")
     gateway_port: int = Field(0, ge=0, le=65535, description="the gateway's port (0: any free one)")
 
-    @field_validator("program")
+    @field_validator("program", "reward")
     @classmethod
-    def _program_loads(cls, value: str | None) -> str | None:
+    def _loads(cls, value: str | None, info) -> str | None:
         if value is not None:
-            from agents.program import load_program
+            from agents.program import load_program, load_reward
 
-            load_program(value)  # ProgramError (a ValueError): refused before anything starts
+            # ProgramError (a ValueError): refused before anything starts
+            (load_program if info.field_name == "program" else load_reward)(value)
         return value
 
 

@@ -64,8 +64,9 @@ class ChatTokens:
         """The template's text for one more user message and the generation prompt, after a closed assistant turn."""
         return self.messages_delta([{"role": "user", "content": content}])
 
-    def messages_delta(self, messages: list[dict[str, Any]], tool_calls: list[dict[str, Any]] | None = None,
-                       **template: Any) -> str:
+    def messages_delta(
+        self, messages: list[dict[str, Any]], tool_calls: list[dict[str, Any]] | None = None, **template: Any
+    ) -> str:
         """The template's text for `messages` (user, tool or system ones) and the generation prompt, after a
         closed assistant turn; `tool_calls`: the calls that turn made (a template may render tool results by
         them); `template`: more of the template's arguments (tools)."""

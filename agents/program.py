@@ -11,13 +11,15 @@ orchestrator's gateway to the policy servers and are recorded token-exactly on t
 `task.base_url`, `task.api_key` and `task.model` are what an OpenAI client needs.
 
 What it returns decides the reward:
-- a number: the episode's reward;
+- a number: the episode's reward (on the last call's turn);
 - a string: sent to the environment as the final answer; the environment's reward;
-- None: the last reply's text is sent to the environment, unless the program already stepped it
-  (`task.step`), whose rewards stand.
+- None: the rewards the program gave stand (`task.step`, or `task.reward(value)` for the latest call's
+  turn: per-turn rewards); with none given, a reward function of the tape decides (`--agent.reward
+  MODULE:FUNCTION`, `def reward(tape) -> float`), else the last reply's text goes to the environment.
 
 `load_program` checks the path before a run starts: it must import, name an `async def` taking two
-positional parameters; anything else is refused in one line (exit 2 at the command line).
+positional parameters; anything else is refused in one line (exit 2 at the command line). `load_reward`
+checks a reward function the same way (one parameter, async or not).
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ class ProgramError(ValueError):
 
 
 def load_program(path: str) -> Program:
-    """The async callable `pkg.module:name` names, checked for its shape."""
+    """The async callable `pkg.module:name` names, checked for its shape: (task, client)."""
+    return _load(path, ("task", "client"), need_async=True)
+
+
+def load_reward(path: str) -> Callable[[Any], Any]:
+    """A reward function of the tape, `pkg.module:name`: `def reward(tape) -> float` (or async)."""
+    return _load(path, ("tape",), need_async=False)
+
+
+def _load(path: str, parameters: tuple[str, ...], need_async: bool) -> Callable[..., Any]:
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
         raise ProgramError(f"{path!r}: expected MODULE:CALLABLE, e.g. agents.programs.openai_tools:play")
@@ -50,18 +61,21 @@ def load_program(path: str) -> Program:
         if not hasattr(target, part):
             raise ProgramError(f"{path!r}: module {module_name!r} has no {attribute!r}")
         target = getattr(target, part)
-    call = target if inspect.isfunction(target) or inspect.ismethod(target) else getattr(target, "__call__", None)
-    if call is None or not callable(target):
+    if not callable(target):
         raise ProgramError(f"{path!r}: {attribute!r} is not callable")
-    if not inspect.iscoroutinefunction(call):
-        raise ProgramError(f"{path!r}: {attribute!r} must be an async function (async def {attribute}(task, client))")
+    call = target if inspect.isfunction(target) or inspect.ismethod(target) else type(target).__call__
+    shape = f"({', '.join(parameters)})"
+    if need_async and not inspect.iscoroutinefunction(call):
+        raise ProgramError(f"{path!r}: {attribute!r} must be an async function (async def {attribute}{shape})")
     try:
         signature = inspect.signature(target)
-        signature.bind(None, None)
     except (TypeError, ValueError):
-        raise ProgramError(
-            f"{path!r}: {attribute!r} must take two arguments (task, client); it takes {signature}"
-        ) from None
+        raise ProgramError(f"{path!r}: the signature of {attribute!r} cannot be read") from None
+    try:
+        signature.bind(*[None] * len(parameters))
+    except TypeError:
+        count = "one argument" if len(parameters) == 1 else f"{len(parameters)} arguments"
+        raise ProgramError(f"{path!r}: {attribute!r} must take {count} {shape}; it takes {signature}") from None
     return target
 
 
@@ -88,7 +102,15 @@ class ProgramTask:
     api_key: str  # the run's key: `Authorization: Bearer KEY`
     _step: Callable[[str], Awaitable[StepResult]] | None = field(default=None, repr=False)
     _run_python: Callable[[str], Any] | None = field(default=None, repr=False)
-    stepped: bool = False
+    _reward: Callable[[float], None] | None = field(default=None, repr=False)
+    stepped: bool = False  # the environment was stepped or a reward given: those rewards stand
+
+    def reward(self, value: float) -> None:
+        """Give the latest call's turn a reward (per-turn rewards; they add up to the episode's)."""
+        if self._reward is None:
+            raise RuntimeError("this episode takes no rewards")
+        self.stepped = True
+        self._reward(float(value))
 
     async def step(self, action: str) -> StepResult:
         """Send `action` to the environment; its answer and reward go on the tape."""

@@ -60,7 +60,9 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
             raise ToolFormatError(f"tools[{i}].function.name: {name!r} is defined twice")
         names.add(name)
         parameters = function.get("parameters")
-        if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        if parameters is not None and (
+            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+        ):
             raise ToolFormatError(f"tools[{i}].function.parameters: expected a JSON schema of type object")
     return tools
 

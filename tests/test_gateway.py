@@ -12,7 +12,7 @@ import pytest
 from agents.agent import turn_rewards
 from agents.envs import make_env
 from agents.program import ProgramError, load_program
-from agents.tool_format import ToolFormat, check_tools, ToolFormatError
+from agents.tool_format import ToolFormat, ToolFormatError, check_tools
 from orchestrate.gateway.agent import MODEL_NAME, ProgramAgent
 from orchestrate.loop.samples import tape_samples
 from orchestrate.serving.llm import LLMError, ReplayLLM
@@ -89,7 +89,8 @@ def agent_for(tokenizer):
 
 
 def tool_reply(a, b):
-    return '<tool_call>\n{"name": "python", "arguments": {"code": "print(%d * %d)"}}\n</tool_call>' % (a, b)
+    body = json.dumps({"name": "python", "arguments": {"code": f"print({a} * {b})"}})
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def test_the_shipped_example_is_recorded_token_exactly_and_scored_by_the_environment(tokenizer, agent_for):
@@ -105,12 +106,14 @@ def test_the_shipped_example_is_recorded_token_exactly_and_scored_by_the_environ
     assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.output_token_ids)] == (
         first.prompt_token_ids + first.output_token_ids
     )
-    added = tokenizer.decode(second.prompt_token_ids[len(first.prompt_token_ids) + len(first.output_token_ids):])
+    added = tokenizer.decode(second.prompt_token_ids[len(first.prompt_token_ids) + len(first.output_token_ids) :])
     assert added == f"<|im_end|>\n<|im_start|>tool\n{product}<|im_end|>\n<|im_start|>assistant\n"
     # the tools reach a template that does not render them (SmolLM2's) in the Hermes format, the example's
     # call written into its content; sampling stops after a call
     assert '<tools>\n{"type": "function", "function": {"name": "python"' in first.prompt_text
-    assert '<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 45)"}}\n</tool_call>' in first.prompt_text
+    assert (
+        '<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 45)"}}\n</tool_call>' in first.prompt_text
+    )
     assert "</tool_call>" in first.sampling.stop and first.sampling.temperature == 0.7
     # the program's messages (its worked example's among them), then what the model did and the tools said
     roles = [(type(s).__name__, getattr(s, "role", None)) for s in tape.steps]
@@ -286,7 +289,7 @@ async def one_argument(task):
         ("agents.programs.openai_tools:SYSTEM", "is not callable"),
         ("agents.programs.openai_tools:MAX_TURNS", "is not callable"),
         ("json:dumps", "must be an async function"),
-        ("tests.test_gateway:one_argument", "must take two arguments (task, client); it takes (task)"),
+        ("tests.test_gateway:one_argument", "must take 2 arguments (task, client); it takes (task)"),
     ],
 )
 def test_a_program_path_of_the_wrong_shape_is_refused_in_one_line(path, words):
@@ -300,7 +303,9 @@ def test_tools_are_checked_and_parsed_by_vllms_parser(tokenizer):
         check_tools([{"type": "function", "function": {"name": "a"}},
                      {"type": "function", "function": {"name": "b", "parameters": "x"}}])  # fmt: skip
     tools = [{"type": "function", "function": {"name": "python"}}]
-    content, calls = ToolFormat(tokenizer).parse('Let me. <tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', tools)
+    content, calls = ToolFormat(tokenizer).parse(
+        'Let me. <tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', tools
+    )
     assert content == "Let me. " and calls[0]["function"] == {"name": "python", "arguments": '{"code": "1"}'}
     assert ToolFormat(tokenizer).parse("no call", tools) == ("no call", [])
     with pytest.raises(ToolFormatError, match="unknown tool parser 'nope'"):
@@ -312,3 +317,40 @@ def test_agent_message_steps_read_back(tokenizer):
     tape.append(AgentMessage(text="hi", turn=1))
     tape.append(ProgramMessage(role="user", text="more", turn=1))
     assert Tape.model_validate_json(tape.model_dump_json()).steps == tape.steps
+
+
+def constant_reward(tape):
+    return 0.25
+
+
+def test_rewards_per_turn_from_the_program_or_from_a_reward_function_of_the_tape(tokenizer, agent_for):
+    async def two_turns(task, client):
+        messages = [{"role": "user", "content": "A"}]
+        for value in (0.5, 1.0):
+            reply = await client.chat.completions.create(model=task.model, messages=messages)
+            task.reward(value)  # the latest call's turn
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "again"}]  # fmt: skip
+
+    tape = play(agent_for(two_turns), ScriptedLLM(tokenizer, ["x", "y"]))
+    assert turn_rewards(tape) == [0.5, 1.0] and tape.metadata.reward == 1.5
+    (sample,) = tape_samples(tape, require_ref=False)
+    assert [t["reward"] for t in sample["turns"]] == [0.5, 1.0]
+
+    async def leaves_it(task, client):
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+
+    tape = play(agent_for(leaves_it, reward="tests.test_gateway:constant_reward"), ScriptedLLM(tokenizer, ["x"]))
+    assert tape.metadata.reward == 0.25 and tape.metadata.reward_reason == "the reward function's"
+
+
+def test_program_options_are_refused_without_a_program_and_checked_with_one(rl_cli):
+    code, err = rl_cli(["--agent.reward", "tests.test_gateway:constant_reward"])
+    assert code == 2 and "--agent.reward: is an agent program's option" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--agent.tool_parser", "nope"])
+    assert code == 2 and "--agent.tool_parser: 'nope' is not one of vLLM's tool parsers" in err
+    bad = "agents.programs.openai_tools:run_tool"  # (task, name, arguments)
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--agent.reward", bad])
+    assert code == 2 and "'run_tool' must take one argument (tape)" in err
+    code, err = rl_cli(["--agent.program", "no_such_module:play"])
+    assert code == 2 and "module 'no_such_module' does not import" in err

@@ -9,6 +9,7 @@ and inside orchestrate, one way too:
 
     orchestrate (its commands: rl, serve, browse, show, replay, offline, merge)
         -> orchestrate.loop (one RL run: config, rollouts, the learner's process, metrics)
+            -> orchestrate.gateway (agent programs of the user's own, through an OpenAI-compatible API)
             -> orchestrate.serving (vLLM servers, the client, model lookup, weights to servers)
                 -> orchestrate.serving.vllm_plugin (code that runs inside vLLM's processes)
 
@@ -40,10 +41,11 @@ ALLOWED = {
     "finetune": {"contract"},
     "orchestrate.serving.vllm_plugin": {"contract", "orchestrate.serving"},
     "orchestrate.serving": {"tapes", "contract", "orchestrate.serving.vllm_plugin"},
-    "orchestrate.loop": {"tapes", "contract", "agents", "finetune", "orchestrate.serving",
+    "orchestrate.gateway": {"tapes", "contract", "agents", "orchestrate.serving"},
+    "orchestrate.loop": {"tapes", "contract", "agents", "finetune", "orchestrate.gateway", "orchestrate.serving",
                          "orchestrate.serving.vllm_plugin"},
-    "orchestrate": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.serving",
-                    "orchestrate.serving.vllm_plugin"},
+    "orchestrate": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.gateway",
+                    "orchestrate.serving", "orchestrate.serving.vllm_plugin"},
 }  # fmt: skip
 
 

@@ -32,8 +32,11 @@ EXAMPLE = [
         "role": "assistant",
         "content": "",
         "tool_calls": [
-            {"id": "call_0", "type": "function",
-             "function": {"name": "python", "arguments": json.dumps({"code": "print(123 * 45)"})}},
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "python", "arguments": json.dumps({"code": "print(123 * 45)"})},
+            },
         ],
     },  # fmt: skip
     {"role": "tool", "tool_call_id": "call_0", "content": "5535"},

@@ -15,15 +15,17 @@ recorded calls), the program runs with a client bound to it, and the reward is s
 from __future__ import annotations
 
 import asyncio
+import inspect
 import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from agents.agent import summarize
 from agents.chat import ChatTokens
 from agents.envs import capabilities
 from agents.envs.base import jsonable
-from agents.program import Program, ProgramTask, StepResult, load_program
+from agents.program import Program, ProgramTask, StepResult, load_program, load_reward
 from agents.tool_format import ToolFormat
 from orchestrate.gateway.server import Gateway
 from tapes.tape import EnvObservation, SamplingParams, Tape
@@ -47,8 +49,10 @@ class ProgramAgent:
         port: int = 0,
         key: str | None = None,
         sandbox: Any = None,
+        reward: str | Callable[[Tape], Any] | None = None,
     ):
         self.program = load_program(program) if isinstance(program, str) else program
+        self.reward = load_reward(reward) if isinstance(reward, str) else reward
         self.name = program if isinstance(program, str) else getattr(program, "__qualname__", "program")
         self.sampling, self.max_context, self.time_limit_s = sampling, max_context, time_limit_s
         self.chat = ChatTokens(tokenizer)
@@ -82,9 +86,7 @@ class ProgramAgent:
             self._sandbox = Sandbox()
         return self._sandbox.run(code)
 
-    async def run_episode(
-        self, env, seed: int, llm, tape: Tape, sampling: SamplingParams | None = None
-    ) -> Tape:
+    async def run_episode(self, env, seed: int, llm, tape: Tape, sampling: SamplingParams | None = None) -> Tape:
         """Play one episode of `env` from `seed` with the program, its calls answered by `llm`; extends `tape`."""
         sampling = sampling or self.sampling
         self.gateway.start()
@@ -113,10 +115,13 @@ class ProgramAgent:
             ended = bool(terminated or truncated)
             return StepResult(str(text), float(reward), bool(terminated), bool(truncated), record.info)
 
+        def give(value: float) -> None:
+            self._give(session, value)
+
         task = ProgramTask(
             observation=str(observation), seed=seed, info=jsonable(info), model=MODEL_NAME,
             base_url=self.gateway.base_url(session.id), api_key=self.gateway.key,
-            _step=step, _run_python=self._run_python,
+            _step=step, _run_python=self._run_python, _reward=give,
         )  # fmt: skip
         result: Any = None
         try:
@@ -143,16 +148,28 @@ class ProgramAgent:
         summarize(tape)
         return tape
 
+    def _give(self, session, value: float, reason: str = "the program's reward", end: bool = False) -> None:
+        """A reward for the latest call's turn, on the tape."""
+        record = EnvObservation(text="", turn=max(1, session.calls), reward=float(value), terminated=end,
+                                info={"reason": reason})  # fmt: skip
+        record.metadata.agent, record.metadata.node = self.name, "program"
+        session.tape.append(record)
+
     async def _settle(self, result: Any, session, step, stepped: bool) -> None:
-        """The episode's reward from what the program returned."""
+        """The episode's reward from what the program returned (agents.program)."""
         if isinstance(result, bool) or not (result is None or isinstance(result, (int, float, str))):
             raise TypeError(f"the program returned a {type(result).__name__}; expected a number, a string or None")
         if isinstance(result, (int, float)):
-            record = EnvObservation(text="", turn=max(1, session.calls), reward=float(result), terminated=True,
-                                    info={"reason": "the program's reward"})  # fmt: skip
-            record.metadata.agent, record.metadata.node = self.name, "program"
-            session.tape.append(record)
+            self._give(session, result, end=True)
         elif isinstance(result, str):
             await step(result)
-        elif not stepped:
+        elif stepped:
+            return
+        elif self.reward is not None:
+            value = self.reward(session.tape)
+            value = await value if inspect.isawaitable(value) else value
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"the reward function returned a {type(value).__name__}; expected a number")
+            self._give(session, value, reason="the reward function's", end=True)
+        else:
             await step(session.last_reply)

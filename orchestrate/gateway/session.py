@@ -28,7 +28,15 @@ from typing import Any
 
 from agents.chat import ChatTokens
 from agents.tool_format import ToolFormat, ToolFormatError, check_tools, same_calls, written
-from tapes.tape import AgentMessage, LLMCall, ProgramMessage, SamplingParams, Tape, ToolCallAction, ToolResultObservation
+from tapes.tape import (
+    AgentMessage,
+    LLMCall,
+    ProgramMessage,
+    SamplingParams,
+    Tape,
+    ToolCallAction,
+    ToolResultObservation,
+)
 
 
 class GatewayError(Exception):
@@ -65,13 +73,21 @@ def normalise(messages: Any) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        if not isinstance(message, dict) or message.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
             raise GatewayError(400, f"{where}: expected a message with role system, user, assistant or tool")
         role = "system" if message["role"] == "developer" else message["role"]
         clean: dict[str, Any] = {"role": role, "content": _text(message.get("content"), where)}
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+            ):
                 raise GatewayError(400, f"{where}.tool_calls: expected a list of function calls")
             clean["tool_calls"] = [
                 {"id": str(c.get("id", "")), "type": "function",
@@ -238,13 +254,17 @@ class EpisodeSession:
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             prompt_text, prompt_ids = prompt, self.tokens.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             prompt_ids = list(prompt)
             prompt_text = self.tokens.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         else:
             raise GatewayError(400, "prompt: expected a non-empty string or list of token ids (one prompt)")
         sampling = self._fit(prompt_ids, self._sampling(body, []))
-        extends = self._ids is not None and len(prompt_ids) > len(self._ids) and prompt_ids[: len(self._ids)] == self._ids
+        extends = (
+            self._ids is not None and len(prompt_ids) > len(self._ids) and prompt_ids[: len(self._ids)] == self._ids
+        )
         call = await self._complete(prompt_ids, sampling, [], prompt_text)
         self._record(call, [], [], extends)
         self._history, self._tools, self._last_call = [], [], call
@@ -281,7 +301,9 @@ class EpisodeSession:
             step.metadata.agent, step.metadata.node = tape.metadata.author or "", "program"
             tape.append(step)
         actions = [
-            ToolCallAction(text=call.output_text, turn=turn, tool=c["function"]["name"], call=c["function"]["arguments"])
+            ToolCallAction(
+                text=call.output_text, turn=turn, tool=c["function"]["name"], call=c["function"]["arguments"]
+            )
             for c in calls
         ] or [AgentMessage(text=call.output_text, turn=turn)]
         for c in calls:

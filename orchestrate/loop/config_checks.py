@@ -303,6 +303,23 @@ def check_lora(config) -> None:
                           "it out (a reference server serves a --model.reference other than the policy)")  # fmt: skip
 
 
+def check_program(config) -> None:
+    """An agent program's options: they need a program; the tool parser is one of vLLM's."""
+    a = config.agent
+    if a.program is None:
+        for dotted, value, default in (("reward", a.reward, None), ("tool_parser", a.tool_parser, "hermes")):
+            if value != default:
+                raise ConfigError(f"--agent.{dotted}: is an agent program's option; give --agent.program MODULE:play "
+                                  "or leave it out")  # fmt: skip
+        return
+    from agents.tool_format import parser_names
+
+    names = parser_names()
+    if a.tool_parser not in names:
+        raise ConfigError(f"--agent.tool_parser: {a.tool_parser!r} is not one of vLLM's tool parsers "
+                          f"({', '.join(names)})")  # fmt: skip
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -356,6 +373,7 @@ def check_config(config) -> None:
     if "search" in config.env.tools and not config.env.search.corpus:
         raise ConfigError("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
                           "line with 'text' (and optional 'title', 'id')")  # fmt: skip
+    check_program(config)
     t = config.trainer
     if t.num_machines > 1 and t.launch == "local":
         raise ConfigError(f"--trainer.num_machines: {t.num_machines} machines need --trainer.launch external (the "

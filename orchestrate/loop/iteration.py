@@ -63,7 +63,7 @@ def build_agent(config: RLConfig, tokenizer):
     spec = EnvSpec.from_config(config, "train")
     return ProgramAgent(a.program, sampling, tokenizer, max_context=config.server.max_model_len,
                         tool_parser=a.tool_parser, time_limit_s=a.time_limit_s, host=a.gateway_host,
-                        port=a.gateway_port, sandbox=spec.sandbox)  # fmt: skip
+                        port=a.gateway_port, sandbox=spec.sandbox, reward=a.reward)  # fmt: skip
 
 
 class Loop:
