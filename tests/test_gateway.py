@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from agents.agent import turn_rewards
+from agents.env_spec import EnvSpec
 from agents.envs import make_env
 from agents.program import ProgramError, load_program
 from agents.tool_format import ToolFormat, ToolFormatError, check_tools
@@ -354,3 +355,33 @@ def test_program_options_are_refused_without_a_program_and_checked_with_one(rl_c
     assert code == 2 and "'run_tool' must take one argument (tape)" in err
     code, err = rl_cli(["--agent.program", "no_such_module:play"])
     assert code == 2 and "module 'no_such_module' does not import" in err
+
+
+def test_the_replay_command_gives_a_programs_tapes_back_and_names_the_first_call_that_differs(
+    tokenizer, agent_for, tmp_path, capsys
+):
+    from orchestrate import replay
+    from orchestrate.loop.config import RLConfig
+    from orchestrate.loop.rollouts import new_tape
+    from orchestrate.loop.samples import save_tapes
+
+    config = RLConfig.model_validate({"env": {"id": "math:arithmetic", "options": {"digits": 3, "operations": ["*"]}},
+                                      "agent": {"program": "agents.programs.openai_tools:play"}})  # fmt: skip
+    (tmp_path / "config.json").write_text(config.model_dump_json())
+    spec = EnvSpec.from_config(config, "train")
+    env = spec.make()
+    question, _ = env.reset(seed=5)
+    a, b = [int(x) for x in question.removeprefix("What is ").rstrip("?").split(" * ")]
+    tape = new_tape(spec, 5, iteration=1, group_id="g", policy_version=0)
+    agent = agent_for("agents.programs.openai_tools:play")
+    asyncio.run(
+        agent.run_episode(spec.make(), 5, ScriptedLLM(tokenizer, [tool_reply(a, b), f"\\boxed{{{a * b}}}"]), tape)
+    )
+    assert tape.metadata.reward == 1.0
+    path = save_tapes(tmp_path / "tapes" / "iter_000001.jsonl", [tape])
+    assert replay.main([str(path)]) == 0  # the python tool runs again in the real sandbox: the same tape
+    assert "1 identical, 0 differ" in capsys.readouterr().out
+    tape.llm_calls[1].prompt_token_ids[-3] += 1  # as if the program had sent something else the second time
+    changed = save_tapes(tmp_path / "tapes" / "iter_000002.jsonl", [tape])
+    assert replay.main([str(changed)]) == 1
+    assert "call #2 prompt differs from the recorded one" in capsys.readouterr().out
