@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from agents.tool_format import written
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.browse import TAPE_FILE, episode_view, trained_turns
@@ -132,7 +133,7 @@ def _first_observation(first: dict | None, c: _Ink) -> list[str]:
         return []
     lines = [c(BOLD, "\n[environment] reset"), "   " + first["text"].replace("\n", "\n   ")]
     for step in first.get("steps", []):
-        lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
+        lines.append(_step_line(step, c))
     return lines
 
 
@@ -150,14 +151,12 @@ def _agent_turn(turn: dict, call, c: _Ink) -> list[str]:
     if call is not None and (turn["call"] == 0 or call.extends_previous is False):
         lines.append(c(DIM, f"   prompt of call {turn['call'] + 1}:"))
         for message in call.messages:
-            lines.append(
-                c(DIM, f"   [{message.get('role')}] ") + str(message.get("content", "")).replace("\n", "\n   ")
-            )
+            lines.append(c(DIM, f"   [{message.get('role')}] ") + written(message).replace("\n", "\n   "))
         lines.append(c(DIM, "   output:"))
     text = call.output_text if call is not None else (turn["action"] or "")
     lines.append("   " + text.replace("\n", "\n   "))
     for step in turn["steps"]:
-        lines.append(c(DIM, f"   {step['kind']}: ") + _fields(step))
+        lines.append(_step_line(step, c))
     return lines
 
 
@@ -224,6 +223,13 @@ def _steps(tape: Tape, c: _Ink) -> list[str]:
             text = value if isinstance(value, str) else repr(value)
             lines.append(f"   {key}: " + text.replace("\n", "\n   "))
     return lines
+
+
+def _step_line(step: dict, c: _Ink) -> str:
+    """A step recorded with a turn: an agent program's message as its role and text, others field by field."""
+    if step["kind"] == "program_message":
+        return c(DIM, f"   [program, {step['role']}] ") + step["text"].replace("\n", "\n   ")
+    return c(DIM, f"   {step['kind']}: ") + _fields(step)
 
 
 def _fields(step: dict) -> str:

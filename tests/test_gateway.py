@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -385,3 +386,25 @@ def test_the_replay_command_gives_a_programs_tapes_back_and_names_the_first_call
     changed = save_tapes(tmp_path / "tapes" / "iter_000002.jsonl", [tape])
     assert replay.main([str(changed)]) == 1
     assert "call #2 prompt differs from the recorded one" in capsys.readouterr().out
+
+
+EXTERNAL = """
+import os, openai
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"])
+reply = client.chat.completions.create(model=os.environ["MODEL"], messages=[{"role": "user", "content": "A"}])
+print(reply.choices[0].message.content)
+"""
+
+
+def test_a_program_in_another_process_uses_the_gateway_by_url(tokenizer, agent_for):
+    import sys
+
+    async def external(task, client):
+        env = {**os.environ, "OPENAI_BASE_URL": task.base_url, "OPENAI_API_KEY": task.api_key, "MODEL": task.model}
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", EXTERNAL, env=env,
+                                                     stdout=asyncio.subprocess.PIPE)  # fmt: skip
+        out, _ = await child.communicate()
+        return 1.0 if out.decode().strip() == "from a child" else 0.0
+
+    tape = play(agent_for(external), ScriptedLLM(tokenizer, ["from a child"]))
+    assert tape.metadata.reward == 1.0 and len(tape.llm_calls) == 1
