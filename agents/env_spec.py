@@ -70,9 +70,10 @@ class EnvSpec:
             env["search"] = self.search_options
         return {"env": env}
 
-    def make(self, recorded: Tape | None = None):
+    def make(self, recorded: Tape | None = None, live_after: bool = False):
         """A fresh environment, wrapped with its tools; with `recorded`, the tools that a replay does not run
-        again (search) answer from that tape's results."""
+        again (search) answer from that tape's results, and with `live_after` (a fork: `recorded` is the part
+        it replays) they answer the calls after those themselves."""
         sandbox = self.sandbox() if entry(self.env_id).sandbox else None
         env = make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed, sandbox=sandbox)
         if not self.tools:
@@ -81,14 +82,14 @@ class EnvSpec:
 
         known = {
             "python": lambda: PythonTool(self.sandbox()),
-            "search": lambda: self._search_tool(load=recorded is None),
+            "search": lambda: self._search_tool(load=recorded is None or live_after),
         }
         unknown = [t for t in self.tools if t not in known]
         if unknown:
             raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")
         tools = [known[t]() for t in self.tools]
         if recorded is not None:
-            tools = [RecordedTool(t, recorded) if t.answered_from_tape else t for t in tools]
+            tools = [RecordedTool(t, recorded, live_after) if t.answered_from_tape else t for t in tools]
         return ToolEnv(env, tools)
 
     def _search_tool(self, load: bool):

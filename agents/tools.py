@@ -157,14 +157,16 @@ class SearchTool:
 
 class RecordedTool:
     """A tool whose calls are answered from the results a tape recorded, in order (a replay of tools that are
-    not re-run, e.g. search). A call that is not the one recorded raises ToolInfraError: the replay differs."""
+    not re-run, e.g. search). A call that is not the one recorded raises ToolInfraError: the replay differs.
+    `live_after` (a fork, whose tape is cut where it goes live): the calls after the recorded ones go to the
+    tool itself."""
 
     answered_from_tape = True
 
-    def __init__(self, tool: Tool, tape: Tape):
+    def __init__(self, tool: Tool, tape: Tape, live_after: bool = False):
         from tapes.tape import ToolCallAction, ToolResultObservation
 
-        self.tool, self.name, self.stop = tool, tool.name, tool.stop
+        self.tool, self.name, self.stop, self.live_after = tool, tool.name, tool.stop, live_after
         calls = {s.turn: s.call for s in tape.steps if isinstance(s, ToolCallAction) and s.tool == tool.name}
         self.results = [
             (calls[s.turn], s.text, s.info)
@@ -181,6 +183,8 @@ class RecordedTool:
 
     def execute(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
         if self.position >= len(self.results):
+            if self.live_after:
+                return self.tool.execute(call)
             raise ToolInfraError(f"replay: {self.name} call {self.position + 1} ({call.text!r}) is not on the tape, "
                                  f"which recorded {len(self.results)}")  # fmt: skip
         recorded, observation, info = self.results[self.position]

@@ -21,7 +21,8 @@ calls in flight go on under the old adapter's name.
 
 `ReplayLLM` answers from the calls recorded on a tape: re-running an agent
 with it gives the same tape back, which is how a change to an agent is
-checked against old tapes.
+checked against old tapes. `ForkLLM` answers a tape's first calls the same way
+and the rest live: a fork continues an episode from one of its calls.
 """
 
 from __future__ import annotations
@@ -549,6 +550,49 @@ class ReplayLLM:
         replayed = call.model_copy(deep=True)
         replayed.turn, replayed.extends_previous = 1, None  # the agent sets these again
         return replayed
+
+
+class ForkDiverged(LLMError):
+    """A fork's agent asked a replayed call with another prompt than the tape recorded: it did not come back
+    to the point the fork branches from."""
+
+
+class ForkLLM:
+    """A fork of `tape` at call `at`: the first `at` calls are answered from the tape, strictly (a prompt whose
+    token ids differ from the recorded ones is a ForkDiverged naming the call), every later call by `live`
+    (a VLLMClient: the policy now) with the sampling the agent asks for. The replayed calls come back as
+    recorded (model, policy version, log-probs); the live ones are new. `replayed` and `live_calls` count
+    what was asked: fewer than `at` replayed means the episode ended before the fork's branch point.
+    """
+
+    def __init__(self, tape: Tape, at: int, live: Any):
+        if not 0 <= at <= len(tape.llm_calls):
+            raise ValueError(f"at={at}: the tape recorded {len(tape.llm_calls)} LLM calls")
+        self.at = at
+        self._replay = ReplayLLM(tape, strict=True)
+        self._replay.calls = self._replay.calls[:at]
+        self.live = live
+        self.live_calls = 0
+
+    @property
+    def replayed(self) -> int:
+        return self._replay.position
+
+    async def complete_ids(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_text: str = "",
+    ) -> LLMCall:
+        if self._replay.position < self.at:
+            try:
+                return await self._replay.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+            except LLMError as exc:
+                raise ForkDiverged(f"fork at call {self.at}: {str(exc).removeprefix('replay: ')}") from None
+        self.live_calls += 1
+        return await self.live.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
 
 def _first_id_difference(recorded: list[int], now: list[int]) -> str:

@@ -1,0 +1,388 @@
+"""Fork a saved episode at one of its LLM calls: `uv run -m orchestrate.fork FILE --index N --at K [--n 4]`.
+
+    uv run -m orchestrate.fork runs/embedded/tapes/iter_000003.jsonl --index 5 --at 2 --n 4
+    uv run -m orchestrate.fork RUN/tapes/eval_000004.jsonl --index 0 --at 0 --n 8 --temperature 1.0 --model smollm2
+
+Tape N of FILE (from 0) is played again from its environment's seed (`context.env`) by the run's agent,
+built from `config.json` as the run built it (the built-in agent or an agent program). Its first K LLM calls
+are answered from the tape (`orchestrate.serving.llm.ForkLLM`), strictly: the agent must render the recorded
+prompts token for token, else the fork stops, naming the call. Every call after them is sampled live by the
+policy as it is now: the run's newest checkpoint whose weights are on disk (a LoRA run: its newest adapter),
+served by a vLLM server started for this command with the run's server settings; or `--model MODEL`; or a
+server that runs, `--url URL` (as it serves now). The tape's own sampling is kept (temperature, top_p,
+max_tokens) unless `--temperature` or `--max-tokens` change it. This is done n times, concurrently.
+
+The n continuations are written as tapes to RUN/tapes/forks/ID_atK.jsonl (`--out` to choose): each a fresh
+id with `metadata.parent_id` the parent tape's id and `metadata.branch_at` K, the n of them one group
+(`group_id` ID@K); the replayed calls as the tape recorded them (policy version, log-probs), the live ones
+new, with the served version as their policy version. Tools that a replay answers from the tape (search)
+answer the replayed calls from it and the live ones anew.
+
+Exit status 0 when the forks are written; 1 when the agent did not come back to call K (a replayed prompt
+differs, or the episode ended sooner) or the server failed: nothing is written; 2 for bad input, one line
+naming the option, checked before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agents.agent import summarize
+from agents.env_spec import EnvSpec
+from contract.rundir import CHECKPOINT_NAME, RunDir
+from orchestrate.serving.llm import ForkDiverged, ForkLLM, LLMError
+from tapes.tape import SamplingParams, Tape, TapeMetadata
+
+# -- the fork -------------------------------------------------------------------------------------
+
+
+def fork_sampling(
+    tape: Tape, run_sampling: SamplingParams, temperature: float | None = None, max_tokens: int | None = None
+) -> SamplingParams:
+    """The sampling the tape was played with (its first call's temperature and top_p, the largest max_tokens
+    its calls had: a program may ask for fewer; the run's when it made no call), with the fork's changes. No
+    stop strings (the agent adds its environment's, the gateway its tools') and no per-request seed."""
+    calls = tape.llm_calls
+    if calls:
+        first = calls[0].sampling
+        base = SamplingParams(temperature=first.temperature, top_p=first.top_p,
+                              max_tokens=max(c.sampling.max_tokens for c in calls))  # fmt: skip
+    else:
+        base = SamplingParams(temperature=run_sampling.temperature, top_p=run_sampling.top_p,
+                              max_tokens=run_sampling.max_tokens)  # fmt: skip
+    changes = {"temperature": temperature, "max_tokens": max_tokens}
+    return base.model_copy(update={k: v for k, v in changes.items() if v is not None})
+
+
+def replayed_part(tape: Tape, at: int) -> Tape:
+    """The tape up to where call `at` + 1 acted (its first `at` calls and what answered them): what a fork at
+    `at` replays, and where its tools' recorded results come from."""
+    ids = [c.id for c in tape.llm_calls[at:]]
+    cut = next((i for i, s in enumerate(tape.steps) if s.metadata.prompt_id and s.metadata.prompt_id in ids),
+               len(tape.steps))  # fmt: skip
+    return tape.model_copy(update={"steps": tape.steps[:cut], "llm_calls": tape.llm_calls[:at]})
+
+
+async def fork_tape(
+    tape: Tape, agent: Any, at: int, n: int, live: Any, sampling: SamplingParams, policy_version: int = 0
+) -> list[Tape]:
+    """`n` continuations of `tape` after its first `at` calls (answered from it), the later calls by `live`
+    (an LLM: a VLLMClient), played concurrently. ForkDiverged when the agent does not come back to call `at`
+    (a replayed prompt differs, or the episode ends sooner); LLMError when the live LLM fails."""
+    spec, seed = EnvSpec.of(tape)
+    replayed = replayed_part(tape, at)
+
+    async def one() -> Tape:
+        fork = Tape(
+            metadata=TapeMetadata(parent_id=tape.metadata.id, branch_at=at, task_id=tape.metadata.task_id,
+                                  group_id=f"{tape.metadata.id}@{at}", iteration=tape.metadata.iteration,
+                                  policy_version=policy_version),
+            context=copy.deepcopy(tape.context),
+        )  # fmt: skip
+        llm = ForkLLM(tape, at, live)
+        try:
+            env = spec.make(recorded=replayed, live_after=True)
+            await agent.run_episode(env, seed, llm, fork, sampling)
+        except LLMError:
+            raise
+        except Exception as exc:  # the environment or agent failed: on the record, as a rollout keeps it
+            fork.metadata.error = f"{type(exc).__name__}: {exc}"
+            summarize(fork)
+        if llm.replayed < at:
+            why = f" ({fork.metadata.error})" if fork.metadata.error else ""
+            raise ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} calls, before the "
+                               f"branch point{why}")  # fmt: skip
+        return fork
+
+    return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def summary_line(number: int, fork: Tape) -> str:
+    m = fork.metadata
+    live = len(fork.llm_calls) - (m.branch_at or 0)
+    line = f"fork {number}: "
+    line += f"reward {m.reward:g}" if m.reward is not None else "no reward"
+    line += ", success" if m.success else ""
+    line += f", {len(fork.llm_calls)} calls ({m.branch_at} replayed, {live} live)"
+    if m.error:
+        return line + f", error: {m.error.splitlines()[0]}"
+    end = "terminated" if m.terminated else "truncated" if m.truncated else "not ended"
+    return line + f", {end}" + (f" ({m.reward_reason})" if m.reward_reason and not m.terminated else "")
+
+
+# -- the policy -------------------------------------------------------------------------------------
+
+
+class ForkError(ValueError):
+    """Bad input: one line naming the option, exit 2."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the live calls are sampled from."""
+
+    model: Path  # the folder the server serves (a LoRA version: the base model)
+    version: int  # recorded on the live calls (LLMCall.policy_version) and the forks' metadata
+    name: str  # recorded as the live calls' model
+    adapter: Path | None = None  # a LoRA run's version: its adapter, loaded on the base
+    note: str = ""  # where it comes from, for the console
+
+
+def checkpoint_number(folder: Path) -> int:
+    """N for a folder RUN/checkpoints/N (a version of a run), else 0."""
+    m = CHECKPOINT_NAME.match(folder.name)
+    return int(m.group(1)) if m and folder.parent.name == "checkpoints" else 0
+
+
+def run_policy(run: RunDir, config) -> Policy:
+    """The run's policy as it is now: its newest checkpoint that can be served (its weights on disk, or for a
+    LoRA run its adapter), else the initial model before any. ForkError when there are checkpoints but none
+    on disk (weights sent in memory and the run not stopped cleanly yet)."""
+    from orchestrate.serving.models import resolve_model
+
+    published = run.published()
+    lora = config.train.lora.rank > 0
+    servable = [i for i in published if (run.has_adapter(i) if lora else run.has_weights(i))]
+    if not published:
+        return Policy(resolve_model(config.model.policy), 0, config.model.policy,
+                      note=f"the initial policy {config.model.policy} (the run has no checkpoint yet)")  # fmt: skip
+    if not servable:
+        raise ForkError(f"--model: no checkpoint of {run.root} has its weights on disk (version {published[-1]}'s "
+                        "went to the servers in memory; a clean stop writes them); pass --model MODEL")  # fmt: skip
+    version = servable[-1]
+    newer = f"; version {published[-1]} is newer, its weights went in memory" if published[-1] > version else ""
+    if lora:
+        return Policy(resolve_model(config.model.policy), version, config.model.policy, run.adapter(version),
+                      note=f"version {version} ({run.adapter(version)}{newer})")  # fmt: skip
+    return Policy(run.checkpoint(version), version, config.model.policy,
+                  note=f"version {version} ({run.checkpoint(version)}{newer})")  # fmt: skip
+
+
+def given_policy(model: str) -> Policy:
+    from orchestrate.serving.models import ModelNotAvailable, resolve_model
+
+    try:
+        folder = Path(resolve_model(model))
+    except ModelNotAvailable as exc:
+        raise ForkError(f"--model: {str(exc).splitlines()[0]}") from None
+    version = checkpoint_number(folder)
+    return Policy(folder, version, model, note=f"{model}" + (f" (version {version})" if version else ""))
+
+
+def remote_policy(url: str, key_file: str | None):
+    """The policy server at `url`, checked (it answers, takes the key, serves 'policy'), as it serves now."""
+    from orchestrate.loop.preflight import PreflightError, remote_server
+    from orchestrate.serving.auth import APIKeyMissing, read_api_key
+
+    try:
+        server = remote_server("--url", url, "policy", read_api_key(key_file, option="--key-file"))
+    except (APIKeyMissing, PreflightError) as exc:
+        raise ForkError(str(exc).splitlines()[0]) from None
+    root = server.model_root()
+    version = checkpoint_number(Path(root))
+    return server, Policy(Path(root), version, root, note=f"the server at {url} ({root})")
+
+
+def start_server(policy: Policy, config, log_path: Path):
+    """A vLLM server for `policy` with the run's server settings (its GPUs, cores, context length, KV cache),
+    started and ready; a LoRA version's adapter loaded under its name."""
+    from orchestrate.loop.config_checks import gpu_slices
+    from orchestrate.serving.processes import parse_cpus
+    from orchestrate.serving.vllm_server import ServerConfig, VLLMServer, adapter_name
+
+    s = config.server
+    settings = ServerConfig(**{k: getattr(s, k) for k in ServerConfig.model_fields if k != "weight_transfer"})
+    gpus = gpu_slices(s.gpus, 1, s.tensor_parallel_size * s.data_parallel_size)[0] if s.gpus else None
+    server = VLLMServer(policy.model, log_path=log_path, name="policy", config=settings, gpu_ids=gpus,
+                        cpus=parse_cpus(s.cpus) if s.cpus else None, seed=config.run.seed,
+                        lora_rank=config.train.lora.rank if policy.adapter else 0)  # fmt: skip
+    server.start()
+    if policy.adapter is not None:
+        try:
+            server._post("/v1/load_lora_adapter", {"lora_name": adapter_name(server.served_model_name, policy.version),
+                                                   "lora_path": str(policy.adapter.resolve())})  # fmt: skip
+        except Exception:
+            server.stop()
+            raise
+    return server
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+def default_out(path: Path, tape: Tape, at: int) -> Path:
+    """FOLDER/forks/ID_atK.jsonl beside the tape file (beside it when it is in forks/ already); -2, -3 ... when
+    taken (a fork at the same call with other settings)."""
+    folder = path.parent if path.parent.name == "forks" else path.parent / "forks"
+    stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tape.metadata.id)[:80]}_at{at}"
+    out, n = folder / f"{stem}.jsonl", 1
+    while out.exists():
+        n += 1
+        out = folder / f"{stem}-{n}.jsonl"
+    return out
+
+
+def find_config(path: Path) -> Path:
+    """RUN/config.json for a tape file RUN/tapes/FILE or RUN/tapes/forks/FILE."""
+    parents = path.resolve().parents
+    for run in parents[1:3]:
+        if RunDir(run).config_path.is_file():
+            return RunDir(run).config_path
+    return RunDir(parents[1]).config_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrate.fork", allow_abbrev=False,
+                                     description=__doc__.splitlines()[0].split(": ")[0])  # fmt: skip
+    parser.add_argument("file", help="a tape file (JSON lines), e.g. RUN/tapes/iter_000003.jsonl")
+    parser.add_argument("--index", type=int, required=True, help="the tape of the file to fork (from 0)")
+    parser.add_argument("--at", type=int, required=True, metavar="K",
+                        help="replay the tape's first K LLM calls, then sample live (0 to its number of calls)")  # fmt: skip
+    parser.add_argument("--n", type=int, default=4, help="how many continuations [default: 4]")
+    parser.add_argument("--temperature", type=float, help="the live calls' temperature [default: the tape's]")
+    parser.add_argument("--max-tokens", type=int, help="the live calls' max_tokens [default: the tape's]")
+    parser.add_argument("--model", help="sample with this model (a folder, a hub id or smollm2) [default: the "
+                        "run's newest checkpoint]")  # fmt: skip
+    parser.add_argument("--url", help="sample with the policy server at this URL (orchestrate.serve), as it serves now")
+    parser.add_argument("--key-file", help="with --url: the server's API key [default: $VLLM_API_KEY]")
+    parser.add_argument("--config", help="the run's config.json (default: RUN/config.json above the tapes/ folder)")
+    parser.add_argument("--out", help="the forks' tape file [default: FOLDER/forks/ID_atK.jsonl beside FILE]")
+    return parser
+
+
+@dataclass
+class Inputs:
+    """The command line, checked."""
+
+    path: Path
+    tape: Tape
+    at: int
+    n: int
+    config: Any  # RLConfig
+    config_path: Path
+    out: Path
+    policy: Policy
+    server: Any = None  # --url: the RemoteServer (else one is started for `policy`)
+
+
+def resolve(args: argparse.Namespace) -> Inputs:
+    """Every option checked before anything starts; ForkError names the first bad one."""
+    from tapes.store import TapeFileError, line_offsets, read_tape_at
+
+    if args.n < 1:
+        raise ForkError(f"--n {args.n}: fork at least once (--n 1 or more)")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ForkError(f"--temperature {args.temperature}: expected a number >= 0")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ForkError(f"--max-tokens {args.max_tokens}: expected a positive integer")
+    if args.model and args.url:
+        raise ForkError("--url: give the policy once: --model MODEL starts a server, --url URL uses one that runs")
+    if args.key_file and not args.url:
+        raise ForkError("--key-file: it is the key of the server of --url; pass --url too")
+    path = Path(args.file)
+    if not path.is_file():
+        raise ForkError(f"file: {path} is not a file")
+    try:
+        offsets = line_offsets(path)
+        if not 0 <= args.index < len(offsets):
+            raise ForkError(f"--index {args.index}: {path} holds {len(offsets)} tapes (0 to {len(offsets) - 1})")
+        tape = read_tape_at(path, offsets[args.index], args.index + 1)
+    except TapeFileError as exc:
+        raise ForkError(f"file: {str(exc).splitlines()[0]}") from None
+    try:
+        EnvSpec.of(tape)
+    except ValueError as exc:
+        raise ForkError(f"--index {args.index}: {exc}") from None
+    calls = len(tape.llm_calls)
+    if not 0 <= args.at <= calls:
+        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls: 0 to {calls}")
+    config_path = Path(args.config) if args.config else find_config(path)
+    if not config_path.is_file():
+        raise ForkError(f"--config: {config_path} not found; pass the run's config.json")
+    try:
+        from orchestrate.loop.config import RLConfig
+
+        config = RLConfig.model_validate(json.loads(config_path.read_text()))
+    except Exception as exc:  # noqa: BLE001 - any way it is not a run config is the same one line
+        raise ForkError(f"--config {config_path}: not a run config ({str(exc).splitlines()[0]})") from None
+    out = Path(args.out) if args.out else default_out(path, tape, args.at)
+    if args.out and out.exists():
+        raise ForkError(f"--out: {out} exists; tape files are written once, pass a new name")
+    if out.resolve() == path.resolve():
+        raise ForkError(f"--out: {out} is the tape file itself")
+    server, policy = None, None
+    if args.url:
+        server, policy = remote_policy(args.url, args.key_file)
+    elif args.model:
+        policy = given_policy(args.model)
+    else:
+        policy = run_policy(RunDir(config_path.parent), config)
+    return Inputs(path, tape, args.at, args.n, config, config_path, out, policy, server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        given = resolve(args)
+    except ForkError as exc:
+        parser.error(str(exc))
+    try:
+        from orchestrate.replay import agent_from_run_config
+
+        agent = agent_from_run_config(given.config_path)
+    except Exception as exc:  # noqa: BLE001 - e.g. an agent program that no longer imports
+        parser.error(f"--config {given.config_path}: cannot build the run's agent ({str(exc).splitlines()[0]})")
+    sampling = fork_sampling(given.tape, agent.sampling, args.temperature, args.max_tokens)
+    policy = given.policy
+    print(f"policy: {policy.note}; temperature {sampling.temperature:g}, max_tokens {sampling.max_tokens}",
+          flush=True)  # fmt: skip
+    from orchestrate.serving.vllm_server import ServerError
+
+    server = given.server
+    try:
+        if server is None:
+            log = given.config_path.parent / "logs" / "fork-policy.log"
+            print(f"starting a vLLM server for it (log: {log})", file=sys.stderr, flush=True)
+            server = start_server(policy, given.config, log)
+        forks = asyncio.run(_fork(given, agent, server, policy, sampling))
+    except (LLMError, ServerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+        if hasattr(agent, "close"):
+            agent.close()
+    from orchestrate.loop.samples import save_tapes
+
+    given.out.parent.mkdir(parents=True, exist_ok=True)
+    save_tapes(given.out, forks)
+    for number, fork in enumerate(forks, start=1):
+        print(summary_line(number, fork))
+    print(f"{len(forks)} forks of tape {given.tape.metadata.id} ({given.path.name}, index {args.index}) at call "
+          f"{given.at}: {given.out}")  # fmt: skip
+    return 0
+
+
+async def _fork(given: Inputs, agent, server, policy: Policy, sampling: SamplingParams) -> list[Tape]:
+    from orchestrate.serving.llm import VLLMClient
+    from orchestrate.serving.vllm_server import adapter_name
+
+    adapter = adapter_name(server.served_model_name, policy.version) if policy.adapter is not None else None
+    async with VLLMClient([server], model=policy.name, policy_version=policy.version,
+                          adapter=(lambda _: adapter) if adapter else None) as client:  # fmt: skip
+        return await fork_tape(given.tape, agent, given.at, given.n, client, sampling, policy.version)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
