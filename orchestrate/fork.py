@@ -38,7 +38,7 @@ from typing import Any
 
 from agents.agent import summarize
 from agents.env_spec import EnvSpec
-from contract.rundir import CHECKPOINT_NAME, RunDir
+from contract.rundir import CHECKPOINT_NAME, FORKS_DIR, RunDir
 from orchestrate.serving.llm import ForkDiverged, ForkLLM, LLMError
 from tapes.tape import SamplingParams, Tape, TapeMetadata
 
@@ -222,7 +222,7 @@ def start_server(policy: Policy, config, log_path: Path):
 def default_out(path: Path, tape: Tape, at: int) -> Path:
     """FOLDER/forks/ID_atK.jsonl beside the tape file (beside it when it is in forks/ already); -2, -3 ... when
     taken (a fork at the same call with other settings)."""
-    folder = path.parent if path.parent.name == "forks" else path.parent / "forks"
+    folder = path.parent if path.parent.name == FORKS_DIR else path.parent / FORKS_DIR
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tape.metadata.id)[:80]}_at{at}"
     out, n = folder / f"{stem}.jsonl", 1
     while out.exists():

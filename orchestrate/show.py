@@ -119,6 +119,8 @@ def _header(tape: Tape, episode: dict, c: _Ink, learned: list[dict] | None, lear
         + (f": {m.reward_reason}" if m.reward_reason else "")
         + f"  ({n} turn{'' if n == 1 else 's'}, success {_success(tape)}, {_end_text(episode['end'])})",
     ]
+    if m.branch_at is not None:
+        lines.append(f"fork of tape {m.parent_id}: its first {m.branch_at} LLM calls replayed, the rest sampled live")
     if m.error:
         lines.append(c(RED, f"agent error: {m.error}"))
     if learned is not None:

@@ -334,6 +334,10 @@ def test_the_command_writes_the_forks_beside_the_tapes(tmp_path, tokenizer, scri
     assert lines[-1] == f"3 forks of tape {tapes[1].metadata.id} (iter_000001.jsonl, index 1) at call 1: {written}"
     (policy,) = scripted_server
     assert policy.version == 0 and policy.name == "smollm2"
+    from orchestrate import show
+
+    assert show.main([str(written), "--index", "2", "--no-color"]) in (0, None)
+    assert f"fork of tape {tapes[1].metadata.id}: its first 1 LLM calls replayed" in capsys.readouterr().out
     # again: a file of its own; and the run's newest checkpoint with weights is the policy now
     for version, files in ((1, ["learner.json", "config.json"]), (2, ["learner.json", "transfer.json"])):
         folder = run / "checkpoints" / f"{version:06d}"

@@ -7,7 +7,7 @@ parsed (ast).
 
 and inside orchestrate, one way too:
 
-    orchestrate (its commands: rl, serve, browse, show, replay, offline, merge)
+    orchestrate (its commands: rl, serve, browse, show, replay, fork, offline, merge)
         -> orchestrate.loop (one RL run: config, rollouts, the learner's process, metrics)
             -> orchestrate.gateway (agent programs of the user's own, through an OpenAI-compatible API)
             -> orchestrate.serving (vLLM servers, the client, model lookup, weights to servers)
