@@ -98,9 +98,10 @@ async def fork_tape(
             fork.metadata.error = f"{type(exc).__name__}: {exc}"
             summarize(fork)
         if llm.replayed < at:
-            why = f" ({fork.metadata.error})" if fork.metadata.error else ""
-            raise ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} calls, before the "
-                               f"branch point{why}")  # fmt: skip
+            why = fork.metadata.error or fork.metadata.reward_reason
+            raise ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} call"
+                               f"{'' if llm.replayed == 1 else 's'}, before the branch point"
+                               + (f" ({why})" if why else ""))  # fmt: skip
         return fork
 
     return list(await asyncio.gather(*(one() for _ in range(n))))

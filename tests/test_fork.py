@@ -129,7 +129,7 @@ def test_a_fork_whose_agent_renders_another_prompt_fails_naming_the_call(tokeniz
     # a tape whose first answer now wins: the episode ends before the branch point
     edited = tape.model_copy(deep=True)
     edited.llm_calls[0].output_text = f"\\boxed{{{answer(GAME, 0)}}}"
-    with pytest.raises(ForkDiverged, match="the episode ended after 1 calls, before the branch point"):
+    with pytest.raises(ForkDiverged, match=r"the episode ended after 1 call, before the branch point \(.+\)"):
         asyncio.run(fork_tape(edited, game_agent(tokenizer), 2, 1, live, SAMPLING))
 
 
@@ -172,6 +172,32 @@ def test_tools_answered_from_the_tape_answer_the_replayed_part_then_go_live():
     assert tool.execute(ToolCall("search", "a"))[0] == "recorded: a"
     assert tool.execute(ToolCall("search", "b"))[0] == "live: b"
     assert replayed_part(tape, 2).steps == tape.steps and replayed_part(tape, 0).steps == []
+
+
+def test_a_search_fork_answers_the_replayed_searches_from_the_tape_and_the_live_ones_from_the_corpus(
+    tokenizer, tmp_path
+):
+    """The recorded search result comes back from the tape even though the corpus changed since; the fork's
+    own search reads the corpus as it is now."""
+    from tests.test_search import FACTS, QUESTIONS, episode_of, write_corpus, write_questions
+
+    qa = {"questions": str(write_questions(tmp_path / "questions.jsonl")), "test_fraction": 0.5}
+    corpus = write_corpus(tmp_path / "passages.jsonl")
+    question, answer_text, _ = QUESTIONS[8]
+    inner, seed = episode_of(qa, question)
+    spec = EnvSpec("qa", qa, "test" if inner.test_size else "train", 0, ["search"],
+                   search={"corpus": str(corpus), "top_k": 2})  # fmt: skip
+    agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
+    texts = [f"<search>{question}</search>", "<search>Ostric sea</search>", f"So \\boxed{{{answer_text}}}"]
+    tape = played(agent, spec, texts, tokenizer, seed=seed)
+    assert tape.metadata.reward == 1.0 and "purple" not in tape.steps[4].text
+    write_corpus(corpus, [(t, x.replace("is shallow", "is purple")) for t, x in FACTS])
+    live = ScriptedLLM(tokenizer, texts[1:])
+    (fork,) = asyncio.run(fork_tape(tape, agent, 1, 1, live, fork_sampling(tape, agent.sampling)))
+    assert [s.kind for s in fork.steps] == [s.kind for s in tape.steps] and fork.metadata.reward == 1.0
+    # replayed: from the tape (the corpus now answers that search with the purple sea too)
+    assert fork.steps[2].text == tape.steps[2].text and "is shallow" in fork.steps[2].text
+    assert "purple" in fork.steps[4].text and fork.steps[4].info["query"] == "Ostric sea"  # live: the corpus now
 
 
 # -- an agent program --------------------------------------------------------------------------------------
