@@ -119,10 +119,11 @@ class ProgramTask:
         self.stepped = True
         return await self._step(action)
 
-    async def run_python(self, code: str) -> str:
+    async def run_python(self, code: str, max_chars: int = 1000) -> str:
         """Run `code` in the run's sandbox (bubblewrap, limits, no network); what it printed, with its errors
-        and how it ended, as `agents.sandbox.SandboxResult.observation` words it."""
+        and how it ended, as `agents.sandbox.SandboxResult.observation` words it (the last `max_chars` of
+        each stream)."""
         if self._run_python is None:
             raise RuntimeError("this episode has no sandbox")
         result = await asyncio.to_thread(self._run_python, code)
-        return result.observation(1000).rstrip("\n")
+        return result.observation(max_chars).rstrip("\n")

@@ -43,6 +43,9 @@ EXAMPLE = [
     {"role": "assistant", "content": "The answer is \\boxed{5535}."},
 ]
 MAX_TURNS = 3
+# a tool's output the model reads at most (its tail): a huge number printed would not fit the context,
+# and a prompt past the context is an infrastructure failure, not something the model learns from
+OUTPUT_CHARS = 300
 
 
 async def run_tool(task, name: str, arguments: str) -> str:
@@ -53,7 +56,7 @@ async def run_tool(task, name: str, arguments: str) -> str:
         code = json.loads(arguments)["code"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return 'error: call python with {"code": "..."}'
-    return await task.run_python(str(code))
+    return await task.run_python(str(code), max_chars=OUTPUT_CHARS)
 
 
 async def play(task, client):

@@ -38,6 +38,7 @@ EXAMPLE = [
     ModelResponse(parts=[TextPart("The answer is \\boxed{5535}.")]),
 ]
 MAX_TURNS = 3
+OUTPUT_CHARS = 300  # as openai_tools: the tail of a tool's output the model reads
 
 # retries: the call limit ends an episode, as in openai_tools, not a count of wrong calls (one by default)
 agent = Agent(deps_type=ProgramTask, output_type=str, retries=MAX_TURNS)
@@ -50,7 +51,7 @@ async def python(ctx: RunContext[ProgramTask], code: str) -> str:
     Args:
         code: the code to run
     """
-    return await ctx.deps.run_python(code)
+    return await ctx.deps.run_python(code, max_chars=OUTPUT_CHARS)
 
 
 async def play(task, client):
