@@ -408,3 +408,18 @@ def test_a_program_in_another_process_uses_the_gateway_by_url(tokenizer, agent_f
 
     tape = play(agent_for(external), ScriptedLLM(tokenizer, ["from a child"]))
     assert tape.metadata.reward == 1.0 and len(tape.llm_calls) == 1
+
+
+def test_the_completions_endpoint_takes_text_or_ids_and_chains_calls_that_extend(tokenizer, agent_for):
+    async def raw(task, client):
+        first = await client.completions.create(model=task.model, prompt="Q: 2+2?\nA:")
+        ids = tokenizer("Q: 2+2?\nA:", add_special_tokens=False)["input_ids"]
+        extended = ids + tokenizer(first.choices[0].text, add_special_tokens=False)["input_ids"] + [198]
+        await client.completions.create(model=task.model, prompt=extended)  # token ids, extending the first
+        await client.completions.create(model=task.model, prompt="unrelated")
+        return 1.0
+
+    tape = play(agent_for(raw), ScriptedLLM(tokenizer, [" 4", " ok", " no"], eos=False))
+    assert [c.extends_previous for c in tape.llm_calls] == [None, True, False]
+    assert tape.llm_calls[0].prompt_text == "Q: 2+2?\nA:" and tape.metadata.turns == 3
+    assert len(tape_samples(tape, require_ref=False)) == 2
