@@ -66,14 +66,16 @@ class ProgramAgent:
         self.gateway.stop()
 
     def _client(self, base_url: str):
-        """An OpenAI client for one episode: one per event loop, its connections shared, the base URL its own."""
+        """An OpenAI client for one episode: one per event loop, shared, the base URL its own."""
+        import httpx
         import openai
 
         loop = asyncio.get_running_loop()
         base = self._clients.get(loop)
-        if base is None:
+        if base is None:  # in this process: the gateway's app called directly (server.py, Gateway.asgi)
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.gateway.asgi), timeout=self.time_limit_s)
             base = openai.AsyncOpenAI(base_url=self.gateway.url, api_key=self.gateway.key, max_retries=0,
-                                      timeout=self.time_limit_s)  # fmt: skip
+                                      timeout=self.time_limit_s, http_client=http)  # fmt: skip
             self._clients[loop] = base
         return base.with_options(base_url=base_url)
 

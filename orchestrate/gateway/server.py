@@ -9,7 +9,9 @@ run's, or one that ended) is refused. It listens on loopback unless told otherwi
 
 It runs in a thread of its own (uvicorn, its own event loop), for the life of the process; each episode's
 work (rendering, the call to the servers, the tape) runs on the event loop that plays the episode, where its
-LLM client lives: a request is handed over with `run_coroutine_threadsafe`.
+LLM client lives: a request is handed over with `run_coroutine_threadsafe`. A program that runs in the
+orchestrator's process calls the same app without the socket (`Gateway.asgi` through `httpx.ASGITransport`,
+on the episode's own loop): the same routes, checks and key, less a thread hop and an HTTP round trip.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from functools import cached_property
 from typing import Any
 
 from orchestrate.gateway.session import EpisodeSession, GatewayError, dumps
@@ -63,7 +66,7 @@ class Gateway:
 
         if self._thread is not None:
             return self
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(self.asgi, log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30, backlog=2048)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # not the main thread: the loop's handlers stay
@@ -113,7 +116,13 @@ class Gateway:
             hashlib.sha256(token.strip().encode()).digest(), self._digest
         )
 
-    def app(self):
+    @cached_property
+    def asgi(self):
+        """The gateway's ASGI app: what uvicorn serves on the port, and what an in-process program's client
+        calls directly (`httpx.ASGITransport`: no socket, no thread hop; the same routes, checks and key)."""
+        return self._app()
+
+    def _app(self):
         from starlette.applications import Starlette
         from starlette.routing import Route
 
@@ -145,7 +154,10 @@ class Gateway:
                 return _json(400, session.fault(GatewayError(400, "the request body must be a JSON object")).body())
             try:
                 work = session.chat(body) if endpoint == "chat/completions" else session.complete(body)
-                answer = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, session.loop))
+                if asyncio.get_running_loop() is session.loop:  # an in-process program's client (ASGI)
+                    answer = await work
+                else:
+                    answer = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, session.loop))
             except GatewayError as exc:
                 if exc.status < 500:
                     session.fault(exc)
