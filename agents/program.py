@@ -122,8 +122,13 @@ class ProgramTask:
     async def run_python(self, code: str, max_chars: int = 1000) -> str:
         """Run `code` in the run's sandbox (bubblewrap, limits, no network); what it printed, with its errors
         and how it ended, as `agents.sandbox.SandboxResult.observation` words it (the last `max_chars` of
-        each stream)."""
+        each stream). SandboxInfraError when the sandbox itself failed: left uncaught, the episode is an
+        infrastructure failure (never something the model is shown or trained on)."""
         if self._run_python is None:
             raise RuntimeError("this episode has no sandbox")
         result = await asyncio.to_thread(self._run_python, code)
+        if result.infra_error:  # the sandbox failed, not the code: an infrastructure failure unless caught
+            from agents.sandbox import SandboxInfraError
+
+            raise SandboxInfraError(f"the sandbox could not run the code: {result.infra_error}")
         return result.observation(max_chars).rstrip("\n")

@@ -48,6 +48,7 @@ cgroup holds the run). The name says what it is.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import selectors
@@ -614,10 +615,10 @@ class _Cgroups:
     whole) under this process's own cgroup, when its memory and pids controllers can be handed to children;
     else cgroup v1's memory and pids hierarchies (memory.limit_in_bytes, memsw, pids.max) where writable."""
 
+    _numbers = itertools.count(1)  # one count per process: two Sandboxes in one process never share a name
+
     def __init__(self, parents: list[str], version: int):
         self.parents, self.version = parents, version
-        self._n = 0
-        self._lock = threading.Lock()
         self.prefix = f"tapeloop-sandbox-{os.getpid()}-"
         for parent in parents:  # runs of earlier processes that died before removing their cgroups
             for name in os.listdir(parent):
@@ -685,9 +686,7 @@ class _Cgroups:
         return cgroups
 
     def create(self, c: SandboxConfig) -> _Cgroup:
-        with self._lock:
-            self._n += 1
-            name = f"{self.prefix}{self._n}"
+        name = f"{self.prefix}{next(_Cgroups._numbers)}"  # itertools.count is atomic under the GIL
         dirs = [os.path.join(parent, name) for parent in self.parents]
         cgroup = _Cgroup([], self.version)
         memory = str(c.memory_mb * 2**20)

@@ -423,3 +423,42 @@ def test_the_completions_endpoint_takes_text_or_ids_and_chains_calls_that_extend
     assert [c.extends_previous for c in tape.llm_calls] == [None, True, False]
     assert tape.llm_calls[0].prompt_text == "Q: 2+2?\nA:" and tape.metadata.turns == 3
     assert len(tape_samples(tape, require_ref=False)) == 2
+
+
+def test_episodes_share_one_sandbox_and_a_sandbox_failure_is_an_infrastructure_failure(tokenizer, tmp_path):
+    import threading
+    import time
+
+    from agents.sandbox import SandboxResult
+
+    made = []
+
+    class Broken:
+        def run(self, code):
+            return SandboxResult(stdout="", stderr="", exit_code=None, infra_error="could not start")
+
+    def make():  # slow to build: episodes that reach their first tool call together must not build two
+        time.sleep(0.2)
+        made.append(threading.get_ident())
+        return Broken()
+
+    async def calls_the_tool(task, client):
+        return await task.run_python("print(1)")
+
+    agent = ProgramAgent(calls_the_tool, SAMPLING, tokenizer, sandbox=make)
+    try:
+
+        async def many():
+            tapes = [Tape() for _ in range(4)]
+            await asyncio.gather(
+                *(agent.run_episode(arithmetic(), s, ScriptedLLM(tokenizer, []), t) for s, t in enumerate(tapes))
+            )
+            return tapes
+
+        tapes = asyncio.run(many())
+    finally:
+        agent.close()
+    assert len(made) == 1
+    assert all(
+        "SandboxInfraError: the sandbox could not run the code: could not start" in t.metadata.error for t in tapes
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import traceback
 import weakref
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class ProgramAgent:
         self.tool_format = ToolFormat(tokenizer, tool_parser)
         self.gateway = Gateway(host, port, key)
         self._sandbox = sandbox  # a Sandbox, or a callable that makes one (first use)
+        self._sandbox_lock = threading.Lock()
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> AsyncOpenAI
         self.mismatches = 0  # calls, over this agent's episodes, that did not extend their predecessor
 
@@ -80,12 +82,14 @@ class ProgramAgent:
         return base.with_options(base_url=base_url)
 
     def _run_python(self, code: str):
-        if callable(self._sandbox) and not hasattr(self._sandbox, "run"):
-            self._sandbox = self._sandbox()
-        if self._sandbox is None:
-            from agents.sandbox import Sandbox
+        """Run code in the agent's one Sandbox (made on first use; episodes call this from worker threads)."""
+        with self._sandbox_lock:
+            if self._sandbox is None:
+                from agents.sandbox import Sandbox
 
-            self._sandbox = Sandbox()
+                self._sandbox = Sandbox()
+            elif not hasattr(self._sandbox, "run"):
+                self._sandbox = self._sandbox()
         return self._sandbox.run(code)
 
     async def run_episode(self, env, seed: int, llm, tape: Tape, sampling: SamplingParams | None = None) -> Tape:
