@@ -5,7 +5,7 @@
 
 Tape N of FILE (from 0) is played again from its environment's seed (`context.env`) by the run's agent,
 built from `config.json` as the run built it (the built-in agent or an agent program). Its first K LLM calls
-are answered from the tape (`orchestrate.serving.llm.ForkLLM`), strictly: the agent must render the recorded
+are answered from the tape (`orchestrate.serving.recorded.ForkLLM`), strictly: the agent must render the recorded
 prompts token for token, else the fork stops, naming the call. Every call after them is sampled live by the
 policy as it is now: the run's newest checkpoint whose weights are on disk (a LoRA run: its newest adapter),
 served by a vLLM server started for this command with the run's server settings; or `--model MODEL`; or a
@@ -39,7 +39,8 @@ from typing import Any
 from agents.agent import summarize
 from agents.env_spec import EnvSpec
 from contract.rundir import CHECKPOINT_NAME, FORKS_DIR, RunDir
-from orchestrate.serving.llm import ForkDiverged, ForkLLM, LLMError
+from orchestrate.serving.llm import LLMError
+from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.tape import SamplingParams, Tape, TapeMetadata
 
 # -- the fork -------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Each tape is played again from its environment's seed (`context.env`: id,
 options, split, run seed, episode seed) by the run's agent, with an LLM that
-answers from the calls the tape recorded (`orchestrate.serving.llm.ReplayLLM`): the
+answers from the calls the tape recorded (`orchestrate.serving.recorded.ReplayLLM`): the
 environment computes its observations and rewards anew, the agent renders
 its prompts anew, and the result is compared with the recorded tape step by
 step (`tapes.diff`) and prompt by prompt (token ids). Tool calls: the python
@@ -28,7 +28,8 @@ from pathlib import Path
 from agents.agent import ChatAgent, summarize
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
-from orchestrate.serving.llm import LLMError, ReplayLLM
+from orchestrate.serving.llm import LLMError
+from orchestrate.serving.recorded import ReplayLLM
 from tapes.diff import TapeDiff, diff_tapes
 from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata, ToolCallAction

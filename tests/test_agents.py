@@ -12,7 +12,8 @@ from agents.env_spec import EnvSpec
 from agents.tasks import Arithmetic, ArithmeticConfig, gsm8k_gold, load_gsm8k
 from orchestrate.loop.rollouts import run_rollouts
 from orchestrate.loop.samples import SampleError, tapes_to_samples, write_samples
-from orchestrate.serving.llm import LLMError, ReplayLLM, RequestRejected, VLLMClient
+from orchestrate.serving.llm import LLMError, RequestRejected, VLLMClient
+from orchestrate.serving.recorded import ReplayLLM
 from tapes.tape import LLMCall, SamplingParams, Tape
 
 

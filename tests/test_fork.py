@@ -19,7 +19,7 @@ from orchestrate.fork import fork_sampling, fork_tape, replayed_part
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
 from orchestrate.loop.rollouts import run_rollouts
-from orchestrate.serving.llm import ForkDiverged, ForkLLM
+from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import LLMCall, SamplingParams, Tape, ToolCallAction, ToolResultObservation
 from tests.scripted import scripted_call

@@ -17,7 +17,8 @@ from agents.program import ProgramError, load_program
 from agents.tool_format import ToolFormat, ToolFormatError, check_tools
 from orchestrate.gateway.agent import MODEL_NAME, ProgramAgent
 from orchestrate.loop.samples import tape_samples
-from orchestrate.serving.llm import LLMError, ReplayLLM
+from orchestrate.serving.llm import LLMError
+from orchestrate.serving.recorded import ReplayLLM
 from tapes.tape import AgentMessage, ProgramMessage, SamplingParams, Tape, ToolCallAction, ToolResultObservation
 from tests.scripted import scripted_call
 
@@ -95,6 +96,20 @@ def tool_reply(a, b):
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
+def assert_steps_of_the_tool_example(tape, a, b, product):
+    """The program's messages (its worked example's among them), then what the model did and the tool said."""
+    roles = [(type(s).__name__, getattr(s, "role", None)) for s in tape.steps]
+    assert roles == [("EnvObservation", None)] + [("ProgramMessage", r) for r in (
+        "system", "user", "assistant", "tool", "assistant", "user")] + [
+        ("ToolCallAction", None), ("ToolResultObservation", None), ("AgentMessage", None), ("EnvObservation", None)]  # fmt: skip
+    call, result = tape.steps[7], tape.steps[8]
+    assert isinstance(call, ToolCallAction) and call.tool == "python"
+    assert json.loads(call.call) == {"code": f"print({a} * {b})"}
+    assert isinstance(result, ToolResultObservation) and result.text == str(product)
+    assert result.tool == "python" and call.metadata.prompt_id == tape.llm_calls[0].id
+    assert turn_rewards(tape) == [0.0, 1.0]
+
+
 def test_the_shipped_example_is_recorded_token_exactly_and_scored_by_the_environment(tokenizer, agent_for):
     a, b, product = answer_of()
     llm = ScriptedLLM(tokenizer, [tool_reply(a, b), f"The answer is \\boxed{{{product}}}."])
@@ -117,17 +132,7 @@ def test_the_shipped_example_is_recorded_token_exactly_and_scored_by_the_environ
         '<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 45)"}}\n</tool_call>' in first.prompt_text
     )
     assert "</tool_call>" in first.sampling.stop and first.sampling.temperature == 0.7
-    # the program's messages (its worked example's among them), then what the model did and the tools said
-    roles = [(type(s).__name__, getattr(s, "role", None)) for s in tape.steps]
-    assert roles == [("EnvObservation", None)] + [("ProgramMessage", r) for r in (
-        "system", "user", "assistant", "tool", "assistant", "user")] + [
-        ("ToolCallAction", None), ("ToolResultObservation", None), ("AgentMessage", None), ("EnvObservation", None)]  # fmt: skip
-    call, result = tape.steps[7], tape.steps[8]
-    assert isinstance(call, ToolCallAction) and call.tool == "python"
-    assert json.loads(call.call) == {"code": f"print({a} * {b})"}
-    assert isinstance(result, ToolResultObservation) and result.text == str(product)
-    assert result.tool == "python" and call.metadata.prompt_id == first.id
-    assert turn_rewards(tape) == [0.0, 1.0]
+    assert_steps_of_the_tool_example(tape, a, b, product)
     (sample,) = tape_samples(tape, require_ref=False)  # one sample: the calls chain
     assert [t["index"] for t in sample["turns"]] == [0, 1]
     assert sample["reward"] == 1.0

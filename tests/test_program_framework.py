@@ -5,14 +5,11 @@ load), they do not skip: CI installs it."""
 
 from __future__ import annotations
 
-import json
-
-from agents.agent import turn_rewards
 from orchestrate.loop.samples import tape_samples
-from orchestrate.serving.llm import ReplayLLM
-from tapes.tape import ToolCallAction, ToolResultObservation
+from orchestrate.serving.recorded import ReplayLLM
+from tapes.tape import ToolResultObservation
 from tests import test_gateway
-from tests.test_gateway import ScriptedLLM, answer_of, play, tool_reply
+from tests.test_gateway import ScriptedLLM, answer_of, assert_steps_of_the_tool_example, play, tool_reply
 
 agent_for = test_gateway.agent_for  # the fixture: ProgramAgents on the scripted LLM, closed after the test
 PROGRAM = "agents.programs.pydantic_ai_tools:play"
@@ -36,15 +33,7 @@ def test_the_pydantic_ai_example_is_recorded_token_exactly_and_scored_by_the_env
     assert (
         '<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 45)"}}\n</tool_call>' in first.prompt_text
     )
-    roles = [(type(s).__name__, getattr(s, "role", None)) for s in tape.steps]
-    assert roles == [("EnvObservation", None)] + [("ProgramMessage", r) for r in (
-        "system", "user", "assistant", "tool", "assistant", "user")] + [
-        ("ToolCallAction", None), ("ToolResultObservation", None), ("AgentMessage", None), ("EnvObservation", None)]  # fmt: skip
-    call, result = tape.steps[7], tape.steps[8]
-    assert isinstance(call, ToolCallAction) and call.tool == "python"
-    assert json.loads(call.call) == {"code": f"print({a} * {b})"}
-    assert isinstance(result, ToolResultObservation) and result.text == str(product)
-    assert turn_rewards(tape) == [0.0, 1.0]
+    assert_steps_of_the_tool_example(tape, a, b, product)
     (sample,) = tape_samples(tape, require_ref=False)
     assert sample["reward"] == 1.0
 
