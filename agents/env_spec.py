@@ -126,8 +126,12 @@ def rescore_episode(tape: Tape) -> Tape:
     """Send the tape's recorded actions to a fresh environment from its seed and put the rewards, end
     flags and infos it gives now on the tape's observation steps (the LLM calls stay as recorded)."""
     from agents.envs.base import jsonable
+    from agents.program import played_by_program
     from tapes.tape import EnvAction, EnvObservation
 
+    if played_by_program(tape):
+        raise ValueError(f"tape {tape.metadata.id} was played by an agent program: its steps are not actions the "
+                         "environment answered one by one; score it with a reward function of the tape")  # fmt: skip
     spec, seed = EnvSpec.of(tape)
     env = spec.make(recorded=tape)
     env.reset(seed=seed)

@@ -132,3 +132,10 @@ class ProgramTask:
 
             raise SandboxInfraError(f"the sandbox could not run the code: {result.infra_error}")
         return result.observation(max_chars).rstrip("\n")
+
+
+def played_by_program(tape) -> bool:
+    """Was this tape played by an agent program (its messages are on it), not by the built-in agent?"""
+    from tapes.tape import AgentMessage, ProgramMessage
+
+    return any(isinstance(step, (ProgramMessage, AgentMessage)) for step in tape.steps)

@@ -442,6 +442,13 @@ def read(files: list[Path], iterations: tuple[int, int] | None, progress: bool) 
 def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train, progress: bool) -> list[Tape]:
     """Re-score (when asked), refuse what cannot train (unscored, greedy), keep what passes --filter; refuse a
     kept set in which no group has differing rewards under a group baseline (it would train nothing)."""
+    if reward_fn is not None and reward_fn.__name__ == "rescore_episode":
+        from agents.program import played_by_program
+
+        if programs := sum(played_by_program(t) for t in tapes):
+            raise ConfigError(f"--rescore: {programs} tapes were played by an agent program (--agent.program), whose "
+                              "steps the environment did not answer one by one; score them with --reward "
+                              "module:function instead")  # fmt: skip
     if reward_fn is not None:
         rescore(tapes, reward_fn, progress)
     if unscored := sum(t.metadata.reward is None for t in tapes):

@@ -467,3 +467,25 @@ def test_episodes_share_one_sandbox_and_a_sandbox_failure_is_an_infrastructure_f
     assert all(
         "SandboxInfraError: the sandbox could not run the code: could not start" in t.metadata.error for t in tapes
     )
+
+
+def test_offline_rescore_refuses_a_programs_tapes_before_writing_anything(tokenizer, agent_for, tmp_path, capsys):
+    from orchestrate.loop.rollouts import new_tape
+    from orchestrate.loop.samples import save_tapes
+    from orchestrate.offline import main as offline
+
+    spec = EnvSpec("math:arithmetic", {"digits": 3, "operations": ["*"]}, "train", 0)
+    tape = new_tape(spec, 3, iteration=1, group_id="g", policy_version=0)
+    a, b, product = answer_of()
+    agent = agent_for("agents.programs.openai_tools:play")
+    asyncio.run(
+        agent.run_episode(spec.make(), 3, ScriptedLLM(tokenizer, [tool_reply(a, b), f"\\boxed{{{product}}}"]), tape)
+    )
+    path = save_tapes(tmp_path / "tapes" / "iter_000001.jsonl", [tape])
+    with pytest.raises(SystemExit) as exc:
+        offline(
+            ["--tapes", str(path), "--out", str(tmp_path / "out"), "--rescore", "--model", "smollm2", "--no-progress"]
+        )
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.startswith("error: --rescore: 1 tapes were played by an agent program"), err
+    assert not (tmp_path / "out").exists()
