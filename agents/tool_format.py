@@ -129,14 +129,9 @@ class ToolFormat:
         except Exception:  # noqa: BLE001
             return False
 
-    @property
-    def written_in(self) -> bool:
-        """Tools are written in by us (the Hermes format), not by the template."""
-        return not self.renders_tools
-
     def stop(self, tools: list[dict[str, Any]]) -> list[str]:
         """Stop strings a call with `tools` adds: the end of a call, where the format is ours."""
-        return [_CALL_END] if tools and self.written_in else []
+        return [_CALL_END] if tools and not self.renders_tools else []
 
     def template_kwargs(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
         return {"tools": tools} if tools and self.renders_tools else {}
@@ -151,7 +146,7 @@ class ToolFormat:
                 if message.get("role") == "assistant" and calls:
                     message["content"] = written(message)
                     del message["tool_calls"]
-        if tools and self.written_in:
+        if tools and not self.renders_tools:  # written in by us, in the Hermes format
             preamble = _hermes_preamble(tools)
             if out and out[0].get("role") == "system":
                 out[0]["content"] = f"{out[0].get('content') or ''}\n\n{preamble}".lstrip()

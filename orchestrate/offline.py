@@ -442,7 +442,9 @@ def read(files: list[Path], iterations: tuple[int, int] | None, progress: bool) 
 def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train, progress: bool) -> list[Tape]:
     """Re-score (when asked), refuse what cannot train (unscored, greedy), keep what passes --filter; refuse a
     kept set in which no group has differing rewards under a group baseline (it would train nothing)."""
-    if reward_fn is not None and reward_fn.__name__ == "rescore_episode":
+    from agents.env_spec import rescore_episode
+
+    if reward_fn is rescore_episode:
         from agents.program import played_by_program
 
         if programs := sum(played_by_program(t) for t in tapes):

@@ -44,7 +44,6 @@ class Gateway:
         self.host, self.key = host, key or secrets.token_urlsafe(24)
         self._digest = hashlib.sha256(self.key.encode()).digest()
         self.sessions: dict[str, EpisodeSession] = {}
-        self.ended = 0  # requests refused because their episode had ended
         self._closed: set[str] = set()  # episodes that ended here
         self._sock = socket.create_server((host, port))
         self.port = self._sock.getsockname()[1]
@@ -134,7 +133,6 @@ class Gateway:
             session = self.sessions.get(episode)
             if session is None or session.closed:
                 if episode in self._closed:
-                    self.ended += 1
                     return _json(409, GatewayError(409, f"episode {episode} has ended: its tape is written",
                                                    "episode_ended").body())  # fmt: skip
                 return _json(404, GatewayError(404, f"no episode {episode} on this gateway (another run's?)",
