@@ -25,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrate.browse import serve  # noqa: E402
+from orchestrate.after.browse import serve  # noqa: E402
 from tapes.store import write_tapes  # noqa: E402
 from tests.test_browse import synthetic_tape  # noqa: E402
 

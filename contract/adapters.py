@@ -1,7 +1,7 @@
 """The adapter folder's format (peft's), as both processes read it: what an adapter may target in a model
 folder (the learner, finetune.lora, and the servers: orchestrate.serving.vllm_server's --lora-target-modules),
 whether a folder is an adapter, whether it fits a base model, and the options it was trained with (a LoRA
-run's versions: orchestrate.merge, orchestrate.offline's start_from). The learner writes it: finetune.lora."""
+run's versions: orchestrate.after.merge, orchestrate.after.offline's start_from). The learner writes it: finetune.lora."""
 
 from __future__ import annotations
 

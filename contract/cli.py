@@ -1,6 +1,6 @@
 """The command line of a Pydantic config: one generator of argparse options, one line per bad value.
 
-finetune.train, orchestrate.rl and orchestrate.offline build their options here from their config models,
+finetune.train, orchestrate.rl and orchestrate.after.offline build their options here from their config models,
 so all three take the command line the same literal way:
 
 - no abbreviations (StrictParser: `--iter 7` must not silently mean --iterations) and no option given twice

@@ -2,7 +2,7 @@
 
 Per sampled token: k3 = exp(r) - r - 1 with r = ref_logprob - logprob (Schulman's k3; >= 0, unbiased for
 tokens drawn from the policy, low variance). The learner's KL penalty (finetune.losses), the run's kl_ref
-metric (orchestrate.loop.metrics), the browser and orchestrate.show all call this function.
+metric (orchestrate.loop.metrics), the browser and orchestrate.after.show all call this function.
 
 What it estimates at a sampling temperature T != 1: the tokens come from the tempered policy
 softmax(logits / T), while both log-probs are untempered (T = 1; the reference is scored at T = 1). The

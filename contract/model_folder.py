@@ -1,5 +1,5 @@
 """What both processes read of a Hugging Face model folder beyond its weights: the dtype its config declares
-(the learner writes its checkpoints in it by default; orchestrate.merge writes a merged model in it)."""
+(the learner writes its checkpoints in it by default; orchestrate.after.merge writes a merged model in it)."""
 
 from __future__ import annotations
 

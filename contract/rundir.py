@@ -7,7 +7,7 @@ The orchestrator's files:
     RUN/phase.json                what the orchestrator is doing now: {"iteration", "phase", "since", "pid"}
     RUN/tapes/iter_000003.jsonl   rollout tapes of iteration 3
     RUN/tapes/eval_000005.jsonl   evaluation tapes after iteration 5 (eval_000000: before training)
-    RUN/tapes/forks/ID_at2.jsonl  continuations of tape ID after its first 2 LLM calls (orchestrate.fork)
+    RUN/tapes/forks/ID_at2.jsonl  continuations of tape ID after its first 2 LLM calls (orchestrate.after.fork)
     RUN/metrics.jsonl             one line per iteration
     RUN/plots/curves.png          redrawn every iteration
     RUN/logs/                     vLLM server logs, and launcher.log: the trainer launcher's output (tracebacks)
@@ -86,7 +86,7 @@ def optimizer_steps(records: list[dict]) -> int:
 
 
 ADVANTAGES_DIR = "advantages"
-FORKS_DIR = "forks"  # beside a tape file (RUN/tapes/forks/): the tapes orchestrate.fork writes
+FORKS_DIR = "forks"  # beside a tape file (RUN/tapes/forks/): the tapes orchestrate.after.fork writes
 LEARNER_RECORD = "learner.json"  # in each checkpoint: {batch, samples, steps, weights_changed}
 TRANSFER_MANIFEST = "transfer.json"  # in a checkpoint whose weights are sent in memory
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint a learner can resume from

@@ -52,7 +52,7 @@ class LoraOptions(BaseModel):
     start_from: str | None = Field(
         None,
         description="An adapter folder (peft's, e.g. RUN/checkpoints/N/adapter) whose weights the adapters start "
-        "from, instead of fresh ones; its rank, alpha and target modules must be these (orchestrate.offline "
+        "from, instead of fresh ones; its rank, alpha and target modules must be these (orchestrate.after.offline "
         "--model ADAPTER sets them from it).",
     )
 

@@ -5,7 +5,7 @@ model's own weights are frozen and the optimizer holds the adapters only. Each v
 peft adapter folder (`write_adapter`: adapter_model.safetensors, then adapter_config.json, the file that
 says the folder is whole), which vLLM loads by path (`POST /v1/load_lora_adapter`) and peft loads onto the
 base model (`PeftModel.from_pretrained`). `merged` folds an adapter into the base weights, for a plain
-model folder (`uv run -m orchestrate.merge`).
+model folder (`uv run -m orchestrate.after.merge`).
 
 Names: inside the learner a LoRA layer's tensors are peft's `X.base_layer.weight`,
 `X.lora_A.default.weight` and `X.lora_B.default.weight`; in an adapter file they are

@@ -1,6 +1,6 @@
 """tapes: the record of what agents did (schema, store, diff); the bottom layer: imports nothing of ours.
 
-The viewers (orchestrate.browse, orchestrate.show) and replay (orchestrate.replay) live above it."""
+The viewers (orchestrate.after.browse, orchestrate.after.show) and replay (orchestrate.after.replay) live above it."""
 
 from tapes.store import TapeFileError, TapeWriter, read_tapes, write_tapes
 from tapes.tape import (

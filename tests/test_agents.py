@@ -281,7 +281,7 @@ def test_samples_round_trip_through_the_finetune_format(tmp_path, tokenizer):
 
 
 def test_replay_gives_the_same_tape_and_catches_prompt_changes(tokenizer):
-    from orchestrate.replay import replay_tape
+    from orchestrate.after.replay import replay_tape
 
     answer = arithmetic().make().reset(0)[1]["answer"]
     (tape,) = run(run_rollouts(agent(tokenizer), arithmetic(), [0], 1, ScriptedLLM([(f"so \\boxed{{{answer}}}",

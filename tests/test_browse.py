@@ -1,11 +1,11 @@
-"""The tape browser (`python -m orchestrate.browse`) driven in a real headless chromium, and the terminal view.
+"""The tape browser (`python -m orchestrate.after.browse`) driven in a real headless chromium, and the terminal view.
 
 The page is checked for what a user sees: the run's config and curves, the tape list and its
 filters, sorting and paging, one episode as a conversation (observations, actions with their
 prompt and coloured output tokens, per-turn rewards and the learner's returns and advantages),
 and its group. The returns and advantages shown are the learner's, read from RUN/advantages/:
 a hand-made run with deliberately odd numbers (no recomputation could give them) checks that
-the API, the page and orchestrate.show show exactly those. The `tiny_run` tests use the tapes of a real
+the API, the page and orchestrate.after.show show exactly those. The `tiny_run` tests use the tapes of a real
 2-iteration run on the tiny model; the 10,000-tape test makes its tapes.
 """
 
@@ -25,7 +25,8 @@ import pytest
 
 from agents.agent import summarize
 from contract.rundir import RunDir, read_advantages
-from orchestrate.browse import INFRA_FAILURE, RunIndex, learner_turns, serve
+from orchestrate.after.browse import RunIndex, serve
+from orchestrate.after.episode_view import INFRA_FAILURE, learner_turns
 from orchestrate.loop.samples import tape_samples
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import (
@@ -367,7 +368,7 @@ def test_browse_stays_responsive_with_10000_tapes(tmp_path, page):
 def test_browse_command_prints_its_address_and_refuses_a_non_run(tmp_path):
     run = tmp_path / "run"
     write_tapes(run / "tapes" / "iter_000001.jsonl", [synthetic_tape(i, 1) for i in range(3)])
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrate.browse", str(run), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrate.after.browse", str(run), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         line = proc.stdout.readline()
@@ -380,7 +381,7 @@ def test_browse_command_prints_its_address_and_refuses_a_non_run(tmp_path):
         proc.terminate()
         proc.wait(10)
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrate.browse", str(tmp_path / "nothing")], capture_output=True, text=True
+        [sys.executable, "-m", "orchestrate.after.browse", str(tmp_path / "nothing")], capture_output=True, text=True
     )
     assert out.returncode == 2 and "run_dir" in out.stderr and "no tapes/ folder" in out.stderr
 
@@ -388,7 +389,7 @@ def test_browse_command_prints_its_address_and_refuses_a_non_run(tmp_path):
 def test_show_prints_one_tape(tmp_path):
     path = tmp_path / "iter_000001.jsonl"
     write_tapes(path, [synthetic_tape(i, 1) for i in range(3)])
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path), "--index", "1", "--tokens", "--steps"],
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(path), "--index", "1", "--tokens", "--steps"],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -398,11 +399,11 @@ def test_show_prints_one_tape(tmp_path):
     assert text.index("1. env_observation") < text.index("2. env_action") < text.index("3. env_observation")
     assert "logprob  -0.1000  ref  -0.2000" in text
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrate.show", str(path), "--index", "0"], capture_output=True, text=True
+        [sys.executable, "-m", "orchestrate.after.show", str(path), "--index", "0"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "no \\boxed{} answer" in out.stdout
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrate.show", str(path), "--index", "7"], capture_output=True, text=True
+        [sys.executable, "-m", "orchestrate.after.show", str(path), "--index", "7"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "--index 7" in out.stderr and "holds 3 tapes" in out.stderr
 
@@ -771,7 +772,7 @@ def test_show_prints_an_episode_with_the_learners_advantages(tmp_path):
     handmade_run(run)
 
     def show(file, index):
-        out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(run / "tapes" / file), "--index", str(index)],
+        out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(run / "tapes" / file), "--index", str(index)],
                              capture_output=True, text=True)  # fmt: skip
         assert out.returncode == 0, out.stderr
         return out.stdout
@@ -803,7 +804,7 @@ def test_show_prints_an_episode_with_the_learners_advantages(tmp_path):
 
 
 def test_a_ppo_learners_values_show_beside_its_advantages(tmp_path):
-    """With PPO the advantages file also holds the critic's value before each turn: the API and orchestrate.show
+    """With PPO the advantages file also holds the critic's value before each turn: the API and orchestrate.after.show
     give it, as written."""
     run = tmp_path / "run"
     made = handmade_run(run)
@@ -820,7 +821,7 @@ def test_a_ppo_learners_values_show_beside_its_advantages(tmp_path):
     finally:
         server.shutdown()
     assert [t["learner"]["value"] for t in body["episode"]["turns"]] == [0.375, 1.375, 2.375]
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(run / "tapes" / "iter_000001.jsonl"), "--index",
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(run / "tapes" / "iter_000001.jsonl"), "--index",
                           "0"], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "turn 1: reward +0  return +0.91  advantage +0.123456  value +0.375" in out.stdout
@@ -835,7 +836,7 @@ def strict_json(text: str):
 def test_non_finite_numbers_show_in_the_api_the_page_and_show(tmp_path, page):
     """A log-prob of -inf (legitimate vLLM output), a NaN reward and an infinite metric: the tape file keeps them,
     the API sends them as the strings "-Infinity"/"NaN" (JSON.parse refuses the bare constants), the page shows
-    them without a script error, orchestrate.show prints them."""
+    them without a script error, orchestrate.after.show prints them."""
     run = tmp_path / "run"
     tape = episode(11, [("5", "higher", float("nan")), ("7", "correct!", 1.0)], last={"terminated": True})
     tape.llm_calls[0].logprobs[1] = float("-inf")
@@ -870,7 +871,7 @@ def test_non_finite_numbers_show_in_the_api_the_page_and_show(tmp_path, page):
         assert "transparent" in first.nth(0).get_attribute("style")  # a NaN KL is not coloured
     finally:
         server.shutdown()
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(run / "tapes" / "iter_000001.jsonl"),
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(run / "tapes" / "iter_000001.jsonl"),
                           "--tokens"], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "-inf" in out.stdout and "nan" in out.stdout

@@ -1,4 +1,4 @@
-"""The tape browser and orchestrate.show treat run files as untrusted input (issue 13, item 6)."""
+"""The tape browser and orchestrate.after.show treat run files as untrusted input (issue 13, item 6)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from orchestrate.browse import PAGE, RunIndex, serve
+from orchestrate.after.browse import PAGE, RunIndex, serve
 from tapes.store import write_tapes
 from tests.test_browse import synthetic_tape
 
@@ -193,7 +193,7 @@ def test_a_non_loopback_host_prints_a_warning(tmp_path):
     run = tmp_path / "run"
     write_tapes(run / "tapes" / "iter_000001.jsonl", [synthetic_tape(0, 1)])
     for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.browse", str(run), "--port", "0", "--host", host],
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrate.after.browse", str(run), "--port", "0", "--host", host],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
             proc.stdout.readline()  # "Browsing ..." comes after the warning
@@ -210,7 +210,7 @@ def test_show_escapes_terminal_control_characters(tmp_path):
     tape.metadata.task_id = "t\x1bc"
     path = write_tapes(tmp_path / "iter_000001.jsonl", [tape])
     for color in (["--no-color"], []):
-        out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path), *color], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(path), *color], capture_output=True, text=True,
                              timeout=60)  # fmt: skip
         assert out.returncode == 0, out.stderr
         text = out.stdout

@@ -151,38 +151,40 @@ def bad_run(tmp_path):
 
 def test_show_on_binary_and_non_utf8(bad_run, capsys):
     for name in ("iter_000001.jsonl", "iter_000002.jsonl"):
-        one_line_error(in_process("orchestrate.show", bad_run / "tapes" / name, capsys=capsys), name, "UTF-8")
+        one_line_error(in_process("orchestrate.after.show", bad_run / "tapes" / name, capsys=capsys), name, "UTF-8")
 
 
 def test_replay_on_binary_missing_fields_and_empty(bad_run, capsys):
     tapes = bad_run / "tapes"
     one_line_error(
-        in_process("orchestrate.replay", tapes / "iter_000001.jsonl", capsys=capsys), "iter_000001.jsonl:1", "UTF-8"
+        in_process("orchestrate.after.replay", tapes / "iter_000001.jsonl", capsys=capsys),
+        "iter_000001.jsonl:1",
+        "UTF-8",
     )
     one_line_error(
-        in_process("orchestrate.replay", tapes / "iter_000003.jsonl", capsys=capsys),
+        in_process("orchestrate.after.replay", tapes / "iter_000003.jsonl", capsys=capsys),
         "iter_000003.jsonl:1",
         "cannot replay",
     )
-    one_line_error(in_process("orchestrate.replay", tapes / "iter_000004.jsonl", capsys=capsys), "no tapes")
+    one_line_error(in_process("orchestrate.after.replay", tapes / "iter_000004.jsonl", capsys=capsys), "no tapes")
 
 
 def test_offline_on_binary_missing_fields_and_odd_names(bad_run, tmp_path, folder_model, capsys):
     tapes = bad_run / "tapes"
     common = ["--model", folder_model, "--no-progress"]
-    one_line_error(in_process("orchestrate.offline", "--tapes", tapes / "iter_000002.jsonl", "--out", tmp_path / "o1",
+    one_line_error(in_process("orchestrate.after.offline", "--tapes", tapes / "iter_000002.jsonl", "--out", tmp_path / "o1",
                        *common, capsys=capsys), "UTF-8")  # fmt: skip
-    one_line_error(in_process("orchestrate.offline", "--tapes", tapes / "iter_000003.jsonl", "--out", tmp_path / "o2",
+    one_line_error(in_process("orchestrate.after.offline", "--tapes", tapes / "iter_000003.jsonl", "--out", tmp_path / "o2",
                        *common, capsys=capsys), "--tapes", "no steps")  # fmt: skip
     # --iterations over a folder that also holds iter_last.jsonl and iter_.jsonl
-    one_line_error(in_process("orchestrate.offline", "--tapes", bad_run, "--iterations", "3-4", "--out", tmp_path / "o3",
+    one_line_error(in_process("orchestrate.after.offline", "--tapes", bad_run, "--iterations", "3-4", "--out", tmp_path / "o3",
                        *common, capsys=capsys), "--tapes", "no steps")  # fmt: skip
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
 @pytest.mark.parametrize("port", ["99999", "-1", "65536", "http"])
 def test_browse_port_out_of_range(bad_run, port):
-    one_line_error(run("orchestrate.browse", bad_run, "--port", port, timeout=60), "--port")
+    one_line_error(run("orchestrate.after.browse", bad_run, "--port", port, timeout=60), "--port")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -202,8 +204,8 @@ def test_browse_port_out_of_range(bad_run, port):
     (["--train.lora.rank", "4", "--train.lora.target_modules", "lm_head"], ["lm_head is not a matrix inside"]),
     (["--train.lora.rank", "600"], ["--train.lora.rank", "above the largest rank vLLM serves (512)"]),
     (["--train.lora.rank", "8", "--server.weight_transfer", "gloo"], ["--server.weight_transfer", "only the adapter"]),
-    (["--train.lora.rank", "8", "--train.save_weights_every", "2"], ["--train.save_weights_every", "orchestrate.merge"]),
-    (["--train.lora.rank", "8", "--train.lora.start_from", "/tmp"], ["--train.lora.start_from", "orchestrate.merge"]),
+    (["--train.lora.rank", "8", "--train.save_weights_every", "2"], ["--train.save_weights_every", "orchestrate.after.merge"]),
+    (["--train.lora.rank", "8", "--train.lora.start_from", "/tmp"], ["--train.lora.start_from", "orchestrate.after.merge"]),
     (["--train.lora.rank", "8", "--server.reference_url", "http://127.0.0.1:9", "--train.kl_coef", "0.01"],
      ["--server.reference_url", "scored on the policy servers"]),
     (["--server.weight_transfer", "nccl"], ["--server.weight_transfer", "no GPU"]),

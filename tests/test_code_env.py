@@ -297,7 +297,7 @@ def test_an_episode_with_a_retry_is_a_tape_that_replays_identically(tokenizer):
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
     from agents.env_spec import EnvSpec
-    from orchestrate.replay import replay_tape
+    from orchestrate.after.replay import replay_tape
     from tapes.tape import EnvObservation, SamplingParams, Tape
 
     spec = EnvSpec("code", {"max_attempts": 2}, "train", 0, sandbox={"timeout_s": 5})

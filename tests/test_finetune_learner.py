@@ -519,7 +519,7 @@ def test_lora_trains_only_the_adapters_and_publishes_the_merged_policy(tiny, tmp
     for a, b in zip(after, peft_learner.logprobs(batch)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
-    weights = learner.policy_weights()  # merged: what `orchestrate.merge` writes
+    weights = learner.policy_weights()  # merged: what `orchestrate.after.merge` writes
     assert not any("lora" in k or "base_layer" in k for k in weights)
     learner.save_weights(tmp_path / "merged", weights)
     merged = Learner(tmp_path / "merged", TrainConfig())
@@ -563,7 +563,7 @@ def test_lora_resumes_exactly_from_its_trainer_state(tiny, tmp_path):
 
 
 def test_an_adapter_that_does_not_fit_the_base_is_refused(tiny, tmp_path, capsys):
-    """orchestrate.merge checks the adapter's layers and shapes against the base before it writes anything."""
+    """orchestrate.after.merge checks the adapter's layers and shapes against the base before it writes anything."""
     from finetune.learner import Learner
     from finetune.tiny_model import make_tiny_model
     from orchestrate import merge
@@ -581,7 +581,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused(tiny, tmp_path, capsys
 
 
 def test_lora_starts_from_an_adapter_folder_and_refuses_one_of_another_rank(tiny, tmp_path):
-    """lora.start_from (orchestrate.offline --model ADAPTER): the adapters start as the folder's, so the
+    """lora.start_from (orchestrate.after.offline --model ADAPTER): the adapters start as the folder's, so the
     learner scores as the one that wrote it; a folder of another rank is refused, naming what differs."""
     from contract.adapters import adapter_options
 

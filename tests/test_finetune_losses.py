@@ -167,7 +167,7 @@ def test_kl_k3_by_hand():
     # d k3 / d logp = 1 - exp(ref - logp)
     (grad,) = torch.autograd.grad(kl.sum(), logp)
     assert grad.tolist() == pytest.approx([1 - math.exp(d) for d in REF_MINUS_LOGP], abs=1e-9)
-    # the same function on floats (the browser, orchestrate.show, the kl_ref metric): the same numbers
+    # the same function on floats (the browser, orchestrate.after.show, the kl_ref metric): the same numbers
     floats = [k3(p, r) for p, r in zip(logp.tolist(), ref.tolist())]
     assert all(type(x) is float for x in floats) and floats == pytest.approx(kl.tolist(), abs=1e-12)
 

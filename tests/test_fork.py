@@ -1,4 +1,4 @@
-"""Forks (`python -m orchestrate.fork`): a tape's first K calls replayed strictly, the rest sampled live, n times;
+"""Forks (`python -m orchestrate.after.fork`): a tape's first K calls replayed strictly, the rest sampled live, n times;
 the built-in agent and an agent program, against scripted LLMs on the embedded model's real tokenizer; the
 command's refusals; one fork sampled by a real vLLM server."""
 
@@ -15,7 +15,7 @@ from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from agents.tools import RecordedTool, ToolCall
 from orchestrate import fork as fork_command
-from orchestrate.fork import fork_sampling, fork_tape, replayed_part
+from orchestrate.after.fork import fork_sampling, fork_tape, replayed_part
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
 from orchestrate.loop.rollouts import run_rollouts
@@ -277,7 +277,7 @@ def test_an_agent_program_forks_after_its_tool_call(tokenizer, program_agent):
 
 def game_run(tmp_path, tokenizer, *overrides, tapes=2):
     """A run directory of the game preset with one iteration's tapes, played by its own agent (scripted)."""
-    from orchestrate.replay import agent_from_run_config
+    from orchestrate.loop.setup import agent_from_run_config
 
     run = tmp_path / "run"
     (run / "tapes").mkdir(parents=True)

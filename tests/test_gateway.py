@@ -470,9 +470,9 @@ def test_episodes_share_one_sandbox_and_a_sandbox_failure_is_an_infrastructure_f
 
 
 def test_offline_rescore_refuses_a_programs_tapes_before_writing_anything(tokenizer, agent_for, tmp_path, capsys):
+    from orchestrate.after.offline import main as offline
     from orchestrate.loop.rollouts import new_tape
     from orchestrate.loop.samples import save_tapes
-    from orchestrate.offline import main as offline
 
     spec = EnvSpec("math:arithmetic", {"digits": 3, "operations": ["*"]}, "train", 0)
     tape = new_tape(spec, 3, iteration=1, group_id="g", policy_version=0)

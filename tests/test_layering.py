@@ -7,7 +7,8 @@ parsed (ast).
 
 and inside orchestrate, one way too:
 
-    orchestrate (its commands: rl, serve, browse, show, replay, fork, offline, merge)
+    orchestrate (the commands that run models: rl, serve, eval)
+    orchestrate.after (the commands on a run's results: browse, show, replay, fork, offline, merge)
         -> orchestrate.loop (one RL run: config, rollouts, the learner's process, metrics)
             -> orchestrate.gateway (agent programs of the user's own, through an OpenAI-compatible API)
             -> orchestrate.serving (vLLM servers, the client, model lookup, weights to servers)
@@ -46,6 +47,8 @@ ALLOWED = {
                          "orchestrate.serving.vllm_plugin"},
     "orchestrate": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.gateway",
                     "orchestrate.serving", "orchestrate.serving.vllm_plugin"},
+    "orchestrate.after": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.gateway",
+                          "orchestrate.serving", "orchestrate.serving.vllm_plugin"},
 }  # fmt: skip
 
 
@@ -137,6 +140,29 @@ def test_the_orchestrator_takes_only_options_and_formulas_from_finetune():
             ):
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert not wrong, f"orchestrate may import of finetune only {FINETUNE_FOR_ORCHESTRATE}: " + "; ".join(wrong)
+
+
+def commands() -> set[str]:
+    """Every command's module: a module of orchestrate/ or orchestrate/after/ with a `main()`."""
+    found = set()
+    for folder in (ROOT / "orchestrate", ROOT / "orchestrate" / "after"):
+        for path in folder.glob("*.py"):
+            if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(path.read_text()).body):
+                found.add(module_name(path))
+    return found
+
+
+def test_no_command_imports_another():
+    """What two commands share lives in a module that is not a command (orchestrate/loop/setup.py, say)."""
+    names = commands()
+    assert {"orchestrate.rl", "orchestrate.after.browse", "orchestrate.after.fork"} <= names
+    wrong = []
+    for name in sorted(names):
+        path = ROOT / (name.replace(".", "/") + ".py")
+        for line, other in sorted(imported_modules(path.read_text(encoding="utf-8"), own=name.rpartition(".")[0])):
+            if other != name and any(other == c or other.startswith(c + ".") for c in names):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {other}")
+    assert not wrong, "a command imports another command's module: " + "; ".join(wrong)
 
 
 def test_every_package_is_covered():

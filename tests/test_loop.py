@@ -235,7 +235,8 @@ def test_game_preset_chains_every_call_and_replays(embedded_policy_by_url, tmp_p
     import asyncio
 
     from contract.rundir import read_advantages
-    from orchestrate.replay import agent_from_run_config, replay_tape
+    from orchestrate.after.replay import replay_tape
+    from orchestrate.loop.setup import agent_from_run_config
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrate.rl", "--preset", "game", "--run-dir", str(run), "--iterations", "1",
@@ -277,7 +278,8 @@ def test_python_tool_preset_with_tool_calls_on_its_tapes(embedded_policy_by_url,
     count tool calls, and a tape with a tool call replays identically (the code re-run in the sandbox)."""
     import asyncio
 
-    from orchestrate.replay import agent_from_run_config, replay_tape
+    from orchestrate.after.replay import replay_tape
+    from orchestrate.loop.setup import agent_from_run_config
     from tapes.tape import ToolCallAction, ToolResultObservation
 
     run = tmp_path / "run"

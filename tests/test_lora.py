@@ -116,7 +116,7 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
     holds adapters of the same names from the test above: replaced): iteration 1, then resumed for iteration 2.
     No reference server is started (the reference is the base model on the policy server; the servers a LoRA
     run starts itself: tests/test_server_pool.py). Its checkpoints hold adapters, its trainer state the
-    adapters only, its tapes name the adapter that served each call; `orchestrate.merge` folds version 1 in,
+    adapters only, its tapes name the adapter that served each call; `orchestrate.after.merge` folds version 1 in,
     and transformers on the merged folder gives the log-probs vLLM sampled iteration 2 with."""
     from contract.batch import Sample
     from contract.rundir import RunDir

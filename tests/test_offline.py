@@ -1,4 +1,4 @@
-"""Offline training (`python -m orchestrate.offline`): saved tapes -> re-scored, filtered -> the finetune
+"""Offline training (`python -m orchestrate.after.offline`): saved tapes -> re-scored, filtered -> the finetune
 process -> a checkpoint under which the rewarded completions are more likely."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from orchestrate.offline import main
+from orchestrate.after.offline import main
 from tapes.store import read_tapes, write_tapes
 
 pytestmark = pytest.mark.vllm  # the tapes come from the real run of the `tiny_run` fixture
@@ -163,8 +163,8 @@ def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic(
     """A kept set whose groups all have equal rewards trains nothing under a group baseline (refused), while
     PPO's critic still gives its advantages (kept): the refusal reads the loss, as config_checks does."""
     from finetune.config import TrainConfig
+    from orchestrate.after.offline import score_and_filter
     from orchestrate.loop.config import ConfigError
-    from orchestrate.offline import score_and_filter
     from tests.test_tapes import make_tape
 
     tapes = [make_tape(i) for i in range(4)]  # one group, every reward 1.0

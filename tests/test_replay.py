@@ -1,4 +1,4 @@
-"""Replay (`python -m orchestrate.replay`): every episode of a real run, played again against a fresh
+"""Replay (`python -m orchestrate.after.replay`): every episode of a real run, played again against a fresh
 environment with the recorded LLM outputs, comes back the same; a changed agent, prompt or environment
 is reported at the first step that differs."""
 
@@ -13,8 +13,9 @@ import pytest
 from agents.agent import AgentConfig, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
+from orchestrate.after.replay import replay_tape
 from orchestrate.loop.rollouts import run_rollouts
-from orchestrate.replay import agent_from_run_config, replay_tape
+from orchestrate.loop.setup import agent_from_run_config
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import SamplingParams
 from tests.scripted import scripted_call
@@ -120,7 +121,7 @@ def test_every_tape_of_a_run_replays_identically(tiny_run):
             count += 1
     assert count == 24
 
-    out = subprocess.run([sys.executable, "-m", "orchestrate.replay", *map(str, files), "--quiet"],
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.replay", *map(str, files), "--quiet"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("24 tapes replayed: 24 identical, 0 differ")
@@ -139,7 +140,7 @@ def test_replay_command_names_the_first_differing_step(tiny_run, tmp_path):
     tapes[1].llm_calls[0].finish_reason = "stop"
     path = write_tapes(tmp_path / "tapes" / "iter_000001.jsonl", tapes)
 
-    out = subprocess.run([sys.executable, "-m", "orchestrate.replay", str(path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.replay", str(path)], capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stdout.splitlines()
@@ -149,6 +150,6 @@ def test_replay_command_names_the_first_differing_step(tiny_run, tmp_path):
     assert f"reward: recorded {tapes[1].metadata.reward}, replayed 1.0" in out.stdout
     assert lines[-1] == "3 tapes replayed: 2 identical, 1 differ"
 
-    out = subprocess.run([sys.executable, "-m", "orchestrate.replay", str(path), "--index", "9"],
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.replay", str(path), "--index", "9"],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 2 and "--index 9" in out.stderr

@@ -75,7 +75,7 @@ def test_offline_on_an_out_dir_in_use_is_refused(holder, tmp_path, folder_model)
         tape.metadata.group_id = "g0"
         tapes.append(tape)
     path = write_tapes(tmp_path / "iter_000001.jsonl", tapes)
-    out = subprocess.run([sys.executable, "-m", "orchestrate.offline", "--tapes", str(path), "--out", str(run),
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.offline", "--tapes", str(path), "--out", str(run),
                           "--model", str(folder_model), "--no-progress"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]

@@ -276,8 +276,8 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
     from agents.env_spec import EnvSpec
-    from orchestrate.browse import episode_view
-    from orchestrate.replay import replay_tape
+    from orchestrate.after.episode_view import episode_view
+    from orchestrate.after.replay import replay_tape
     from tapes.store import read_tapes, write_tapes
     from tapes.tape import SamplingParams, Tape, ToolCallAction, ToolResultObservation
 
@@ -315,7 +315,11 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     assert [(t["tool"], t["tool_call"]) for t in turns] == [("search", question), ("search", "Ostric sea"),
                                                             (None, None)]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrate.show", str(path)], capture_output=True, text=True, cwd=ROOT, check=False
+        [sys.executable, "-m", "orchestrate.after.show", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "[agent] turn 1 (search call)" in out.stdout and "[search tool] result of turn 1" in out.stdout

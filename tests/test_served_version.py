@@ -11,8 +11,9 @@ from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.evaluation import Evaluation
-from orchestrate.loop.iteration import Loop, build_agent
+from orchestrate.loop.iteration import Loop
 from orchestrate.loop.servers import Servers
+from orchestrate.loop.setup import build_agent
 from orchestrate.serving.llm import VLLMClient
 from tapes.store import read_tapes
 

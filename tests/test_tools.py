@@ -161,14 +161,14 @@ def test_tools_from_the_command_line(tmp_path):
 
 def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer, tmp_path):
     """A tool call is a ToolCallAction (tool, code) and its answer a ToolResultObservation; the tape
-    round-trips through JSON, orchestrate.show names the tool and the browser's episode view carries it."""
+    round-trips through JSON, orchestrate.after.show names the tool and the browser's episode view carries it."""
     import asyncio
     import subprocess
     import sys
 
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
-    from orchestrate.browse import episode_view
+    from orchestrate.after.episode_view import episode_view
     from tapes.store import read_tapes, write_tapes
     from tapes.tape import EnvAction, EnvObservation, SamplingParams, Tape, ToolCallAction, ToolResultObservation
 
@@ -204,7 +204,7 @@ def test_tool_turns_are_typed_steps_on_the_tape_and_show_as_such(tool, tokenizer
         ("python", "1 / 0"),
         (None, None),
     ]
-    out = subprocess.run([sys.executable, "-m", "orchestrate.show", str(path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "[agent] turn 1 (python call)" in text and "[python tool] result of turn 1" in text
@@ -219,7 +219,7 @@ def test_replay_reruns_the_code_and_says_so(tool, tokenizer):
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
     from agents.env_spec import EnvSpec
-    from orchestrate.replay import replay_tape
+    from orchestrate.after.replay import replay_tape
     from tapes.tape import SamplingParams, Tape
 
     spec = EnvSpec("math:arithmetic", {}, "train", 0, ["python"], {"timeout_s": 5})

@@ -292,11 +292,11 @@ def check_lora(config) -> None:
                           f"{DEFAULT}")  # fmt: skip
     if lora.start_from:
         raise ConfigError("--train.lora.start_from: an RL run's version 0 is --model.policy; to start from an "
-                          "adapter, fold it in (`uv run -m orchestrate.merge ADAPTER --out DIR`) and pass "
-                          "--model.policy DIR (orchestrate.offline --model ADAPTER trains an adapter on)")  # fmt: skip
+                          "adapter, fold it in (`uv run -m orchestrate.after.merge ADAPTER --out DIR`) and pass "
+                          "--model.policy DIR (orchestrate.after.offline --model ADAPTER trains an adapter on)")  # fmt: skip
     if config.train.save_weights_every:
         raise ConfigError("--train.save_weights_every: a LoRA run publishes its adapter in every checkpoint; "
-                          "write a merged model folder of any version with `uv run -m orchestrate.merge`")  # fmt: skip
+                          "write a merged model folder of any version with `uv run -m orchestrate.after.merge`")  # fmt: skip
     if s.reference_url and config.reference_on_policy and config.train.needs_reference:
         raise ConfigError("--server.reference_url: with --train.lora.rank the reference (the initial policy) is "
                           "scored on the policy servers without an adapter, so no reference server is used; leave "

@@ -33,7 +33,6 @@ import time
 from contextlib import ExitStack
 
 from agents.agent import ChatAgent
-from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
@@ -45,25 +44,11 @@ from orchestrate.loop.report import Reporter, Timer, busy_fractions
 from orchestrate.loop.rollouts import EnvClock, run_rollouts
 from orchestrate.loop.samples import save_tapes, write_samples
 from orchestrate.loop.servers import Servers
+from orchestrate.loop.setup import build_agent
 from orchestrate.loop.trainer import TrainerProcess
 from orchestrate.serving.models import resolve_model
 from tapes.store import read_tapes
-from tapes.tape import SamplingParams, Tape
-
-
-def build_agent(config: RLConfig, tokenizer):
-    """The agent a run uses (replay and offline build it the same way from the run's config): the built-in
-    ChatAgent, or the program of `--agent.program` through the gateway (orchestrate.gateway.agent)."""
-    r, a = config.rollouts, config.agent
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
-    if a.program is None:
-        return ChatAgent(a, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
-    from orchestrate.gateway.agent import ProgramAgent
-
-    spec = EnvSpec.from_config(config, "train")
-    return ProgramAgent(a.program, sampling, tokenizer, max_context=config.server.max_model_len,
-                        tool_parser=a.tool_parser, time_limit_s=a.time_limit_s, host=a.gateway_host,
-                        port=a.gateway_port, sandbox=spec.sandbox, reward=a.reward)  # fmt: skip
+from tapes.tape import Tape
 
 
 class Loop:

@@ -59,7 +59,7 @@ class RunLock:
             pid = lock_holder(self.root)
             holder = f"process {pid}" if pid else "another process"
             raise RunDirInUse(
-                f"{self.root} is in use by {holder} (another orchestrate.rl or orchestrate.offline on it); "
+                f"{self.root} is in use by {holder} (another orchestrate.rl or orchestrate.after.offline on it); "
                 "wait for it to end or stop it, or pass another directory"
             ) from None
         self.fd = fd

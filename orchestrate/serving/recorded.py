@@ -1,9 +1,9 @@
 """LLMs that answer from a tape's recorded calls, with the agent's interface (`complete_ids`).
 
 `ReplayLLM` answers from the calls recorded on a tape: re-running an agent with it gives the same tape back,
-which is how a change to an agent is checked against old tapes (`orchestrate.replay`). `ForkLLM` answers a
+which is how a change to an agent is checked against old tapes (`orchestrate.after.replay`). `ForkLLM` answers a
 tape's first calls the same way and the rest live: a fork continues an episode from one of its calls
-(`orchestrate.fork`).
+(`orchestrate.after.fork`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Write one model folder from a LoRA run's version: the base model with the adapter folded in.
 
-    uv run -m orchestrate.merge RUN --out DIR [--version N]       # a LoRA run's checkpoint N (default: newest)
-    uv run -m orchestrate.merge ADAPTER --out DIR [--model BASE]  # an adapter folder (peft's)
+    uv run -m orchestrate.after.merge RUN --out DIR [--version N]       # a LoRA run's checkpoint N (default: newest)
+    uv run -m orchestrate.after.merge ADAPTER --out DIR [--model BASE]  # an adapter folder (peft's)
 
 A LoRA run publishes each version as an adapter (RUN/checkpoints/N/adapter/), which vLLM serves on top of
 the base model; people who want one model to ship (or to serve without LoRA) get it here: W = W0 + B A *
@@ -92,7 +92,7 @@ def merge(adapter: Path, base: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.merge", allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="orchestrate.after.merge", allow_abbrev=False,
                                      description="Fold a LoRA run's adapter into its base model: one model folder.")  # fmt: skip
     parser.add_argument("source", help="a LoRA run directory, or an adapter folder (adapter_config.json)")
     parser.add_argument("--out", required=True, help="the model folder to write (new, or an empty folder)")

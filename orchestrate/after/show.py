@@ -1,4 +1,4 @@
-"""One tape in the terminal: `uv run -m orchestrate.show FILE [--index N] [--tokens]`.
+"""One tape in the terminal: `uv run -m orchestrate.after.show FILE [--index N] [--tokens]`.
 
 Prints the episode as a conversation: its metadata, the environment's first
 observation, then turn by turn the agent's action (from which LLM call), the
@@ -22,7 +22,7 @@ from pathlib import Path
 from agents.tool_format import written
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
-from orchestrate.browse import TAPE_FILE, episode_view, trained_turns
+from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 
@@ -256,7 +256,7 @@ def trained_turns_of(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="orchestrate.show", allow_abbrev=False, description="Print one tape of a tape file."
+        prog="orchestrate.after.show", allow_abbrev=False, description="Print one tape of a tape file."
     )
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")
     parser.add_argument("--index", type=int, default=0, help="which tape of the file, from 0 [default: 0]")
@@ -282,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = None
     if args.tokenizer:
-        from orchestrate.browse import _load_tokenizer
-
-        tokenizer = _load_tokenizer(Path(args.tokenizer))
+        tokenizer = load_tokenizer(Path(args.tokenizer))
         if tokenizer is None:
             parser.error(f"--tokenizer {args.tokenizer}: no tokenizer.json or tokenizer_config.json there")
     color = sys.stdout.isatty() and not args.no_color

@@ -1,4 +1,4 @@
-"""Replay saved episodes against their environment: `uv run -m orchestrate.replay FILE [--index N]`.
+"""Replay saved episodes against their environment: `uv run -m orchestrate.after.replay FILE [--index N]`.
 
 Each tape is played again from its environment's seed (`context.env`: id,
 options, split, run seed, episode seed) by the run's agent, with an LLM that
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
 from agents.agent import ChatAgent, summarize
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
+from orchestrate.loop.setup import agent_from_run_config
 from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ReplayLLM
 from tapes.diff import TapeDiff, diff_tapes
@@ -81,21 +81,9 @@ async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
     return fresh, diff
 
 
-def agent_from_run_config(config_path: Path) -> ChatAgent:
-    from transformers import AutoTokenizer
-
-    from orchestrate.loop.config import RLConfig
-    from orchestrate.loop.iteration import build_agent
-    from orchestrate.serving.models import resolve_model
-
-    config = RLConfig.model_validate(json.loads(config_path.read_text()))
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model.policy))
-    return build_agent(config, tokenizer)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="orchestrate.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0]
+        prog="orchestrate.after.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0]
     )
     parser.add_argument("files", nargs="+", help="tape files (JSON lines), e.g. RUN/tapes/iter_000001.jsonl")
     parser.add_argument("--index", type=int, help="replay only this tape of the file (from 0)")

@@ -1,8 +1,8 @@
-"""Train from saved tapes: `uv run -m orchestrate.offline --tapes RUN_DIR --out OUT [...]`.
+"""Train from saved tapes: `uv run -m orchestrate.after.offline --tapes RUN_DIR --out OUT [...]`.
 
-    uv run -m orchestrate.offline --tapes runs/embedded --iterations 3-10 --out runs/offline1
-    uv run -m orchestrate.offline --tapes a.jsonl b.jsonl --rescore --filter 'reward>=0' --out runs/off2
-    uv run -m orchestrate.offline --tapes runs/embedded --reference smollm2 --train.kl_coef 0.05 --out runs/off3
+    uv run -m orchestrate.after.offline --tapes runs/embedded --iterations 3-10 --out runs/offline1
+    uv run -m orchestrate.after.offline --tapes a.jsonl b.jsonl --rescore --filter 'reward>=0' --out runs/off2
+    uv run -m orchestrate.after.offline --tapes runs/embedded --reference smollm2 --train.kl_coef 0.05 --out runs/off3
 
 1. read the tapes: a run directory's rollout tapes (tapes/iter_*.jsonl, within
    `--iterations`), or tape files;
@@ -15,11 +15,11 @@
    `--server.reference_url URL`), as the RL loop's reference pass does;
 4. keep those that pass `--filter` (`all`, or a reward condition such as
    `reward>0`);
-5. write them to OUT/tapes/iter_000001.jsonl (browsable with orchestrate.browse),
+5. write them to OUT/tapes/iter_000001.jsonl (browsable with orchestrate.after.browse),
    their training samples to OUT/batches/000001.jsonl, and run the same
    finetune process as the RL loop (accelerate launch -m finetune.train) on
    them: OUT/checkpoints/000001/ is the trained model (with --train.lora.rank a new
-   adapter, OUT/checkpoints/000001/adapter/: `orchestrate.merge OUT` folds it in; with --model ADAPTER_DIR
+   adapter, OUT/checkpoints/000001/adapter/: `orchestrate.after.merge OUT` folds it in; with --model ADAPTER_DIR
    that adapter trained on, on its base), OUT/metrics.jsonl and
    OUT/train_metrics.jsonl its metrics, OUT/logs/ the logs.
 
@@ -206,7 +206,7 @@ def groups_with_signal(tapes: list[Tape]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = StrictParser(
-        prog="uv run -m orchestrate.offline",
+        prog="uv run -m orchestrate.after.offline",
         description="Train from saved tapes: read, optionally re-score and re-annotate, filter, then run the "
         "finetune process on them once, writing a checkpoint and metrics.",
         epilog="--train.* values are parsed as JSON where they can be. When the tapes come from one run "
@@ -546,7 +546,7 @@ def record_metrics(run, trainer, tapes: list[Tape], read_count: int, start: floa
         f"{record.get('train_steps', 0)} optimizer steps)"
     )
     if (checkpoint / "adapter").is_dir():
-        print(f"its LoRA adapter: {checkpoint / 'adapter'} (one model folder: uv run -m orchestrate.merge "
+        print(f"its LoRA adapter: {checkpoint / 'adapter'} (one model folder: uv run -m orchestrate.after.merge "
               f"{run.root} --out DIR)")  # fmt: skip
 
 

@@ -1,7 +1,7 @@
-"""Fork a saved episode at one of its LLM calls: `uv run -m orchestrate.fork FILE --index N --at K [--n 4]`.
+"""Fork a saved episode at one of its LLM calls: `uv run -m orchestrate.after.fork FILE --index N --at K [--n 4]`.
 
-    uv run -m orchestrate.fork runs/embedded/tapes/iter_000003.jsonl --index 5 --at 2 --n 4
-    uv run -m orchestrate.fork RUN/tapes/eval_000004.jsonl --index 0 --at 0 --n 8 --temperature 1.0 --model smollm2
+    uv run -m orchestrate.after.fork runs/embedded/tapes/iter_000003.jsonl --index 5 --at 2 --n 4
+    uv run -m orchestrate.after.fork RUN/tapes/eval_000004.jsonl --index 0 --at 0 --n 8 --temperature 1.0 --model smollm2
 
 Tape N of FILE (from 0) is played again from its environment's seed (`context.env`) by the run's agent,
 built from `config.json` as the run built it (the built-in agent or an agent program). Its first K LLM calls
@@ -243,7 +243,7 @@ def find_config(path: Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orchestrate.fork", allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="orchestrate.after.fork", allow_abbrev=False,
                                      description=__doc__.splitlines()[0].split(": ")[0])  # fmt: skip
     parser.add_argument("file", help="a tape file (JSON lines), e.g. RUN/tapes/iter_000003.jsonl")
     parser.add_argument("--index", type=int, required=True, help="the tape of the file to fork (from 0)")
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     except ForkError as exc:
         parser.error(str(exc))
     try:
-        from orchestrate.replay import agent_from_run_config
+        from orchestrate.loop.setup import agent_from_run_config
 
         agent = agent_from_run_config(given.config_path)
     except Exception as exc:  # noqa: BLE001 - e.g. an agent program that no longer imports
