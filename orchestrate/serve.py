@@ -30,6 +30,7 @@ from pathlib import Path
 from orchestrate.loop.config import RLConfig, parse_args
 from orchestrate.loop.config_checks import gpu_slices
 from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
+from orchestrate.serving.launch import own_server
 from orchestrate.serving.processes import format_cpus, parse_cpus
 from orchestrate.serving.vllm_server import VLLMServer
 
@@ -48,8 +49,8 @@ def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Pat
     devices = s.gpus if role == "policy" else s.reference_gpus
     gpus = gpu_slices(devices, 1, s.tensor_parallel_size * s.data_parallel_size)[0] if devices else None
     cpus = parse_cpus(s.cpus) if s.cpus else None
-    return VLLMServer(model, log_path=run_dir / "logs" / f"{role}-{port}.log", name=role, config=s,
-                      gpu_ids=gpus, cpus=cpus, seed=config.run.seed, host=host, port=port,
+    return own_server(model, s, run_dir / "logs" / f"{role}-{port}.log", role=role, host=host, port=port,
+                      gpu_ids=gpus, cpus=cpus, seed=config.run.seed,
                       lora_rank=config.train.lora.rank if role == "policy" else 0)  # fmt: skip
 
 

@@ -154,7 +154,7 @@ def test_subprocess_refusal_is_one_line(tmp_path, folder_model):
 
 
 def test_offline_is_strict_too(tmp_path, capsys):
-    from orchestrate import offline
+    from orchestrate.after import offline
 
     tapes = tmp_path / "t.jsonl"
     tapes.write_text("")

@@ -114,7 +114,9 @@ def test_the_learner_starts_after_colocated_servers(tmp_path, monkeypatch, embed
             pass
 
     monkeypatch.setattr(iteration.Servers, "for_run", classmethod(lambda cls, *a, **k: FakeServers()))
-    monkeypatch.setattr(iteration, "TrainerProcess", FakeTrainer)
+    import orchestrate.loop.trainer
+
+    monkeypatch.setattr(orchestrate.loop.trainer, "TrainerProcess", FakeTrainer)  # the run set-up builds it
     loop = iteration.Loop(RLConfig(), RunDir(tmp_path), progress=False)
     with ExitStack() as stack:
         loop._start(stack)

@@ -566,7 +566,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused(tiny, tmp_path, capsys
     """orchestrate.after.merge checks the adapter's layers and shapes against the base before it writes anything."""
     from finetune.learner import Learner
     from finetune.tiny_model import make_tiny_model
-    from orchestrate import merge
+    from orchestrate.after import merge
 
     learner = Learner(tiny, TrainConfig(lora={"rank": 2}))
     adapter = learner.save_adapter(tmp_path / "adapter", learner.adapter_weights())

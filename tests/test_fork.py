@@ -14,7 +14,7 @@ from agents.agent import AgentConfig, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from agents.tools import RecordedTool, ToolCall
-from orchestrate import fork as fork_command
+from orchestrate.after import fork as fork_command
 from orchestrate.after.fork import fork_sampling, fork_tape, replayed_part
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
@@ -334,11 +334,12 @@ def scripted_server(monkeypatch, tokenizer):
         async def __aexit__(self, *exc):
             pass
 
-    def start(policy, config, log_path):
-        asked.append(policy)
-        return StandIn()
+    def start(self):
+        asked.append(self.policy)
+        self.server = StandIn()
+        return self
 
-    monkeypatch.setattr(fork_command, "start_server", start)
+    monkeypatch.setattr("orchestrate.loop.setup.PolicyServer.start", start)
     monkeypatch.setattr("orchestrate.serving.llm.VLLMClient", Client)
     return asked
 
@@ -360,7 +361,7 @@ def test_the_command_writes_the_forks_beside_the_tapes(tmp_path, tokenizer, scri
     assert lines[-1] == f"3 forks of tape {tapes[1].metadata.id} (iter_000001.jsonl, index 1) at call 1: {written}"
     (policy,) = scripted_server
     assert policy.version == 0 and policy.name == "smollm2"
-    from orchestrate import show
+    from orchestrate.after import show
 
     assert show.main([str(written), "--index", "2", "--no-color"]) in (0, None)
     assert f"fork of tape {tapes[1].metadata.id}: its first 1 LLM calls replayed" in capsys.readouterr().out

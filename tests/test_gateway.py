@@ -366,7 +366,7 @@ def test_program_options_are_refused_without_a_program_and_checked_with_one(rl_c
 def test_the_replay_command_gives_a_programs_tapes_back_and_names_the_first_call_that_differs(
     tokenizer, agent_for, tmp_path, capsys
 ):
-    from orchestrate import replay
+    from orchestrate.after import replay
     from orchestrate.loop.config import RLConfig
     from orchestrate.loop.rollouts import new_tape
     from orchestrate.loop.samples import save_tapes

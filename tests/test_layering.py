@@ -186,3 +186,20 @@ def test_the_architecture_page_draws_every_place():
     picture = page.split("## The packages and their arrows", 1)[1].split("\n## ", 1)[0]
     missing = [p for p in ALLOWED if p.replace(".", "/") + "/" not in picture]
     assert not missing, f"docs/architecture.md's picture does not name {missing}"
+
+
+def test_servers_are_built_and_called_in_serving_only():
+    """One run set-up (orchestrate/loop/setup.py, building servers with orchestrate/serving/launch.py): no module
+    outside orchestrate/serving/ constructs a vLLM server or calls a server's private methods."""
+    wrong = []
+    for path in sorted((ROOT / "orchestrate").rglob("*.py")):
+        if (ROOT / "orchestrate" / "serving") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", "")
+            private = isinstance(node.func, ast.Attribute) and name.startswith("_") and not name.startswith("__")
+            if name in ("VLLMServer", "RemoteServer") or (private and name in ("_post", "_get")):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}(...)")
+    assert not wrong, "servers built or called outside orchestrate/serving/: " + "; ".join(wrong)

@@ -121,7 +121,7 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
     from contract.batch import Sample
     from contract.rundir import RunDir
     from finetune.learner import Learner
-    from orchestrate import merge, show
+    from orchestrate.after import merge, show
     from tapes.store import read_tapes
 
     policy, _ = servers
@@ -169,7 +169,7 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
     # learning rate of 1e-9 the adapter it writes is version 2's (a fresh one would have B = 0)
     from safetensors.torch import load_file
 
-    from orchestrate import offline
+    from orchestrate.after import offline
 
     adapter = rd.adapter(2)
     with pytest.raises(SystemExit) as refused:

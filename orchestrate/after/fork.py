@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import math
 import re
 import sys
@@ -38,7 +37,17 @@ from typing import Any
 
 from agents.agent import summarize
 from agents.env_spec import EnvSpec
-from contract.rundir import CHECKPOINT_NAME, FORKS_DIR, RunDir
+from contract.rundir import FORKS_DIR, RunDir
+from orchestrate.loop.setup import (
+    Policy,
+    PolicyServer,
+    SetupError,
+    find_config,
+    given_policy,
+    read_run_config,
+    remote_policy,
+    run_policy,
+)
 from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.tape import SamplingParams, Tape, TapeMetadata
@@ -128,96 +137,6 @@ class ForkError(ValueError):
     """Bad input: one line naming the option, exit 2."""
 
 
-@dataclass(frozen=True)
-class Policy:
-    """What the live calls are sampled from."""
-
-    model: Path  # the folder the server serves (a LoRA version: the base model)
-    version: int  # recorded on the live calls (LLMCall.policy_version) and the forks' metadata
-    name: str  # recorded as the live calls' model
-    adapter: Path | None = None  # a LoRA run's version: its adapter, loaded on the base
-    note: str = ""  # where it comes from, for the console
-
-
-def checkpoint_number(folder: Path) -> int:
-    """N for a folder RUN/checkpoints/N (a version of a run), else 0."""
-    m = CHECKPOINT_NAME.match(folder.name)
-    return int(m.group(1)) if m and folder.parent.name == "checkpoints" else 0
-
-
-def run_policy(run: RunDir, config) -> Policy:
-    """The run's policy as it is now: its newest checkpoint that can be served (its weights on disk, or for a
-    LoRA run its adapter), else the initial model before any. ForkError when there are checkpoints but none
-    on disk (weights sent in memory and the run not stopped cleanly yet)."""
-    from orchestrate.serving.models import resolve_model
-
-    published = run.published()
-    lora = config.train.lora.rank > 0
-    servable = [i for i in published if (run.has_adapter(i) if lora else run.has_weights(i))]
-    if not published:
-        return Policy(resolve_model(config.model.policy), 0, config.model.policy,
-                      note=f"the initial policy {config.model.policy} (the run has no checkpoint yet)")  # fmt: skip
-    if not servable:
-        raise ForkError(f"--model: no checkpoint of {run.root} has its weights on disk (version {published[-1]}'s "
-                        "went to the servers in memory; a clean stop writes them); pass --model MODEL")  # fmt: skip
-    version = servable[-1]
-    newer = f"; version {published[-1]} is newer, its weights went in memory" if published[-1] > version else ""
-    if lora:
-        return Policy(resolve_model(config.model.policy), version, config.model.policy, run.adapter(version),
-                      note=f"version {version} ({run.adapter(version)}{newer})")  # fmt: skip
-    return Policy(run.checkpoint(version), version, config.model.policy,
-                  note=f"version {version} ({run.checkpoint(version)}{newer})")  # fmt: skip
-
-
-def given_policy(model: str) -> Policy:
-    from orchestrate.serving.models import ModelNotAvailable, resolve_model
-
-    try:
-        folder = Path(resolve_model(model))
-    except ModelNotAvailable as exc:
-        raise ForkError(f"--model: {str(exc).splitlines()[0]}") from None
-    version = checkpoint_number(folder)
-    return Policy(folder, version, model, note=f"{model}" + (f" (version {version})" if version else ""))
-
-
-def remote_policy(url: str, key_file: str | None):
-    """The policy server at `url`, checked (it answers, takes the key, serves 'policy'), as it serves now."""
-    from orchestrate.loop.preflight import PreflightError, remote_server
-    from orchestrate.serving.auth import APIKeyMissing, read_api_key
-
-    try:
-        server = remote_server("--url", url, "policy", read_api_key(key_file, option="--key-file"))
-    except (APIKeyMissing, PreflightError) as exc:
-        raise ForkError(str(exc).splitlines()[0]) from None
-    root = server.model_root()
-    version = checkpoint_number(Path(root))
-    return server, Policy(Path(root), version, root, note=f"the server at {url} ({root})")
-
-
-def start_server(policy: Policy, config, log_path: Path):
-    """A vLLM server for `policy` with the run's server settings (its GPUs, cores, context length, KV cache),
-    started and ready; a LoRA version's adapter loaded under its name."""
-    from orchestrate.loop.config_checks import gpu_slices
-    from orchestrate.serving.processes import parse_cpus
-    from orchestrate.serving.vllm_server import ServerConfig, VLLMServer, adapter_name
-
-    s = config.server
-    settings = ServerConfig(**{k: getattr(s, k) for k in ServerConfig.model_fields if k != "weight_transfer"})
-    gpus = gpu_slices(s.gpus, 1, s.tensor_parallel_size * s.data_parallel_size)[0] if s.gpus else None
-    server = VLLMServer(policy.model, log_path=log_path, name="policy", config=settings, gpu_ids=gpus,
-                        cpus=parse_cpus(s.cpus) if s.cpus else None, seed=config.run.seed,
-                        lora_rank=config.train.lora.rank if policy.adapter else 0)  # fmt: skip
-    server.start()
-    if policy.adapter is not None:
-        try:
-            server._post("/v1/load_lora_adapter", {"lora_name": adapter_name(server.served_model_name, policy.version),
-                                                   "lora_path": str(policy.adapter.resolve())})  # fmt: skip
-        except Exception:
-            server.stop()
-            raise
-    return server
-
-
 # -- the command ------------------------------------------------------------------------------------
 
 
@@ -231,15 +150,6 @@ def default_out(path: Path, tape: Tape, at: int) -> Path:
         n += 1
         out = folder / f"{stem}-{n}.jsonl"
     return out
-
-
-def find_config(path: Path) -> Path:
-    """RUN/config.json for a tape file RUN/tapes/FILE or RUN/tapes/forks/FILE."""
-    parents = path.resolve().parents
-    for run in parents[1:3]:
-        if RunDir(run).config_path.is_file():
-            return RunDir(run).config_path
-    return RunDir(parents[1]).config_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +183,7 @@ class Inputs:
     config_path: Path
     out: Path
     policy: Policy
-    server: Any = None  # --url: the RemoteServer (else one is started for `policy`)
+    key_file: str | None = None  # --url: the server's API key
 
 
 def resolve(args: argparse.Namespace) -> Inputs:
@@ -308,27 +218,19 @@ def resolve(args: argparse.Namespace) -> Inputs:
     if not 0 <= args.at <= calls:
         raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls: 0 to {calls}")
     config_path = Path(args.config) if args.config else find_config(path)
-    if not config_path.is_file():
-        raise ForkError(f"--config: {config_path} not found; pass the run's config.json")
-    try:
-        from orchestrate.loop.config import RLConfig
-
-        config = RLConfig.model_validate(json.loads(config_path.read_text()))
-    except Exception as exc:  # noqa: BLE001 - any way it is not a run config is the same one line
-        raise ForkError(f"--config {config_path}: not a run config ({str(exc).splitlines()[0]})") from None
+    config = read_run_config(config_path)
     out = Path(args.out) if args.out else default_out(path, tape, args.at)
     if args.out and out.exists():
         raise ForkError(f"--out: {out} exists; tape files are written once, pass a new name")
     if out.resolve() == path.resolve():
         raise ForkError(f"--out: {out} is the tape file itself")
-    server, policy = None, None
     if args.url:
-        server, policy = remote_policy(args.url, args.key_file)
+        policy = remote_policy(args.url, args.key_file)
     elif args.model:
         policy = given_policy(args.model)
     else:
         policy = run_policy(RunDir(config_path.parent), config)
-    return Inputs(path, tape, args.at, args.n, config, config_path, out, policy, server)
+    return Inputs(path, tape, args.at, args.n, config, config_path, out, policy, args.key_file)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         given = resolve(args)
-    except ForkError as exc:
+    except (ForkError, SetupError) as exc:
         parser.error(str(exc))
     try:
         from orchestrate.loop.setup import agent_from_run_config
@@ -350,19 +252,16 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)  # fmt: skip
     from orchestrate.serving.vllm_server import ServerError
 
-    server = given.server
+    served = PolicyServer(policy, given.config, given.config_path.parent / "logs", given.key_file, "fork-policy")
     try:
-        if server is None:
-            log = given.config_path.parent / "logs" / "fork-policy.log"
-            print(f"starting a vLLM server for it (log: {log})", file=sys.stderr, flush=True)
-            server = start_server(policy, given.config, log)
-        forks = asyncio.run(_fork(given, agent, server, policy, sampling))
+        if served.log_path is not None:
+            print(f"starting a vLLM server for it (log: {served.log_path})", file=sys.stderr, flush=True)
+        with served:
+            forks = asyncio.run(_fork(given, agent, served, sampling))
     except (LLMError, ServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if server is not None:
-            server.stop()
         if hasattr(agent, "close"):
             agent.close()
     from orchestrate.loop.samples import save_tapes
@@ -376,14 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _fork(given: Inputs, agent, server, policy: Policy, sampling: SamplingParams) -> list[Tape]:
-    from orchestrate.serving.llm import VLLMClient
-    from orchestrate.serving.vllm_server import adapter_name
-
-    adapter = adapter_name(server.served_model_name, policy.version) if policy.adapter is not None else None
-    async with VLLMClient([server], model=policy.name, policy_version=policy.version,
-                          adapter=(lambda _: adapter) if adapter else None) as client:  # fmt: skip
-        return await fork_tape(given.tape, agent, given.at, given.n, client, sampling, policy.version)
+async def _fork(given: Inputs, agent, served: PolicyServer, sampling: SamplingParams) -> list[Tape]:
+    async with served.client() as client:
+        return await fork_tape(given.tape, agent, given.at, given.n, client, sampling, served.policy.version)
 
 
 if __name__ == "__main__":

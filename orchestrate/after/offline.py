@@ -39,7 +39,6 @@ Bad input is refused before anything loads, with one line naming the option
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import re
@@ -171,22 +170,10 @@ def rescore(tapes: list[Tape], reward_fn, progress: bool) -> None:
 
 def annotate(tapes: list[Tape], reference, server_config: ServerSection, out: Path, progress: bool) -> None:
     """Reference log-probs from a vLLM server: `reference` is a running one (given by URL, checked), or a model
-    folder served by a server started for this and stopped after."""
-    from orchestrate.loop.reference import annotate_reference
-    from orchestrate.serving.llm import VLLMClient
-    from orchestrate.serving.vllm_server import VLLMServer
+    folder served by a server started for this and stopped after (orchestrate.loop.setup)."""
+    from orchestrate.loop.setup import score_reference
 
-    if isinstance(reference, Path):
-        server = VLLMServer(reference, log_path=out / "logs" / "reference.log", name="reference", config=server_config)
-    else:
-        server = reference  # a RemoteServer: neither started nor stopped here
-    with server:
-
-        async def go():
-            async with VLLMClient([server], tokenizer=None, model=reference_name(reference)) as client:
-                await annotate_reference(tapes, client, progress=progress)
-
-        asyncio.run(go())
+    score_reference(tapes, reference, server_config, out / "logs" / "reference.log", progress=progress)
 
 
 def reference_name(reference: Path | RemoteServer) -> str:

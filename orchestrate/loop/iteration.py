@@ -44,9 +44,8 @@ from orchestrate.loop.report import Reporter, Timer, busy_fractions
 from orchestrate.loop.rollouts import EnvClock, run_rollouts
 from orchestrate.loop.samples import save_tapes, write_samples
 from orchestrate.loop.servers import Servers
-from orchestrate.loop.setup import build_agent
+from orchestrate.loop.setup import RunSetup
 from orchestrate.loop.trainer import TrainerProcess
-from orchestrate.serving.models import resolve_model
 from tapes.store import read_tapes
 from tapes.tape import Tape
 
@@ -83,37 +82,15 @@ class Loop:
     # -- set-up ------------------------------------------------------------------
 
     def _start(self, stack: ExitStack) -> None:
-        from transformers import AutoTokenizer
-
-        c = self.config
-        self.policy_dir = resolve_model(c.model.policy)
-        self.reference_dir = resolve_model(c.model.reference) if c.model.reference else self.policy_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-        self.train_env = EnvSpec.from_config(c, "train")
-        self.evaluation = Evaluation(c, self.run)
-        self.agent = build_agent(c, self.tokenizer)
-        if hasattr(self.agent, "close"):  # a program's gateway
-            stack.callback(self.agent.close)
-
-        # The servers (ours are started here; those given by URL run elsewhere), then the trainer before they
-        # start: it loads its model meanwhile. With async_level K it trains nothing generated more than K
-        # versions before it.
-        self.servers = Servers.for_run(c, self.run, self.policy_dir, self.reference_dir, self.tokenizer,
-                                       progress=self.progress)  # fmt: skip
-        train = c.train.model_copy(update={"colocated": self.servers.colocated})
-        if c.run.async_level and c.train.max_lag is None:
-            train = train.model_copy(update={"max_lag": c.run.async_level})
-        self.trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)
-        if not self.servers.colocated:  # it loads its model while the servers start
-            self.trainer.start()
-            stack.callback(self.trainer.stop)
-        self.servers.launch(stack)
-        if self.servers.colocated:  # after the servers measured the GPU's free memory
-            self.trainer.start()
-            stack.callback(self.trainer.stop)
-        self.servers.use(self.trainer)
-        stack.callback(self.servers.close)
-        self.servers.resume()  # serving the version the trainer resumes at
+        """The run's parts, from its config (orchestrate.loop.setup): the agent, the servers (ours are
+        started here; those given by URL run elsewhere) and the learner, started and serving the version it
+        resumes at."""
+        setup = RunSetup(self.config, self.run, progress=self.progress)
+        self.policy_dir, self.reference_dir, self.tokenizer = setup.policy_dir, setup.reference_dir, setup.tokenizer
+        self.train_env = EnvSpec.from_config(self.config, "train")
+        self.evaluation = Evaluation(self.config, self.run)
+        self.agent = setup.agent(stack)
+        self.servers, self.trainer = setup.start(stack)
 
     # -- episodes --------------------------------------------------------------------
 

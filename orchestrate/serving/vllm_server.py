@@ -409,7 +409,7 @@ class VLLMServer:
         before = self.probe_logprobs() if verify else None
         start = time.perf_counter()
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
-        self._post("/reset_prefix_cache")  # cached KV was computed with the old weights
+        self.reset_prefix_cache()  # cached KV was computed with the old weights
         seconds = time.perf_counter() - start
         if verify and self.probe_logprobs() == before:
             raise ServerError(
@@ -417,6 +417,17 @@ class VLLMServer:
                 "the checkpoint may hold the same weights or was not read"
             )
         return seconds
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (their KV was computed with weights or an adapter no longer served)."""
+        self._post("/reset_prefix_cache")
+
+    def load_adapter(self, name: str, path: str | os.PathLike, inplace: bool = True) -> None:
+        """A LoRA adapter folder into the running server under `name` (`inplace`: replacing one of that name)."""
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": inplace})
+
+    def unload_adapter(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
     # -- new weights under calls in flight (--run.in_flight_swaps) ----------------------
 

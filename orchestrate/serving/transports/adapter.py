@@ -38,10 +38,9 @@ class AdapterTransport(Transport):
         path = self.run.adapter(version).resolve()  # by absolute path: servers elsewhere see the same
         if not self.run.has_adapter(version):
             raise ServerError(f"version {version} has no adapter at {path}")
-        server._post("/v1/load_lora_adapter", {"lora_name": adapter_name(server.served_model_name, version),
-                                               "lora_path": str(path), "load_inplace": True})  # fmt: skip
+        server.load_adapter(adapter_name(server.served_model_name, version), path)
         if not fresh or isinstance(server, RemoteServer):
-            server._post("/reset_prefix_cache")
+            server.reset_prefix_cache()
 
     def unload(self, version: int) -> None:
         """Every server frees version `version`'s adapter."""
@@ -52,7 +51,7 @@ class AdapterTransport(Transport):
 
     def _unload_adapter(self, server: VLLMServer, version: int) -> None:
         try:
-            server._post("/v1/unload_lora_adapter", {"lora_name": adapter_name(server.served_model_name, version)})
+            server.unload_adapter(adapter_name(server.served_model_name, version))
         except ServerError:
             pass  # not loaded there (a server that rejoined since): nothing to free
 
