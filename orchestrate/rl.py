@@ -92,10 +92,22 @@ class _Refused(ValueError):
     pass
 
 
+def with_defaults(saved: dict) -> dict:
+    """A saved config as this version reads it: options added since it was written take their defaults, and
+    options that moved are where they are now, so neither counts as a change of settings."""
+    from orchestrate.loop.config import RLConfig
+
+    try:
+        return RLConfig.model_validate(saved).model_dump(mode="json")
+    except ValueError:  # not valid any more: compared as written, its differences named
+        return saved
+
+
 def _check_resume(run_dir: RunDir, current: dict) -> None:
     """A saved run may be resumed with the same settings only (RESUMABLE aside); its state must be readable."""
     saved = run_dir.saved_config()
     if saved is not None:
+        saved = with_defaults(saved)
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
         if changed:
             raise _Refused(f"{run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agents.envs.base import shuffled_passes
 from agents.envs.registry import register
-from agents.rewards import math_reward
+from agents.rewards import last_boxed, math_reward
 from agents.tasks import Arithmetic, ArithmeticConfig, Task, load_gsm8k
 
 
@@ -36,7 +36,12 @@ class MathEnv:
         if self.task is None:
             raise RuntimeError("step() before reset()")
         reward = math_reward(action, self.task.answer)
-        info = {"success": reward.value > 0, "format_error": reward.reason.startswith("no "), "reason": reward.reason}
+        info = {
+            "success": reward.value > 0,
+            "format_error": reward.reason.startswith("no "),
+            "reason": reward.reason,
+            "answer": (last_boxed(action) or "").strip(),
+        }  # what it answered: majority votes compare these
         return "", reward.value, True, False, info
 
 

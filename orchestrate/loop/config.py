@@ -12,6 +12,7 @@ one line naming the option (exit status 2) before anything is loaded.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -125,6 +126,9 @@ class EvalSection(BaseModel):
     )
     temperature: float = Field(0.0, ge=0, description="sampling temperature of evaluation (0: greedy)")
     max_tokens: int = Field(128, gt=0, description="new tokens per LLM call in evaluation")
+    samples: int = Field(
+        1, gt=0, description="episodes per held-out task; above 1 (at a temperature above 0) pass@k is reported too"
+    )
 
 
 def _core_list(value):
@@ -343,22 +347,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
     """Preset + dotted overrides -> a validated config, or ConfigError naming the option."""
-    data = load_preset(preset)
+    return resolve_from(load_preset(preset), overrides, f"preset {preset!r}")
+
+
+def resolve_from(data: dict[str, Any], overrides: dict[str, str], whole: str) -> RLConfig:
+    """A config's data (a preset's, or a saved run's) + dotted overrides -> a validated config, or ConfigError
+    naming the option; `whole` names the data in messages (preset 'embedded', RUN/config.json)."""
+    data = json.loads(json.dumps(data))  # the caller's copy stays as it was
     env = data.setdefault("env", {}) if isinstance(data.get("env", {}), dict) else data["env"]
     if isinstance(env, dict) and "env.id" in overrides and overrides["env.id"] != env.get("id"):
-        env["options"] = {}  # another environment: the preset's options were for its own
+        env["options"] = {}  # another environment: the options were for its own
     values = {dotted: parse_value(text) for dotted, text in overrides.items()}
     check_bools(values, RLConfig)
     try:
         nest(values, data)
     except ConfigError as exc:
         dotted = str(exc).split(":")[0]
-        raise ConfigError(f"{dotted}: preset {preset!r} does not hold a section there; fix the preset") from None
+        raise ConfigError(f"{dotted}: {whole} does not hold a section there; fix it") from None
     with_rollouts_of_algorithm(data)
     try:
         config = RLConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_environment_line(exc) or error_line(exc, whole=f"preset {preset!r}")) from None
+        raise ConfigError(_environment_line(exc) or error_line(exc, whole=whole)) from None
     check_config(config)
     return config
 

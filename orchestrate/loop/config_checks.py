@@ -38,6 +38,7 @@ LIMITS: dict[str, int] = {
     "rollouts.max_extra_tasks": 65536,
     "rollouts.max_tokens": 1 << 20,
     "eval.tasks": 1_000_000,
+    "eval.samples": 1024,
     "eval.max_tokens": 1 << 20,
     "run.iterations": 1_000_000,
     "run.keep_checkpoints": 10_000,
@@ -334,6 +335,9 @@ def check_config(config) -> None:
                           f"{tasks * r.attempts} tapes per iteration, more than the limit "
                           f"{TAPES_PER_ITERATION_LIMIT}")  # fmt: skip
     check_dynamic_sampling(config)
+    if config.eval.samples > 1 and config.eval.temperature == 0:
+        raise ConfigError(f"--eval.samples: {config.eval.samples} samples at --eval.temperature 0 repeat one greedy "
+                          "answer; sample once, or at a temperature above 0 (e.g. 1.0) for pass@k")  # fmt: skip
     for dotted, value in (("rollouts.max_tokens", r.max_tokens), ("eval.max_tokens", config.eval.max_tokens)):
         if value >= s.max_model_len:
             raise ConfigError(f"--{dotted}: {value} new tokens do not fit in --server.max_model_len {s.max_model_len} "

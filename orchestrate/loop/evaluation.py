@@ -1,21 +1,36 @@
-"""Held-out evaluation: before the first iteration and every `eval.every` iterations, the test split's first
-episodes (`eval.tasks`, else the environment's whole test set) played once each at `eval.temperature`, their
-tapes saved as RUN/tapes/eval_NNNNNN.jsonl and summarised as the `eval_*` metrics."""
+"""Evaluation: n samples of each held-out task, played and scored one way for the loop and for `orchestrate.eval`.
+
+`play_tasks` plays every sample of every task at once (bounded by the client's concurrency, so vLLM batches
+them and the samples of a task share their prompt's KV cache) and hands each task's tapes over as soon as
+its last sample ends (eval appends them to its file: a killed evaluation resumes without playing them
+again). `task_results` turns tapes into what orchestrate.loop.eval_stats scores: per task, the samples'
+rewards, successes and answers (an environment that puts `answer` in its last observation's info has
+answers a majority vote can compare), infrastructure failures counted apart, never scored.
+
+The loop (`Evaluation`): before the first iteration and every `eval.every` iterations, the test split's first
+tasks (`eval.tasks`, else the environment's whole test set) played `eval.samples` times each at
+`eval.temperature`, saved as RUN/tapes/eval_NNNNNN.jsonl and summarised as the `eval_*` metrics (with more
+than one sample, `eval_pass@k` too).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from agents.env_spec import EnvSpec
 from agents.envs import capabilities
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
+from orchestrate.loop.eval_stats import TaskResult, ks_for, summarize
 from orchestrate.loop.metrics import rollout_metrics
+from orchestrate.loop.progress import progress_bar
+from orchestrate.loop.rollouts import EnvClock, new_tape, play
 from orchestrate.loop.samples import save_tapes
 from tapes.store import read_tapes
-from tapes.tape import SamplingParams, Tape
+from tapes.tape import EnvObservation, SamplingParams, Tape
 
-# play(spec, seeds, attempts, iteration, sampling, desc) -> the tapes (the loop's rollouts on the policy servers)
+# play(spec, seeds, samples, iteration, sampling, desc) -> the tapes (the loop plays them on its policy servers)
 Play = Callable[[EnvSpec, list[int], int, int, SamplingParams, str], list[Tape]]
 
 
@@ -23,8 +38,95 @@ def eval_size(config: RLConfig) -> int:
     """Held-out episodes per evaluation: eval.tasks, else the environment's whole test set (500 if unbounded)."""
     if config.eval.tasks is not None:
         return config.eval.tasks
-    size = capabilities(EnvSpec.from_config(config, "test").make()).test_size
-    return size if size is not None else 500
+    return test_size(EnvSpec.from_config(config, "test")) or 500
+
+
+def test_size(spec: EnvSpec) -> int | None:
+    """How many tasks the split holds, when the environment says (None: unbounded, procedural)."""
+    return capabilities(spec.make()).test_size
+
+
+def group_id(iteration: int, spec: EnvSpec, seed: int) -> str:
+    return f"{iteration}:{spec.split}:{seed}"
+
+
+async def play_tasks(
+    agent,
+    spec: EnvSpec,
+    seeds: list[int],
+    samples: int,
+    llm,
+    *,
+    sampling: SamplingParams | None,
+    iteration: int,
+    policy_version: int,
+    done: Callable[[int, list[Tape]], None] | None = None,
+    progress: bool = True,
+    desc: str = "eval",
+    clock: EnvClock | None = None,
+) -> list[Tape]:
+    """`samples` episodes of each task seed, all in flight at once; the tapes in task order. `done(seed,
+    tapes)` is called as each task's last sample ends. An environment or agent failure stays on its tape
+    (metadata.error); a server failure raises (LLMError)."""
+    bar = progress_bar(total=len(seeds) * samples, desc=desc, unit="episode", disable=not progress, leave=False)
+
+    async def episode(seed: int) -> Tape:
+        tape = new_tape(spec, seed, iteration=iteration, group_id=group_id(iteration, spec, seed),
+                        policy_version=policy_version)  # fmt: skip
+        await play(agent, spec, seed, llm, tape, sampling, clock)
+        bar.update(1)
+        return tape
+
+    async def task(seed: int) -> list[Tape]:
+        tapes = list(await asyncio.gather(*(episode(seed) for _ in range(samples))))
+        if done is not None:
+            done(seed, tapes)
+        return tapes
+
+    try:
+        per_task = await asyncio.gather(*(task(seed) for seed in seeds))
+    finally:
+        bar.close()
+    return [tape for tapes in per_task for tape in tapes]
+
+
+def final_info(tape: Tape) -> dict:
+    """The info of the environment's last answer on the tape ({} if it never answered)."""
+    answers = [s for s in tape.steps if isinstance(s, EnvObservation) and s.turn > 0]
+    return answers[-1].info if answers else {}
+
+
+def task_results(tapes: list[Tape]) -> list[TaskResult]:
+    """Per task (in first-seen order): the rewards, successes and answers of its samples that ran, and how many
+    failed (infrastructure). Answers are compared by majority votes only when every sample's environment
+    reported one (`info["answer"]`); else they are None."""
+    by_task: dict[str, list[Tape]] = {}
+    for tape in tapes:
+        by_task.setdefault(tape.metadata.task_id or tape.metadata.id, []).append(tape)
+    results = []
+    for task_id, group in by_task.items():
+        ok = [t for t in group if not t.metadata.error]
+        infos = [final_info(t) for t in ok]
+        comparable = all("answer" in info for info in infos)
+        results.append(TaskResult(
+            task_id=task_id,
+            rewards=[float(t.metadata.reward or 0.0) for t in ok],
+            successes=[bool(t.metadata.success) if t.metadata.success is not None else (t.metadata.reward or 0) > 0
+                       for t in ok],
+            answers=[str(info["answer"]) if comparable else None for info in infos],
+            errors=len(group) - len(ok),
+        ))  # fmt: skip
+    return results
+
+
+def pass_metrics(tapes: list[Tape], samples: int, prefix: str = "eval_") -> dict[str, float]:
+    """pass@k (and maj@k where answers compare) for k = 2, 4, ... samples, as flat metrics (pass@1 is
+    success_rate); {} for one sample."""
+    if samples < 2:
+        return {}
+    summary = summarize([r for r in task_results(tapes) if r.rewards], ks_for(samples))
+    return {f"{prefix}{name}": summary[name]["value"] for name in summary
+            if name.startswith(("pass@", "maj@")) and name != "pass@1" and summary[name] is not None}  # fmt: skip
 
 
 class Evaluation:
@@ -33,6 +135,7 @@ class Evaluation:
         self.run = run_dir
         self.spec = EnvSpec.from_config(config, "test")
         self.episodes = eval_size(config)
+        self.samples = config.eval.samples
         self.sampling = SamplingParams(temperature=config.eval.temperature, max_tokens=config.eval.max_tokens)
 
     def due(self, iteration: int) -> bool:
@@ -45,6 +148,7 @@ class Evaluation:
         if path.exists():
             tapes = list(read_tapes(path))
         else:
-            tapes = play(self.spec, list(range(self.episodes)), 1, iteration, self.sampling, f"eval after {iteration}")
+            tapes = play(self.spec, list(range(self.episodes)), self.samples, iteration, self.sampling,
+                         f"eval after {iteration}")  # fmt: skip
             save_tapes(path, tapes)
-        return rollout_metrics(tapes, prefix="eval_")
+        return {**rollout_metrics(tapes, prefix="eval_"), **pass_metrics(tapes, self.samples)}

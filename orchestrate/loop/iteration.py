@@ -37,7 +37,7 @@ from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
-from orchestrate.loop.evaluation import Evaluation
+from orchestrate.loop.evaluation import Evaluation, play_tasks
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.phase import PHASE_LOCK, kill_hook
 from orchestrate.loop.report import Reporter, Timer, busy_fractions
@@ -225,8 +225,18 @@ class Loop:
     def evaluate(self, i: int) -> dict:
         """The held-out metrics of the weights served after iteration i (orchestrate.loop.evaluation)."""
 
-        def play(spec, seeds, attempts, iteration, sampling, desc) -> list[Tape]:
-            return asyncio.run(self._rollouts(spec, seeds, attempts, iteration, sampling, desc))[0]
+        def play(spec, seeds, samples, iteration, sampling, desc) -> list[Tape]:
+            async def go() -> list[Tape]:  # the code orchestrate.eval plays with, on the policy servers
+                served = self.servers.served
+                async with self.servers.client("policy", policy_version=served) as client:
+                    try:
+                        return await play_tasks(self.agent, spec, seeds, samples, client, sampling=sampling,
+                                                iteration=iteration, policy_version=served, desc=desc,
+                                                progress=self.progress)  # fmt: skip
+                    finally:
+                        self.servers.count(client)
+
+            return asyncio.run(go())
 
         return self.evaluation(i, play)
 

@@ -1,0 +1,514 @@
+"""Evaluate a policy: `uv run -m orchestrate.eval TARGET [--n 8 --temperature 1.0] [--tasks 0:200]`.
+
+    uv run -m orchestrate.eval runs/embedded                           # its newest checkpoint, the held-out set
+    uv run -m orchestrate.eval runs/embedded --version 10 --n 8 --temperature 1.0
+    uv run -m orchestrate.eval smollm2 --env.id math:gsm8k --tasks 0:200
+    uv run -m orchestrate.eval http://127.0.0.1:8000 --key-file KEY --config runs/embedded/config.json
+    uv run -m orchestrate.eval --compare runs/embedded@0 runs/embedded --n 4 --temperature 1.0
+
+TARGET is a run directory (its newest checkpoint with weights on disk; `--version N` or RUN@N for version N,
+0 the initial model), a model folder (a checkpoint RUN/checkpoints/N is version N of its run), a model by
+name (smollm2, a hub id), or the URL of a policy server that runs (orchestrate.serve; used as it serves now).
+The environment and the agent (built-in or `--agent.program`) are the run's (its config.json: the target's
+run, or `--config`), else the preset's, with `--env.*` / `--agent.*` overrides; the tasks are a slice of a
+split (`--tasks N` the first N, `A:B`; default the run's eval.tasks, else the whole test split).
+
+Each task is played `--n` times at `--temperature` (all in flight on one vLLM server started for the target,
+with the run's server settings; the loop's held-out evaluation plays with the same code,
+orchestrate.loop.evaluation). Reported: mean reward, pass@k for k = 1, 2, 4, ... n (the unbiased
+estimator), maj@k where the environment reports comparable answers, each with a 95% interval over tasks
+(orchestrate.loop.eval_stats), and a per-task table with the failures first. Written to OUT (default
+RUN/evals/LABEL for a run, else runs/evals/NAME-LABEL): tapes/eval_VVVVVV.jsonl (browse, replay and fork
+them), eval.json (settings, figures, per task), summary.md, pass_at_k.png, config.json, logs/. Finished
+tasks are appended as they end: the same command after a kill plays only the rest.
+
+`--compare A B` evaluates A then B on the same tasks and seeds (OUT/a, OUT/b, resumable each) and reports
+the paired difference B - A of each figure with its 95% interval and the tasks that flipped (compare.json,
+compare.md, compare.png).
+
+An evaluation of a run whose loop is running reads the run's checkpoints and writes only its own folder,
+under its own lock. Exit status 0 when written; 1 when a server failed (what finished is kept); 2 for bad
+input, one line naming the option, checked before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contract.cli import StrictParser, add_options, given, refuse_repeated
+from contract.durable import atomic_write_json, atomic_write_text
+from contract.rundir import RunDir
+from orchestrate.loop.config import (
+    ConfigError,
+    EnvSection,
+    RLConfig,
+    ServerSection,
+    load_preset,
+    presets,
+    resolve_from,
+    split_env_options,
+)
+from orchestrate.loop.setup import Policy, SetupError, given_policy, remote_policy, run_policy
+from tapes.tape import Tape
+
+SERVER_OPTIONS = ("max_model_len", "kv_cache_gib", "dtype", "gpu_memory_utilization", "enforce_eager", "cpus", "gpus",
+                  "startup_timeout_s", "extra_args")  # fmt: skip
+TASKS = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+VERSIONED = re.compile(r"^(.*)@(\d+)$")
+
+
+class EvalError(ValueError):
+    """Bad input: one line naming the option, exit 2."""
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = StrictParser(
+        prog="uv run -m orchestrate.eval",
+        description="Evaluate a checkpoint, a run, a model or a server: pass@k, maj@k, mean reward with 95% "
+        "intervals, per-task results, tapes; --compare A B for a paired comparison.",
+        epilog="Options --env.*, --agent.* and --server.* override the run's config (or the preset's).",
+    )
+    parser.add_argument("target", nargs="?", help="RUN, RUN@N, a model folder, a model name, or a server's URL")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B on the same tasks: B - A")
+    parser.add_argument("--version", type=int, help="of a run: this version (0: the initial model)")
+    parser.add_argument("--config", help="the run config.json whose environment and agent to use")
+    parser.add_argument("--preset", help=f"with no run config: this preset's environment and agent ({', '.join(presets())}) [default: embedded]")  # fmt: skip
+    parser.add_argument("--split", default="test", choices=("test", "train"), help="the split [default: test]")
+    parser.add_argument("--tasks", help="N (the first N) or A:B (tasks A to B-1) [default: eval.tasks, else all]")
+    parser.add_argument("--n", type=int, default=1, help="samples per task [default: 1]")
+    parser.add_argument("--temperature", type=float, help="[default: eval.temperature with --n 1, else rollouts.temperature]")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, help="new tokens per LLM call [default: eval.max_tokens]")
+    parser.add_argument("--k", help="pass@k for these k, comma-separated [default: 1, 2, 4, ... n]")
+    parser.add_argument("--key-file", help="a server's API key file [default: $VLLM_API_KEY]")  # fmt: skip
+    parser.add_argument("--max-concurrency", type=int, help="episodes' calls in flight [default: rollouts.max_concurrency]")  # fmt: skip
+    parser.add_argument("--out", help="output folder [default: RUN/evals/LABEL, else runs/evals/NAME-LABEL]")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_options(parser, EnvSection, "env.", defaults=False)
+    from agents.agent import AgentConfig
+
+    add_options(parser, AgentConfig, "agent.", defaults=False)
+    add_options(parser, ServerSection, "server.", defaults=False, only=SERVER_OPTIONS, note="the target's server: ")
+    return parser
+
+
+@dataclass
+class Target:
+    """One thing to evaluate, checked."""
+
+    text: str
+    policy: Policy
+    run: RunDir | None  # the run it belongs to, if any
+
+
+@dataclass
+class Settings:
+    """The command line, checked: what is evaluated, on which tasks, how."""
+
+    targets: list[Target]
+    config: RLConfig
+    config_source: str
+    seeds: list[int]
+    n: int
+    temperature: float
+    max_tokens: int
+    ks: list[int]
+    out: Path
+    key_file: str | None
+    max_concurrency: int
+    split: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, target: Target) -> dict:
+        """What an evaluation folder holds: a resumed one must have been started with the same."""
+        c = self.config
+        return {"target": target.text, "model": target.policy.name, "version": target.policy.version,
+                "env": {"id": c.env.id, "options": c.env.options, "tools": c.env.tools, "split": self.split,
+                        "run_seed": c.run.seed},
+                "agent": c.agent.model_dump(mode="json"), "tasks": [self.seeds[0], self.seeds[-1] + 1],
+                "n": self.n, "temperature": self.temperature, "max_tokens": self.max_tokens}  # fmt: skip
+
+
+def is_run(path: Path) -> bool:
+    run = RunDir(path)
+    return path.is_dir() and (run.state_path.is_file() or (path / "checkpoints").is_dir() or
+                              (run.config_path.is_file() and "rollouts" in _json(run.config_path)))  # fmt: skip
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def target_run(text: str) -> tuple[RunDir | None, int | None]:
+    """The run a target belongs to and the version it names: RUN, RUN@N, RUN/checkpoints/N."""
+    m = VERSIONED.match(text)
+    path = Path(m.group(1) if m else text)
+    if is_run(path):
+        return RunDir(path), int(m.group(2)) if m else None
+    if m:
+        raise EvalError(f"target {text}: {path} is not a run directory (RUN@N names version N of a run)")
+    if path.is_dir() and path.parent.name == "checkpoints" and is_run(path.parent.parent):
+        return RunDir(path.parent.parent), None
+    return None, None
+
+
+def resolve_config(args, overrides: dict[str, str], runs: list[RunDir | None]) -> tuple[RLConfig, str]:
+    """The environment's and agent's settings: --config, else the first target's run, else the preset."""
+    if args.config and args.preset:
+        raise EvalError("--preset: give --config or --preset, not both")
+    path = Path(args.config) if args.config else next((r.config_path for r in runs if r is not None), None)
+    if path is not None and not args.preset:
+        if not path.is_file():
+            raise EvalError(f"--config: {path} not found; pass a run's config.json")
+        data, whole = _json(path), str(path)
+        if "rollouts" not in data:
+            raise EvalError(f"--config: {path} is not a run's config.json")
+    else:
+        data, whole = load_preset(args.preset or "embedded"), f"preset {args.preset or 'embedded'!r}"
+    try:
+        return resolve_from(data, overrides, whole), whole
+    except ConfigError as exc:
+        raise EvalError(str(exc)) from None
+
+
+def parse_tasks(text: str | None, default: int, size: int | None, split: str) -> list[int]:
+    if text is None:
+        low, high = 0, default
+    else:
+        m = TASKS.match(text)
+        if not m:
+            raise EvalError(f"--tasks: {text!r} is not N or A:B (e.g. 200 or 0:200)")
+        low, high = (0, int(m.group(1))) if m.group(2) is None else (int(m.group(1)), int(m.group(2)))
+        if high <= low:
+            raise EvalError(f"--tasks: {text!r} is an empty slice")
+    if size is not None and high > size:
+        raise EvalError(f"--tasks: the {split} split holds {size} tasks (0:{size}); {low}:{high} reaches past it")
+    return list(range(low, high))
+
+
+def parse_ks(text: str | None, n: int) -> list[int]:
+    from orchestrate.loop.eval_stats import ks_for
+
+    if text is None:
+        return ks_for(n)
+    try:
+        ks = sorted({int(k) for k in text.split(",")})
+    except ValueError:
+        raise EvalError(f"--k: {text!r} is not a comma-separated list of whole numbers") from None
+    if ks[0] < 1:
+        raise EvalError(f"--k: {ks[0]}: k counts samples, 1 or more")
+    if ks[-1] > n:
+        raise EvalError(f"--k: pass@{ks[-1]} needs at least {ks[-1]} samples per task; --n is {n}")
+    return ks
+
+
+def label(settings_like: dict) -> str:
+    """A folder name that says what was evaluated and how."""
+    lo, hi = settings_like["tasks"]
+    env = re.sub(r"[^A-Za-z0-9_.-]", "_", settings_like["env"]["id"])
+    return (f"v{settings_like['version']}-{env}-{settings_like['env']['split']}{lo}-{hi}-n{settings_like['n']}"
+            f"-t{settings_like['temperature']:g}")  # fmt: skip
+
+
+def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
+    """Every option checked before anything starts; EvalError names the first bad one."""
+    texts = list(args.compare) if args.compare else [args.target] if args.target else []
+    if args.compare and args.target:
+        raise EvalError("--compare: it takes the two targets; leave the lone target out")
+    if not texts:
+        raise EvalError("target: name what to evaluate (a run, RUN@N, a model folder or name, a URL), or --compare A B")
+    if args.version is not None and (args.compare or args.version < 0):
+        raise EvalError(f"--version {args.version}: a version of one run (0 or more); with --compare write RUN@N")
+    if args.n < 1:
+        raise EvalError(f"--n {args.n}: sample each task once or more")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise EvalError(f"--max-tokens {args.max_tokens}: expected a positive integer")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise EvalError(f"--temperature {args.temperature}: expected a number >= 0")
+    if args.temperature == 0 and args.n > 1:
+        raise EvalError(f"--n {args.n}: at temperature 0 every sample is the same greedy answer; use --n 1, or a "
+                        "temperature above 0 (e.g. --temperature 1.0) for pass@k")  # fmt: skip
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise EvalError(f"--max-concurrency {args.max_concurrency}: expected a positive integer")
+    urls = [t for t in texts if t.startswith(("http://", "https://"))]
+    if args.key_file and not urls:
+        raise EvalError("--key-file: it is the key of a server given by URL; name one as the target")
+    ks = parse_ks(args.k, args.n)
+    runs = []
+    for text in texts:
+        run, version = (None, None) if text in urls else target_run(text)
+        if version is None and args.version is not None:
+            if run is None:
+                raise EvalError(f"--version: {text} is not a run directory")
+            version = args.version
+        runs.append((run, version))
+    overrides = given(args)
+    overrides.update({f"env.options.{k}": v for k, v in env_options.items()})
+    config, source = resolve_config(args, overrides, [r for r, _ in runs])
+    from orchestrate.loop.evaluation import test_size
+    from orchestrate.loop.preflight import PreflightError, check_environment
+
+    try:
+        check_environment(config.model_copy(update={"eval": config.eval.model_copy(update={"every": 0})}))
+    except PreflightError as exc:
+        raise EvalError(str(exc)) from None
+    from agents.env_spec import EnvSpec
+
+    spec = EnvSpec(config.env.id, config.env.options, args.split, config.run.seed, config.env.tools)
+    size = test_size(spec) if args.split == "test" else None
+    seeds = parse_tasks(args.tasks, config.eval.tasks or size or 500, size, args.split)
+    temperature = args.temperature if args.temperature is not None else (
+        config.eval.temperature if args.n == 1 else config.rollouts.temperature)  # fmt: skip
+    targets = []
+    for text, (run, version) in zip(texts, runs):
+        try:
+            if text in urls:
+                policy = remote_policy(text, args.key_file, option="target", key_option="--key-file")
+            elif run is not None and Path(VERSIONED.sub(r"\1", text)).resolve() == run.root.resolve():
+                policy = run_policy(run, _run_config(run), version, option="target")
+            else:
+                policy = given_policy(text, option="target")
+        except SetupError as exc:
+            raise EvalError(str(exc)) from None
+        targets.append(Target(text, policy, run))
+    settings = Settings(targets, config, source, seeds, args.n, temperature, args.max_tokens or config.eval.max_tokens,
+                        ks, Path(), args.key_file, args.max_concurrency or config.rollouts.max_concurrency,
+                        args.split)  # fmt: skip
+    settings.out = Path(args.out) if args.out else default_out(settings)
+    if settings.out.exists() and not settings.out.is_dir():
+        raise EvalError(f"--out: {settings.out} is a file")
+    folders = [settings.out / x for x in ("a", "b")] if args.compare else [settings.out]
+    for folder, target in zip(folders, targets):
+        saved = _json(folder / "eval.json").get("settings")
+        if saved is not None and saved != settings.record(target):
+            raise EvalError(f"--out: {folder} holds an evaluation with other settings; pass a new --out")
+    return settings
+
+
+def _run_config(run: RunDir) -> RLConfig:
+    from orchestrate.loop.setup import read_run_config
+
+    return read_run_config(run.config_path, option="target")
+
+
+def default_out(s: Settings) -> Path:
+    records = [s.record(t) for t in s.targets]
+    if len(s.targets) == 2:
+        names = "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]", "_", Path(t.text.rstrip("/")).name)[:40] for t in s.targets)
+        return Path("runs") / "evals" / f"compare-{names}-{label(records[1]).split('-', 1)[1]}"
+    t = s.targets[0]
+    if t.run is not None:
+        return t.run.root / "evals" / label(records[0])
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", t.text.rstrip("/").split("/")[-1])[:60]
+    return Path("runs") / "evals" / f"{name}-{label(records[0])}"
+
+
+# -- one evaluation -------------------------------------------------------------------------------------
+
+
+def tape_file(folder: Path, version: int) -> Path:
+    return RunDir(folder).eval_tapes(version)
+
+
+def finished(path: Path, n: int) -> dict[int, list[Tape]]:
+    """The tasks whose n samples a killed evaluation wrote whole (a torn last line, or a task cut short, is
+    dropped and played again); the file rewritten with them alone."""
+    from contract.durable import AtomicFile
+    from tapes.store import TapeWriter, parse_tape_line
+
+    if not path.is_file():
+        return {}
+    tapes: list[Tape] = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if line.strip():
+            try:
+                tapes.append(parse_tape_line(line, path, lineno))
+            except Exception:  # noqa: BLE001 - a line cut by the kill: it and anything after are played again
+                break
+    by_seed: dict[int, list[Tape]] = {}
+    for tape in tapes:
+        by_seed.setdefault(int(tape.context["env"]["seed"]), []).append(tape)
+    done = {seed: group for seed, group in by_seed.items() if len(group) == n}
+    with AtomicFile(path) as f, TapeWriter(f) as writer:
+        for group in done.values():
+            for tape in group:
+                writer.write(tape)
+    return done
+
+
+class Appender:
+    """Each finished task's tapes appended to the evaluation's file and synced: a kill loses no finished task."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def __call__(self, seed: int, tapes: list[Tape]) -> None:
+        self.file.write("".join(t.model_dump_json() + "\n" for t in tapes))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
+    """Evaluate one target into `folder` (resuming what it holds); its eval.json record."""
+    from agents.env_spec import EnvSpec
+    from orchestrate.loop.eval_report import markdown, plot
+    from orchestrate.loop.eval_stats import summarize
+    from orchestrate.loop.evaluation import play_tasks, task_results
+    from orchestrate.loop.run_lock import RunLock
+    from orchestrate.loop.setup import PolicyServer, build_agent
+    from tapes.tape import SamplingParams
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(folder, "an evaluation").acquire()
+    try:
+        atomic_write_json(folder / "config.json", s.config.model_dump(mode="json"))
+        path = tape_file(folder, target.policy.version)
+        done = finished(path, s.n)
+        todo = [seed for seed in s.seeds if seed not in done]
+        spec = EnvSpec.from_config(s.config, s.split)
+        sampling = SamplingParams(temperature=s.temperature, max_tokens=s.max_tokens)
+        started = time.perf_counter()
+        print(f"{target.text}: {target.policy.note}; {len(s.seeds)} tasks of {s.config.env.id} ({s.split}) x {s.n} "
+              f"at temperature {s.temperature:g}" + (f"; {len(done)} done before, {len(todo)} to play" if done else ""),
+              flush=True)  # fmt: skip
+        if todo:
+            tokenizer = _tokenizer(target.policy, s.config)
+            agent = build_agent(s.config, tokenizer)
+            appender = Appender(path)
+            try:
+                with PolicyServer(target.policy, s.config, folder / "logs", s.key_file) as served:
+
+                    async def play():
+                        async with served.client(s.max_concurrency) as client:
+                            await play_tasks(agent, spec, todo, s.n, client, sampling=sampling, iteration=0,
+                                             policy_version=target.policy.version, done=appender,
+                                             progress=progress, desc=f"eval {target.text}")  # fmt: skip
+
+                    asyncio.run(play())
+            finally:
+                appender.close()
+                close = getattr(agent, "close", None)
+                if close is not None:
+                    close()
+        seconds = time.perf_counter() - started
+        done = finished(path, s.n)
+        tapes = [t for seed in s.seeds for t in done.get(seed, [])]
+        summary = summarize(task_results(tapes), s.ks)
+        record = {"settings": s.record(target), "policy": target.policy.note, "config": s.config_source,
+                  "tapes": str(path), "seconds": round(seconds, 3), **summary}  # fmt: skip
+        atomic_write_json(folder / "eval.json", record)
+        atomic_write_text(folder / "summary.md", markdown(summary, f"{target.text} ({target.policy.note})"))
+        plot(summary, folder / "pass_at_k.png")
+        return record
+    finally:
+        lock.release()
+
+
+def _tokenizer(policy: Policy, config: RLConfig):
+    """The served model's tokenizer when it is a folder here that has one, else the run's policy's."""
+    from transformers import AutoTokenizer
+
+    from orchestrate.loop.setup import load_tokenizer
+
+    if not policy.url and (policy.model / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(policy.model)
+    return load_tokenizer(config)
+
+
+def headline(record: dict, ks: list[int]) -> str:
+    def figure(name: str) -> str:
+        f = record.get(name)
+        if not f:
+            return ""
+        lo, hi = f["ci95"]
+        return f"{name} {f['value']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    names = ["mean_reward"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1]
+    return "  ".join(x for x in map(figure, names) if x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        refuse_repeated(argv)
+        argv, env_options = split_env_options(argv)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    args = parser.parse_args(argv)
+    try:
+        s = resolve(args, env_options)
+    except (EvalError, ConfigError) as exc:
+        parser.exit(2, f"error: {str(exc).splitlines()[0]}\n")
+    from orchestrate.loop.run_lock import RunDirInUse
+    from orchestrate.serving.llm import LLMError
+    from orchestrate.serving.vllm_server import ServerError
+
+    folders = [s.out / "a", s.out / "b"] if len(s.targets) == 2 else [s.out]
+    records = []
+    try:
+        for target, folder in zip(s.targets, folders):
+            records.append(evaluate(s, target, folder, progress=not args.no_progress))
+            print(f"{target.text}: {headline(records[-1], s.ks)}  ({folder / 'summary.md'})", flush=True)
+    except RunDirInUse as exc:
+        print(f"error: --out: {exc}", file=sys.stderr)
+        return 2
+    except (LLMError, ServerError) as exc:
+        print(f"error: {str(exc).splitlines()[0]}\nWhat finished is kept; run the same command again to play the "
+              "rest.", file=sys.stderr)  # fmt: skip
+        return 1
+    if len(records) == 2:
+        write_comparison(s, folders)
+    return 0
+
+
+def write_comparison(s: Settings, folders: list[Path]) -> dict:
+    from orchestrate.loop.eval_report import markdown, plot
+    from orchestrate.loop.eval_stats import compare, summarize
+    from orchestrate.loop.evaluation import task_results
+
+    results = []
+    for target, folder in zip(s.targets, folders):
+        done = finished(tape_file(folder, target.policy.version), s.n)
+        results.append(task_results([t for seed in s.seeds for t in done.get(seed, [])]))
+    paired = compare(results[0], results[1], s.ks)
+    summary_b = summarize(results[1], s.ks)
+    a, b = s.targets
+    record = {"a": s.record(a), "b": s.record(b), **paired}
+    atomic_write_json(s.out / "compare.json", record)
+    title = f"{b.text} against {a.text}"
+    atomic_write_text(s.out / "compare.md", markdown(summary_b, title, compare=paired))
+    plot(summary_b, s.out / "compare.png", compare=paired)
+    for name in ["mean_reward"] + [f"pass@{k}" for k in s.ks]:
+        f = paired.get(name)
+        if f:
+            lo, hi = f["ci95"]
+            print(f"{name}: {f['a']:.3f} -> {f['b']:.3f}  B - A {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    flipped = paired.get("flipped", {})
+    print(f"flipped: {len(flipped.get('b_only', []))} tasks solved by B only, {len(flipped.get('a_only', []))} by A "
+          f"only ({s.out / 'compare.md'})")  # fmt: skip
+    return record
+
+
+if __name__ == "__main__":
+    sys.exit(main())

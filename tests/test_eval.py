@@ -1,0 +1,205 @@
+"""orchestrate.eval: what it evaluates, what it writes, resume, bad input (a scripted server stands in for vLLM),
+and on a real server: the loop's held-out figure is eval's on the same checkpoint and seeds."""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+
+import pytest
+from orchestrate.loop.eval_stats import ks_for, summarize
+
+from orchestrate import eval as eval_command
+from orchestrate.loop.evaluation import task_results
+from tapes.store import read_tapes
+from tests.scripted import scripted_call
+
+QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
+
+
+class StandIn:
+    served_model_name = "policy"
+
+    def stop(self):
+        pass
+
+
+@pytest.fixture
+def scripted(monkeypatch, tokenizer):
+    """The command's server and client replaced: each call answers the last question right or wrong, decided
+    by a hash of (question, how many times it was asked), so tasks differ and samples of one task differ.
+    Returns the record of calls made and the policies served."""
+    seen = {"calls": 0, "policies": [], "asked": {}}
+
+    class Client:
+        def __init__(self, endpoints, tokenizer_=None, *, model="", policy_version=0, **kw):
+            self.model, self.version = model, policy_version
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            pass
+
+        async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
+            seen["calls"] += 1
+            a, b = map(int, QUESTION.findall(messages[-1]["content"])[-1])
+            k = seen["asked"][(a, b)] = seen["asked"].get((a, b), 0) + 1
+            right = zlib.crc32(f"{a}+{b}/{k if sampling.temperature > 0 else 0}".encode()) % 3 != 0
+            text = f"\\boxed{{{a + b if right else a + b + 1}}}"
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [
+                tokenizer.convert_tokens_to_ids("<|im_end|>")
+            ]
+            call = scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+            call.policy_version, call.model = self.version, self.model
+            return call
+
+    def start(self):
+        seen["policies"].append(self.policy)
+        self.server = StandIn()
+        return self
+
+    monkeypatch.setattr("orchestrate.loop.setup.PolicyServer.start", start)
+    monkeypatch.setattr("orchestrate.serving.llm.VLLMClient", Client)
+    return seen
+
+
+def run_eval(*args, capsys):
+    try:
+        code = eval_command.main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_model_evaluated_n_times_per_task_writes_tapes_figures_and_a_summary(tmp_path, scripted, capsys):
+    out = tmp_path / "ev"
+    code, stdout, err = run_eval("smollm2", "--tasks", "0:6", "--n", 4, "--temperature", 1.0, "--out", out,
+                                 "--no-progress", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    record = json.loads((out / "eval.json").read_text())
+    tapes = list(read_tapes(out / "tapes" / "eval_000000.jsonl"))
+    assert len(tapes) == 24 and scripted["calls"] == 24
+    assert sorted({t.context["env"]["seed"] for t in tapes}) == list(range(6))
+    assert {t.context["env"]["split"] for t in tapes} == {"test"}
+    # the figures are eval_stats' of the tapes written: one source
+    expected = summarize(task_results(tapes), ks_for(4))
+    for name in ("mean_reward", "pass@1", "pass@2", "pass@4", "maj@4"):
+        assert record[name] == pytest.approx(expected[name]), name
+    assert 0 < record["pass@1"]["value"] < record["pass@4"]["value"] <= 1
+    assert record["settings"]["n"] == 4 and record["settings"]["tasks"] == [0, 6]
+    assert "pass@4" in (out / "summary.md").read_text() and (out / "pass_at_k.png").stat().st_size > 0
+    assert "pass@1" in stdout and "[" in stdout  # the headline with its interval
+
+
+def test_a_killed_evaluation_resumes_without_playing_finished_tasks(tmp_path, scripted, capsys):
+    out = tmp_path / "ev"
+    args = ("smollm2", "--tasks", "0:5", "--n", 2, "--temperature", 1.0, "--out", out, "--no-progress")
+    assert run_eval(*args, capsys=capsys)[0] == 0
+    path = out / "tapes" / "eval_000000.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    first = json.loads((out / "eval.json").read_text())
+    # as a kill leaves it: three tasks whole, one sample of the fourth, and a torn line
+    path.write_text("".join(lines[:7]) + lines[7][:50])
+    (out / "eval.json").unlink()
+    calls = scripted["calls"]
+    code, stdout, err = run_eval(*args, capsys=capsys)
+    assert code == 0, err
+    assert scripted["calls"] - calls == 4  # tasks 3 and 4 again, 2 samples each; nothing else
+    assert "3 done before, 2 to play" in stdout
+    tapes = list(read_tapes(path))
+    assert len(tapes) == 10 and sorted(t.context["env"]["seed"] for t in tapes) == sorted([0, 1, 2, 3, 4] * 2)
+    assert json.loads((out / "eval.json").read_text())["settings"] == first["settings"]
+
+
+def test_greedy_twice_gives_the_same_numbers(tmp_path, scripted, capsys):
+    records = []
+    for name in ("a", "b"):
+        assert run_eval("smollm2", "--tasks", 8, "--out", tmp_path / name, "--no-progress", capsys=capsys)[0] == 0
+        records.append(json.loads((tmp_path / name / "eval.json").read_text()))
+    assert records[0]["pass@1"] == records[1]["pass@1"] and records[0]["per_task"] == records[1]["per_task"]
+    assert records[0]["settings"]["temperature"] == 0.0  # the preset's eval temperature with one sample
+
+
+def test_a_run_is_evaluated_at_its_version_and_two_are_compared_on_the_same_tasks(tmp_path, scripted, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    from orchestrate.loop.config import resolve
+
+    (run / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
+    code, stdout, err = run_eval(run, "--tasks", 3, "--no-progress", capsys=capsys)
+    assert code == 0, err
+    assert scripted["policies"][-1].version == 0 and (run / "evals").is_dir()  # no checkpoint yet: the initial model
+    code, _, err = run_eval(run, "--version", 3, "--tasks", 3, capsys=capsys)
+    assert code == 2 and "--version 3" in err and len(err.strip().splitlines()) == 1
+
+    out = tmp_path / "cmp"
+    code, stdout, err = run_eval("--compare", "smollm2", f"{run}@0", "--tasks", 4, "--n", 2, "--temperature", 1.0,
+                                 "--out", out, "--no-progress", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    record = json.loads((out / "compare.json").read_text())
+    a = {t.metadata.task_id for t in read_tapes(out / "a" / "tapes" / "eval_000000.jsonl")}
+    b = {t.metadata.task_id for t in read_tapes(out / "b" / "tapes" / "eval_000000.jsonl")}
+    assert a == b and len(a) == 4
+    assert "pass@1" in record and "flipped" in record and "B - A" in stdout
+    assert (out / "compare.md").is_file() and (out / "compare.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["/no/such/folder"], ["target", "/no/such/folder"]),
+        (["no-such-model-xyz"], ["target"]),
+        (["smollm2", "--env.id", "math:nope"], ["--env.id"]),
+        (["smollm2", "--split", "dev"], ["--split"]),
+        (["smollm2", "--tasks", "490:510"], ["--tasks", "500"]),
+        (["smollm2", "--tasks", "5:5"], ["--tasks", "empty"]),
+        (["smollm2", "--tasks", "x"], ["--tasks"]),
+        (["smollm2", "--n", 2, "--k", "1,4", "--temperature", 1], ["--k", "4"]),
+        (["smollm2", "--n", 4, "--temperature", 0], ["--n 4", "temperature 0"]),
+        (["smollm2", "--n", 0], ["--n"]),
+        (["smollm2", "--temperature", "nan"], ["--temperature"]),
+        (["smollm2", "--version", 2], ["--version", "not a run"]),
+        (["smollm2", "--key-file", "k"], ["--key-file"]),
+        (["http://127.0.0.1:9"], ["$VLLM_API_KEY"]),
+        ([], ["target"]),
+        (["--compare", "smollm2"], ["--compare"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, scripted, capsys, monkeypatch, args, words):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    code, _, err = run_eval(*args, "--out", tmp_path / "out", capsys=capsys)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+    assert scripted["policies"] == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_loops_held_out_figure_is_evals_on_the_same_checkpoint_and_seeds(tiny_run, tiny_policy_server, tmp_path,
+                                                                             capsys):  # fmt: skip
+    """tiny_run evaluated itself after iteration 2 (4 tasks, T = 0, 12 tokens); eval of its version 2 on the
+    same tasks, served by a real vLLM server, samples the same tokens and gives the same figure."""
+    checkpoint = tiny_run / "checkpoints" / "000002"
+    assert (checkpoint / "model.safetensors").is_file()  # the clean stop wrote the weights sent in memory
+    tiny_policy_server.reload_weights(checkpoint, verify=False)
+    key = tmp_path / "key"
+    key.write_text(tiny_policy_server.api_key)
+    out = tmp_path / "ev"
+    code, stdout, err = run_eval(tiny_policy_server.base_url, "--key-file", key, "--config", tiny_run / "config.json",
+                                 "--tasks", 4, "--out", out, "--no-progress", capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    loop = list(read_tapes(tiny_run / "tapes" / "eval_000002.jsonl"))
+    ours = list(read_tapes(next((out / "tapes").glob("eval_*.jsonl"))))
+    assert [t.metadata.task_id for t in ours] == [t.metadata.task_id for t in loop]
+    assert [c.output_token_ids for t in ours for c in t.llm_calls] == [
+        c.output_token_ids for t in loop for c in t.llm_calls
+    ]
+    metrics = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    held_out = next(m["eval_success_rate"] for m in metrics if m.get("iteration") == 2 and "eval_success_rate" in m)
+    assert json.loads((out / "eval.json").read_text())["pass@1"]["value"] == pytest.approx(held_out)
