@@ -14,7 +14,7 @@ from agents.agent import AgentConfig, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from agents.tools import RecordedTool, ToolCall
-from orchestrate import fork as fork_command
+from orchestrate.after import fork as fork_command
 from orchestrate.after.fork import fork_sampling, fork_tape, replayed_part
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
@@ -283,12 +283,10 @@ def game_run(tmp_path, tokenizer, *overrides, tapes=2):
     (run / "tapes").mkdir(parents=True)
     config = resolve("game", dict(overrides))
     (run / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
-    agent = agent_from_run_config(run / "config.json")
     spec = EnvSpec.from_config(config, "train")
-    made = [played(agent, spec, wrong_guesses(spec, seed, 2) + ["no guess"], tokenizer, seed=seed)
-            for seed in range(tapes)]  # fmt: skip
-    if hasattr(agent, "close"):
-        agent.close()
+    with agent_from_run_config(run / "config.json") as agent:
+        made = [played(agent, spec, wrong_guesses(spec, seed, 2) + ["no guess"], tokenizer, seed=seed)
+                for seed in range(tapes)]  # fmt: skip
     write_tapes(run / "tapes" / "iter_000001.jsonl", made)
     return run, made
 
@@ -360,7 +358,7 @@ def test_the_command_writes_the_forks_beside_the_tapes(tmp_path, tokenizer, scri
     assert lines[-1] == f"3 forks of tape {tapes[1].metadata.id} (iter_000001.jsonl, index 1) at call 1: {written}"
     (policy,) = scripted_server
     assert policy.version == 0 and policy.name == "smollm2"
-    from orchestrate import show
+    from orchestrate.after import show
 
     assert show.main([str(written), "--index", "2", "--no-color"]) in (0, None)
     assert f"fork of tape {tapes[1].metadata.id}: its first 1 LLM calls replayed" in capsys.readouterr().out

@@ -352,13 +352,17 @@ def test_rewards_per_turn_from_the_program_or_from_a_reward_function_of_the_tape
 
 
 def test_program_options_are_refused_without_a_program_and_checked_with_one(rl_cli):
-    code, err = rl_cli(["--agent.reward", "tests.test_gateway:constant_reward"])
-    assert code == 2 and "--agent.reward: is an agent program's option" in err
-    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--agent.tool_parser", "nope"])
-    assert code == 2 and "--agent.tool_parser: 'nope' is not one of vLLM's tool parsers" in err
+    code, err = rl_cli(["--program.reward", "tests.test_gateway:constant_reward"])
+    assert code == 2 and "--program.reward: is an agent program's option" in err
+    code, err = rl_cli(["--program.time_limit_s", "5"])
+    assert code == 2 and "--program.time_limit_s: is an agent program's option" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.tool_parser", "nope"])
+    assert code == 2 and "--program.tool_parser: 'nope' is not one of vLLM's tool parsers" in err
     bad = "agents.programs.openai_tools:run_tool"  # (task, name, arguments)
-    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--agent.reward", bad])
-    assert code == 2 and "'run_tool' must take one argument (tape)" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.reward", bad])
+    assert code == 2 and "--program.reward" in err and "'run_tool' must take one argument (tape)" in err
+    code, err = rl_cli(["--agent.reward", "tests.test_gateway:constant_reward"])  # the option's old place
+    assert code == 2 and "--agent.reward" in err
     code, err = rl_cli(["--agent.program", "no_such_module:play"])
     assert code == 2 and "module 'no_such_module' does not import" in err
 
@@ -366,7 +370,7 @@ def test_program_options_are_refused_without_a_program_and_checked_with_one(rl_c
 def test_the_replay_command_gives_a_programs_tapes_back_and_names_the_first_call_that_differs(
     tokenizer, agent_for, tmp_path, capsys
 ):
-    from orchestrate import replay
+    from orchestrate.after import replay
     from orchestrate.loop.config import RLConfig
     from orchestrate.loop.rollouts import new_tape
     from orchestrate.loop.samples import save_tapes
@@ -489,3 +493,20 @@ def test_offline_rescore_refuses_a_programs_tapes_before_writing_anything(tokeni
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and err.startswith("error: --rescore: 1 tapes were played by an agent program"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_built_in_agent_and_a_program_share_one_interface(tokenizer):
+    """start, run_episode, close: `with agent:` starts a program's gateway and stops it; the built-in agent's
+    start and close do nothing (the loop, fork and replay treat both alike)."""
+    from agents.agent import Agent, AgentConfig, ChatAgent
+    from agents.chat import ChatTokens
+
+    with ChatAgent(AgentConfig(), SAMPLING, ChatTokens(tokenizer)) as chat:
+        assert isinstance(chat, Agent)
+    program = ProgramAgent("agents.programs.openai_tools:play", SAMPLING, tokenizer)
+    assert isinstance(program, Agent)
+    with program as agent:
+        assert agent is program and agent.gateway._server.started
+        httpx.get(agent.gateway.url + "/episodes/x/v1/models", timeout=5)  # it answers
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(program.gateway.url + "/episodes/x/v1/models", timeout=5)

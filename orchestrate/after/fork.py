@@ -363,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-        if hasattr(agent, "close"):
-            agent.close()
+        agent.close()
     from orchestrate.loop.samples import save_tapes
 
     given.out.parent.mkdir(parents=True, exist_ok=True)

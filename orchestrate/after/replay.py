@@ -24,7 +24,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from agents.agent import ChatAgent, summarize
+from agents.agent import Agent, summarize
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.setup import agent_from_run_config
@@ -35,7 +35,7 @@ from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata, ToolCallAction
 
 
-async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
+async def replay_tape(tape: Tape, agent: Agent) -> tuple[Tape, TapeDiff]:
     """Play `tape`'s episode again against a fresh environment with the recorded LLM outputs;
     (replayed tape, differences)."""
     spec, seed = EnvSpec.of(tape)

@@ -7,7 +7,7 @@ recorded calls), the program runs with a client bound to it, and the reward is s
 
 - the program's return: a number is the reward; a string, or (None) the last reply's text, is sent to the
   environment as the answer, unless the program stepped the environment itself;
-- a program that raises, runs past `agent.time_limit_s`, or made a request the gateway refused (its first
+- a program that raises, runs past `program.time_limit_s`, or made a request the gateway refused (its first
   fault) leaves the episode with `metadata.error`: an infrastructure failure, left out of training, never
   a zero reward. A failure of the servers themselves (LLMError) stops the run, as it does for the built-in agent.
 """
@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from agents.agent import summarize
+from agents.agent import Agent, summarize
 from agents.chat import ChatTokens
 from agents.envs import capabilities
 from agents.envs.base import jsonable
@@ -34,8 +34,8 @@ from tapes.tape import EnvObservation, SamplingParams, Tape
 MODEL_NAME = "policy"  # the model name the gateway serves: what a program passes as `model`
 
 
-class ProgramAgent:
-    """Plays episodes with an agent program; one gateway per agent (started on first use)."""
+class ProgramAgent(Agent):
+    """Plays episodes with an agent program; one gateway per agent (started by `start` or the first episode)."""
 
     def __init__(
         self,
@@ -63,6 +63,9 @@ class ProgramAgent:
         self._sandbox_lock = threading.Lock()
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> AsyncOpenAI
         self.mismatches = 0  # calls, over this agent's episodes, that did not extend their predecessor
+
+    def start(self) -> None:
+        self.gateway.start()
 
     def close(self) -> None:
         self.gateway.stop()
@@ -95,7 +98,7 @@ class ProgramAgent:
     async def run_episode(self, env, seed: int, llm, tape: Tape, sampling: SamplingParams | None = None) -> Tape:
         """Play one episode of `env` from `seed` with the program, its calls answered by `llm`; extends `tape`."""
         sampling = sampling or self.sampling
-        self.gateway.start()
+        self.start()
         tape.metadata.author = self.name
         can = capabilities(env)
         observation, info = env.reset(seed=seed)
@@ -133,7 +136,9 @@ class ProgramAgent:
         try:
             result = await asyncio.wait_for(self.program(task, self._client(task.base_url)), self.time_limit_s)
         except TimeoutError:
-            tape.metadata.error = f"the program ran past its time limit of {self.time_limit_s:g} s (agent.time_limit_s)"
+            tape.metadata.error = (
+                f"the program ran past its time limit of {self.time_limit_s:g} s (program.time_limit_s)"
+            )
         except Exception as exc:  # noqa: BLE001 - the program's failure: on the tape, left out of training
             if session.server_error is None:
                 where = traceback.extract_tb(exc.__traceback__)[-1]

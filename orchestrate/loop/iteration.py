@@ -32,7 +32,7 @@ import signal
 import time
 from contextlib import ExitStack
 
-from agents.agent import ChatAgent
+from agents.agent import Agent
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
@@ -61,7 +61,7 @@ class Loop:
         # the run's parts, made by _start: the model folders, tokenizer, agent, train split, evaluation,
         # servers and trainer
         self.policy_dir = self.reference_dir = self.tokenizer = None
-        self.agent: ChatAgent | None = None
+        self.agent: Agent | None = None
         self.train_env: EnvSpec | None = None
         self.evaluation: Evaluation | None = None
         self.servers: Servers | None = None
@@ -91,9 +91,7 @@ class Loop:
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
         self.train_env = EnvSpec.from_config(c, "train")
         self.evaluation = Evaluation(c, self.run)
-        self.agent = build_agent(c, self.tokenizer)
-        if hasattr(self.agent, "close"):  # a program's gateway
-            stack.callback(self.agent.close)
+        self.agent = stack.enter_context(build_agent(c, self.tokenizer))  # a program's gateway: closed at the end
 
         # The servers (ours are started here; those given by URL run elsewhere), then the trainer before they
         # start: it loads its model meanwhile. With async_level K it trains nothing generated more than K
