@@ -510,3 +510,62 @@ def test_the_built_in_agent_and_a_program_share_one_interface(tokenizer):
         httpx.get(agent.gateway.url + "/episodes/x/v1/models", timeout=5)  # it answers
     with pytest.raises(httpx.ConnectError):
         httpx.get(program.gateway.url + "/episodes/x/v1/models", timeout=5)
+
+
+def test_a_program_that_blocks_its_thread_stalls_no_other_episode_and_is_bounded(tokenizer, agent_for):
+    """Each program runs on its own thread's loop: one that blocks it (a synchronous sleep or HTTP call, here a
+    wait that would never end) neither holds up the episodes beside it nor escapes its time limit; its
+    episode is a failure (left out of training), not the reward it would have returned."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    async def blocks(task, client):
+        if task.seed == 1:
+            release.wait(60)  # synchronous: the thread is held, no await
+            return 1.0
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+        return 0.5
+
+    agent = agent_for(blocks, time_limit_s=1.5)
+    llm = ScriptedLLM(tokenizer, ["x"])
+    ended = {}
+
+    async def both():
+        async def one(seed):
+            tape = await agent.run_episode(arithmetic(), seed, llm, Tape())
+            ended[seed] = time.monotonic() - start
+            return tape
+
+        start = time.monotonic()
+        return await asyncio.gather(one(1), one(2))
+
+    try:
+        blocked, other = asyncio.run(both())
+    finally:
+        release.set()
+    assert other.metadata.error is None and other.metadata.reward == 0.5
+    assert ended[2] < 1.0, f"the other episode waited for the blocked one ({ended[2]:.2f} s)"
+    assert "time limit of 1.5 s" in blocked.metadata.error and ended[1] < 5
+    assert tape_samples(blocked, require_ref=False) == []
+
+    async def sleeps_past_its_limit(task, client):
+        time.sleep(0.6)  # a synchronous sleep past the limit: the episode does not get its reward
+        return 1.0
+
+    tape = play(agent_for(sleeps_past_its_limit, time_limit_s=0.2), ScriptedLLM(tokenizer, []))
+    assert "time limit of 0.2 s" in tape.metadata.error and tape.metadata.reward is None
+
+
+def test_a_failure_inside_the_openai_client_is_located_at_the_programs_own_line(tokenizer, agent_for):
+    import inspect
+
+    async def asks_for_another_model(task, client):
+        await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "A"}])
+
+    line = inspect.getsourcelines(asks_for_another_model)[1] + 1
+    tape = play(agent_for(asks_for_another_model), ScriptedLLM(tokenizer, []))
+    assert tape.metadata.error.startswith("the program raised NotFoundError"), tape.metadata.error
+    assert tape.metadata.error.endswith(f"({os.path.realpath(__file__)}:{line})"), tape.metadata.error
+    assert "_base_client.py" not in tape.metadata.error
