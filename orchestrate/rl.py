@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.save_config(current)
 
     from orchestrate.loop.iteration import Loop
+    from orchestrate.loop.samples import SampleError
     from orchestrate.loop.trainer import TrainerError
     from orchestrate.serving.llm import LLMError
     from orchestrate.serving.vllm_server import ServerError
 
     try:
         return Loop(config, run_dir)()
-    except (TrainerError, ServerError, RunDirError, LLMError) as exc:
+    except (TrainerError, ServerError, RunDirError, LLMError, SampleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
