@@ -426,7 +426,9 @@ def test_bad_input_is_one_line_and_starts_nothing(tmp_path, tokenizer, scripted_
     cases = [
         ([tmp_path / "none.jsonl", "--index", 0, "--at", 0], ["file", "not a file"]),
         ([path, "--index", 1, "--at", 0], ["--index 1", "holds 1 tapes"]),
-        ([path, "--index", 0, "--at", calls + 1], [f"--at {calls + 1}", f"made {calls} LLM calls: 0 to {calls}"]),
+        ([path, "--index", 0, "--at", calls + 1], [f"--at {calls + 1}", f"made {calls} LLM calls: 0 to {calls - 1}"]),
+        # every call replayed, none live: n copies of the tape, refused before a server starts
+        ([path, "--index", 0, "--at", calls], [f"--at {calls}", "none sampled live", f"0 to {calls - 1}", "replay"]),
         ([path, "--index", 0, "--at", -1], ["--at -1"]),
         ([path, "--index", 0, "--at", 0, "--n", 0], ["--n 0"]),
         ([path, "--index", 0, "--at", 0, "--temperature", -1], ["--temperature -1"]),

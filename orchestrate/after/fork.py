@@ -38,7 +38,7 @@ from typing import Any
 
 from agents.agent import summarize
 from agents.env_spec import EnvSpec
-from contract.rundir import CHECKPOINT_NAME, FORKS_DIR, RunDir
+from contract.rundir import CHECKPOINT_NAME, FORKS_DIR, RunDir, tape_file_config
 from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.tape import SamplingParams, Tape, TapeMetadata
@@ -233,22 +233,13 @@ def default_out(path: Path, tape: Tape, at: int) -> Path:
     return out
 
 
-def find_config(path: Path) -> Path:
-    """RUN/config.json for a tape file RUN/tapes/FILE or RUN/tapes/forks/FILE."""
-    parents = path.resolve().parents
-    for run in parents[1:3]:
-        if RunDir(run).config_path.is_file():
-            return RunDir(run).config_path
-    return RunDir(parents[1]).config_path
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrate.after.fork", allow_abbrev=False,
                                      description=__doc__.splitlines()[0].split(": ")[0])  # fmt: skip
     parser.add_argument("file", help="a tape file (JSON lines), e.g. RUN/tapes/iter_000003.jsonl")
     parser.add_argument("--index", type=int, required=True, help="the tape of the file to fork (from 0)")
     parser.add_argument("--at", type=int, required=True, metavar="K",
-                        help="replay the tape's first K LLM calls, then sample live (0 to its number of calls)")  # fmt: skip
+                        help="replay the tape's first K LLM calls, then sample live (0 to its number of calls - 1)")  # fmt: skip
     parser.add_argument("--n", type=int, default=4, help="how many continuations [default: 4]")
     parser.add_argument("--temperature", type=float, help="the live calls' temperature [default: the tape's]")
     parser.add_argument("--max-tokens", type=int, help="the live calls' max_tokens [default: the tape's]")
@@ -305,9 +296,15 @@ def resolve(args: argparse.Namespace) -> Inputs:
     except ValueError as exc:
         raise ForkError(f"--index {args.index}: {exc}") from None
     calls = len(tape.llm_calls)
-    if not 0 <= args.at <= calls:
-        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls: 0 to {calls}")
-    config_path = Path(args.config) if args.config else find_config(path)
+    if calls == 0:
+        raise ForkError(f"--index {args.index}: tape {args.index} of {path.name} made no LLM call: nothing to fork")
+    if args.at == calls:  # every call answered from the tape: n copies, nothing sampled
+        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls, all of which would "
+                        f"be replayed and none sampled live; fork at 0 to {calls - 1} (to play it again as recorded: "
+                        "orchestrate.after.replay)")  # fmt: skip
+    if not 0 <= args.at < calls:
+        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls: 0 to {calls - 1}")
+    config_path = Path(args.config) if args.config else tape_file_config(path)
     if not config_path.is_file():
         raise ForkError(f"--config: {config_path} not found; pass the run's config.json")
     try:
