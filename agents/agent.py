@@ -86,35 +86,51 @@ class AgentConfig(BaseModel):
     program: str | None = Field(
         None,
         description="an agent program of your own, MODULE:CALLABLE (async def play(task, client)): it plays each "
-        "episode through an OpenAI-compatible gateway, recorded as tapes (docs/programs.md); none: the built-in "
-        "agent (system_prompt, instruction, examples and max_turns are the built-in agent's)",
+        "episode through an OpenAI-compatible gateway, recorded as tapes (docs/programs.md), with the options of "
+        "the program section; none: the built-in agent (system_prompt, instruction, examples and max_turns are "
+        "the built-in agent's)",
     )
-    reward: str | None = Field(
-        None,
-        description="a program's reward function of the tape, MODULE:FUNCTION (def reward(tape) -> float), for "
-        "episodes whose program returns None and gives no reward itself; none: the environment scores the last reply",
-    )
-    tool_parser: str = Field(
-        "hermes", description="a program's tool calls are read by this vLLM tool parser (vLLM's --tool-call-parser)"
-    )
-    time_limit_s: float = Field(
-        600.0, gt=0, description="a program's seconds per episode; past it the episode is a failure"
-    )
-    gateway_host: str = Field("127.0.0.1", description="the gateway's address (loopback unless asked otherwise)")
-    gateway_port: int = Field(0, ge=0, le=65535, description="the gateway's port (0: any free one)")
 
-    @field_validator("program", "reward")
+    @field_validator("program")
     @classmethod
-    def _loads(cls, value: str | None, info) -> str | None:
+    def _loads(cls, value: str | None) -> str | None:
         if value is not None:
-            from agents.program import load_program, load_reward
+            from agents.program import load_program
 
-            # ProgramError (a ValueError): refused before anything starts
-            (load_program if info.field_name == "program" else load_reward)(value)
+            load_program(value)  # ProgramError (a ValueError): refused before anything starts
         return value
 
 
-class ChatAgent:
+class Agent:
+    """What plays episodes: the built-in agent (ChatAgent) or an agent program (orchestrate.gateway.agent's
+    ProgramAgent). Started before its first episode and closed after its last (`with agent:` does both; start
+    and close are no-ops unless the agent holds something, as a program's gateway); `run_episode` plays one."""
+
+    name = "agent"
+
+    def start(self) -> None:
+        pass
+
+    async def run_episode(
+        self, env: Env, seed: int, llm: TokenLLM, tape: Tape, sampling: SamplingParams | None = None
+    ) -> Tape:
+        """Play one episode of `env` from `seed`, its calls answered by `llm`, extending `tape`; returns it."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Agent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ChatAgent(Agent):
+    """The built-in agent: relays the environment's observations to the model, one turn per call."""
+
     name = "chat_agent"
 
     def __init__(self, config: AgentConfig, sampling: SamplingParams, chat: ChatTokens, max_context: int | None = None):

@@ -14,7 +14,7 @@ What it returns decides the reward:
 - a number: the episode's reward (on the last call's turn);
 - a string: sent to the environment as the final answer; the environment's reward;
 - None: the rewards the program gave stand (`task.step`, or `task.reward(value)` for the latest call's
-  turn: per-turn rewards); with none given, a reward function of the tape decides (`--agent.reward
+  turn: per-turn rewards); with none given, a reward function of the tape decides (`--program.reward
   MODULE:FUNCTION`, `def reward(tape) -> float`), else the last reply's text goes to the environment.
 
 `load_program` checks the path before a run starts: it must import, name an `async def` taking two

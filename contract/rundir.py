@@ -115,6 +115,16 @@ def read_advantages(root: str | os.PathLike, index: int) -> dict[str, list[dict]
     return out
 
 
+def tape_file_config(path: str | os.PathLike) -> Path:
+    """RUN/config.json of a tape file RUN/tapes/FILE or RUN/tapes/forks/FILE (replay, fork); the first when
+    neither exists (the one a command names as missing)."""
+    parents = Path(path).resolve().parents
+    for run in parents[1:3]:
+        if RunDir(run).config_path.is_file():
+            return RunDir(run).config_path
+    return RunDir(parents[1]).config_path
+
+
 class RunState(BaseModel):
     """state.json: the orchestrator's progress."""
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from contract.rundir import RunDir, RunDirError
-from orchestrate.loop.config import config_differences, parse_args
+from orchestrate.loop.config import config_differences, parse_args, with_program_section
 from orchestrate.loop.metrics import repair_metrics
 from orchestrate.loop.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
 from orchestrate.loop.run_lock import RunDirInUse, RunLock
@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.save_config(current)
 
     from orchestrate.loop.iteration import Loop
+    from orchestrate.loop.samples import SampleError
     from orchestrate.loop.trainer import TrainerError
     from orchestrate.serving.llm import LLMError
     from orchestrate.serving.vllm_server import ServerError
 
     try:
         return Loop(config, run_dir)()
-    except (TrainerError, ServerError, RunDirError, LLMError) as exc:
+    except (TrainerError, ServerError, RunDirError, LLMError, SampleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -107,7 +108,7 @@ def _check_resume(run_dir: RunDir, current: dict) -> None:
     """A saved run may be resumed with the same settings only (RESUMABLE aside); its state must be readable."""
     saved = run_dir.saved_config()
     if saved is not None:
-        saved = with_defaults(saved)
+        saved = with_defaults(with_program_section(saved))  # a run of before the program section: moved
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
         if changed:
             raise _Refused(f"{run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "

@@ -144,6 +144,29 @@ def test_the_learner_config_is_a_section_and_a_resume_with_other_settings_is_ref
     assert TrainConfig.model_validate(current["train"]) == config.train
 
 
+def test_a_run_saved_with_the_programs_options_under_agent_loads_and_resumes(tmp_path):
+    """Runs saved before the program section held reward, tool_parser, time_limit_s and the gateway's address
+    in `agent`: their config.json loads with those options in `program`, and the run resumes unrefused."""
+    from contract.rundir import RunDir
+    from orchestrate import rl
+
+    config = resolve("program_tool", {"program.time_limit_s": "42", "program.gateway_port": "8123"})
+    current = config.model_dump(mode="json")
+    old = json.loads(json.dumps(current))
+    old["agent"].update(old.pop("program"))  # as an old run wrote it
+    assert old["agent"]["time_limit_s"] == 42 and "program" not in old
+    loaded = RLConfig.model_validate(old)
+    assert loaded == config and loaded.program.gateway_port == 8123 and loaded.program.tool_parser == "hermes"
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    run_dir.config_path.write_text(json.dumps(old))
+    rl._check_resume(run_dir, current)  # not refused
+    old["agent"]["time_limit_s"] = 7
+    run_dir.config_path.write_text(json.dumps(old))
+    with pytest.raises(rl._Refused, match="--program.time_limit_s"):
+        rl._check_resume(run_dir, current)
+
+
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])
 def test_each_algorithm_users_know_is_one_option(name):
     """The eight names of the README resolve (what each sets: tests/test_compare_algorithms.py); an option the

@@ -250,6 +250,9 @@ def test_a_tape_whose_prompt_filled_the_context_is_not_trained_on_and_the_run_sa
     tape = Tape(steps=[])
     tape.metadata.reward_reason = "context full: 179 prompt tokens + 400 new > max_model_len 512"
     assert tape.metadata.reward is None and tape_samples(tape, require_ref=False) == []
-    with pytest.raises(SampleError, match="no tape of 1 can be trained on: context full: 179 prompt tokens"):
+    with pytest.raises(
+        SampleError,
+        match=r"no episode of 1 can be trained on; the agent made no LLM call \(context full: 179 prompt tokens",
+    ):
         write_samples(tmp_path / "batch.jsonl", [tape], require_ref=False)
     assert not (tmp_path / "batch.jsonl").exists()

@@ -283,12 +283,10 @@ def game_run(tmp_path, tokenizer, *overrides, tapes=2):
     (run / "tapes").mkdir(parents=True)
     config = resolve("game", dict(overrides))
     (run / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
-    agent = agent_from_run_config(run / "config.json")
     spec = EnvSpec.from_config(config, "train")
-    made = [played(agent, spec, wrong_guesses(spec, seed, 2) + ["no guess"], tokenizer, seed=seed)
-            for seed in range(tapes)]  # fmt: skip
-    if hasattr(agent, "close"):
-        agent.close()
+    with agent_from_run_config(run / "config.json") as agent:
+        made = [played(agent, spec, wrong_guesses(spec, seed, 2) + ["no guess"], tokenizer, seed=seed)
+                for seed in range(tapes)]  # fmt: skip
     write_tapes(run / "tapes" / "iter_000001.jsonl", made)
     return run, made
 
@@ -429,7 +427,9 @@ def test_bad_input_is_one_line_and_starts_nothing(tmp_path, tokenizer, scripted_
     cases = [
         ([tmp_path / "none.jsonl", "--index", 0, "--at", 0], ["file", "not a file"]),
         ([path, "--index", 1, "--at", 0], ["--index 1", "holds 1 tapes"]),
-        ([path, "--index", 0, "--at", calls + 1], [f"--at {calls + 1}", f"made {calls} LLM calls: 0 to {calls}"]),
+        ([path, "--index", 0, "--at", calls + 1], [f"--at {calls + 1}", f"made {calls} LLM calls: 0 to {calls - 1}"]),
+        # every call replayed, none live: n copies of the tape, refused before a server starts
+        ([path, "--index", 0, "--at", calls], [f"--at {calls}", "none sampled live", f"0 to {calls - 1}", "replay"]),
         ([path, "--index", 0, "--at", -1], ["--at -1"]),
         ([path, "--index", 0, "--at", 0, "--n", 0], ["--n 0"]),
         ([path, "--index", 0, "--at", 0, "--temperature", -1], ["--temperature -1"]),

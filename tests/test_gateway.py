@@ -352,13 +352,17 @@ def test_rewards_per_turn_from_the_program_or_from_a_reward_function_of_the_tape
 
 
 def test_program_options_are_refused_without_a_program_and_checked_with_one(rl_cli):
-    code, err = rl_cli(["--agent.reward", "tests.test_gateway:constant_reward"])
-    assert code == 2 and "--agent.reward: is an agent program's option" in err
-    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--agent.tool_parser", "nope"])
-    assert code == 2 and "--agent.tool_parser: 'nope' is not one of vLLM's tool parsers" in err
+    code, err = rl_cli(["--program.reward", "tests.test_gateway:constant_reward"])
+    assert code == 2 and "--program.reward: is an agent program's option" in err
+    code, err = rl_cli(["--program.time_limit_s", "5"])
+    assert code == 2 and "--program.time_limit_s: is an agent program's option" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.tool_parser", "nope"])
+    assert code == 2 and "--program.tool_parser: 'nope' is not one of vLLM's tool parsers" in err
     bad = "agents.programs.openai_tools:run_tool"  # (task, name, arguments)
-    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--agent.reward", bad])
-    assert code == 2 and "'run_tool' must take one argument (tape)" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.reward", bad])
+    assert code == 2 and "--program.reward" in err and "'run_tool' must take one argument (tape)" in err
+    code, err = rl_cli(["--agent.reward", "tests.test_gateway:constant_reward"])  # the option's old place
+    assert code == 2 and "--agent.reward" in err
     code, err = rl_cli(["--agent.program", "no_such_module:play"])
     assert code == 2 and "module 'no_such_module' does not import" in err
 
@@ -489,3 +493,79 @@ def test_offline_rescore_refuses_a_programs_tapes_before_writing_anything(tokeni
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and err.startswith("error: --rescore: 1 tapes were played by an agent program"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_built_in_agent_and_a_program_share_one_interface(tokenizer):
+    """start, run_episode, close: `with agent:` starts a program's gateway and stops it; the built-in agent's
+    start and close do nothing (the loop, fork and replay treat both alike)."""
+    from agents.agent import Agent, AgentConfig, ChatAgent
+    from agents.chat import ChatTokens
+
+    with ChatAgent(AgentConfig(), SAMPLING, ChatTokens(tokenizer)) as chat:
+        assert isinstance(chat, Agent)
+    program = ProgramAgent("agents.programs.openai_tools:play", SAMPLING, tokenizer)
+    assert isinstance(program, Agent)
+    with program as agent:
+        assert agent is program and agent.gateway._server.started
+        httpx.get(agent.gateway.url + "/episodes/x/v1/models", timeout=5)  # it answers
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(program.gateway.url + "/episodes/x/v1/models", timeout=5)
+
+
+def test_a_program_that_blocks_its_thread_stalls_no_other_episode_and_is_bounded(tokenizer, agent_for):
+    """Each program runs on its own thread's loop: one that blocks it (a synchronous sleep or HTTP call, here a
+    wait that would never end) neither holds up the episodes beside it nor escapes its time limit; its
+    episode is a failure (left out of training), not the reward it would have returned."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    async def blocks(task, client):
+        if task.seed == 1:
+            release.wait(60)  # synchronous: the thread is held, no await
+            return 1.0
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+        return 0.5
+
+    agent = agent_for(blocks, time_limit_s=1.5)
+    llm = ScriptedLLM(tokenizer, ["x"])
+    ended = {}
+
+    async def both():
+        async def one(seed):
+            tape = await agent.run_episode(arithmetic(), seed, llm, Tape())
+            ended[seed] = time.monotonic() - start
+            return tape
+
+        start = time.monotonic()
+        return await asyncio.gather(one(1), one(2))
+
+    try:
+        blocked, other = asyncio.run(both())
+    finally:
+        release.set()
+    assert other.metadata.error is None and other.metadata.reward == 0.5
+    assert ended[2] < 1.0, f"the other episode waited for the blocked one ({ended[2]:.2f} s)"
+    assert "time limit of 1.5 s" in blocked.metadata.error and ended[1] < 5
+    assert tape_samples(blocked, require_ref=False) == []
+
+    async def sleeps_past_its_limit(task, client):
+        time.sleep(0.6)  # a synchronous sleep past the limit: the episode does not get its reward
+        return 1.0
+
+    tape = play(agent_for(sleeps_past_its_limit, time_limit_s=0.2), ScriptedLLM(tokenizer, []))
+    assert "time limit of 0.2 s" in tape.metadata.error and tape.metadata.reward is None
+
+
+def test_a_failure_inside_the_openai_client_is_located_at_the_programs_own_line(tokenizer, agent_for):
+    import inspect
+
+    async def asks_for_another_model(task, client):
+        await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "A"}])
+
+    line = inspect.getsourcelines(asks_for_another_model)[1] + 1
+    tape = play(agent_for(asks_for_another_model), ScriptedLLM(tokenizer, []))
+    assert tape.metadata.error.startswith("the program raised NotFoundError"), tape.metadata.error
+    assert tape.metadata.error.endswith(f"({os.path.realpath(__file__)}:{line})"), tape.metadata.error
+    assert "_base_client.py" not in tape.metadata.error

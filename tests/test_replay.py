@@ -153,3 +153,36 @@ def test_replay_command_names_the_first_differing_step(tiny_run, tmp_path):
     out = subprocess.run([sys.executable, "-m", "orchestrate.after.replay", str(path), "--index", "9"],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 2 and "--index 9" in out.stderr
+
+
+def test_the_command_replays_each_file_with_its_own_runs_config_forks_included(tmp_path, tokenizer, capsys):
+    """Files of two runs (another instruction each) in one command: each replayed with its own run's agent, so
+    both come back identical; a fork's file (RUN/tapes/forks/) finds its run's config; --config for files of
+    several runs is refused in one line."""
+    import shutil
+
+    from orchestrate.after import replay
+    from tests.test_fork import game_run
+
+    def command(*args):
+        try:
+            code = replay.main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    run_a, _ = game_run(tmp_path / "a", tokenizer, ("agent.instruction", "Guess."), tapes=1)
+    run_b, _ = game_run(tmp_path / "b", tokenizer, ("agent.instruction", "Guess well, in few turns."), tapes=1)
+    a, b = (run / "tapes" / "iter_000001.jsonl" for run in (run_a, run_b))
+    fork_file = run_b / "tapes" / "forks" / "x_at1.jsonl"
+    fork_file.parent.mkdir()
+    shutil.copy(b, fork_file)
+    code, out, err = command(a, b, fork_file)
+    assert code == 0, out + err
+    assert out.strip().endswith("3 tapes replayed: 3 identical, 0 differ"), out
+    code, out, err = command(a, b, "--config", run_a / "config.json")
+    assert code == 2 and "error: --config: the files are of 2 runs" in err.strip().splitlines()[-1], err
+    code, out, err = command(b, "--config", run_a / "config.json")  # one run's file, another's config: it differs
+    assert code == 1 and "0 identical, 1 differ" in out

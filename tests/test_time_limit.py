@@ -161,3 +161,28 @@ def test_a_limit_that_is_not_a_positive_number_is_refused(tmp_path, folder_model
     code, line = rl_cli(command(run, folder_model, "--run.max_minutes", value))
     assert code == 2 and line.startswith("error: --run.max_minutes:"), line
     assert not run.exists()
+
+
+def test_a_batch_of_which_no_episode_can_be_trained_on_ends_the_run_in_one_line_naming_the_cause(
+    tmp_path, folder_model, fake_loop, monkeypatch, capsys
+):
+    """Every episode failed (here, an agent program that made no LLM call: its empty answer was scored): exit 1,
+    one line that names the cause, not a traceback and not the reward's reason."""
+    from orchestrate import rl
+    from tapes.tape import EnvObservation
+
+    async def no_calls(self, spec, seeds, attempts, iteration, sampling, desc, follow=False):
+        tapes = []
+        for s in seeds:
+            for _ in range(attempts):
+                tape = episode(s, 0.0, iteration=iteration)
+                tape.steps, tape.llm_calls = [EnvObservation(text="y", turn=0, reward=0.0)], []
+                tape.metadata.author, tape.metadata.reward_reason = "my_agent:play", "no \\boxed{} answer"
+                tapes.append(tape)
+        return tapes, 0.0, 0.0
+
+    monkeypatch.setattr(loop_module.Loop, "_rollouts", no_calls)
+    assert rl.main(command(tmp_path / "run", folder_model)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: no episode of 4 can be trained on; the first's: the agent (my_agent:play) made no LLM "
+                   "call (no \\boxed{} answer)"], err  # fmt: skip

@@ -37,12 +37,11 @@ from typing import Any
 
 from agents.agent import summarize
 from agents.env_spec import EnvSpec
-from contract.rundir import FORKS_DIR, RunDir
+from contract.rundir import FORKS_DIR, RunDir, tape_file_config
 from orchestrate.loop.setup import (
     Policy,
     PolicyServer,
     SetupError,
-    find_config,
     given_policy,
     read_run_config,
     remote_policy,
@@ -158,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("file", help="a tape file (JSON lines), e.g. RUN/tapes/iter_000003.jsonl")
     parser.add_argument("--index", type=int, required=True, help="the tape of the file to fork (from 0)")
     parser.add_argument("--at", type=int, required=True, metavar="K",
-                        help="replay the tape's first K LLM calls, then sample live (0 to its number of calls)")  # fmt: skip
+                        help="replay the tape's first K LLM calls, then sample live (0 to its number of calls - 1)")  # fmt: skip
     parser.add_argument("--n", type=int, default=4, help="how many continuations [default: 4]")
     parser.add_argument("--temperature", type=float, help="the live calls' temperature [default: the tape's]")
     parser.add_argument("--max-tokens", type=int, help="the live calls' max_tokens [default: the tape's]")
@@ -215,9 +214,15 @@ def resolve(args: argparse.Namespace) -> Inputs:
     except ValueError as exc:
         raise ForkError(f"--index {args.index}: {exc}") from None
     calls = len(tape.llm_calls)
-    if not 0 <= args.at <= calls:
-        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls: 0 to {calls}")
-    config_path = Path(args.config) if args.config else find_config(path)
+    if calls == 0:
+        raise ForkError(f"--index {args.index}: tape {args.index} of {path.name} made no LLM call: nothing to fork")
+    if args.at == calls:  # every call answered from the tape: n copies, nothing sampled
+        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls, all of which would "
+                        f"be replayed and none sampled live; fork at 0 to {calls - 1} (to play it again as recorded: "
+                        "orchestrate.after.replay)")  # fmt: skip
+    if not 0 <= args.at < calls:
+        raise ForkError(f"--at {args.at}: tape {args.index} of {path.name} made {calls} LLM calls: 0 to {calls - 1}")
+    config_path = Path(args.config) if args.config else tape_file_config(path)
     config = read_run_config(config_path)
     out = Path(args.out) if args.out else default_out(path, tape, args.at)
     if args.out and out.exists():
@@ -262,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if hasattr(agent, "close"):
-            agent.close()
+        agent.close()
     from orchestrate.loop.samples import save_tapes
 
     given.out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,9 @@ its prompts or an environment is checked against old tapes.
 Exit status 0 when every tape came back the same, 1 when one differs, 2 for
 bad input.
 
-The agent is built from the run's config (`config.json` two folders above a
-tape file, or `--config`), as the run built it.
+Each file's agent is built from its own run's config (`RUN/config.json` of
+RUN/tapes/FILE or RUN/tapes/forks/FILE, or `--config` for files of one run), as
+the run built it.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
-from agents.agent import ChatAgent, summarize
+from agents.agent import Agent, summarize
 from agents.env_spec import EnvSpec
-from contract.rundir import RunDir
+from contract.rundir import tape_file_config
 from orchestrate.loop.setup import agent_from_run_config
 from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ReplayLLM
@@ -35,7 +37,7 @@ from tapes.store import TapeFileError, line_offsets, read_tape_at, read_tapes
 from tapes.tape import Tape, TapeMetadata, ToolCallAction
 
 
-async def replay_tape(tape: Tape, agent: ChatAgent) -> tuple[Tape, TapeDiff]:
+async def replay_tape(tape: Tape, agent: Agent) -> tuple[Tape, TapeDiff]:
     """Play `tape`'s episode again against a fresh environment with the recorded LLM outputs;
     (replayed tape, differences)."""
     spec, seed = EnvSpec.of(tape)
@@ -95,16 +97,30 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         if not path.is_file():
             parser.error(f"files: {path} is not a file")
-    config_path = Path(args.config) if args.config else RunDir(paths[0].resolve().parent.parent).config_path
-    if not config_path.is_file():
-        parser.error(f"--config: {config_path} not found; pass the run's config.json")
-    try:
-        agent = agent_from_run_config(config_path)
-    except Exception as exc:
-        parser.error(f"--config {config_path}: not a run config ({exc})")
+    runs = {tape_file_config(path) for path in paths}
+    if args.config:
+        found = sorted(str(p) for p in runs if p.is_file())
+        if len(found) > 1:
+            parser.error(f"--config: the files are of {len(found)} runs ({', '.join(found)}); pass one run's files "
+                         "with --config, or leave it out: each file is replayed with its own run's config")  # fmt: skip
+    configs = {path: Path(args.config) if args.config else tape_file_config(path) for path in paths}
+    for path, config_path in configs.items():
+        if not config_path.is_file():
+            parser.error(f"--config: {config_path} not found for {path}; pass the run's config.json")
+    with ExitStack() as stack:
+        agents: dict[Path, Agent] = {}
+        for config_path in dict.fromkeys(configs.values()):
+            try:
+                agents[config_path] = stack.enter_context(agent_from_run_config(config_path))
+            except Exception as exc:
+                parser.error(f"--config {config_path}: not a run config ({exc})")
+        return _replay_files(paths, {path: agents[configs[path]] for path in paths}, args, parser)
 
+
+def _replay_files(paths: list[Path], agents: dict[Path, Agent], args, parser) -> int:
     total = differ = 0
     for path in paths:
+        agent = agents[path]
         try:
             if args.index is not None:
                 offsets = line_offsets(path)

@@ -3,26 +3,29 @@
 `ProgramAgent.run_episode` has the built-in agent's shape (agents.agent.ChatAgent), so rollouts, evaluation,
 replay and fork play programs as they play the built-in agent: the environment is reset from the episode's
 seed, a session is opened on the gateway with the episode's LLM (the policy servers' client, or a tape's
-recorded calls), the program runs with a client bound to it, and the reward is settled (agents.program):
+recorded calls), the program runs with a client bound to it (in a thread of its own, on its own event loop:
+a program that blocks its thread stalls no other episode and is still bounded by its time limit), and the
+reward is settled (agents.program):
 
 - the program's return: a number is the reward; a string, or (None) the last reply's text, is sent to the
   environment as the answer, unless the program stepped the environment itself;
-- a program that raises, runs past `agent.time_limit_s`, or made a request the gateway refused (its first
-  fault) leaves the episode with `metadata.error`: an infrastructure failure, left out of training, never
-  a zero reward. A failure of the servers themselves (LLMError) stops the run, as it does for the built-in agent.
+- a program that raises, runs past `program.time_limit_s`, or made a request the gateway refused (its first
+  fault) leaves the episode with `metadata.error` (where it raised: the program's own line, `program_frame`):
+  an infrastructure failure, left out of training, never a zero reward. A failure of the servers themselves (LLMError) stops the run, as it does for the built-in agent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import sysconfig
 import threading
 import traceback
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from agents.agent import summarize
+from agents.agent import Agent, summarize
 from agents.chat import ChatTokens
 from agents.envs import capabilities
 from agents.envs.base import jsonable
@@ -34,8 +37,8 @@ from tapes.tape import EnvObservation, SamplingParams, Tape
 MODEL_NAME = "policy"  # the model name the gateway serves: what a program passes as `model`
 
 
-class ProgramAgent:
-    """Plays episodes with an agent program; one gateway per agent (started on first use)."""
+class ProgramAgent(Agent):
+    """Plays episodes with an agent program; one gateway per agent (started by `start` or the first episode)."""
 
     def __init__(
         self,
@@ -61,25 +64,27 @@ class ProgramAgent:
         self.gateway = Gateway(host, port, key)
         self._sandbox = sandbox  # a Sandbox, or a callable that makes one (first use)
         self._sandbox_lock = threading.Lock()
-        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> AsyncOpenAI
         self.mismatches = 0  # calls, over this agent's episodes, that did not extend their predecessor
+
+    def start(self) -> None:
+        self.gateway.start()
 
     def close(self) -> None:
         self.gateway.stop()
 
-    def _client(self, base_url: str):
-        """An OpenAI client for one episode: one per event loop, shared, the base URL its own."""
+    async def _play(self, task: ProgramTask) -> Any:
+        """The program on its own thread's loop, with an OpenAI client for this episode: the gateway's app
+        called directly (server.py, Gateway.asgi), its work handed to the episode's loop as a socket's is."""
         import httpx
         import openai
 
-        loop = asyncio.get_running_loop()
-        base = self._clients.get(loop)
-        if base is None:  # in this process: the gateway's app called directly (server.py, Gateway.asgi)
-            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.gateway.asgi), timeout=self.time_limit_s)
-            base = openai.AsyncOpenAI(base_url=self.gateway.url, api_key=self.gateway.key, max_retries=0,
-                                      timeout=self.time_limit_s, http_client=http)  # fmt: skip
-            self._clients[loop] = base
-        return base.with_options(base_url=base_url)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.gateway.asgi), timeout=self.time_limit_s)
+        try:
+            client = openai.AsyncOpenAI(base_url=task.base_url, api_key=self.gateway.key, max_retries=0,
+                                        timeout=self.time_limit_s, http_client=http)  # fmt: skip
+            return await self.program(task, client)
+        finally:
+            await http.aclose()
 
     def _run_python(self, code: str):
         """Run code in the agent's one Sandbox (made on first use; episodes call this from worker threads)."""
@@ -95,7 +100,7 @@ class ProgramAgent:
     async def run_episode(self, env, seed: int, llm, tape: Tape, sampling: SamplingParams | None = None) -> Tape:
         """Play one episode of `env` from `seed` with the program, its calls answered by `llm`; extends `tape`."""
         sampling = sampling or self.sampling
-        self.gateway.start()
+        self.start()
         tape.metadata.author = self.name
         can = capabilities(env)
         observation, info = env.reset(seed=seed)
@@ -121,22 +126,28 @@ class ProgramAgent:
             ended = bool(terminated or truncated)
             return StepResult(str(text), float(reward), bool(terminated), bool(truncated), record.info)
 
-        def give(value: float) -> None:
-            self._give(session, value)
+        loop = asyncio.get_running_loop()
+
+        async def step_here(action: str) -> StepResult:  # the program's thread -> the episode's loop
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(step(action), loop))
+
+        def give(value: float) -> None:  # in order with the program's next call, which follows it to this loop
+            loop.call_soon_threadsafe(self._give, session, value)
 
         task = ProgramTask(
             observation=str(observation), seed=seed, info=jsonable(info), model=MODEL_NAME,
             base_url=self.gateway.base_url(session.id), api_key=self.gateway.key,
-            _step=step, _run_python=self._run_python, _reward=give,
+            _step=step_here, _run_python=self._run_python, _reward=give,
         )  # fmt: skip
         result: Any = None
         try:
-            result = await asyncio.wait_for(self.program(task, self._client(task.base_url)), self.time_limit_s)
+            result = await in_own_thread(self._play(task), self.time_limit_s, name=f"program {session.id[:8]}")
         except TimeoutError:
-            tape.metadata.error = f"the program ran past its time limit of {self.time_limit_s:g} s (agent.time_limit_s)"
+            tape.metadata.error = (f"the program ran past its time limit of {self.time_limit_s:g} s "
+                                   "(program.time_limit_s); it was cancelled, or left blocked in its thread")  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the program's failure: on the tape, left out of training
             if session.server_error is None:
-                where = traceback.extract_tb(exc.__traceback__)[-1]
+                where = program_frame(exc, self.program)
                 tape.metadata.error = (f"the program raised {type(exc).__name__}: {exc} "
                                        f"({where.filename}:{where.lineno})")  # fmt: skip
         finally:
@@ -179,3 +190,79 @@ class ProgramAgent:
             self._give(session, value, reason="the reward function's", end=True)
         else:
             await step(session.last_reply)
+
+
+async def in_own_thread(coroutine, time_limit_s: float, name: str = "program") -> Any:
+    """Run `coroutine` on an event loop of its own in a thread of its own; its result or exception, or
+    TimeoutError past `time_limit_s`. A program that blocks its thread (a synchronous sleep or HTTP call)
+    then stalls only itself, and is bounded all the same: past the limit its tasks are cancelled and, if it
+    does not return, its thread is left behind (a daemon) and the episode goes on without it."""
+    episode_loop = asyncio.get_running_loop()
+    done = episode_loop.create_future()
+    own = asyncio.new_event_loop()
+
+    def settle(outcome: tuple[bool, Any]) -> None:
+        if not done.done():
+            ok, value = outcome
+            done.set_result(value) if ok else done.set_exception(value)
+
+    def run() -> None:
+        asyncio.set_event_loop(own)
+        try:
+            outcome = (True, own.run_until_complete(coroutine))
+        except BaseException as exc:  # noqa: BLE001 - handed to the episode's loop whole
+            outcome = (False, exc)
+        finally:
+            try:
+                own.run_until_complete(own.shutdown_asyncgens())
+                own.run_until_complete(own.shutdown_default_executor())
+            finally:
+                own.close()
+        try:
+            episode_loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the episode's loop closed meanwhile (it gave up on this program)
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), time_limit_s)
+    except (TimeoutError, asyncio.CancelledError):  # past the limit, or the episode cancelled: cancel its tasks
+        done.cancel()
+        try:
+            own.call_soon_threadsafe(_cancel_all, own)
+        except RuntimeError:  # its loop has closed: it ended meanwhile
+            pass
+        raise
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
+def program_frame(exc: BaseException, program: Any) -> traceback.FrameSummary:
+    """Where a program's exception is located: the last frame in the program's own module (not the openai
+    client's, a framework's, or ours), else the last outside libraries and the standard library."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = _source_file(program)
+    libraries = tuple(p for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                                  sysconfig.get_paths()["platlib"]} if p)  # fmt: skip
+    for choose in (
+        lambda f: own is not None and os.path.realpath(f.filename) == own,
+        lambda f: not os.path.realpath(f.filename).startswith(libraries) and "site-packages" not in f.filename,
+    ):
+        mine = [f for f in frames if choose(f)]
+        if mine:
+            return mine[-1]
+    return frames[-1]
+
+
+def _source_file(program: Any) -> str | None:
+    target = inspect.unwrap(program)
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target)
+    try:
+        path = inspect.getsourcefile(target)
+    except TypeError:
+        return None
+    return os.path.realpath(path) if path else None

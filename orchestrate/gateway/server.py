@@ -10,8 +10,9 @@ run's, or one that ended) is refused. It listens on loopback unless told otherwi
 It runs in a thread of its own (uvicorn, its own event loop), for the life of the process; each episode's
 work (rendering, the call to the servers, the tape) runs on the event loop that plays the episode, where its
 LLM client lives: a request is handed over with `run_coroutine_threadsafe`. A program that runs in the
-orchestrator's process calls the same app without the socket (`Gateway.asgi` through `httpx.ASGITransport`,
-on the episode's own loop): the same routes, checks and key, less a thread hop and an HTTP round trip.
+orchestrator's process (in a thread of its own: orchestrate.gateway.agent) calls the same app without the
+socket (`Gateway.asgi` through `httpx.ASGITransport`, on its own loop): the same routes, checks and key, less
+an HTTP round trip; its work is handed to the episode's loop the same way.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Gateway:
     @cached_property
     def asgi(self):
         """The gateway's ASGI app: what uvicorn serves on the port, and what an in-process program's client
-        calls directly (`httpx.ASGITransport`: no socket, no thread hop; the same routes, checks and key)."""
+        calls directly (`httpx.ASGITransport`: no socket; the same routes, checks and key)."""
         return self._app()
 
     def _app(self):
@@ -152,7 +153,7 @@ class Gateway:
                 return _json(400, session.fault(GatewayError(400, "the request body must be a JSON object")).body())
             try:
                 work = session.chat(body) if endpoint == "chat/completions" else session.complete(body)
-                if asyncio.get_running_loop() is session.loop:  # an in-process program's client (ASGI)
+                if asyncio.get_running_loop() is session.loop:  # a client on the episode's own loop
                     answer = await work
                 else:
                     answer = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, session.loop))

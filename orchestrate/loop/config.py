@@ -84,6 +84,52 @@ class EnvSection(BaseModel):
         return self
 
 
+class ProgramSection(BaseModel):
+    """An agent program's options (the program itself is chosen by --agent.program; docs/programs.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: str | None = Field(
+        None,
+        description="a reward function of the tape, MODULE:FUNCTION (def reward(tape) -> float), for episodes "
+        "whose program returns None and gives no reward itself; none: the environment scores the last reply",
+    )
+    tool_parser: str = Field(
+        "hermes", description="the program's tool calls are read by this vLLM tool parser (vLLM's --tool-call-parser)"
+    )
+    time_limit_s: float = Field(
+        600.0, gt=0, description="seconds per episode; past it (blocked or not) the episode is a failure"
+    )
+    gateway_host: str = Field("127.0.0.1", description="the gateway's address (loopback unless asked otherwise)")
+    gateway_port: int = Field(0, ge=0, le=65535, description="the gateway's port (0: any free one)")
+
+    @field_validator("reward")
+    @classmethod
+    def _loads(cls, value: str | None) -> str | None:
+        if value is not None:
+            from agents.program import load_reward
+
+            load_reward(value)  # ProgramError (a ValueError): refused before anything starts
+        return value
+
+
+PROGRAM_OPTIONS = tuple(ProgramSection.model_fields)  # held in `agent` by runs before the program section
+
+
+def with_program_section(data: Any) -> Any:
+    """A config saved before the program section held its options in `agent`: a copy with them moved to
+    `program`, so that the run loads and resumes (RLConfig's validator; the resume check compares with it)."""
+    agent = data.get("agent") if isinstance(data, dict) else None
+    if not isinstance(agent, dict) or not any(name in agent for name in PROGRAM_OPTIONS):
+        return data
+    agent, program = dict(agent), data.get("program")
+    program = dict(program) if isinstance(program, dict) else {}
+    for name in PROGRAM_OPTIONS:
+        if name in agent:
+            program.setdefault(name, agent.pop(name))
+    return {**data, "agent": agent, "program": program}
+
+
 class RolloutSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -289,12 +335,18 @@ class RLConfig(BaseModel):
     model: ModelSection = Field(default_factory=ModelSection)
     env: EnvSection = Field(default_factory=EnvSection)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    program: ProgramSection = Field(default_factory=ProgramSection)
     rollouts: RolloutSection = Field(default_factory=RolloutSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     server: ServerSection = Field(default_factory=ServerSection)
     train: TrainConfig = Field(default_factory=TrainConfig)  # the learner's own config, written for it whole
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     run: RunSection = Field(default_factory=RunSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _program_options_of_older_runs(cls, data: Any) -> Any:
+        return with_program_section(data)
 
     @property
     def reference_on_policy(self) -> bool:

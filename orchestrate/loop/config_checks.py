@@ -305,19 +305,19 @@ def check_lora(config) -> None:
 
 
 def check_program(config) -> None:
-    """An agent program's options: they need a program; the tool parser is one of vLLM's."""
-    a = config.agent
-    if a.program is None:
-        for dotted, value, default in (("reward", a.reward, None), ("tool_parser", a.tool_parser, "hermes")):
-            if value != default:
-                raise ConfigError(f"--agent.{dotted}: is an agent program's option; give --agent.program MODULE:play "
-                                  "or leave it out")  # fmt: skip
+    """An agent program's options (the program section): they need a program; the tool parser is one of vLLM's."""
+    p = config.program
+    if config.agent.program is None:
+        for name in sorted(p.model_fields_set):
+            if getattr(p, name) != type(p).model_fields[name].default:
+                raise ConfigError(f"--program.{name}: is an agent program's option; give --agent.program "
+                                  "MODULE:play or leave it out")  # fmt: skip
         return
     from agents.tool_format import parser_names
 
     names = parser_names()
-    if a.tool_parser not in names:
-        raise ConfigError(f"--agent.tool_parser: {a.tool_parser!r} is not one of vLLM's tool parsers "
+    if p.tool_parser not in names:
+        raise ConfigError(f"--program.tool_parser: {p.tool_parser!r} is not one of vLLM's tool parsers "
                           f"({', '.join(names)})")  # fmt: skip
 
 

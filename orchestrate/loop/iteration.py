@@ -32,7 +32,7 @@ import signal
 import time
 from contextlib import ExitStack
 
-from agents.agent import ChatAgent
+from agents.agent import Agent
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
@@ -60,7 +60,7 @@ class Loop:
         # the run's parts, made by _start: the model folders, tokenizer, agent, train split, evaluation,
         # servers and trainer
         self.policy_dir = self.reference_dir = self.tokenizer = None
-        self.agent: ChatAgent | None = None
+        self.agent: Agent | None = None
         self.train_env: EnvSpec | None = None
         self.evaluation: Evaluation | None = None
         self.servers: Servers | None = None

@@ -15,7 +15,7 @@ import asyncio
 import threading
 import time
 
-from agents.agent import ChatAgent, TokenLLM, summarize
+from agents.agent import Agent, TokenLLM, summarize
 from agents.env_spec import EnvSpec
 from agents.envs import capabilities
 from orchestrate.loop.progress import progress_bar
@@ -96,7 +96,7 @@ class TimedEnv:
 
 
 async def play(
-    agent: ChatAgent,
+    agent: Agent,
     spec: EnvSpec,
     seed: int,
     llm: TokenLLM,
@@ -117,7 +117,7 @@ async def play(
 
 
 async def run_rollouts(
-    agent: ChatAgent,
+    agent: Agent,
     spec: EnvSpec,
     seeds: list[int],
     attempts: int,

@@ -96,9 +96,27 @@ def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
 
     samples = tapes_to_samples(tapes, require_ref)
     if not samples:
-        why = sorted({t.metadata.error or t.metadata.reward_reason or "nothing sampled" for t in tapes})
-        raise SampleError(f"no tape of {len(tapes)} can be trained on: {'; '.join(why[:3])}")
+        causes = [untrainable(t) for t in tapes]
+        others = len(set(causes)) - 1
+        more = f" (and {others} other cause{'s' * (others > 1)}: see the tapes)" if others else ""
+        first = f"the first's: {causes[0]}" if len(tapes) > 1 else causes[0]
+        raise SampleError(f"no episode of {len(tapes)} can be trained on; {first}{more}")
     return write_batch(path, samples)
+
+
+def untrainable(tape: Tape) -> str:
+    """Why a tape gives no sample, in one line: its error, no LLM call, nothing sampled (not its reward's
+    reason when it was never the cause)."""
+    m = tape.metadata
+    if m.error:
+        return m.error.strip().splitlines()[0]
+    who = f"the agent ({m.author})" if m.author else "the agent"
+    reason = f" ({m.reward_reason})" if m.reward_reason else ""
+    if not tape.llm_calls:
+        return f"{who} made no LLM call{reason}"
+    if not any(c.output_token_ids for c in tape.llm_calls):
+        return f"{who}'s calls sampled no token{reason}"
+    return m.reward_reason or "no reward"
 
 
 def save_tapes(path: str | os.PathLike, tapes) -> Path:

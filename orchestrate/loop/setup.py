@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agents.agent import ChatAgent
+from agents.agent import Agent, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from contract.rundir import CHECKPOINT_NAME, RunDir
@@ -35,19 +35,20 @@ class SetupError(ValueError):
 # -- the agent --------------------------------------------------------------------------------------
 
 
-def build_agent(config: RLConfig, tokenizer):
-    """The agent a run uses (every command builds it this way from the run's config): the built-in
-    ChatAgent, or the program of `--agent.program` through the gateway (orchestrate.gateway.agent)."""
+def build_agent(config: RLConfig, tokenizer) -> Agent:
+    """The agent a run uses (replay and offline build it the same way from the run's config): the built-in
+    ChatAgent, or the program of `--agent.program` through the gateway (orchestrate.gateway.agent) with the
+    options of `--program.*`. Use it as `with build_agent(...) as agent:` (a program's gateway is closed)."""
     r, a = config.rollouts, config.agent
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
     if a.program is None:
         return ChatAgent(a, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
     from orchestrate.gateway.agent import ProgramAgent
 
-    spec = EnvSpec.from_config(config, "train")
+    p, spec = config.program, EnvSpec.from_config(config, "train")
     return ProgramAgent(a.program, sampling, tokenizer, max_context=config.server.max_model_len,
-                        tool_parser=a.tool_parser, time_limit_s=a.time_limit_s, host=a.gateway_host,
-                        port=a.gateway_port, sandbox=spec.sandbox, reward=a.reward)  # fmt: skip
+                        tool_parser=p.tool_parser, time_limit_s=p.time_limit_s, host=p.gateway_host,
+                        port=p.gateway_port, sandbox=spec.sandbox, reward=p.reward)  # fmt: skip
 
 
 def load_tokenizer(config: RLConfig):
@@ -68,16 +69,7 @@ def read_run_config(path: Path, option: str = "--config") -> RLConfig:
         raise SetupError(f"{option} {path}: not a run config ({str(exc).splitlines()[0]})") from None
 
 
-def find_config(path: Path) -> Path:
-    """RUN/config.json for a tape file RUN/tapes/FILE or RUN/tapes/forks/FILE (the nearest that exists)."""
-    parents = path.resolve().parents
-    for run in parents[1:3]:
-        if RunDir(run).config_path.is_file():
-            return RunDir(run).config_path
-    return RunDir(parents[1]).config_path
-
-
-def agent_from_run_config(config_path: Path):
+def agent_from_run_config(config_path: Path) -> Agent:
     config = RLConfig.model_validate(json.loads(config_path.read_text()))
     return build_agent(config, load_tokenizer(config))
 
@@ -266,9 +258,7 @@ class RunSetup:
 
     def agent(self, stack: ExitStack):
         """The run's agent, closed (a program's gateway stopped) when `stack` closes."""
-        agent = build_agent(self.config, self.tokenizer)
-        stack.callback(getattr(agent, "close", lambda: None))
-        return agent
+        return stack.enter_context(build_agent(self.config, self.tokenizer))
 
     def start(self, stack: ExitStack):
         """(servers, trainer), started: the trainer before the servers start (it loads its model meanwhile);
