@@ -326,16 +326,16 @@ def tape_file(folder: Path, version: int) -> Path:
     return RunDir(folder).eval_tapes(version)
 
 
-def finished(path: Path, n: int) -> dict[int, list[Tape]]:
-    """The tasks whose n samples a killed evaluation wrote whole (a torn last line, or a task cut short, is
-    dropped and played again); the file rewritten with them alone."""
-    from contract.durable import AtomicFile
-    from tapes.store import TapeWriter, parse_tape_line
+def finished(path: Path, n: int, trim: bool = False) -> dict[int, list[Tape]]:
+    """The tasks whose n samples a killed evaluation wrote whole, by seed (a torn last line, or a task cut
+    short, is dropped and played again); with `trim`, the file is rewritten with them alone (atomically)."""
+    from tapes.store import parse_tape_line
 
     if not path.is_file():
         return {}
     tapes: list[Tape] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for lineno, line in enumerate(lines, start=1):
         if line.strip():
             try:
                 tapes.append(parse_tape_line(line, path, lineno))
@@ -345,10 +345,8 @@ def finished(path: Path, n: int) -> dict[int, list[Tape]]:
     for tape in tapes:
         by_seed.setdefault(int(tape.context["env"]["seed"]), []).append(tape)
     done = {seed: group for seed, group in by_seed.items() if len(group) == n}
-    with AtomicFile(path) as f, TapeWriter(f) as writer:
-        for group in done.values():
-            for tape in group:
-                writer.write(tape)
+    if trim and sum(map(len, done.values())) != len(lines):
+        atomic_write_text(path, "".join(t.model_dump_json() + "\n" for group in done.values() for t in group))
     return done
 
 
@@ -383,7 +381,7 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
     try:
         atomic_write_json(folder / "config.json", s.config.model_dump(mode="json"))
         path = tape_file(folder, target.policy.version)
-        done = finished(path, s.n)
+        done = finished(path, s.n, trim=True)
         todo = [seed for seed in s.seeds if seed not in done]
         spec = EnvSpec.from_config(s.config, s.split)
         sampling = SamplingParams(temperature=s.temperature, max_tokens=s.max_tokens)

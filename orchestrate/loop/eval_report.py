@@ -1,0 +1,96 @@
+"""An evaluation shown: a markdown summary (the figures with their intervals, a comparison's paired
+differences and flipped tasks, then the tasks failures first) and a plot of pass@k against k. Both read the
+figures orchestrate.loop.eval_stats computed; nothing is recomputed here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROWS = 50  # tasks listed in a summary; the rest are in eval.json
+
+
+def _cell(f: dict | None) -> str:
+    if not f:
+        return "-"
+    lo, hi = f["ci95"]
+    return f"{f['value']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def _names(summary: dict) -> list[str]:
+    ks = summary.get("ks", [])
+    return ["mean_reward"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1]
+
+
+def markdown(summary: dict, title: str, compare: dict | None = None) -> str:
+    lines = [f"# {title}", ""]
+    n = summary["samples_per_task"]
+    lines += [f"{summary['tasks']} tasks x {n} samples; {summary['errors']} episodes failed (infrastructure, not "
+              "scored). Intervals: 95%, over tasks.", ""]  # fmt: skip
+    if compare is not None:
+        lines += ["| figure | A | B | B - A [95%] |", "|---|---|---|---|"]
+        for name in ["mean_reward"] + [f"pass@{k}" for k in compare["ks"]]:
+            f = compare.get(name)
+            if f:
+                lo, hi = f["ci95"]
+                lines.append(f"| {name} | {f['a']:.3f} | {f['b']:.3f} | {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+        flipped = compare["flipped"]
+        lines += ["", f"Tasks: {compare['better']} better, {compare['worse']} worse, {compare['same']} the same "
+                  "(success rate).", ""]  # fmt: skip
+        for side, what in (("b_only", "solved by B only"), ("a_only", "solved by A only")):
+            ids = flipped[side]
+            shown = ", ".join(ids[:ROWS]) + (f" ... ({len(ids) - ROWS} more)" if len(ids) > ROWS else "")
+            lines.append(f"- {what} ({len(ids)}): {shown or 'none'}")
+        lines += ["", "## B", ""]
+    lines += ["| figure | value [95%] |", "|---|---|"]
+    lines += [f"| {name} | {_cell(summary.get(name))} |" for name in _names(summary) if summary.get(name)]
+    rows = summary["per_task"]
+    ks = [k for k in summary.get("ks", []) if k > 1]
+    head = ["task", "n", "successes", "mean reward"] + [f"pass@{k}" for k in ks]
+    lines += ["", "## Tasks, failures first", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows[:ROWS]:
+        cells = [row["task_id"], str(row["n"]), str(row["successes"]), f"{row['mean_reward']:.3f}"]
+        cells += [f"{row[f'pass@{k}']:.3f}" if row.get(f"pass@{k}") is not None else "-" for k in ks]
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(rows) > ROWS:
+        lines.append(f"\n{len(rows) - ROWS} more tasks in eval.json.")
+    return "\n".join(lines) + "\n"
+
+
+def _curve(ax, summary: dict, label: str, **kw) -> None:
+    pts = [(k, summary[f"pass@{k}"]) for k in summary.get("ks", []) if summary.get(f"pass@{k}")]
+    if pts:
+        ks = [k for k, _ in pts]
+        values = [f["value"] for _, f in pts]
+        errors = [[f["value"] - f["ci95"][0] for _, f in pts], [f["ci95"][1] - f["value"] for _, f in pts]]
+        ax.errorbar(ks, values, yerr=errors, marker="o", capsize=3, label=label, **kw)
+
+
+def plot(summary: dict, path: str | os.PathLike, compare: dict | None = None, labels=("A", "B")) -> Path:
+    """pass@k against k with the 95% intervals (a comparison: A's and B's curves), written whole."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if compare is not None:
+        ks = [k for k in compare["ks"] if compare.get(f"pass@{k}")]
+        for side, label in zip(("a", "b"), labels):
+            ax.plot(ks, [compare[f"pass@{k}"][side] for k in ks], marker="o", label=label)
+    else:
+        _curve(ax, summary, "pass@k")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (samples)")
+    ax.set_ylabel("pass@k")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

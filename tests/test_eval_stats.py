@@ -1,0 +1,96 @@
+"""The figures of an evaluation against numbers worked out by hand (orchestrate/loop/eval_stats.py)."""
+
+from __future__ import annotations
+
+import math
+from itertools import combinations
+
+import pytest
+
+from orchestrate.loop.eval_report import markdown, plot
+from orchestrate.loop.eval_stats import TaskResult, compare, interval, ks_for, maj_at_k, pass_at_k, summarize
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(8, 0, 4) == 0.0
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer failures than k: a success is always drawn
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_pass_at_k_is_the_frequency_over_every_k_subset():
+    outcomes = [True, False, False, True, False, False, False]
+    for k in range(1, 8):
+        subsets = list(combinations(outcomes, k))
+        assert pass_at_k(7, 2, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_maj_at_k_by_hand_with_a_tie():
+    answers, right = ["7", "7", "8"], [True, True, False]
+    assert maj_at_k(answers, right, 1) == pytest.approx(2 / 3)
+    # pairs: (7,7) right; (7,8) twice: a tie, half right each -> (1 + 0.5 + 0.5) / 3
+    assert maj_at_k(answers, right, 2) == pytest.approx(2 / 3)
+    assert maj_at_k(answers, right, 3) == 1.0
+    assert maj_at_k(["1", "2", "2", "2"], [True, False, False, False], 3) == 0.0  # "2" wins every triple
+    assert maj_at_k(["1", None], [True, False], 1) is None
+
+
+def test_ks():
+    assert ks_for(1) == [1] and ks_for(8) == [1, 2, 4, 8] and ks_for(6) == [1, 2, 4, 6]
+
+
+def three_tasks():
+    return [
+        TaskResult("t0", [1.0, 0.0, 0.0, 0.0], [True, False, False, False], ["5", "6", "6", "4"]),
+        TaskResult("t1", [1.0, 1.0, 1.0, 1.0], [True] * 4, ["3"] * 4),
+        TaskResult("t2", [0.0, 0.0, 0.0, 0.0], [False] * 4, ["1", "2", "1", "9"], errors=1),
+    ]
+
+
+def test_summary_of_three_tasks_by_hand():
+    s = summarize(three_tasks(), [1, 2, 4])
+    # pass@1 per task: 0.25, 1, 0 -> mean 0.41667; sample sd sqrt(((-.16667)^2 + .58333^2 + .41667^2) / 2)
+    mean = (0.25 + 1 + 0) / 3
+    sd = math.sqrt(((0.25 - mean) ** 2 + (1 - mean) ** 2 + mean**2) / 2)
+    assert s["pass@1"]["value"] == pytest.approx(mean)
+    assert s["pass@1"]["se"] == pytest.approx(sd / math.sqrt(3))
+    assert s["pass@1"]["ci95"] == pytest.approx([mean - 1.96 * sd / math.sqrt(3), mean + 1.96 * sd / math.sqrt(3)])
+    assert s["pass@2"]["value"] == pytest.approx((0.5 + 1 + 0) / 3)
+    assert s["pass@4"]["value"] == pytest.approx(2 / 3)
+    assert s["mean_reward"]["value"] == pytest.approx(mean)
+    assert s["maj@4"]["value"] == pytest.approx((0 + 1 + 0) / 3)  # t0's vote is "6" (wrong)
+    assert s["errors"] == 1 and s["tasks"] == 3 and s["samples_per_task"] == 4
+    assert [r["task_id"] for r in s["per_task"]] == ["t2", "t0", "t1"]  # failures first
+
+
+def test_one_task_has_no_spread():
+    assert interval([0.5]) == {"value": 0.5, "se": 0.0, "ci95": [0.5, 0.5]}
+
+
+def test_paired_comparison_is_tighter_than_two_intervals_and_names_flips():
+    # B is A plus 0.25 on every task; the tasks differ a lot in difficulty: the paired interval is a point
+    a = [TaskResult(f"t{i}", [float(x) for x in s], list(map(bool, s))) for i, s in
+         enumerate([[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]])]  # fmt: skip
+    b = [TaskResult(f"t{i}", [float(x) for x in s], list(map(bool, s))) for i, s in
+         enumerate([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]])]  # fmt: skip
+    c = compare(a, b, [1, 2])
+    assert c["pass@1"]["diff"] == pytest.approx(0.25) and c["pass@1"]["se"] == pytest.approx(0.0)
+    unpaired = math.hypot(summarize(a, [1])["pass@1"]["se"], summarize(b, [1])["pass@1"]["se"])
+    assert unpaired > 0.1
+    assert c["flipped"] == {"b_only": ["t2"], "a_only": []}
+    assert (c["better"], c["worse"], c["same"]) == (4, 0, 0)
+    with pytest.raises(ValueError, match="different tasks"):
+        compare(a, b[:3], [1])
+
+
+def test_the_summary_and_plot_are_written(tmp_path):
+    s = summarize(three_tasks(), [1, 2, 4])
+    text = markdown(s, "three tasks")
+    assert "pass@4" in text and "0.667" in text and text.index("| t2 ") < text.index("| t1 ")
+    c = compare(three_tasks(), three_tasks(), [1, 2, 4])
+    assert "B - A" in markdown(s, "same", compare=c)
+    assert plot(s, tmp_path / "p.png").stat().st_size > 1000
+    assert plot(s, tmp_path / "c.png", compare=c).stat().st_size > 1000
