@@ -51,6 +51,7 @@ from contract.rundir import RunDir
 from orchestrate.loop.config import (
     ConfigError,
     EnvSection,
+    ProgramSection,
     RLConfig,
     ServerSection,
     load_preset,
@@ -63,6 +64,7 @@ from tapes.tape import Tape
 
 SERVER_OPTIONS = ("max_model_len", "kv_cache_gib", "dtype", "gpu_memory_utilization", "enforce_eager", "cpus", "gpus",
                   "startup_timeout_s", "extra_args")  # fmt: skip
+MAX_SAMPLES = 1024  # per task (the loop's eval.samples has the same limit)
 TASKS = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 VERSIONED = re.compile(r"^(.*)@(\d+)$")
 
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="uv run -m orchestrate.eval",
         description="Evaluate a checkpoint, a run, a model or a server: pass@k, maj@k, mean reward with 95% "
         "intervals, per-task results, tapes; --compare A B for a paired comparison.",
-        epilog="Options --env.*, --agent.* and --server.* override the run's config (or the preset's).",
+        epilog="Options --env.*, --agent.*, --program.* and --server.* override the run's config (or the preset's).",
     )
     parser.add_argument("target", nargs="?", help="RUN, RUN@N, a model folder, a model name, or a server's URL")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B on the same tasks: B - A")
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     from agents.agent import AgentConfig
 
     add_options(parser, AgentConfig, "agent.", defaults=False)
+    add_options(parser, ProgramSection, "program.", defaults=False)
     add_options(parser, ServerSection, "server.", defaults=False, only=SERVER_OPTIONS, note="the target's server: ")
     return parser
 
@@ -137,7 +140,7 @@ class Settings:
         return {"target": target.text, "model": target.policy.name, "version": target.policy.version,
                 "env": {"id": c.env.id, "options": c.env.options, "tools": c.env.tools, "split": self.split,
                         "run_seed": c.run.seed},
-                "agent": c.agent.model_dump(mode="json"), "tasks": [self.seeds[0], self.seeds[-1] + 1],
+                "agent": c.agent.model_dump(mode="json"), "program": c.program.model_dump(mode="json"), "tasks": [self.seeds[0], self.seeds[-1] + 1],
                 "n": self.n, "temperature": self.temperature, "max_tokens": self.max_tokens}  # fmt: skip
 
 
@@ -235,8 +238,8 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         raise EvalError("target: name what to evaluate (a run, RUN@N, a model folder or name, a URL), or --compare A B")
     if args.version is not None and (args.compare or args.version < 0):
         raise EvalError(f"--version {args.version}: a version of one run (0 or more); with --compare write RUN@N")
-    if args.n < 1:
-        raise EvalError(f"--n {args.n}: sample each task once or more")
+    if not 1 <= args.n <= MAX_SAMPLES:
+        raise EvalError(f"--n {args.n}: sample each task 1 to {MAX_SAMPLES} times")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise EvalError(f"--max-tokens {args.max_tokens}: expected a positive integer")
     if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -273,6 +276,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     spec = EnvSpec(config.env.id, config.env.options, args.split, config.run.seed, config.env.tools)
     size = test_size(spec) if args.split == "test" else None
     seeds = parse_tasks(args.tasks, config.eval.tasks or size or 500, size, args.split)
+    max_tokens = args.max_tokens or config.eval.max_tokens
+    if max_tokens >= config.server.max_model_len:
+        raise EvalError(f"--max-tokens: {max_tokens} new tokens do not fit in --server.max_model_len "
+                        f"{config.server.max_model_len} (prompt + completion); lower it or raise server.max_model_len")
     temperature = args.temperature if args.temperature is not None else (
         config.eval.temperature if args.n == 1 else config.rollouts.temperature)  # fmt: skip
     targets = []
@@ -287,7 +294,7 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         except SetupError as exc:
             raise EvalError(str(exc)) from None
         targets.append(Target(text, policy, run))
-    settings = Settings(targets, config, source, seeds, args.n, temperature, args.max_tokens or config.eval.max_tokens,
+    settings = Settings(targets, config, source, seeds, args.n, temperature, max_tokens,
                         ks, Path(), args.key_file, args.max_concurrency or config.rollouts.max_concurrency,
                         args.split)  # fmt: skip
     settings.out = Path(args.out) if args.out else default_out(settings)

@@ -160,6 +160,8 @@ def test_a_run_is_evaluated_at_its_version_and_two_are_compared_on_the_same_task
         (["smollm2", "--n", 2, "--k", "1,4", "--temperature", 1], ["--k", "4"]),
         (["smollm2", "--n", 4, "--temperature", 0], ["--n 4", "temperature 0"]),
         (["smollm2", "--n", 0], ["--n"]),
+        (["smollm2", "--n", 5000, "--temperature", 1], ["--n", "1024"]),
+        (["smollm2", "--max-tokens", 5000], ["--max-tokens", "max_model_len"]),
         (["smollm2", "--temperature", "nan"], ["--temperature"]),
         (["smollm2", "--version", 2], ["--version", "not a run"]),
         (["smollm2", "--key-file", "k"], ["--key-file"]),
