@@ -278,8 +278,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     seeds = parse_tasks(args.tasks, config.eval.tasks or size or 500, size, args.split)
     max_tokens = args.max_tokens or config.eval.max_tokens
     if max_tokens >= config.server.max_model_len:
-        raise EvalError(f"--max-tokens: {max_tokens} new tokens do not fit in --server.max_model_len "
-                        f"{config.server.max_model_len} (prompt + completion); lower it or raise server.max_model_len")
+        raise EvalError(
+            f"--max-tokens: {max_tokens} new tokens do not fit in --server.max_model_len "
+            f"{config.server.max_model_len} (prompt + completion); lower it or raise server.max_model_len"
+        )
     temperature = args.temperature if args.temperature is not None else (
         config.eval.temperature if args.n == 1 else config.rollouts.temperature)  # fmt: skip
     targets = []
