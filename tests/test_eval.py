@@ -205,3 +205,23 @@ def test_the_loops_held_out_figure_is_evals_on_the_same_checkpoint_and_seeds(tin
     metrics = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     held_out = next(m["eval_success_rate"] for m in metrics if m.get("iteration") == 2 and "eval_success_rate" in m)
     assert json.loads((out / "eval.json").read_text())["pass@1"]["value"] == pytest.approx(held_out)
+
+
+def test_a_run_whose_loop_holds_its_lock_is_evaluated_beside_it(tmp_path, scripted, capsys):
+    """Eval takes no lock the loop needs and writes only its own folder, RUN/evals/LABEL."""
+    from orchestrate.loop.config import resolve
+    from orchestrate.loop.run_lock import RunLock
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    lock = RunLock(run).acquire()  # as the running loop holds it
+    try:
+        code, _, err = run_eval(run, "--tasks", 2, "--no-progress", capsys=capsys)
+    finally:
+        lock.release()
+    assert code == 0, err
+    after = {p: p.stat().st_mtime_ns for p in run.rglob("*") if (run / "evals") not in p.parents and p != run / "evals"}
+    assert after == before
+    assert list((run / "evals").glob("*/eval.json"))

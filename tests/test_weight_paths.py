@@ -274,6 +274,9 @@ def test_only_adapters_stay_loaded_side_by_side(run):
 
     class AdapterServer(Server):
         served_model_name = "policy"
+        # the server's own adapter routes, over the recording _post below
+        load_adapter, unload_adapter = VLLMServer.load_adapter, VLLMServer.unload_adapter
+        reset_prefix_cache = VLLMServer.reset_prefix_cache
 
         def _post(self, route, json=None, timeout=300):
             posted.append((route, (json or {}).get("lora_name")))
