@@ -41,9 +41,8 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from contract.cli import StrictParser, add_options, given, refuse_repeated
 from contract.durable import atomic_write_json, atomic_write_text
@@ -132,7 +131,6 @@ class Settings:
     key_file: str | None
     max_concurrency: int
     split: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def record(self, target: Target) -> dict:
         """What an evaluation folder holds: a resumed one must have been started with the same."""
@@ -399,11 +397,12 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
               f"at temperature {s.temperature:g}" + (f"; {len(done)} done before, {len(todo)} to play" if done else ""),
               flush=True)  # fmt: skip
         if todo:
-            tokenizer = _tokenizer(target.policy, s.config)
-            agent = build_agent(s.config, tokenizer)
             appender = Appender(path)
             try:
-                with PolicyServer(target.policy, s.config, folder / "logs", s.key_file) as served:
+                with (
+                    build_agent(s.config, _tokenizer(target.policy, s.config)) as agent,
+                    PolicyServer(target.policy, s.config, folder / "logs", s.key_file) as served,
+                ):
 
                     async def play():
                         async with served.client(s.max_concurrency) as client:
@@ -414,9 +413,6 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
                     asyncio.run(play())
             finally:
                 appender.close()
-                close = getattr(agent, "close", None)
-                if close is not None:
-                    close()
         seconds = time.perf_counter() - started
         done = finished(path, s.n)
         tapes = [t for seed in s.seeds for t in done.get(seed, [])]
