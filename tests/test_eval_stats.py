@@ -94,3 +94,20 @@ def test_the_summary_and_plot_are_written(tmp_path):
     assert "B - A" in markdown(s, "same", compare=c)
     assert plot(s, tmp_path / "p.png").stat().st_size > 1000
     assert plot(s, tmp_path / "c.png", compare=c).stat().st_size > 1000
+
+
+def test_task_results_from_tapes_a_truncated_sample_votes_for_no_answer_and_failures_are_apart():
+    from orchestrate.loop.evaluation import task_results
+    from tapes.tape import EnvObservation, Tape, TapeMetadata
+
+    def tape(answer, success, reward, error=None):
+        steps = [EnvObservation(text="q", turn=0)]
+        if answer is not None:
+            steps.append(EnvObservation(text="", turn=1, reward=reward, info={"answer": answer, "success": success}))
+        return Tape(metadata=TapeMetadata(task_id="t", reward=reward, success=success, error=error), steps=steps)
+
+    (r,) = task_results([tape("7", True, 1.0), tape(None, False, -1.0), tape("8", False, 0.0), tape("7", None, 0, "x")])
+    assert r.answers == ["7", "", "8"] and r.successes == [True, False, False] and r.errors == 1
+    assert r.rewards == [1.0, -1.0, 0.0]
+    (plain,) = task_results([tape(None, True, 1.0)])  # an environment that reports no answers: no votes
+    assert plain.answers == [None]

@@ -98,8 +98,9 @@ def final_info(tape: Tape) -> dict:
 
 def task_results(tapes: list[Tape]) -> list[TaskResult]:
     """Per task (in first-seen order): the rewards, successes and answers of its samples that ran, and how many
-    failed (infrastructure). Answers are compared by majority votes only when every sample's environment
-    reported one (`info["answer"]`); else they are None."""
+    failed (infrastructure). Answers are compared by majority votes when the environment reports them
+    (`info["answer"]` on its last observation; a sample without one, truncated say, answered nothing);
+    else they are None."""
     by_task: dict[str, list[Tape]] = {}
     for tape in tapes:
         by_task.setdefault(tape.metadata.task_id or tape.metadata.id, []).append(tape)
@@ -107,13 +108,14 @@ def task_results(tapes: list[Tape]) -> list[TaskResult]:
     for task_id, group in by_task.items():
         ok = [t for t in group if not t.metadata.error]
         infos = [final_info(t) for t in ok]
-        comparable = all("answer" in info for info in infos)
+        # an environment that reports answers: a sample without one (truncated, unparsable) voted for none
+        comparable = any("answer" in info for info in infos)
         results.append(TaskResult(
             task_id=task_id,
             rewards=[float(t.metadata.reward or 0.0) for t in ok],
             successes=[bool(t.metadata.success) if t.metadata.success is not None else (t.metadata.reward or 0) > 0
                        for t in ok],
-            answers=[str(info["answer"]) if comparable else None for info in infos],
+            answers=[str(info.get("answer", "")) if comparable else None for info in infos],
             errors=len(group) - len(ok),
         ))  # fmt: skip
     return results
