@@ -50,7 +50,9 @@ class EnvSpec:
     @property
     def uses_sandbox(self) -> bool:
         """Model-written code runs here: through the python tool, or in the environment itself (e.g. `code`)."""
-        return "python" in self.tools or entry(self.env_id).sandbox
+        from agents.tools import TOOLS
+
+        return any(TOOLS[t].runs_code for t in self.tools if t in TOOLS) or entry(self.env_id).sandbox
 
     def sandbox(self):
         """The spec's one Sandbox, built from its sandbox options (`--env.sandbox.*`) on first use."""
@@ -78,30 +80,15 @@ class EnvSpec:
         env = make_env(self.env_id, self.options, split=self.split, run_seed=self.run_seed, sandbox=sandbox)
         if not self.tools:
             return env
-        from agents.tools import PythonTool, RecordedTool, ToolEnv
+        from agents.tools import TOOLS, RecordedTool, ToolEnv
 
-        known = {
-            "python": lambda: PythonTool(self.sandbox()),
-            "search": lambda: self._search_tool(load=recorded is None or live_after),
-        }
-        unknown = [t for t in self.tools if t not in known]
+        unknown = [t for t in self.tools if t not in TOOLS]
         if unknown:
-            raise ValueError(f"unknown tools {unknown} (known: {', '.join(known)})")
-        tools = [known[t]() for t in self.tools]
+            raise ValueError(f"unknown tools {unknown} (known: {', '.join(TOOLS)})")
+        tools = [TOOLS[t].for_spec(self, load=recorded is None or live_after) for t in self.tools]
         if recorded is not None:
             tools = [RecordedTool(t, recorded, live_after) if t.answered_from_tape else t for t in tools]
         return ToolEnv(env, tools)
-
-    def _search_tool(self, load: bool):
-        from agents.search import SearchConfig, load_retriever
-        from agents.tools import SearchTool
-
-        config = SearchConfig(**self.search_options)
-        if load and self._retriever is None:
-            if not config.corpus:
-                raise ValueError("the search tool needs a corpus: set --env.search.corpus")
-            self._retriever = load_retriever(config.corpus, config.cache_dir)
-        return SearchTool(self._retriever if load else None, config)
 
     @classmethod
     def of(cls, tape: Tape) -> tuple[EnvSpec, int]:

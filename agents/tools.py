@@ -57,6 +57,19 @@ class Tool(Protocol):
     # and, for a tool that a replay runs (PythonTool, RecordedTool): replay_note(calls) -> how it answered them
 
 
+TOOLS: dict[str, type] = {}  # name -> tool class: the one list of tools (--env.tools, EnvSpec.make, --help)
+
+
+def register_tool(cls: type) -> type:
+    """A tool class into TOOLS under its `name`. It says what it does (`summary`, for --help), whether it runs
+    model-written code (`runs_code`: the sandbox is checked before a run), and how a spec builds it
+    (`for_spec(spec, load)`, `load` False when a replay answers it from the tape)."""
+    if cls.name in TOOLS:
+        raise ValueError(f"tool {cls.name!r} is registered twice")
+    TOOLS[cls.name] = cls
+    return cls
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'s' if n != 1 else ''}"
 
@@ -64,16 +77,23 @@ def _plural(n: int, word: str) -> str:
 _PYTHON = re.compile(r"<python>(.*?)</python>", re.DOTALL)
 
 
+@register_tool
 class PythonTool:
     """Runs the first complete `<python>...</python>` block of an action in the sandbox."""
 
     name = "python"
+    summary = "<python>code</python>, run in the sandbox, its output as the next observation"
+    runs_code = True
     stop = "</python>"
     answered_from_tape = False  # a replay re-runs the code: the sandbox is deterministic given it
 
     def __init__(self, sandbox: Sandbox | None = None, observation_chars: int = 1000):
         self.sandbox = sandbox or Sandbox(SandboxConfig())
         self.observation_chars = observation_chars
+
+    @classmethod
+    def for_spec(cls, spec, load: bool = True) -> PythonTool:
+        return cls(spec.sandbox())
 
     def instruction(self) -> str:
         return (
@@ -111,16 +131,32 @@ _SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 _EMPTY_QUERY = "[empty query: write what to look up between <search> and </search>]"
 
 
+@register_tool
 class SearchTool:
     """Answers the first complete `<search>query</search>` of an action with the best passages of a corpus."""
 
     name = "search"
+    summary = "<search>query</search>, the best passages of --env.search.corpus as the next observation"
+    runs_code = False
     stop = "</search>"
     answered_from_tape = True  # on replay: see RecordedTool
 
     def __init__(self, retriever: Retriever | None, config: SearchConfig | None = None):
         self.retriever = retriever  # None: parse only (a replay answers from the tape)
         self.config = config or SearchConfig()
+
+    @classmethod
+    def for_spec(cls, spec, load: bool = True) -> SearchTool:
+        """The spec's corpus, loaded once per spec (and per process for an unchanged corpus: agents.search);
+        not loaded when a replay answers every search from the tape."""
+        from agents.search import load_retriever
+
+        config = SearchConfig(**spec.search_options)
+        if load and spec._retriever is None:
+            if not config.corpus:
+                raise ValueError("the search tool needs a corpus: set --env.search.corpus")
+            spec._retriever = load_retriever(config.corpus, config.cache_dir)
+        return cls(spec._retriever if load else None, config)
 
     def instruction(self) -> str:
         return (

@@ -41,6 +41,7 @@ class Mechanism:
     one_rank_per_gpu: bool = False  # the learner and every server's worker are ranks on GPUs of their own
     adapter: bool = False  # each version an adapter of its own name; the one before stays while calls use it
     same_machine: bool = False  # the learner, the orchestrator and the servers share this machine's memory
+    summary: str = ""  # what it does, in a few words: --server.weight_transfer's help lists it
 
     def swap(self, in_flight: bool) -> str:
         """The client's swap timing for this mechanism; `in_flight`: --run.in_flight_swaps."""
@@ -58,18 +59,30 @@ def register(mechanism: Mechanism) -> Mechanism:
 
 
 DEFAULT = register(Mechanism("disk", "finetune.publish.disk:DiskPublisher",
-                             "orchestrate.serving.transports.disk:DiskTransport")).name  # fmt: skip
+                             "orchestrate.serving.transports.disk:DiskTransport",
+                             summary="each version written as a model folder, reloaded by path")).name  # fmt: skip
 for _backend in ("gloo", "nccl"):
     register(Mechanism(_backend, "finetune.publish.collective:CollectivePublisher",
                        "orchestrate.serving.transports.collective:CollectiveTransport", backend=_backend,
-                       engine="tapeloop", by_path=False, one_rank_per_gpu=_backend == "nccl"))  # fmt: skip
+                       engine="tapeloop", by_path=False, one_rank_per_gpu=_backend == "nccl",
+                       summary="in memory over torch.distributed, " + ("GPUs" if _backend == "nccl" else "CPU")))  # fmt: skip
 register(Mechanism("shm", "finetune.publish.shm:ShmPublisher", "orchestrate.serving.transports.shm:ShmTransport",
-                   same_machine=True))  # fmt: skip
+                   same_machine=True, summary="the disk's folder in this machine's shared memory, /dev/shm: nothing "
+                   "synced or written to disk"))  # fmt: skip
 LORA = register(Mechanism("lora", "finetune.publish.adapter:AdapterPublisher",
                           "orchestrate.serving.transports.adapter:AdapterTransport", option=False,
-                          adapter=True)).name  # fmt: skip
+                          adapter=True, summary="each version's LoRA adapter, loaded by name")).name  # fmt: skip
 
 OPTIONS = tuple(name for name, m in MECHANISMS.items() if m.option)  # --server.weight_transfer's values
+
+
+def options_help() -> str:
+    """--server.weight_transfer's help, from the table: each option and what it does."""
+    return (
+        "how new policy weights reach the servers: "
+        + "; ".join(f"{m.name} ({m.summary})" if m.summary else m.name for m in MECHANISMS.values() if m.option)
+        + "; see docs/weights.md"
+    )
 
 
 def select(option: str | None, lora_rank: int = 0) -> Mechanism:

@@ -167,9 +167,9 @@ def test_a_run_saved_with_the_programs_options_under_agent_loads_and_resumes(tmp
         rl._check_resume(run_dir, current)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce", "ppo"])
+@pytest.mark.parametrize("name", sorted(__import__("finetune.algorithms").algorithms.ALGORITHMS))
 def test_each_algorithm_users_know_is_one_option(name):
-    """The eight names of the README resolve (what each sets: tests/test_compare_algorithms.py); an option the
+    """Every registered algorithm (the README names eight) resolves (what each sets: tests/test_compare_algorithms.py); an option the
     user gives wins over the algorithm's."""
     from finetune.algorithms import ALGORITHMS
 

@@ -26,7 +26,7 @@ GROUPS = ["a", "a", "b", "b", "b"]
 
 
 def test_every_name_is_registered_once_with_a_paper():
-    assert list(ESTIMATORS) == ["group", "batch", "none", "rloo", "reinforce_pp"]
+    assert {"group", "batch", "none", "rloo", "reinforce_pp"} <= set(ESTIMATORS)  # and any registered since
     assert {"grpo", "reinforce", "gspo", "ppo"} <= set(LOSSES)
     for spec in [*ESTIMATORS.values(), *LOSSES.values()]:
         assert spec.doc and spec.paper, spec.name

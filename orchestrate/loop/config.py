@@ -24,6 +24,7 @@ from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
+from agents.tools import TOOLS
 from contract.cli import (
     StrictParser,
     add_options,
@@ -58,11 +59,10 @@ class EnvSection(BaseModel):
         default_factory=dict,
         description="the environment's options, each as --env.options.NAME VALUE (or all at once as a JSON object)",
     )
-    tools: list[Literal["python", "search"]] = Field(
+    tools: list[Literal[tuple(TOOLS)]] = Field(  # the registry's names (agents.tools.register_tool)
         default_factory=list,
-        description="tools the agent may call, comma-separated: python (<python>code"
-        "</python>, run in the sandbox, its output as the next observation), search (<search>query</search>, "
-        "the best passages of --env.search.corpus as the next observation)",
+        description="tools the agent may call, comma-separated: "
+        + ", ".join(f"{name} ({cls.summary})" for name, cls in TOOLS.items()),
     )
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig, description="where model-written code runs (the python tool, code environments)"

@@ -27,7 +27,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
-from contract.weight_paths import DEFAULT, OPTIONS, select
+from contract.weight_paths import DEFAULT, OPTIONS, options_help, select
 from orchestrate.serving.auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
 from orchestrate.serving.processes import format_cpus, spawn, stop
 
@@ -81,11 +81,7 @@ class ServerConfig(BaseModel):
         1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)"
     )
     weight_transfer: Literal[OPTIONS] = Field(  # the mechanisms of contract.weight_paths that are options
-        DEFAULT,
-        description="how new policy weights reach the servers: disk (each version written as a model folder, "
-        "reloaded by path), shm (the same folder in this machine's shared memory, /dev/shm: nothing synced or "
-        "written to disk), gloo (in memory over torch.distributed, CPU) or nccl (in memory, GPUs); "
-        "see docs/weights.md",
+        DEFAULT, description=options_help()
     )
     weight_transfer_timeout_s: float = Field(
         600, gt=0, description="longest wait for a weight-transfer group to form or a version to arrive"
