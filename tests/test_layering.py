@@ -12,7 +12,8 @@ and inside orchestrate, one way too:
         -> orchestrate.loop (one RL run: config, rollouts, the learner's process, metrics)
             -> orchestrate.gateway (agent programs of the user's own, through an OpenAI-compatible API)
             -> orchestrate.serving (vLLM servers, the client, model lookup, weights to servers)
-                -> orchestrate.serving.vllm_plugin (code that runs inside vLLM's processes)
+                <- orchestrate.serving.vllm_plugin (code that runs inside vLLM's processes: vLLM loads it,
+                   nothing of ours imports it; it uses serving's auth names)
 
 tapes is the bottom layer and imports nothing of ours; agents builds on tapes only; contract (what the two
 processes share: the run directory's names, the batch format, durable writes, the command-line generator,
@@ -41,14 +42,13 @@ ALLOWED = {
     "agents": {"tapes"},
     "finetune": {"contract"},
     "orchestrate.serving.vllm_plugin": {"contract", "orchestrate.serving"},
-    "orchestrate.serving": {"tapes", "contract", "orchestrate.serving.vllm_plugin"},
+    "orchestrate.serving": {"tapes", "contract"},  # vLLM loads the plugin; nothing of ours imports it
     "orchestrate.gateway": {"tapes", "contract", "agents", "orchestrate.serving"},
-    "orchestrate.loop": {"tapes", "contract", "agents", "finetune", "orchestrate.gateway", "orchestrate.serving",
-                         "orchestrate.serving.vllm_plugin"},
+    "orchestrate.loop": {"tapes", "contract", "agents", "finetune", "orchestrate.gateway", "orchestrate.serving"},
     "orchestrate": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.gateway",
-                    "orchestrate.serving", "orchestrate.serving.vllm_plugin"},
+                    "orchestrate.serving"},
     "orchestrate.after": {"tapes", "contract", "agents", "finetune", "orchestrate.loop", "orchestrate.gateway",
-                          "orchestrate.serving", "orchestrate.serving.vllm_plugin"},
+                          "orchestrate.serving"},
 }  # fmt: skip
 
 

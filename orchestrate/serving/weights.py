@@ -38,8 +38,8 @@ def close_group(run: RunDir) -> None:
 
 
 class Transport:
-    """Puts each version on every policy server. Subclasses implement `serve` and `rejoin`; the helpers
-    here are the disk path's, which every mechanism can fall back to."""
+    """Puts each version on every policy server. Subclasses implement `put` (their part of `serve`) and
+    `rejoin`; the helpers here are the disk path's, which every mechanism can fall back to."""
 
     def __init__(self, run: RunDir, servers: list[VLLMServer], mechanism: Mechanism, timeout_s: float, trainer):
         self.run = run
