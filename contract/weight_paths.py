@@ -73,16 +73,16 @@ LORA = register(Mechanism("lora", "finetune.publish.adapter:AdapterPublisher",
                           "orchestrate.serving.transports.adapter:AdapterTransport", option=False,
                           adapter=True, summary="each version's LoRA adapter, loaded by name")).name  # fmt: skip
 
-OPTIONS = tuple(name for name, m in MECHANISMS.items() if m.option)  # --server.weight_transfer's values
+
+def options() -> tuple[str, ...]:
+    """--server.weight_transfer's values: the mechanisms registered as options (wherever in this module)."""
+    return tuple(name for name, m in MECHANISMS.items() if m.option)
 
 
 def options_help() -> str:
     """--server.weight_transfer's help, from the table: each option and what it does."""
-    return (
-        "how new policy weights reach the servers: "
-        + "; ".join(f"{m.name} ({m.summary})" if m.summary else m.name for m in MECHANISMS.values() if m.option)
-        + "; see docs/weights.md"
-    )
+    described = [f"{m.name} ({m.summary})" if m.summary else m.name for m in MECHANISMS.values() if m.option]
+    return "how new policy weights reach the servers: " + "; ".join(described) + "; see docs/weights.md"
 
 
 def select(option: str | None, lora_rank: int = 0) -> Mechanism:

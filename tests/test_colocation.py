@@ -147,7 +147,9 @@ def test_the_colocated_learner_gives_back_its_cached_gpu_memory(monkeypatch):
 
 # -- the memory plan ------------------------------------------------------------------------------------
 
-LLAMA_1B = dict(parameters=1_235_814_400, layers=16, hidden=2048)  # Llama-3.2-1B's shape (docs/weights.md, bench/bench_gpu_learner.py)
+LLAMA_1B = dict(
+    parameters=1_235_814_400, layers=16, hidden=2048
+)  # Llama-3.2-1B's shape (docs/weights.md, bench/bench_gpu_learner.py)
 
 
 def gsm8k(**train):

@@ -255,6 +255,8 @@ from pathlib import Path
 
 import torch
 
+from pydantic import Field
+
 from finetune.losses import LossConfig, LossInputs, LossOutputs, register_loss
 
 exec(sys.argv[2])  # registered before the config is built, as a loss in finetune/losses.py is

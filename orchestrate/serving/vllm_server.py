@@ -27,7 +27,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field, field_validator
 
-from contract.weight_paths import DEFAULT, OPTIONS, options_help, select
+from contract.weight_paths import DEFAULT, options, options_help, select
 from orchestrate.serving.auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
 from orchestrate.serving.processes import format_cpus, spawn, stop
 
@@ -80,7 +80,7 @@ class ServerConfig(BaseModel):
     data_parallel_size: int = Field(
         1, ge=1, description="GPU only: model copies per server (vLLM --data-parallel-size)"
     )
-    weight_transfer: Literal[OPTIONS] = Field(  # the mechanisms of contract.weight_paths that are options
+    weight_transfer: Literal[options()] = Field(  # the mechanisms of contract.weight_paths that are options
         DEFAULT, description=options_help()
     )
     weight_transfer_timeout_s: float = Field(
