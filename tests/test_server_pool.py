@@ -472,8 +472,8 @@ def test_the_loop_leaves_a_dead_server_stale_and_it_rejoins_with_the_served_chec
     async def go():
         b.up = True  # b answers again: the next client starts it out, and it rejoins after loading checkpoint 1
         client = servers.client("policy", policy_version=1)
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
-        client.health_interval_s = 0.01
+        client.pool.http = httpx.AsyncClient(transport=httpx.MockTransport(cluster.handler))
+        client.pool.health_interval_s = 0.01
         async with client:
             await calls(client, 3)
             await until(lambda: client.up_endpoints() == [a, b])
