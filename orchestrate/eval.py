@@ -58,7 +58,7 @@ from orchestrate.loop.config import (
     resolve_from,
     split_env_options,
 )
-from orchestrate.loop.setup import Policy, SetupError, given_policy, remote_policy, run_policy
+from orchestrate.loop.setup import Policy, SetupError, checkpoint_number, given_policy, remote_policy, run_policy
 from tapes.tape import Tape
 
 SERVER_OPTIONS = ("max_model_len", "kv_cache_gib", "dtype", "gpu_memory_utilization", "enforce_eager", "cpus", "gpus",
@@ -164,8 +164,8 @@ def target_run(text: str) -> tuple[RunDir | None, int | None]:
         return RunDir(path), int(m.group(2)) if m else None
     if m:
         raise EvalError(f"target {text}: {path} is not a run directory (RUN@N names version N of a run)")
-    if path.is_dir() and path.parent.name == "checkpoints" and is_run(path.parent.parent):
-        return RunDir(path.parent.parent), None
+    if path.is_dir() and checkpoint_number(path) and is_run(path.parent.parent):
+        return RunDir(path.parent.parent), checkpoint_number(path)  # version N of its run (LoRA: its adapter)
     return None, None
 
 
@@ -287,7 +287,7 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         try:
             if text in urls:
                 policy = remote_policy(text, args.key_file, option="target", key_option="--key-file")
-            elif run is not None and Path(VERSIONED.sub(r"\1", text)).resolve() == run.root.resolve():
+            elif run is not None:
                 policy = run_policy(run, _run_config(run), version, option="target")
             else:
                 policy = given_policy(text, option="target")

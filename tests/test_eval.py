@@ -225,3 +225,23 @@ def test_a_run_whose_loop_holds_its_lock_is_evaluated_beside_it(tmp_path, script
     after = {p: p.stat().st_mtime_ns for p in run.rglob("*") if (run / "evals") not in p.parents and p != run / "evals"}
     assert after == before
     assert list((run / "evals").glob("*/eval.json"))
+
+
+def test_a_checkpoint_folder_is_that_version_of_its_run(tmp_path, scripted, capsys):
+    from orchestrate.loop.config import resolve
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "000003"
+    checkpoint.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
+    code, _, err = run_eval(checkpoint, "--tasks", 2, "--no-progress", capsys=capsys)
+    assert code == 2 and "--version 3" in err and "not published" in err
+    (checkpoint / "learner.json").write_text("{}")  # published, its weights sent in memory
+    code, _, err = run_eval(checkpoint, "--tasks", 2, "--no-progress", capsys=capsys)
+    assert code == 2 and "in memory" in err and scripted["policies"] == []
+    (checkpoint / "config.json").write_text("{}")  # the weights on disk
+    code, _, err = run_eval(checkpoint, "--tasks", 2, "--no-progress", capsys=capsys)
+    assert code == 0, err
+    assert scripted["policies"][-1].version == 3 and scripted["policies"][-1].model == checkpoint
+    tapes = list(read_tapes(next((run / "evals").glob("v3-*/tapes/eval_000003.jsonl"))))
+    assert {c.policy_version for t in tapes for c in t.llm_calls} == {3}
