@@ -416,6 +416,9 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
         seconds = time.perf_counter() - started
         done = finished(path, s.n)
         tapes = [t for seed in s.seeds for t in done.get(seed, [])]
+        in_order = "".join(t.model_dump_json() + "\n" for t in tapes)
+        if path.read_text(encoding="utf-8") != in_order:  # appended as tasks ended: kept in task order
+            atomic_write_text(path, in_order)
         summary = summarize(task_results(tapes), s.ks)
         record = {"settings": s.record(target), "policy": target.policy.note, "config": s.config_source,
                   "tapes": str(path), "seconds": round(seconds, 3), **summary}  # fmt: skip
