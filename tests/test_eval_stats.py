@@ -57,7 +57,8 @@ def test_summary_of_three_tasks_by_hand():
     sd = math.sqrt(((0.25 - mean) ** 2 + (1 - mean) ** 2 + mean**2) / 2)
     assert s["pass@1"]["value"] == pytest.approx(mean)
     assert s["pass@1"]["se"] == pytest.approx(sd / math.sqrt(3))
-    assert s["pass@1"]["ci95"] == pytest.approx([mean - 1.96 * sd / math.sqrt(3), mean + 1.96 * sd / math.sqrt(3)])
+    lo, hi = mean - 1.96 * sd / math.sqrt(3), mean + 1.96 * sd / math.sqrt(3)  # -0.172, 1.006: cut to [0, 1]
+    assert s["pass@1"]["ci95"] == [0.0, 1.0] and s["mean_reward"]["ci95"] == pytest.approx([lo, hi])
     assert s["pass@2"]["value"] == pytest.approx((0.5 + 1 + 0) / 3)
     assert s["pass@4"]["value"] == pytest.approx(2 / 3)
     assert s["mean_reward"]["value"] == pytest.approx(mean)
@@ -111,3 +112,10 @@ def test_task_results_from_tapes_a_truncated_sample_votes_for_no_answer_and_fail
     assert r.rewards == [1.0, -1.0, 0.0]
     (plain,) = task_results([tape(None, True, 1.0)])  # an environment that reports no answers: no votes
     assert plain.answers == [None]
+
+
+def test_a_rates_interval_stays_within_0_and_1():
+    tasks = [TaskResult(f"t{i}", [float(s)], [bool(s)]) for i, s in enumerate([1, 0, 0, 0])]
+    s = summarize(tasks, [1])
+    assert s["pass@1"]["ci95"][0] == 0.0 and s["pass@1"]["ci95"][1] < 1  # 0.25 - 1.96 x 0.25 < 0: cut
+    assert s["mean_reward"]["ci95"][0] < 0  # a reward is not a rate

@@ -9,7 +9,8 @@ intervals, and the paired comparison of two policies on the same tasks.
   them, else the mean of MAJ_DRAWS seeded draws.
 - Intervals: each figure is a mean over tasks of a per-task value; its 95% interval is the mean plus or
   minus 1.96 standard errors of those values (sample standard deviation / sqrt(tasks)), as lm-eval-harness
-  and verifiers report: the tasks are the sample. One task: no spread to measure, the interval is the value.
+  and verifiers report: the tasks are the sample; a rate's interval is cut to [0, 1] (a difference of rates
+  to [-1, 1]). One task: no spread to measure, the interval is the value.
 - A comparison pairs the two policies' per-task values (same tasks, same seeds): the interval of B - A is
   from the per-task differences, narrower than two separate intervals when tasks differ in difficulty.
 """
@@ -87,12 +88,16 @@ def ks_for(n: int) -> list[int]:
     return ks + [n]
 
 
-def interval(values: list[float]) -> dict:
-    """{value, se, ci95}: the mean of per-task values and its 95% interval (mean +- 1.96 se)."""
+def interval(values: list[float], bounds: tuple[float, float] | None = None) -> dict:
+    """{value, se, ci95}: the mean of per-task values and its 95% interval (mean +- 1.96 se), cut to `bounds`
+    (a rate's [0, 1]: the normal approximation reaches past them with few tasks)."""
     t = len(values)
     mean = sum(values) / t
     se = math.sqrt(sum((v - mean) ** 2 for v in values) / (t - 1) / t) if t > 1 else 0.0
-    return {"value": mean, "se": se, "ci95": [mean - Z95 * se, mean + Z95 * se]}
+    lo, hi = mean - Z95 * se, mean + Z95 * se
+    if bounds is not None:
+        lo, hi = max(bounds[0], lo), min(bounds[1], hi)
+    return {"value": mean, "se": se, "ci95": [lo, hi]}
 
 
 def per_task(r: TaskResult, ks: list[int]) -> dict:
@@ -110,7 +115,7 @@ def _figure(rows: list[dict], name: str) -> dict | None:
     values = [row[name] for row in rows]
     if not values or any(v is None for v in values):
         return None
-    return interval(values)
+    return interval(values, None if name == "mean_reward" else (0.0, 1.0))
 
 
 def summarize(tasks: list[TaskResult], ks: list[int]) -> dict:
@@ -154,7 +159,7 @@ def compare(a: list[TaskResult], b: list[TaskResult], ks: list[int]) -> dict:
         if any(rows_a[i][name] is None or rows_b[i][name] is None for i in ids) or not ids:
             out[name] = None
             continue
-        diffs = interval([rows_b[i][name] - rows_a[i][name] for i in ids])
+        diffs = interval([rows_b[i][name] - rows_a[i][name] for i in ids], None if name == "mean_reward" else (-1, 1))
         out[name] = {"a": sum(rows_a[i][name] for i in ids) / len(ids),
                      "b": sum(rows_b[i][name] for i in ids) / len(ids),
                      "diff": diffs["value"], "se": diffs["se"], "ci95": diffs["ci95"]}  # fmt: skip
