@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from orchestrate.loop.metrics import save_figure
+
 ROWS = 50  # tasks listed in a summary; the rest are in eval.json
 
 
@@ -87,10 +89,4 @@ def plot(summary: dict, path: str | os.PathLike, compare: dict | None = None, la
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return save_figure(fig, path)

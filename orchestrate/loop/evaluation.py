@@ -25,7 +25,7 @@ from orchestrate.loop.config import RLConfig
 from orchestrate.loop.eval_stats import TaskResult, ks_for, summarize
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.progress import progress_bar
-from orchestrate.loop.rollouts import EnvClock, new_tape, play
+from orchestrate.loop.rollouts import EnvClock, group_id, new_tape, play
 from orchestrate.loop.samples import save_tapes
 from tapes.store import read_tapes
 from tapes.tape import EnvObservation, SamplingParams, Tape
@@ -44,10 +44,6 @@ def eval_size(config: RLConfig) -> int:
 def test_size(spec: EnvSpec) -> int | None:
     """How many tasks the split holds, when the environment says (None: unbounded, procedural)."""
     return capabilities(spec.make()).test_size
-
-
-def group_id(iteration: int, spec: EnvSpec, seed: int) -> str:
-    return f"{iteration}:{spec.split}:{seed}"
 
 
 async def play_tasks(

@@ -120,12 +120,19 @@ def plot_metrics(records: list[dict[str, Any]], out: str | os.PathLike) -> Path 
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    return save_figure(fig, out)
+
+
+def save_figure(fig, out: str | os.PathLike) -> Path:
+    """`fig` as a PNG at `out`, written whole (a reader never sees a half-drawn plot), then closed."""
+    import matplotlib.pyplot as plt
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp.png")
     fig.savefig(tmp, dpi=90)
     plt.close(fig)
-    os.replace(tmp, out)  # a reader never sees a half-drawn plot
+    os.replace(tmp, out)
     return out
 
 

@@ -31,6 +31,11 @@ def new_tape(spec: EnvSpec, seed: int, *, iteration: int, group_id: str, policy_
     )  # fmt: skip
 
 
+def group_id(iteration: int, spec: EnvSpec, seed: int) -> str:
+    """The group of the attempts at one task of one iteration's split (a GRPO group; eval's samples of a task)."""
+    return f"{iteration}:{spec.split}:{seed}"
+
+
 class EnvClock:
     """Seconds spent inside the environment (reset, step): `wall_s` counts the wall-clock time during which
     at least one call runs, so calls that overlap (tool runs in worker threads, one per episode) count once
@@ -137,7 +142,7 @@ async def run_rollouts(
     Generator does not use offset"). The server's own `--seed` still applies.
     """
     tapes = [
-        new_tape(spec, seed, iteration=iteration, group_id=f"{iteration}:{spec.split}:{seed}",
+        new_tape(spec, seed, iteration=iteration, group_id=group_id(iteration, spec, seed),
                  policy_version=policy_version)
         for seed in seeds
         for _ in range(attempts)
