@@ -15,7 +15,7 @@ from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from agents.tools import RecordedTool, ToolCall
 from orchestrate.after import fork as fork_command
-from orchestrate.after.fork import fork_sampling, fork_tape, replayed_part
+from orchestrate.loop.forks import fork_sampling, fork_tape, replayed_part
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
 from orchestrate.loop.rollouts import run_rollouts

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import math
 import re
 import sys
@@ -35,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.agent import summarize
 from agents.env_spec import EnvSpec
 from contract.rundir import FORKS_DIR, RunDir, tape_file_config
+from orchestrate.loop.forks import fork_sampling, fork_tape
 from orchestrate.loop.setup import (
     Policy,
     PolicyServer,
@@ -48,72 +47,9 @@ from orchestrate.loop.setup import (
     run_policy,
 )
 from orchestrate.serving.llm import LLMError
-from orchestrate.serving.recorded import ForkDiverged, ForkLLM
-from tapes.tape import SamplingParams, Tape, TapeMetadata
+from tapes.tape import SamplingParams, Tape
 
-# -- the fork -------------------------------------------------------------------------------------
-
-
-def fork_sampling(
-    tape: Tape, run_sampling: SamplingParams, temperature: float | None = None, max_tokens: int | None = None
-) -> SamplingParams:
-    """The sampling the tape was played with (its first call's temperature and top_p, the largest max_tokens
-    its calls had: a program may ask for fewer; the run's when it made no call), with the fork's changes. No
-    stop strings (the agent adds its environment's, the gateway its tools') and no per-request seed."""
-    calls = tape.llm_calls
-    if calls:
-        first = calls[0].sampling
-        base = SamplingParams(temperature=first.temperature, top_p=first.top_p,
-                              max_tokens=max(c.sampling.max_tokens for c in calls))  # fmt: skip
-    else:
-        base = SamplingParams(temperature=run_sampling.temperature, top_p=run_sampling.top_p,
-                              max_tokens=run_sampling.max_tokens)  # fmt: skip
-    changes = {"temperature": temperature, "max_tokens": max_tokens}
-    return base.model_copy(update={k: v for k, v in changes.items() if v is not None})
-
-
-def replayed_part(tape: Tape, at: int) -> Tape:
-    """The tape up to where call `at` + 1 acted (its first `at` calls and what answered them): what a fork at
-    `at` replays, and where its tools' recorded results come from."""
-    ids = [c.id for c in tape.llm_calls[at:]]
-    cut = next((i for i, s in enumerate(tape.steps) if s.metadata.prompt_id and s.metadata.prompt_id in ids),
-               len(tape.steps))  # fmt: skip
-    return tape.model_copy(update={"steps": tape.steps[:cut], "llm_calls": tape.llm_calls[:at]})
-
-
-async def fork_tape(
-    tape: Tape, agent: Any, at: int, n: int, live: Any, sampling: SamplingParams, policy_version: int = 0
-) -> list[Tape]:
-    """`n` continuations of `tape` after its first `at` calls (answered from it), the later calls by `live`
-    (an LLM: a VLLMClient), played concurrently. ForkDiverged when the agent does not come back to call `at`
-    (a replayed prompt differs, or the episode ends sooner); LLMError when the live LLM fails."""
-    spec, seed = EnvSpec.of(tape)
-    replayed = replayed_part(tape, at)
-
-    async def one() -> Tape:
-        fork = Tape(
-            metadata=TapeMetadata(parent_id=tape.metadata.id, branch_at=at, task_id=tape.metadata.task_id,
-                                  group_id=f"{tape.metadata.id}@{at}", iteration=tape.metadata.iteration,
-                                  policy_version=policy_version),
-            context=copy.deepcopy(tape.context),
-        )  # fmt: skip
-        llm = ForkLLM(tape, at, live)
-        try:
-            env = spec.make(recorded=replayed, live_after=True)
-            await agent.run_episode(env, seed, llm, fork, sampling)
-        except LLMError:
-            raise
-        except Exception as exc:  # the environment or agent failed: on the record, as a rollout keeps it
-            fork.metadata.error = f"{type(exc).__name__}: {exc}"
-            summarize(fork)
-        if llm.replayed < at:
-            why = fork.metadata.error or fork.metadata.reward_reason
-            raise ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} call"
-                               f"{'' if llm.replayed == 1 else 's'}, before the branch point"
-                               + (f" ({why})" if why else ""))  # fmt: skip
-        return fork
-
-    return list(await asyncio.gather(*(one() for _ in range(n))))
+# -- the command's lines ----------------------------------------------------------------------------
 
 
 def summary_line(number: int, fork: Tape) -> str:
