@@ -64,6 +64,25 @@ class Turn(BaseModel):
     )
 
 
+class Branch(BaseModel):
+    """Where a fork's episode leaves its parent's (a tree rollout, orchestrate.loop.trees): the turns before
+    `turn` were replayed from the parent, which trains them; this episode's samples hold them as context only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parent_id: str = Field(description="The parent episode's id (its samples' episode_id).")
+    turn: int = Field(ge=1, description="The first turn this episode played itself (turn index, from 0).")
+    prefix_rewards: list[Finite] = Field(
+        description="The rewards of turns 0 .. turn - 1 (the parent's): the episode's returns start there."
+    )
+
+    @model_validator(mode="after")
+    def _one_reward_per_replayed_turn(self) -> Branch:
+        if len(self.prefix_rewards) != self.turn:
+            raise ValueError(f"prefix_rewards has {len(self.prefix_rewards)} values for {self.turn} replayed turns")
+        return self
+
+
 class Sample(BaseModel):
     """One completion of one prompt, with what the learner needs to train on it."""
 
@@ -121,6 +140,12 @@ class Sample(BaseModel):
         "(--run.in_flight_swaps). None or empty: every sampled token is policy_version's.",
     )
 
+    branch: Branch | None = Field(
+        default=None,
+        description="Optional: a fork's place in its tree (its parent, the turn it branched at, the replayed "
+        "turns' rewards); none: the episode was played from its task.",
+    )
+
     @model_validator(mode="after")
     def _lengths_match(self) -> Sample:
         if self.turns is not None:
@@ -133,6 +158,8 @@ class Sample(BaseModel):
                 end = turn.start + turn.length
             if end > len(self.completion_ids):
                 raise ValueError(f"turns reach token {end} of {len(self.completion_ids)} completion tokens")
+        if self.branch is not None and any(t.index < self.branch.turn for t in self.all_turns):
+            raise ValueError(f"a turn before the branch point (turn {self.branch.turn}) is the parent's to train")
         n = self.n_trained
         if len(self.behaviour_logprobs) != n:
             raise ValueError(f"behaviour_logprobs has {len(self.behaviour_logprobs)} values for {n} sampled tokens")

@@ -61,6 +61,7 @@ def batch_advantages(
         [sample.group_id for sample in samples],
         cfg.estimator, cfg.gamma, cfg.normalize_std, cfg.std_eps,
         lengths=[[t.length for t in sample.all_turns] for sample in samples],
+        branches=[sample.branch for sample in samples],
     )  # fmt: skip
     critic_batch = None
     stats: dict[str, float | None] = {}

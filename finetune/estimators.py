@@ -9,7 +9,10 @@ values, finetune.critic.gae).
 An estimator is a function `(Episodes) -> {episode: {turn index: advantage}}` registered with
 `register_estimator(name, needs=..., paper=..., group_relative=...)`. `needs` names the columns it
 reads beyond the returns (as PipelineRL's estimators declare theirs): `group` (the group ids: it
-compares attempts at the same prompt) and `tokens` (each turn's count of trained tokens).
+compares attempts at the same prompt), `tokens` (each turn's count of trained tokens) and `tree` (each
+fork's parent episode and branch turn, from tree rollouts: orchestrate.loop.trees). A fork's returns run
+over its whole episode: the turns it replayed from its parent (their rewards come with its samples,
+contract.batch.Branch; its parent trains them) and its own, so its G_0 is the whole episode's.
 `group_relative` declares that an episode's advantage depends on its own group's returns only and
 is 0 when they are all equal: such groups can be dropped before training without changing anything
 (DAPO's dynamic sampling, `--rollouts.dynamic_sampling`, is offered with these estimators only).
@@ -30,8 +33,8 @@ if TYPE_CHECKING:
 else:
     torch = lazy_import("torch")  # the config reads the registry below; torch loads when an estimator runs
 
-Column = str  # "group" or "tokens"
-COLUMNS = ("group", "tokens")
+Column = str  # "group", "tokens" or "tree"
+COLUMNS = ("group", "tokens", "tree")
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Episodes:
     tokens: dict[str, dict[int, int]] | None  # episode -> turn index -> trained tokens (None unless needed)
     normalize_std: bool  # divide by the std (false: Dr. GRPO's mean-only baseline)
     eps: float  # added to the std before dividing
+    tree: dict[str, tuple[str, int]] | None = None  # a fork -> (its parent, the first turn it played itself)
 
     def first(self) -> dict[str, float]:
         """Each episode's score: its return from the first turn, G_0 (0 for an episode with no turns)."""
@@ -205,25 +209,106 @@ def reinforce_pp(x: Episodes) -> dict[str, dict[int, float]]:
     return out
 
 
+@register_estimator(
+    "tree", needs=("group", "tree"),
+    paper="arXiv:2509.21240 (Tree-GRPO); prefix credit as the subtree's mean: arXiv:2508.17445 (TreePO)",
+)  # fmt: skip
+def tree_baseline(x: Episodes) -> dict[str, dict[int, float]]:
+    """Trees: each segment's mean return over the episodes below it minus that over its branch point's."""
+    # A segment is a run of an episode's turns between branch points: from its start (0, or a fork's first
+    # own turn) or a turn where one of its forks branched off, to the next such turn. The episodes "below"
+    # turn t of episode e are e and its forks (with their own forks) that branched after t: they share
+    # turns 0..t. A segment starting at turn b gets mean(G_b over the episodes below its turn b) minus
+    # mean(G_b over the episodes below turn b - 1 of the episode that played it: its siblings at the branch
+    # point and itself); a root's first segment against every episode of its group (the task). Summed along
+    # a path they telescope to G_0 - the task's mean: without forks this is GRPO. Over the std of the
+    # group's G_0 with normalize_std; a group whose G_0 are all equal gets 0.
+    tree = {e: link for e, link in (x.tree or {}).items() if e in x.returns and link[0] in x.returns}
+    children: dict[str, list[tuple[str, int]]] = {}
+    for e, (parent, turn) in tree.items():
+        children.setdefault(parent, []).append((e, turn))
+
+    def below_all(e: str) -> list[str]:
+        return [e] + [d for f, _ in children.get(e, []) for d in below_all(f)]
+
+    def below(e: str, t: int) -> list[str]:
+        return [e] + [d for f, k in children.get(e, []) if k > t for d in below_all(f)]
+
+    def g(e: str, t: int) -> float:  # an episode that ended before turn t earns nothing from it
+        return x.returns[e].get(t, 0.0)
+
+    def mean_g(episodes: list[str], t: int) -> float:
+        return sum(g(e, t) for e in episodes) / len(episodes)
+
+    groups: dict[str | int, list[str]] = {}
+    for e in x.returns:
+        groups.setdefault(x.group[e], []).append(e)
+    first = x.first()
+    out: dict[str, dict[int, float]] = {}
+    for members in groups.values():
+        scores = torch.tensor([first[e] for e in members], dtype=torch.float64)
+        flat = len(members) < 2 or float(scores.max() - scores.min()) == 0.0
+        std = float(scores.std()) if len(members) > 1 else 0.0
+        scale = 1.0 / (std + x.eps) if x.normalize_std else 1.0
+        for e in members:
+            parent, start = tree.get(e, (None, min(x.returns[e], default=0)))
+            cuts = sorted({start, *(k for _, k in children.get(e, []) if k > start)})
+            out[e] = {}
+            for b, end in zip(cuts, cuts[1:] + [None]):
+                if flat:
+                    a = 0.0
+                else:
+                    if b > start:
+                        siblings = below(e, b - 1)
+                    elif parent is not None:
+                        siblings = below(parent, b - 1)
+                    else:
+                        siblings = members
+                    a = (mean_g(below(e, b), b) - mean_g(siblings, b)) * scale
+                for t in x.returns[e]:
+                    if t >= b and (end is None or t < end):
+                        out[e][t] = a
+            for t in x.returns[e]:  # the replayed turns before its start: its parent's, not trained here
+                out[e].setdefault(t, 0.0)
+    return out
+
+
 # ---- from samples' turns to advantages --------------------------------------------------------
 
 
 def episode_returns(
-    turns: Sequence[Sequence[tuple[int, float]]], episode_ids: Sequence[str], gamma: float = 1.0
+    turns: Sequence[Sequence[tuple[int, float]]],
+    episode_ids: Sequence[str],
+    gamma: float = 1.0,
+    branches: Sequence | None = None,
 ) -> dict[str, dict[int, float]]:
     """Each episode's returns by turn index, G_t, from its samples' turns ((index in the episode, reward)):
-    samples sharing an episode id are parts of one episode, its returns run over all of its turns. An
-    estimator's score of an episode is its G_0 (Episodes.first)."""
+    samples sharing an episode id are parts of one episode, its returns run over all of its turns, a fork's
+    (`branches[i]`: a contract.batch.Branch or its dict) over the turns it replayed too. An estimator's score
+    of an episode is its G_0 (Episodes.first)."""
     episodes: dict[str, dict[int, float]] = {}
-    for sample_turns, episode in zip(turns, episode_ids):
+    for i, (sample_turns, episode) in enumerate(zip(turns, episode_ids)):
         rewards = episodes.setdefault(episode, {})
         for index, reward in sample_turns:
             rewards[index] = float(reward)
+        branch = _branch(branches[i]) if branches is not None else None
+        if branch is not None:
+            for index, reward in enumerate(branch[2]):
+                rewards.setdefault(index, float(reward))
     returns_of: dict[str, dict[int, float]] = {}
     for episode, rewards in episodes.items():
         order = sorted(rewards)
         returns_of[episode] = dict(zip(order, discounted_returns([rewards[t] for t in order], gamma)))
     return returns_of
+
+
+def _branch(branch) -> tuple[str, int, list[float]] | None:
+    """(parent, first own turn, replayed turns' rewards) of a Branch or its dict; none for none."""
+    if branch is None:
+        return None
+    if isinstance(branch, dict):
+        return branch["parent_id"], int(branch["turn"]), list(branch["prefix_rewards"])
+    return branch.parent_id, branch.turn, list(branch.prefix_rewards)
 
 
 def turn_advantages(
@@ -235,13 +320,15 @@ def turn_advantages(
     normalize_std: bool = True,
     eps: float = 1e-6,
     lengths: Sequence[Sequence[int]] | None = None,
+    branches: Sequence | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per-turn returns and advantages of every sample: (returns, advantages), each a list per sample
     holding one value per turn of that sample.
 
     `turns[i]` lists sample i's turns as (index in the episode, reward); `lengths[i]` their trained tokens
-    (needed by estimators that declare `tokens`). Samples sharing an episode id are parts of one episode:
-    its returns run over all of its turns. `baseline` names the estimator (ESTIMATORS).
+    (needed by estimators that declare `tokens`); `branches[i]` its fork's place in a tree (None: played
+    from its task). Samples sharing an episode id are parts of one episode: its returns run over all of its
+    turns. `baseline` names the estimator (ESTIMATORS).
     """
     if baseline not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {baseline!r}: one of {', '.join(ESTIMATORS)}")
@@ -255,8 +342,13 @@ def turn_advantages(
         for k, (index, _) in enumerate(sample_turns):
             if lengths is not None:
                 tokens.setdefault(episode, {})[index] = int(lengths[i][k])
-    returns_of = episode_returns(turns, episode_ids, gamma)
-    x = Episodes(returns_of, group, tokens if lengths is not None else None, normalize_std, eps)
+    returns_of = episode_returns(turns, episode_ids, gamma, branches)
+    tree = {}
+    for i, episode in enumerate(episode_ids):
+        branch = _branch(branches[i]) if branches is not None else None
+        if branch is not None:
+            tree[episode] = (branch[0], branch[1])
+    x = Episodes(returns_of, group, tokens if lengths is not None else None, normalize_std, eps, tree)
     adv_of = spec.fn(x)
     returns = [[returns_of[e][index] for index, _ in st] for st, e in zip(turns, episode_ids)]
     advantages = [[float(adv_of[e][index]) for index, _ in st] for st, e in zip(turns, episode_ids)]

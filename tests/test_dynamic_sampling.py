@@ -166,7 +166,7 @@ def make_loop(tmp_path, table, *, async_level=0, kl=0.0, extra=2):
     loop.calls, loop.annotated = [], []
     loop.servers = Servers(config, run, None, [], progress=False)
 
-    async def rollouts(spec, seeds, attempts, iteration, sampling, desc, follow=False):
+    async def rollouts(spec, seeds, attempts, iteration, sampling, desc, follow=False, tree=None):
         loop.calls.append((list(seeds), follow))
         return [episode(s, r, iteration=iteration) for s in seeds for r in table[s][:attempts]], 0.0, 0.0
 

@@ -67,7 +67,7 @@ def fake_loop(monkeypatch):
         self.servers.use(self.trainer)
         self.servers.weights.served = self.trainer.newest_checkpoint()  # as resuming leaves it
 
-    async def rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False):
+    async def rollouts(self, spec, seeds, attempts, iteration, sampling, desc, follow=False, tree=None):
         tapes = [episode(s, float(a % 2), iteration=iteration) for s in seeds for a in range(attempts)]
         return tapes, 0.0, 0.0
 
@@ -171,7 +171,7 @@ def test_a_batch_of_which_no_episode_can_be_trained_on_ends_the_run_in_one_line_
     from orchestrate import rl
     from tapes.tape import EnvObservation
 
-    async def no_calls(self, spec, seeds, attempts, iteration, sampling, desc, follow=False):
+    async def no_calls(self, spec, seeds, attempts, iteration, sampling, desc, follow=False, tree=None):
         tapes = []
         for s in seeds:
             for _ in range(attempts):

@@ -163,6 +163,32 @@ class RolloutSection(BaseModel):
         return self
 
 
+class TreeSection(BaseModel):
+    """Tree rollouts (orchestrate.loop.trees): each task's attempts are roots that branch, forked from their
+    tapes at chosen calls, instead of chains played from the task to the end."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    width: int | None = Field(
+        None,
+        description="tree rollouts: continuations per branch point (the branched episode's own counts as one), "
+        "2 or more; none: chains (every attempt played from its task to the end)",
+    )
+    points: int = Field(1, ge=1, description="branch points chosen on each episode of a level")
+    depth: int = Field(1, ge=1, description="levels of branching (2: the branches branch again)")
+    branch_by: Literal["turn", "entropy"] = Field(
+        "turn",
+        description="where to branch: turn (uniformly over an episode's later calls, as Tree-GRPO) or entropy "
+        "(the calls whose first sampled tokens are the most surprising, -log p, after an observation: ARPO)",
+    )
+    token_budget: int | None = Field(
+        None,
+        ge=1,
+        description="generated tokens per task, roots and branches together: no branch starts once they are "
+        "spent (compare a tree and a chain at the same budget); none: width x points x depth decide",
+    )
+
+
 class EvalSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -337,6 +363,7 @@ class RLConfig(BaseModel):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     program: ProgramSection = Field(default_factory=ProgramSection)
     rollouts: RolloutSection = Field(default_factory=RolloutSection)
+    tree: TreeSection = Field(default_factory=TreeSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     server: ServerSection = Field(default_factory=ServerSection)
     train: TrainConfig = Field(default_factory=TrainConfig)  # the learner's own config, written for it whole

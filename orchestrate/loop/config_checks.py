@@ -37,6 +37,9 @@ LIMITS: dict[str, int] = {
     "rollouts.max_concurrency": 65536,
     "rollouts.max_extra_tasks": 65536,
     "rollouts.max_tokens": 1 << 20,
+    "tree.width": 256,
+    "tree.points": 256,
+    "tree.depth": 64,
     "eval.tasks": 1_000_000,
     "eval.samples": 1024,
     "eval.max_tokens": 1 << 20,
@@ -275,6 +278,48 @@ def check_dynamic_sampling(config) -> None:
                           "or more")  # fmt: skip
 
 
+def episode_turns(config) -> int | None:
+    """The most turns an episode of the run's built-in agent can have (the agent's max_turns, and the
+    environment's own limit: its max_turns option, one answer when it has neither that option nor tools);
+    none for an agent program (its own code decides)."""
+    if config.agent.program is not None:
+        return None
+    from agents.envs import check_options
+
+    options = check_options(config.env.id, config.env.options)
+    env_turns = getattr(options, "max_turns", None)
+    if env_turns is None:
+        env_turns = config.agent.max_turns if config.env.tools else 1
+    return min(config.agent.max_turns, env_turns)
+
+
+def check_tree(config) -> None:
+    """Tree rollouts need episodes of two or more turns to branch, a width of two or more, and a token budget
+    that pays for one root episode at least."""
+    tree, r = config.tree, config.rollouts
+    if tree.width is None:
+        for name in sorted(tree.model_fields_set - {"width"}):
+            if getattr(tree, name) != type(tree).model_fields[name].default:
+                raise ConfigError(f"--tree.{name}: is an option of tree rollouts, which are off; add --tree.width "
+                                  "2 (or more) or leave it out")  # fmt: skip
+        return
+    if tree.width < 2:
+        raise ConfigError(f"--tree.width: {tree.width} continuation per branch point is the chain itself; give 2 or "
+                          "more (or leave it out for chains)")  # fmt: skip
+    turns = episode_turns(config)
+    if turns is not None and turns < 2:
+        why = (f"--agent.max_turns {config.agent.max_turns}" if config.agent.max_turns < 2
+               else f"--env.id {config.env.id} answers once")  # fmt: skip
+        raise ConfigError(f"--tree.width: episodes of one turn ({why}) have no later call to branch at; tree "
+                          "rollouts need a multi-turn environment (game, countdown with max_turns 2+, tools)")  # fmt: skip
+    if tree.token_budget is not None:
+        one_root = r.max_tokens * (turns or 1)
+        if tree.token_budget < one_root:
+            raise ConfigError(f"--tree.token_budget: {tree.token_budget} tokens is less than one root episode can "
+                              f"generate ({turns or 1} turn(s) x --rollouts.max_tokens {r.max_tokens} = {one_root}); "
+                              "raise it")  # fmt: skip
+
+
 def check_lora(config) -> None:
     """A LoRA run serves each version as an adapter loaded by path, at a rank vLLM can reserve; its
     reference (the initial policy) is scored on the policy servers."""
@@ -335,6 +380,7 @@ def check_config(config) -> None:
                           f"{tasks * r.attempts} tapes per iteration, more than the limit "
                           f"{TAPES_PER_ITERATION_LIMIT}")  # fmt: skip
     check_dynamic_sampling(config)
+    check_tree(config)
     if config.eval.samples > 1 and config.eval.temperature == 0:
         raise ConfigError(f"--eval.samples: {config.eval.samples} samples at --eval.temperature 0 repeat one greedy "
                           "answer; sample once, or at a temperature above 0 (e.g. 1.0) for pass@k")  # fmt: skip

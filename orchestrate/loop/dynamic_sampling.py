@@ -69,7 +69,7 @@ def groups_of(tapes: list[Tape]) -> dict[str, list[Tape]]:
 def episode_scores(tapes: list[Tape], train) -> list[float]:
     """G_0 of every trained episode of `tapes` as the learner computes it (train: its TrainConfig):
     the turns' rewards, shaped, discounted by train.gamma. Infrastructure failures have none."""
-    turns, ids = [], []
+    turns, ids, branches = [], [], []
     for tape in tapes:
         for sample in tape_samples(tape, require_ref=False):
             turns.append(
@@ -79,7 +79,8 @@ def episode_scores(tapes: list[Tape], train) -> list[float]:
                 ]
             )
             ids.append(sample["episode_id"])
-    return [r[min(r)] for r in episode_returns(turns, ids, train.gamma).values() if r]
+            branches.append(sample["branch"])
+    return [r[min(r)] for r in episode_returns(turns, ids, train.gamma, branches).values() if r]
 
 
 def has_signal(group: list[Tape], train) -> bool:

@@ -23,6 +23,8 @@ from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.tape import SamplingParams, Tape, TapeMetadata
 
+DIVERGED = "fork_diverged"  # metadata.dropped of a fork that did not come back to its branch point
+
 
 def fork_sampling(
     tape: Tape, run_sampling: SamplingParams, temperature: float | None = None, max_tokens: int | None = None
@@ -62,13 +64,15 @@ async def fork_once(
     group_id: str | None = None,
     iteration: int | None = None,
     wrap_env: Any = None,
+    keep_diverged: bool = False,
 ) -> Tape:
     """One continuation of `tape` after its first `at` calls (answered from it), the later calls by `live` (an
     LLM: a VLLMClient). Its group is `group_id` (default ID@K: the forks of one call) and its iteration
     `iteration` (default the parent's); `wrap_env(env)` wraps the environment (the loop times it).
     ForkDiverged when the agent does not come back to call `at` (a replayed prompt differs, or the episode
-    ends sooner); LLMError when the live LLM fails; an environment or agent failure after the branch point is
-    kept on the tape (`metadata.error`), as a rollout keeps it."""
+    ends sooner), or with `keep_diverged` the fork's tape marked `metadata.dropped` DIVERGED (its error says
+    why: never trained on); LLMError when the live LLM fails; an environment or agent failure after the branch
+    point is kept on the tape (`metadata.error`), as a rollout keeps it."""
     spec, seed = EnvSpec.of(tape)
     fork = Tape(
         metadata=TapeMetadata(parent_id=tape.metadata.id, branch_at=at, task_id=tape.metadata.task_id,
@@ -81,6 +85,12 @@ async def fork_once(
     try:
         env = spec.make(recorded=replayed_part(tape, at), live_after=True)
         await agent.run_episode(env if wrap_env is None else wrap_env(env), seed, llm, fork, sampling)
+    except ForkDiverged as exc:
+        if not keep_diverged:
+            raise
+        fork.metadata.error, fork.metadata.dropped = str(exc), DIVERGED
+        summarize(fork)
+        return fork
     except LLMError:
         raise
     except Exception as exc:  # the environment or agent failed: on the record, as a rollout keeps it
@@ -88,9 +98,12 @@ async def fork_once(
         summarize(fork)
     if llm.replayed < at:
         why = fork.metadata.error or fork.metadata.reward_reason
-        raise ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} call"
-                           f"{'' if llm.replayed == 1 else 's'}, before the branch point"
-                           + (f" ({why})" if why else ""))  # fmt: skip
+        diverged = ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} call"
+                                f"{'' if llm.replayed == 1 else 's'}, before the branch point"
+                                + (f" ({why})" if why else ""))  # fmt: skip
+        if not keep_diverged:
+            raise diverged
+        fork.metadata.error, fork.metadata.dropped = str(diverged), DIVERGED
     return fork
 
 

@@ -46,6 +46,7 @@ from orchestrate.loop.samples import save_tapes, write_samples
 from orchestrate.loop.servers import Servers
 from orchestrate.loop.setup import RunSetup
 from orchestrate.loop.trainer import TrainerProcess
+from orchestrate.loop.trees import diverged, run_tree_rollouts, tree_metrics
 from tapes.store import read_tapes
 from tapes.tape import Tape
 
@@ -95,20 +96,27 @@ class Loop:
     # -- episodes --------------------------------------------------------------------
 
     async def _rollouts(
-        self, spec, seeds, attempts, iteration, sampling, desc, follow=False
+        self, spec, seeds, attempts, iteration, sampling, desc, follow=False, tree=None
     ) -> tuple[list[Tape], float, float]:
-        """Tapes; the seconds spent inside the environment (its reset and step: the 'reward' phase); the
-        seconds calls were held back by weight swaps (with `follow`, new checkpoints are served meanwhile)."""
+        """Tapes (chains; with `tree`, a TreeSection, trees); the seconds spent inside the environment (its
+        reset and step: the 'reward' phase); the seconds calls were held back by weight swaps (with `follow`,
+        new checkpoints are served meanwhile)."""
         clock = EnvClock()
         served = self.servers.served
         async with self.servers.client("policy", policy_version=served) as client:
             stop = asyncio.Event()
             watcher = asyncio.create_task(self.servers.follow(client, stop)) if follow else None
             try:
-                tapes = await run_rollouts(
-                    self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=served,
-                    sampling=sampling, desc=desc, progress=self.progress, clock=clock,
-                )  # fmt: skip
+                if tree is not None:  # roots, then forks of them (orchestrate.loop.trees)
+                    tapes = await run_tree_rollouts(
+                        self.agent, spec, seeds, attempts, client, tree, iteration=iteration, policy_version=served,
+                        sampling=sampling, desc=desc, progress=self.progress, clock=clock,
+                    )  # fmt: skip
+                else:
+                    tapes = await run_rollouts(
+                        self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=served,
+                        sampling=sampling, desc=desc, progress=self.progress, clock=clock,
+                    )  # fmt: skip
             finally:
                 stop.set()
                 if watcher is not None:
@@ -142,6 +150,7 @@ class Loop:
                 start = time.perf_counter()
                 tapes, reward_seconds, held_seconds = asyncio.run(self._rollouts(
                     self.train_env, round_seeds, c.rollouts.attempts, i, None, desc, follow=c.run.async_level > 0,
+                    tree=c.tree if c.tree.width else None,
                 ))  # fmt: skip
                 timer.add("generate", time.perf_counter() - start - reward_seconds - held_seconds)
                 timer.add("reward", reward_seconds)
@@ -199,7 +208,9 @@ class Loop:
         due, plot, state.json. Its time is the wall time since the previous record."""
         c = self.config
         tapes = self.generated.pop(j)
-        record = {"iteration": j, **rollout_metrics(tapes)}
+        record = {"iteration": j, **rollout_metrics([t for t in tapes if not diverged(t)])}
+        if c.tree.width:
+            record.update(tree_metrics(tapes))
         if c.rollouts.dynamic_sampling:
             record.update(dynamic_metrics(tapes, c.rollouts.tasks_per_iteration, c.train))
         record.update(self.trainer.iteration_metrics(j))

@@ -34,11 +34,12 @@ def server_metrics(requests: list[int], retries: int, taken_out: int) -> dict[st
 
 def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
     """Episode returns, success (the environment's own notion), turns, format errors, truncations,
-    completion lengths, prompt chaining, infrastructure failures, KL to the reference."""
+    completion lengths and the tokens generated (a fork's own calls: those it replayed are its parent's),
+    prompt chaining, infrastructure failures, KL to the reference."""
     if not tapes:
         return {}
     ok = [t for t in tapes if not t.metadata.error]  # infrastructure failures are counted, not scored
-    calls = [c for t in ok for c in t.llm_calls]
+    calls = [c for t in ok for c in t.llm_calls[t.metadata.branch_at or 0 :]]  # a fork's own: not the replayed
     lengths = [len(c.output_token_ids) for c in calls]
     observations = [s for t in ok for s in t.steps if isinstance(s, EnvObservation) and s.turn > 0]
     out = {
@@ -54,6 +55,7 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
         "episode_truncated_rate": sum(t.metadata.truncated for t in ok) / max(1, len(ok)),
         "completion_tokens_mean": statistics.fmean(lengths) if lengths else 0.0,
         "completion_tokens_max": max(lengths, default=0),
+        "generated_tokens": sum(lengths),
         "env_reward_per_turn": statistics.fmean(s.reward or 0.0 for s in observations) if observations else 0.0,
         # calls whose prompt is not exactly the previous prompt + output + the observation's tokens
         "prompt_mismatches": sum(c.extends_previous is False for c in calls),

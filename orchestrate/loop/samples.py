@@ -36,9 +36,12 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         raise SampleError(f"tape {tape.metadata.id} has no reward: score it before making samples")
     rewards = turn_rewards(tape)
     calls = [c for c in tape.llm_calls if c.output_token_ids]
+    replayed = {c.id for c in tape.llm_calls[: tape.metadata.branch_at or 0]}  # a fork's: its parent's to train
     for call in calls:
         if len(call.logprobs) != len(call.output_token_ids):
             raise SampleError(f"tape {tape.metadata.id} call {call.id}: log-probs do not match the output tokens")
+        if call.id in replayed:
+            continue
         if require_ref and (call.ref_logprobs is None or len(call.ref_logprobs) != len(call.output_token_ids)):
             raise SampleError(
                 f"tape {tape.metadata.id} call {call.id}: reference log-probs missing or misaligned "
@@ -50,24 +53,29 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             )
     if not rewards:  # a tape that counts no agent turn (metadata.turns 0: not played by the agent): its reward, once
         rewards = [float(tape.metadata.reward)]
+    branch = fork_branch(tape, rewards)
     segments = call_chains(calls)
     samples = []
     for k, segment in enumerate(segments):
+        own = [call for call in segment if call.id not in replayed]
+        if not own:
+            continue  # wholly replayed: the parent's sample trains it
         prompt = segment[0].prompt_token_ids
         completion: list[int] = []
         turns, behaviour, ref = [], [], []
         for call in segment:
             completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
-            turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
-                          "reward": rewards[call.turn - 1], "truncated": call.finish_reason == "length",
-                          "max_tokens": call.sampling.max_tokens})  # fmt: skip
+            if call.id not in replayed:  # a replayed call's output is context here, as the environment's
+                turns.append({"index": call.turn - 1, "start": len(completion), "length": len(call.output_token_ids),
+                              "reward": rewards[call.turn - 1], "truncated": call.finish_reason == "length",
+                              "max_tokens": call.sampling.max_tokens})  # fmt: skip
+                behaviour += call.logprobs
+                if require_ref:
+                    ref += call.ref_logprobs
             completion += call.output_token_ids
-            behaviour += call.logprobs
-            if require_ref:
-                ref += call.ref_logprobs
         # where the version of the sampled tokens changes (a later turn's newer call, or new weights under a call)
-        oldest = min(call.policy_version for call in segment)
-        versions = [v for call in segment for v in call.token_versions()]
+        oldest = min(call.policy_version for call in own)
+        versions = [v for call in own for v in call.token_versions()]
         changes = [(i, v) for i, v in enumerate(versions) if v != (versions[i - 1] if i else oldest)]
         samples.append({
             "prompt_ids": prompt,
@@ -82,8 +90,20 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
             "policy_version": oldest,
             "version_changes": changes or None,
+            "branch": branch,
         })  # fmt: skip
     return samples
+
+
+def fork_branch(tape: Tape, rewards: list[float]) -> dict | None:
+    """A fork's place in its tree for the learner (contract.batch.Branch): its parent, the first turn it
+    played itself, and the rewards of the turns before it (replayed: its parent's); none for a tape that
+    replayed nothing."""
+    m = tape.metadata
+    if m.parent_id is None or not m.branch_at:
+        return None
+    turn = tape.llm_calls[m.branch_at].turn - 1 if m.branch_at < len(tape.llm_calls) else len(rewards)
+    return {"parent_id": m.parent_id, "turn": turn, "prefix_rewards": rewards[:turn]}
 
 
 def tapes_to_samples(tapes: list[Tape], require_ref: bool) -> list[dict]:
