@@ -15,9 +15,9 @@ from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from agents.tools import RecordedTool, ToolCall
 from orchestrate.after import fork as fork_command
-from orchestrate.loop.forks import fork_sampling, fork_tape, replayed_part
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
+from orchestrate.loop.forks import fork_sampling, fork_tape, replayed_part
 from orchestrate.loop.rollouts import run_rollouts
 from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.store import read_tapes, write_tapes

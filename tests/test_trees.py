@@ -146,8 +146,18 @@ def test_branch_points_turn_and_entropy():
 
 
 def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokenizer):
-    tape = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4),
-                                 TreeSection(width=2, depth=1, token_budget=1), iteration=1, policy_version=1))[0]
+    tape = asyncio.run(
+        grow_tree(
+            game_agent(tokenizer),
+            GAME,
+            0,
+            1,
+            tree_llm(tokenizer, 4),
+            TreeSection(width=2, depth=1, token_budget=1),
+            iteration=1,
+            policy_version=1,
+        )
+    )[0]
     other = game_agent(tokenizer, instruction="Be quick.")  # renders another prompt: never back at call 2
     fork = asyncio.run(fork_once(tape, other, 2, tree_llm(tokenizer, 0), None, keep_diverged=True))
     assert fork.metadata.dropped == DIVERGED and "prompt differs" in fork.metadata.error
@@ -202,8 +212,11 @@ def test_a_sample_may_not_train_its_parents_turns():
         ("embedded", {"tree.width": "2"}, r"^--tree.width: episodes of one turn \(--agent.max_turns 1\)"),
         ("embedded", {"tree.width": "2", "agent.max_turns": "3"}, r"^--tree.width: episodes of one turn \(--env.id"),
         ("game", {"tree.depth": "2"}, r"^--tree.depth: is an option of tree rollouts, which are off"),
-        ("game", {"tree.width": "2", "tree.token_budget": "100"},
-         r"^--tree.token_budget: 100 tokens is less than one root episode can generate \(5 turn\(s\) x "),
+        (
+            "game",
+            {"tree.width": "2", "tree.token_budget": "100"},
+            r"^--tree.token_budget: 100 tokens is less than one root episode can generate \(5 turn\(s\) x ",
+        ),
         ("game", {"tree.width": "2", "tree.branch_by": "luck"}, r"^--tree.branch_by: "),
         ("game", {"tree.width": "2", "tree.points": "0"}, r"^--tree.points: "),
     ],
