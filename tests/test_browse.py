@@ -875,3 +875,70 @@ def test_non_finite_numbers_show_in_the_api_the_page_and_show(tmp_path, page):
                           "--tokens"], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "-inf" in out.stdout and "nan" in out.stdout
+
+
+# -- trees ------------------------------------------------------------------------------------------------
+
+
+def tree_tapes() -> list[Tape]:
+    """A task's tree: roots #0 and #1, #2 forks #0 at call 1, #3 forks #2 at call 2, #4 a fork of #1 that
+    did not come back to its branch point."""
+
+    def tape(reward, parent=None, at=None, dropped=None):
+        calls = [LLMCall(prompt_token_ids=[1, 2], output_token_ids=[3], logprobs=[-0.5], output_text=f"guess {k}")
+                 for k in range(3)]  # fmt: skip
+        t = Tape(metadata=TapeMetadata(group_id="1:train:0", task_id="game/train/0", reward=reward,
+                                       success=reward > 0, parent_id=parent, branch_at=at, dropped=dropped,
+                                       iteration=1, turns=3),
+                 steps=[EnvObservation(text="Guess a number.", turn=0)], llm_calls=calls)  # fmt: skip
+        if dropped:
+            t.metadata.error = "fork at call 1: call #1 prompt differs from the recorded one"
+        return t
+
+    roots = [tape(0.0), tape(1.0)]
+    first = tape(1.0, roots[0].metadata.id, 1)
+    return [*roots, first, tape(0.0, first.metadata.id, 2), tape(0.0, roots[1].metadata.id, 1, "fork_diverged")]
+
+
+def test_show_and_the_api_show_a_tasks_tree(tmp_path):
+    run = tmp_path / "run"
+    tapes = tree_tapes()
+    write_tapes(run / "tapes" / "iter_000001.jsonl", tapes)
+    out = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(run / "tapes" / "iter_000001.jsonl"),
+                          "--index", "2", "--no-color"], capture_output=True, text=True, check=True).stdout  # fmt: skip
+    tree = out[out.index("[tree]") :].splitlines()
+    assert tree == [
+        "[tree] 2 roots, 3 forks (this tape marked >)",
+        "  #0 reward +0, 3 calls",
+        ">     #2 fork at call 1, reward +1, success, 3 calls",
+        "          #3 fork at call 2, reward +0, 3 calls",
+        "  #1 reward +1, success, 3 calls",
+        "      #4 fork at call 1, reward +0, 3 calls (did not come back to its branch point: not trained)",
+    ]
+    assert f"fork of tape {tapes[0].metadata.id}: its first 1 LLM calls replayed" in out
+    group = RunIndex(run).tape("iter_000001.jsonl", 3)["group"]
+    assert [(g["index"], g["depth"]) for g in group] == [(0, 0), (2, 1), (3, 2), (1, 0), (4, 1)]
+    # a group without forks keeps its order and prints no tree
+    write_tapes(run / "tapes" / "iter_000002.jsonl", tapes[:2])
+    plain = subprocess.run([sys.executable, "-m", "orchestrate.after.show", str(run / "tapes" / "iter_000002.jsonl"),
+                            "--no-color"], capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "[tree]" not in plain
+
+
+def test_page_shows_a_tasks_tree(tmp_path, page):
+    run = tmp_path / "run"
+    write_tapes(run / "tapes" / "iter_000001.jsonl", tree_tapes())
+    (run / "config.json").write_text(json.dumps({"env": {"id": "game:guess_the_number"}}))
+    server, url = start_server(run)
+    try:
+        page.goto(url + "#tape=iter_000001.jsonl:3")
+        page.locator("#group-body .attempt").first.wait_for()
+        assert "a tree: 2 roots and 3 forks" in page.locator("#group-body").inner_text()
+        attempts = page.locator("#group-body .attempt")
+        assert [a.get_attribute("data-index") for a in attempts.all()] == ["0", "2", "3", "1", "4"]
+        assert "fork of #2 at call 2" in attempts.nth(2).inner_text()
+        assert "did not come back" in attempts.nth(4).inner_text()
+        margins = [a.evaluate("e => getComputedStyle(e).marginLeft") for a in attempts.all()]
+        assert margins[0] == "0px" and float(margins[2][:-2]) > float(margins[1][:-2]) > 0
+    finally:
+        server.shutdown()

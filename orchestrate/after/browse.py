@@ -46,7 +46,7 @@ from urllib.parse import parse_qs, urlparse
 
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
-from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns
+from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns, tree_rows
 from tapes.store import read_tape_at
 
 PAGE = Path(__file__).with_name("browse.html")
@@ -77,7 +77,11 @@ def summarize(data: dict, file: str, index: int, kind: str) -> dict:
         "reward": meta.get("reward"),
         "reward_reason": meta.get("reward_reason", ""),
         "error": meta.get("error"),
-        "dropped": meta.get("dropped"),  # left out of the batch (dynamic sampling): TapeMetadata.dropped
+        "dropped": meta.get(
+            "dropped"
+        ),  # left out of the batch (dynamic sampling, a fork diverged): TapeMetadata.dropped
+        "parent_id": meta.get("parent_id"),  # a fork's parent and branch point (tree rollouts, orchestrate.after.fork)
+        "branch_at": meta.get("branch_at"),
         "env_id": str(env.get("id") or ""),
         "turns": meta.get("turns") or sum(s.get("kind") == "env_action" for s in steps) or len(calls),
         "success": meta.get("success"),
@@ -345,7 +349,7 @@ class RunIndex:
                 }
             )
         key = summary["group_id"] or summary["id"]
-        group = [s for s in f.summaries if (s["group_id"] or s["id"]) == key]
+        group = tree_rows([s for s in f.summaries if (s["group_id"] or s["id"]) == key])
         return {
             "summary": summary,
             "metadata": tape.metadata.model_dump(),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrate.loop.dynamic_sampling import DROPPED_BY
+from orchestrate.loop.forks import DIVERGED
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
 TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
@@ -17,6 +18,7 @@ TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
 
 INFRA_FAILURE = "infrastructure failure: not trained on"
 DYNAMIC_DROP = "not trained on (dynamic sampling dropped its group: every attempt earned the same return)"
+FORK_DIVERGED = "not trained on (a fork that did not come back to its branch point)"
 
 
 def learner_turns(advantages: dict[str, list[dict]], tape_id: str) -> list[dict] | None:
@@ -47,6 +49,8 @@ def trained_turns(
 
     `advantages` is the iteration's advantages file (None: not written); `source` names it in the note;
     `dropped` the tape's metadata.dropped (set by dynamic sampling on the tapes left out of the batch)."""
+    if dropped == DIVERGED:
+        return None, FORK_DIVERGED
     if error:
         return None, INFRA_FAILURE
     if dropped == DROPPED_BY:
@@ -59,6 +63,27 @@ def trained_turns(
     if turns is None:
         return None, f"not trained on (not in {source})"
     return turns, "trained"
+
+
+def tree_rows(members: list[dict]) -> list[dict]:
+    """A group's tapes (summaries with `id`, `parent_id`, `branch_at`, `index`) in tree order: each root, then
+    its forks below it (by branch point, then position), depth first, each with its `depth` (0: a root; a
+    tape whose parent is not in the group counts as a root). A group without forks keeps its order."""
+    ids = {m["id"] for m in members}
+    children: dict[str | None, list[dict]] = {}
+    for m in members:
+        parent = m.get("parent_id") if m.get("parent_id") in ids else None
+        children.setdefault(parent, []).append(m)
+    rows: list[dict] = []
+
+    def visit(m: dict, depth: int) -> None:
+        rows.append({**m, "depth": depth})
+        for child in sorted(children.get(m["id"], []), key=lambda c: (c.get("branch_at") or 0, c["index"])):
+            visit(child, depth + 1)
+
+    for root in children.get(None, []):
+        visit(root, 0)
+    return rows
 
 
 def episode_view(tape: Tape, learned: list[dict] | None) -> dict:

@@ -8,7 +8,8 @@ the turn with (read from RUN/advantages/NNNNNN.jsonl, never recomputed), the
 environment's answer, and how the episode ended. The first call's prompt is
 printed before its output; `--tokens` adds one line per output token with its
 log-prob (and reference log-prob and KL where annotated); `--steps` adds the
-steps as recorded.
+steps as recorded. A tape of a tree (tree rollouts, or forks written beside their parent) ends with its
+group's tree: each tape under its parent, where it branched, its reward.
 Colours are used when the output is a terminal (`--no-color` turns them off).
 """
 
@@ -22,7 +23,8 @@ from pathlib import Path
 from agents.tool_format import written
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
-from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns
+from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns, tree_rows
+from orchestrate.loop.forks import DIVERGED
 from tapes.store import TapeFileError, line_offsets, read_tape_at
 from tapes.tape import Tape
 
@@ -76,9 +78,11 @@ def render(
     steps: bool = False,
     learned: list[dict] | None = None,
     learner_note: str = "",
+    tree: list[dict] | None = None,
 ) -> str:
     """The tape as text. `learned`: the learner's turns for this tape ({index, reward, return, advantage}, from
-    the advantages file), None if it was not trained on (`learner_note` says why; empty: unknown)."""
+    the advantages file), None if it was not trained on (`learner_note` says why; empty: unknown). `tree`: its
+    group's tapes in tree order (`tree_of`), printed at the end when the group holds forks."""
     c = _Ink(color)
     tape = Tape.model_validate(_printable(tape.model_dump()))  # every string of the tape, control characters escaped
     episode = episode_view(tape, learned)
@@ -94,7 +98,36 @@ def render(
     lines += _ending(episode["end"], tape, c)
     if steps:
         lines += _steps(tape, c)
+    if tree and any(row["depth"] for row in tree):
+        lines += _tree(tree, tape.metadata.id, c)
     return "\n".join(lines)
+
+
+def tree_of(path: Path, tape: Tape) -> list[dict]:
+    """The tapes of `tape`'s group in its file (index, id, parent, branch point, reward, success, dropped), in
+    tree order (episode_view.tree_rows)."""
+    from tapes.store import read_tapes
+
+    group = tape.metadata.group_id or tape.metadata.id
+    members = [{"index": i, "id": t.metadata.id, "parent_id": t.metadata.parent_id, "branch_at": t.metadata.branch_at,
+                "reward": t.metadata.reward, "success": t.metadata.success, "dropped": t.metadata.dropped,
+                "calls": len(t.llm_calls)}
+               for i, t in enumerate(read_tapes(path)) if (t.metadata.group_id or t.metadata.id) == group]  # fmt: skip
+    return tree_rows(members)
+
+
+def _tree(rows: list[dict], current: str, c: _Ink) -> list[str]:
+    """The group's tree, one line per tape, indented under its parent, this tape marked."""
+    forks = sum(1 for row in rows if row["depth"])
+    lines = [c(BOLD, f"\n[tree] {len(rows) - forks} roots, {forks} forks (this tape marked >)")]
+    for row in rows:
+        where = f"fork at call {row['branch_at']}, " if row["depth"] else ""
+        line = (f"{'>' if row['id'] == current else ' '} {'    ' * row['depth']}#{row['index']} {where}reward "
+                f"{_num(row['reward'])}{', success' if row['success'] else ''}, {row['calls']} calls")  # fmt: skip
+        if row["dropped"] == DIVERGED:
+            line += " (did not come back to its branch point: not trained)"
+        lines.append(c(DIM, line) if row["dropped"] else line)
+    return lines
 
 
 def _end_text(end: dict) -> str:
@@ -286,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             parser.error(f"--tokenizer {args.tokenizer}: no tokenizer.json or tokenizer_config.json there")
     color = sys.stdout.isatty() and not args.no_color
+    try:
+        tree = tree_of(path, tape)
+    except TapeFileError:
+        tree = None  # another line of the file is torn: the tape itself is shown
     print(
         render(
             tape,
@@ -295,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             learned=learned,
             learner_note=note,
+            tree=tree,
         )
     )
     return 0
