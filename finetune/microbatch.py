@@ -26,6 +26,11 @@ into micro-batches whose cost stays within the token budget:
   completions ~25, 4 attempts) a step computes 2.6x fewer tokens. Rows are
   padded as in `padded`. Needs an attention implementation that takes a
   custom mask (sdpa, eager; not flash-attention).
+  Trees (tree rollouts): a fork's sequence starts as its parent's does
+  (the prompt, then the parent's turns up to the branch point); in its
+  parent's row it takes those tokens from the parent's and adds only its
+  own, its tokens seeing the shared ones and themselves (`parents`): a
+  shared prefix is computed once, however many branches share it.
 
 Each MicroBatch also says where every trained completion token is
 predicted: the hidden state at (row, col) predicts the token at col + 1, so
@@ -148,19 +153,55 @@ def micro_batches(
     layout: Layout = "padded",
     pad_id: int = 0,
     trained: Positions = None,
+    parents: Sequence[int | None] | None = None,
 ) -> list[MicroBatch]:
     """All micro-batches for these sequences, longest first; `trained[i]`: the completion positions of
-    sequence i that are trained on (default: all)."""
+    sequence i that are trained on (default: all); `parents[i]`: the sequence that sequence i forked from (a
+    tree rollout: they share the prompt and the completion up to the branch point), which the
+    shared_prefix layout computes once for both."""
     if layout == "shared_prefix":
-        return _shared_prefix_batches(prompts, completions, token_budget, pad_id, trained)
+        return _shared_prefix_batches(prompts, completions, token_budget, pad_id, trained, parents)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     return [build(prompts, completions, g, layout, pad_id, trained) for g in plan(lengths, token_budget, layout)]
 
 
+def shared_length(completion: Sequence[int], parent: Sequence[int]) -> int:
+    """How many tokens `completion` starts with that `parent` starts with too."""
+    n = 0
+    for a, b in zip(completion, parent):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _tree_order(members: list[int], parents: Sequence[int | None] | None) -> list[int]:
+    """`members` with every sequence after its parent (when the parent is a member): depth first from the
+    roots, children in order."""
+    if parents is None:
+        return members
+    inside = set(members)
+    children: dict[int | None, list[int]] = {}
+    for i in members:
+        parent = parents[i] if parents[i] in inside and parents[i] != i else None
+        children.setdefault(parent, []).append(i)
+    order: list[int] = []
+    stack = list(reversed(children.get(None, [])))
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack += reversed(children.get(i, []))
+    return order
+
+
 def prefix_units(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], token_budget: int
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    token_budget: int,
+    parents: Sequence[int | None] | None = None,
 ) -> list[list[int]]:
-    """Sequences with the same prompt, in rows of one prompt + several completions.
+    """Sequences with the same prompt, in rows of one prompt + several completions; a fork (`parents`) after
+    its parent, sharing the tokens they start with when its parent is in its row.
 
     A row grows while it stays within the token budget and while its attention area (width squared,
     under the 4-D mask every position is computed) stays within that of its sequences computed one by
@@ -175,71 +216,91 @@ def prefix_units(
         p = len(prompts[members[0]])
         unit: list[int] = []
         width, alone = p, 0
-        for i in members:
-            c = len(completions[i])
-            if unit and (width + c > token_budget or (width + c) ** 2 > alone + (p + c) ** 2):
+        for i in _tree_order(members, parents):
+            n = len(completions[i])
+            parent = parents[i] if parents is not None else None
+            c = n - (shared_length(completions[i], completions[parent]) if parent in unit else 0)
+            if unit and (width + c > token_budget or (width + c) ** 2 > alone + (p + n) ** 2):
                 units.append(unit)
-                unit, width, alone = [], p, 0
+                unit, width, alone, c = [], p, 0, n
             unit.append(i)
             width += c
-            alone += (p + c) ** 2
+            alone += (p + n) ** 2
         units.append(unit)
     return units
 
 
 def _shared_prefix_batches(
-    prompts, completions, token_budget: int, pad_id: int, trained: Positions
+    prompts, completions, token_budget: int, pad_id: int, trained: Positions, parents=None
 ) -> list[MicroBatch]:
-    units = prefix_units(prompts, completions, token_budget)
-    widths = [len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units]
+    units = prefix_units(prompts, completions, token_budget, parents)
+    shares = [_shares(completions, unit, parents) for unit in units]
+    widths = [len(prompts[u[0]]) + sum(len(completions[i]) - shares[k][i] for i in u) for k, u in enumerate(units)]
     batches = []
     for group in plan(widths, token_budget, "padded"):  # rows = units, padded to the longest
-        batches.append(_build_shared_prefix(prompts, completions, [units[g] for g in group], pad_id, trained))
+        batches.append(_build_shared_prefix(prompts, completions, [units[g] for g in group], pad_id, trained,
+                                            [shares[g] for g in group], parents))  # fmt: skip
     return batches
 
 
-def _build_shared_prefix(prompts, completions, units: list[list[int]], pad_id: int, trained: Positions) -> MicroBatch:
-    width = max(len(prompts[u[0]]) + sum(len(completions[i]) for i in u) for u in units)
+def _shares(completions, unit: list[int], parents) -> dict[int, int]:
+    """Each sequence of a row: how many of its first completion tokens it takes from its parent's (0 for a
+    sequence whose parent is not in the row before it)."""
+    out: dict[int, int] = {}
+    for i in unit:
+        parent = parents[i] if parents is not None else None
+        out[i] = shared_length(completions[i], completions[parent]) if parent in out else 0
+    return out
+
+
+def _build_shared_prefix(
+    prompts, completions, units: list[list[int]], pad_id: int, trained: Positions, shares, parents
+) -> MicroBatch:
+    width = max(len(prompts[u[0]]) + sum(len(completions[i]) - shares[k][i] for i in u) for k, u in enumerate(units))
     input_ids = torch.full((len(units), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(units), width), dtype=torch.long)
-    segment = torch.full((len(units), width), -1, dtype=torch.long)  # 0: prompt, j: completion j, -1: padding
+    mask = torch.zeros((len(units), width, width), dtype=torch.bool)
     rows, cols, targets, indices, lengths = [], [], [], [], []
     n_tokens = 0
+    shared_any = False
     for r, unit in enumerate(units):
         prompt = list(prompts[unit[0]])
         p = len(prompt)
         input_ids[r, :p] = torch.tensor(prompt)
         position_ids[r, :p] = torch.arange(p)
-        segment[r, :p] = 0
+        mask[r, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
         offset = p
-        for j, i in enumerate(unit, start=1):
-            c = list(completions[i])
-            n = len(c)
-            input_ids[r, offset : offset + n] = torch.tensor(c)
-            position_ids[r, offset : offset + n] = torch.arange(p, p + n)
-            segment[r, offset : offset + n] = j
+        columns: dict[int, Tensor] = {}  # each sequence's completion tokens: where they are in the row
+        for i in unit:
+            c = torch.as_tensor(list(completions[i]), dtype=torch.long)
+            n, shared = len(c), shares[r][i]
+            own = torch.arange(offset, offset + n - shared)
+            at = torch.cat([columns[parents[i]][:shared], own]) if shared else own
+            columns[i] = at
+            input_ids[r, own] = c[shared:]
+            position_ids[r, own] = torch.arange(p + shared, p + n)
+            # its own tokens see the prompt, then its completion up to themselves (the shared part in its parent's)
+            mask[r, own[:, None], :p] = True
+            mask[r, own[:, None], at[None, :]] = torch.ones(n, n, dtype=torch.bool).tril()[shared:]
             # token 0 is predicted by the prompt's last position, token k by completion token k - 1
             k = torch.as_tensor(_positions(trained, completions, i), dtype=torch.long)
-            predicted_at = torch.cat([torch.tensor([p - 1]), torch.arange(offset, offset + n - 1)])
+            predicted_at = torch.cat([torch.tensor([p - 1]), at[:-1]])
             rows.append(torch.full((len(k),), r, dtype=torch.long))
             cols.append(predicted_at[k])
-            targets.append(torch.as_tensor(c, dtype=torch.long)[k])
+            targets.append(c[k])
             indices.append(i)
             lengths.append(len(k))
-            offset += n
+            offset += n - shared
+            shared_any |= len(unit) > 1
         position_ids[r, offset:] = torch.arange(width - offset) + offset  # padding: harmless positions
         n_tokens += offset
-    if all(len(unit) == 1 for unit in units):
+    if not shared_any:
         # no row shares its prompt: a padded micro-batch (positions 0.., plain causal attention), which
         # attention kernels run faster without a mask (flash on GPUs)
         return MicroBatch(indices=indices, input_ids=input_ids, position_ids=None, rows=torch.cat(rows),
                           cols=torch.cat(cols), targets=torch.cat(targets), completion_lengths=lengths,
                           n_tokens=n_tokens)  # fmt: skip
-    q, k = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    # a token sees earlier tokens of its own segment and the whole prompt; padding sees itself only
-    mask = causal & ((k == 0) & (q >= 0) | (q == k) & (q > 0))
-    mask |= torch.eye(width, dtype=torch.bool)
+    mask |= torch.eye(width, dtype=torch.bool)  # padding sees itself only
     return MicroBatch(
         indices=indices,
         input_ids=input_ids,

@@ -15,6 +15,16 @@ from finetune.microbatch import MicroBatch, micro_batches
 from finetune.models import Models
 
 
+def fork_parents(samples: list[Sample]) -> list[int | None]:
+    """For each sample of a fork (`branch`, tree rollouts), the sample of its parent episode that starts with
+    the same prompt (the layout shares what they start with); none for the others."""
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    for i, s in enumerate(samples):
+        if s.episode_id is not None:
+            first.setdefault((s.episode_id, tuple(s.prompt_ids)), i)
+    return [first.get((s.branch.parent_id, tuple(s.prompt_ids))) if s.branch is not None else None for s in samples]
+
+
 class Passes:
     def __init__(self, models: Models, config: TrainConfig):
         self.models, self.config = models, config
@@ -29,6 +39,7 @@ class Passes:
             cfg.layout,
             self.models.pad_id,
             [s.trained_positions() for s in samples],
+            fork_parents(samples),
         )
 
     def my_share(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, float]]:

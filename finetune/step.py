@@ -82,6 +82,9 @@ class OptimizerStep:
                 "samples": len(idx),
                 "completion_tokens": n_completion,
                 "tokens": int(tokens),
+                # every sample's prompt + completion counted as if alone: what a shared prompt or a tree's
+                # shared prefix (the shared_prefix layout) saves is 1 - tokens / logical_tokens
+                "logical_tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in sub),
                 "padding_frac": 1 - tokens / slots if slots else 0.0,
                 "micro_batches": len(mbs),
                 "seconds": seconds,

@@ -373,6 +373,57 @@ def test_shared_prefix_rows_stop_growing_when_attention_would_cost_more():
     assert [len(u) for u in units] == [4] * 4
 
 
+def test_a_trees_shared_prefix_is_computed_once_with_the_same_logprobs_and_gradient(tiny):
+    """Tree rollouts: forks start as their parents do (prompt, then the parent's turns up to the branch point).
+    In the shared_prefix layout with `parents` each shared token is computed once, and every trained token's
+    log-prob and the gradient of a loss on them are those of computing each sequence alone (the unshared
+    batch), within float tolerance."""
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    rng = random.Random(1)
+    prompt = [rng.randrange(256) for _ in range(12)]
+    root = [rng.randrange(256) for _ in range(30)]
+    fork = root[:18] + [rng.randrange(256) for _ in range(9)]  # branched after 18 tokens
+    fork_of_fork = fork[:24] + [rng.randrange(256) for _ in range(5)]
+    other_root = [rng.randrange(256) for _ in range(20)]
+    late = root[:25] + [rng.randrange(256) for _ in range(3)]  # a second fork of the root, later
+    completions = [root, fork, fork_of_fork, other_root, late]
+    parents = [None, 0, 1, None, 0]
+    prompts = [prompt] * 5
+    trained = [list(range(30)), list(range(18, 27)), list(range(24, 29)), list(range(20)), list(range(25, 28))]
+    coef = [torch.randn(len(t)) for t in trained]
+
+    def loss_and_grads(batches):
+        lm.zero_grad()
+        policy = PolicyLogProbs(lm, "full", chunk=64)
+        got, total = {}, 0.0
+        for mb in batches:
+            logp = policy(mb.input_ids, mb.position_ids, mb.rows, mb.cols, mb.targets,
+                          torch.ones(len(mb.targets)), attention_mask=mb.attention_mask)[0]  # fmt: skip
+            for i, part in zip(mb.indices, logp.split(mb.completion_lengths)):
+                got[i] = part.detach()
+                total = total + (part * coef[i]).sum()
+        total.backward()
+        return got, {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    tree = micro_batches(prompts, completions, 4096, "shared_prefix", trained=trained, parents=parents)
+    alone = micro_batches(prompts, completions, 4096, "padded", trained=trained)
+    tree_logp, tree_grads = loss_and_grads(tree)
+    alone_logp, alone_grads = loss_and_grads(alone)
+    for i in range(5):
+        torch.testing.assert_close(tree_logp[i], alone_logp[i], atol=1e-5, rtol=0)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(tree_grads[name], grad, atol=1e-5, rtol=1e-4)
+    # computed once: the prompt, the root, each fork's own tokens, the other root
+    computed = sum(mb.n_tokens for mb in tree)
+    assert computed == 12 + 30 + 9 + 5 + 20 + 3
+    logical = sum(len(prompt) + len(c) for c in completions)
+    assert computed / logical < 0.6
+    # without parents each fork's completion is computed whole (behind a shared prompt where rows allow)
+    flat = micro_batches(prompts, completions, 4096, "shared_prefix", trained=trained)
+    assert sum(mb.n_tokens for mb in flat) >= 12 + sum(map(len, completions)) > computed
+
+
 # ---- staleness and off-policy correction (the asynchronous pipeline) -----------------------
 
 
