@@ -21,6 +21,12 @@ such token, in order. An episode whose prompts were re-rendered (a call that
 does not extend the previous one) is cut into several samples that share an
 `episode_id`; their turns' `index` numbers the turns of the whole episode.
 
+A fork of a tree rollout starts as its parent episode does: its samples hold
+the turns it replayed from its parent as context only (the parent's samples
+train them) and name its place in the tree, `branch`: the parent's episode id,
+the first turn it played itself and the rewards of the turns before it, so
+its returns run over the whole episode.
+
 Advantages are not stored: the learner computes them from the rewards (per
 turn returns with a discount, then a group or batch baseline), so a batch file
 is exactly what the policy did and what it earned; the learner writes the
