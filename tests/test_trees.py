@@ -18,7 +18,7 @@ from orchestrate.loop.forks import DIVERGED, fork_once
 from orchestrate.loop.samples import tapes_to_samples
 from orchestrate.loop.trees import choose_points, eligible_points, generated_tokens, grow_tree, tree_metrics
 from tapes.tape import LLMCall, Tape, TapeMetadata
-from tests.test_fork import GAME, ScriptedLLM, answer, game_agent, wrong_guesses
+from tests.test_fork import GAME, ScriptedLLM, answer, game_agent, program_agent, wrong_guesses  # noqa: F401 (a fixture)
 
 # -- the estimator, by hand ---------------------------------------------------------------------------------
 
@@ -230,3 +230,21 @@ def test_tree_options_that_work():
     config = resolve("game", {"tree.width": "3", "tree.depth": "2", "tree.token_budget": "2000",
                               "tree.branch_by": "entropy", "train.estimator": "tree"})  # fmt: skip
     assert config.tree.width == 3 and config.train.estimator == "tree"
+
+
+def test_an_agent_programs_episodes_branch_after_its_tool_call(tokenizer, program_agent):
+    """A tree of an agent program (through the gateway): the root calls its python tool, then answers wrong; the
+    fork replays the tool call (the program runs its tool again) and answers live."""
+    from tests.test_fork import ARITHMETIC, product_of, tool_reply
+
+    a, b = product_of(3)
+    agent = program_agent()
+    llm = ScriptedLLM(tokenizer, [tool_reply(a, b), "\\boxed{1}", f"The answer is \\boxed{{{a * b}}}."], version=4)
+    tapes = asyncio.run(grow_tree(agent, ARITHMETIC, 3, 1, llm, TreeSection(width=2), iteration=2, policy_version=4))
+    root, fork = tapes
+    assert root.metadata.reward == 0.0 and len(root.llm_calls) == 2
+    assert fork.metadata.parent_id == root.metadata.id and fork.metadata.branch_at == 1
+    assert fork.metadata.error is None and fork.metadata.reward == 1.0
+    assert fork.llm_calls[0].id == root.llm_calls[0].id and fork.llm_calls[1].extends_previous is True
+    (sample,) = tapes_to_samples([fork], require_ref=False)
+    assert sample["branch"]["turn"] == 1 and [t["index"] for t in sample["turns"]] == [1]
