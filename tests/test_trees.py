@@ -18,7 +18,10 @@ from orchestrate.loop.forks import DIVERGED, fork_once
 from orchestrate.loop.samples import tapes_to_samples
 from orchestrate.loop.trees import choose_points, eligible_points, generated_tokens, grow_tree, tree_metrics
 from tapes.tape import LLMCall, Tape, TapeMetadata
-from tests.test_fork import GAME, ScriptedLLM, answer, game_agent, program_agent, wrong_guesses  # noqa: F401 (a fixture)
+from tests import test_fork
+from tests.test_fork import GAME, ScriptedLLM, answer, game_agent, wrong_guesses
+
+program_agent = test_fork.program_agent  # the fixture
 
 # -- the estimator, by hand ---------------------------------------------------------------------------------
 
