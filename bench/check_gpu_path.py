@@ -486,6 +486,8 @@ def in_memory_equals_disk(ctx: Context, mechanism_name: str) -> dict:
 
 @check("serve", 120)
 def check_serve(ctx: Context) -> dict:
+    if ctx.cuda:  # what the GPU holds without the server: sleep_wake measures what a sleeping one keeps
+        ctx.state["idle_gib"] = gpu_used_gib()
     # serves disk_reload, sleep_wake and colocated too (the colocated path, shm, needs nothing at start)
     server, start_s = start_server(ctx, "disk", model(ctx, "small"), weight_transfer=COLOCATED)
     ctx.state["disk_server"] = server
@@ -503,6 +505,7 @@ def check_serve(ctx: Context) -> dict:
         captured = re.search(r"(?i)(graph capturing finished|capturing cuda graphs?)", log)
         require(not eager and captured is not None, f"no CUDA graphs (eager {eager}; the log names no capture)")
         figures["cuda_graphs"] = True
+        figures["cuda_graph_gib"] = graph_gib(log)  # kept while the server sleeps
     return figures
 
 
@@ -525,6 +528,12 @@ def check_disk_reload(ctx: Context) -> dict:
             "logprob_spread": round(spread, 2)}  # fmt: skip
 
 
+def graph_gib(log: str) -> float | None:
+    """The CUDA graphs' memory the server's log names ('Graph capturing finished in X secs, took Y GiB')."""
+    found = re.findall(r"Graph capturing finished in [0-9.]+ secs, took ([0-9.]+) GiB", log)
+    return float(found[-1]) if found else None
+
+
 def kv_cache_gib(log: str) -> float | None:
     """The KV cache's size the server's log names ('Available KV cache memory: X GiB')."""
     found = re.findall(r"Available KV cache memory: ([0-9.]+) GiB", log)
@@ -533,6 +542,10 @@ def kv_cache_gib(log: str) -> float | None:
 
 @check("sleep_wake", 30, cuda=True)
 def check_sleep_wake(ctx: Context) -> dict:
+    import torch
+
+    from orchestrate.loop.memory_plan import SLEEPING_GIB
+
     server = ctx.state.get("disk_server")
     if server is None:
         raise Skip("no server (serve failed)")
@@ -541,6 +554,7 @@ def check_sleep_wake(ctx: Context) -> dict:
     kv = kv_cache_gib(server.log_path.read_text(errors="replace"))
     require(kv is not None, "the server's log names no KV cache size")
     before = server.probe_logprobs()
+    torch.cuda.empty_cache()  # what this process's checks cached (transformers' log-probs) is not the server's
     awake = gpu_used_gib()
     t0 = time.perf_counter()
     server.sleep()
@@ -559,8 +573,12 @@ def check_sleep_wake(ctx: Context) -> dict:
     )
     worst = gap(before, after)
     require(worst <= EQUAL_BOUND, f"after wake: max |logp gap| {worst:.2e}")
+    # what a sleeping server keeps (its CUDA context, graphs, pools; this process's small learner too), against
+    # the memory plan's allowance (orchestrate.loop.memory_plan)
+    idle = ctx.state.get("idle_gib")
+    sleeping = round(asleep - idle, 2) if idle is not None else None
     return {"used_awake_gib": round(awake, 2), "used_asleep_gib": round(asleep, 2), "used_woken_gib": round(woken, 2),
-            "freed_gib": round(freed, 2), "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
+            "sleeping_gib": sleeping, "plan_sleeping_gib": SLEEPING_GIB, "freed_gib": round(freed, 2), "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
             "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "max_gap_after_wake": worst}  # fmt: skip
 
 
@@ -820,6 +838,9 @@ def targets(checks: dict) -> dict:
         "hung": [n for n, r in checks.items() if "timeout" in r.get("why", "")],
         "gsm8k_1b_peak_share": figure("loop_gsm8k_1b", "peak_share"),
         "gsm8k_1b_peak_under": PEAK_SHARE,
+        "sleeping_server_gib": figure("sleep_wake", "sleeping_gib"),
+        "plan_sleeping_gib": figure("sleep_wake", "plan_sleeping_gib"),
+        "cuda_graph_gib": figure("serve", "cuda_graph_gib"),
         "overhead_vs_train": {n: figure(n, "overhead_vs_train") for n in ("loop_embedded", "loop_gsm8k_1b")},
         "weight_update_s": {"disk_reload": figure("disk_reload", "reload_s"), "gloo": figure("gloo", "serve_s"),
                             "colocated": figure("colocated", "serve_s"),

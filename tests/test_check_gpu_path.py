@@ -151,6 +151,8 @@ def test_the_loop_commands_are_the_loops_options(tmp_path):
 def test_figures_read_from_a_run():
     log = "INFO ... Available KV cache memory: 12.5 GiB\n... Available KV cache memory: 11.25 GiB\n"
     assert gpu_check.kv_cache_gib(log) == 11.25 and gpu_check.kv_cache_gib("nothing") is None
+    log = "INFO 11-28 [gpu_model_runner.py:6845] Graph capturing finished in 12 secs, took 0.41 GiB\n"
+    assert gpu_check.graph_gib(log) == 0.41 and gpu_check.graph_gib("nothing") is None
     times = {"time_train": [2.0, 4.0], "time_weight_sync": [0.5, 0.5], "time_wake": [0.5, 1.5], "time_generate": [9, 9]}
     figures = gpu_check.overhead({"phase_times_s": times})
     assert figures["overhead_s"] == [1.0, 2.0] and figures["overhead_vs_train"] == [0.5, 0.5]
@@ -266,9 +268,16 @@ def test_sleep_must_free_the_weights_and_the_kv_cache(tmp_path, monkeypatch, fre
     server = FakeServer(tmp_path, frees)
     ctx = context(tmp_path, cuda=True)
     ctx.state["disk_server"] = server
+    ctx.state["idle_gib"] = 6.0  # in use before serve started the server (serve measures it)
     monkeypatch.setattr(gpu_check, "gpu_used_gib", lambda: server.used)
     result = gpu_check.run_check(next(c for c in gpu_check.CHECKS if c.name == "sleep_wake"), ctx)
     if frees > 2.0:  # the KV cache (2 GiB) and the weights (1 MiB); the server is kept for the colocated check
         assert result["status"] == "PASS" and result["figures"]["freed_gib"] == frees and not server.stopped
+        # what the sleeping server keeps, against the memory plan's allowance for it
+        assert result["figures"]["sleeping_gib"] == 10.0 - frees - 6.0
+        from orchestrate.loop.memory_plan import SLEEPING_GIB
+
+        target = gpu_check.targets({"sleep_wake": result})
+        assert target["sleeping_server_gib"] == 10.0 - frees - 6.0 and target["plan_sleeping_gib"] == SLEEPING_GIB
     else:
         assert result["status"] == "FAIL" and "sleep freed 1.00 GiB" in result["why"]
