@@ -12,7 +12,8 @@ with its figures; a check that raises, or runs past its timeout, is a FAIL (its 
 nothing stays stuck), and the whole run keeps to --budget-s (BUDGET_S: a check gets at most what is
 left; one reached with less is recorded "not run"). The checks run in the order of what matters most: the
 first call's (FIRST_CALL: one server for serve, disk_reload, sleep_wake and colocated, then the 1B loop)
-fit the budget even at their timeouts, and so do the rest, run by a later call with --only. The record, check_gpu_path.json (device, versions, every check, the issue's targets), the log
+fit the budget even at their timeouts, and so do the rest, run by a later call with --only. The record,
+check_gpu_path.json (device, /dev/shm's size, versions, every check, the issue's targets), the log
 check_gpu_path.log and the ends of the servers' and loops' logs go to --out (or $OUT). Exit status 1 if
 a check failed. How to run it on a lent GPU machine: docs/set-up.md, "Checking a GPU machine".
 
@@ -578,7 +579,8 @@ def check_sleep_wake(ctx: Context) -> dict:
     idle = ctx.state.get("idle_gib")
     sleeping = round(asleep - idle, 2) if idle is not None else None
     return {"used_awake_gib": round(awake, 2), "used_asleep_gib": round(asleep, 2), "used_woken_gib": round(woken, 2),
-            "sleeping_gib": sleeping, "plan_sleeping_gib": SLEEPING_GIB, "freed_gib": round(freed, 2), "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
+            "sleeping_gib": sleeping, "plan_sleeping_gib": SLEEPING_GIB, "freed_gib": round(freed, 2),
+            "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
             "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "max_gap_after_wake": worst}  # fmt: skip
 
 
@@ -729,7 +731,7 @@ def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
         try:  # killed before the check times out, with time left for its memory to come back
             rc = p.wait(max(1.0, ctx.deadline - time.monotonic() - SETTLE_S - 5))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # the loop and its learner; its servers' guards stop them
+            os.killpg(p.pid, signal.SIGKILL)  # the loop; the guards of its servers and learner stop them
             p.wait()
             rc = None
     done.set()
@@ -745,7 +747,8 @@ def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
     total = gpu_total_gib()
     require(bool(peaks), "no memory sample")
     peak = max(peaks.values())
-    return {"seconds": round(seconds, 1), "memory_back_s": back_s, "phase_times_s": times, "peak_gib_by_phase": {k: round(v, 2) for k, v in peaks.items()},
+    return {"seconds": round(seconds, 1), "memory_back_s": back_s, "phase_times_s": times,
+            "peak_gib_by_phase": {k: round(v, 2) for k, v in peaks.items()},
             "peak_gib": round(peak, 2), "idle_gib": round(idle, 2), "gpu_gib": round(total, 1), "peak_share": round(peak / total, 3)}  # fmt: skip
 
 
@@ -876,7 +879,8 @@ def versions() -> dict:
 
 
 def shm_gib() -> float | None:
-    """/dev/shm's size (the colocated path stages each version there, with no fallback when it fills)."""
+    """/dev/shm's size: the colocated path writes each version there (one it has no room for goes through the
+    disk, finetune.publish.shm)."""
     try:
         return round(shutil.disk_usage("/dev/shm").total / 2**30, 1)
     except OSError:
@@ -928,8 +932,8 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / "check_gpu_path.log", "w")
     ctx = Context(work=work, cuda=cuda, log=log)
-    record = {"device": device_name(cuda), "dev_shm_gib": shm_gib(), "versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "work": str(work), "budget_s": args.budget_s, "checks": {}}  # fmt: skip
+    record = {"device": device_name(cuda), "dev_shm_gib": shm_gib(), "versions": versions(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "work": str(work), "budget_s": args.budget_s, "checks": {}}  # fmt: skip
     ctx.say(f"device: {record['device']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
     start = time.monotonic()
     try:
