@@ -10,7 +10,7 @@ the config's vocabulary (build_model): "small" for the weight checks, the embedd
 (bench/bench_gpu_learner.py's SHAPES) where memory matters. Each check prints PASS, FAIL or SKIP (and why)
 with its figures; a check that raises, or runs past its timeout, is a FAIL (its servers are stopped, so
 nothing stays stuck), and the whole run keeps to --budget-s (BUDGET_S: a check gets at most what is
-left; one reached with less is recorded "not run"). The checks run in the order of what matters most: the
+left; one reached with less is recorded NOT RUN, not a failure). The checks run in the order of what matters most: the
 first call's (FIRST_CALL: one server for serve, disk_reload, sleep_wake and colocated, then the 1B loop)
 fit the budget even at their timeouts, and so do the rest, run by a later call with --only. The record,
 check_gpu_path.json (device, /dev/shm's size, versions, every check, the issue's targets), the log
@@ -151,11 +151,11 @@ class Context:
 
 def run_check(c: Check, ctx: Context, budget_s: float = float("inf")) -> dict:
     """One check in a thread of its own: PASS with its figures, FAIL (what failed, or a timeout: its own or
-    the run's budget left, `budget_s`), SKIP."""
+    the run's budget left, `budget_s`), SKIP, or NOT RUN (less than MIN_CHECK_S of the budget left)."""
     if c.cuda and not ctx.cuda:
         return {"status": "SKIP", "why": "needs CUDA", "seconds": 0.0, "figures": {}}
     if budget_s < MIN_CHECK_S:
-        return {"status": "FAIL", "why": f"not run: {budget_s:.0f} s of the run's budget left", "seconds": 0.0,
+        return {"status": "NOT RUN", "why": f"{budget_s:.0f} s of the run's budget left", "seconds": 0.0,
                 "figures": {}}  # fmt: skip
     timeout_s = min(c.timeout_s, budget_s)
     box: dict = {}
@@ -839,6 +839,7 @@ def targets(checks: dict) -> dict:
     return {
         "every_check_passes": all(r["status"] == "PASS" for r in checks.values()),
         "hung": [n for n, r in checks.items() if "timeout" in r.get("why", "")],
+        "not_run": [n for n, r in checks.items() if r["status"] == "NOT RUN"],  # for a later call's --only
         "gsm8k_1b_peak_share": figure("loop_gsm8k_1b", "peak_share"),
         "gsm8k_1b_peak_under": PEAK_SHARE,
         "sleeping_server_gib": figure("sleep_wake", "sleeping_gib"),
@@ -951,11 +952,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ctx.cleanup()
     record["seconds"] = round(time.monotonic() - start, 1)
-    counts = {s: sum(r["status"] == s for r in record["checks"].values()) for s in ("PASS", "FAIL", "SKIP")}
+    statuses = ("PASS", "FAIL", "SKIP", "NOT RUN")
+    counts = {s: sum(r["status"] == s for r in record["checks"].values()) for s in statuses}
     record["summary"] = counts
     record["targets"] = targets(record["checks"])
     ctx.say("targets: " + json.dumps(record["targets"]))
-    ctx.say(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {record['seconds']:.0f} s")
+    ctx.say(
+        f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped, {counts['NOT RUN']} not run "
+        f"in {record['seconds']:.0f} s"
+    )
     if out:
         (out / "check_gpu_path.json").write_text(json.dumps(record, indent=2) + "\n")
         ctx.say(f"record: {out / 'check_gpu_path.json'}")
