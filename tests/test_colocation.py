@@ -12,13 +12,17 @@ from contract.rundir import RunDir
 from orchestrate.loop import iteration, servers
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.servers import Servers
+from orchestrate.serving.vllm_server import ServerConfig
 
 
 class Recorded:
-    """A server stand-in that notes what it is asked, in one shared list."""
+    """A server stand-in that notes what it is asked, in one shared list; on a GPU (`gpus`: its own, None: the
+    first visible ones) when `on_gpu`."""
 
-    def __init__(self, name: str, calls: list):
+    def __init__(self, name: str, calls: list, on_gpu: bool = False, gpus: list[str] | None = None, tp: int = 1):
         self.name, self.calls = name, calls
+        self.on_gpu, self.gpu_ids = on_gpu, gpus
+        self.config = ServerConfig(tensor_parallel_size=tp)
 
     def start(self, wait: bool = True):
         self.calls.append((self.name, "start", wait))
@@ -70,6 +74,38 @@ def test_colocated_servers_start_one_after_the_other_and_sleep_while_the_learner
     group.wake()
     group.wake()  # once
     assert calls == [("policy", "wake")] and not group.asleep
+
+
+@pytest.mark.parametrize(
+    "placed, after",
+    [
+        # policy and reference on the one GPU (nothing placed: the first visible), as with --server.colocate off
+        ({"policy-0": (True, None), "reference": (True, None)}, {"reference": ["policy-0"]}),
+        # two policy servers on GPUs of their own, the reference on the first's
+        ({"policy-0": (True, ["4"]), "policy-1": (True, ["5"]), "reference": (True, ["4"])},
+         {"reference": ["policy-0"]}),
+        # tensor parallel over the first two visible GPUs, the reference on the second
+        ({"policy-0": (True, None, 2), "reference": (True, ["5"])}, {"reference": ["policy-0"]}),
+        ({"policy-0": (True, ["4"]), "policy-1": (True, ["5"])}, {}),  # a GPU each: at once
+        ({"policy-0": (False, None), "reference": (False, None)}, {}),  # CPU: at once, as ever
+    ],
+)  # fmt: skip
+def test_servers_on_one_gpu_start_one_after_the_other_outside_colocation(tmp_path, monkeypatch, placed, after):
+    """vLLM sizes a server's KV cache from its GPU's free memory at start: a server starts only once those
+    before it on any of its GPUs answer; servers on other GPUs, or on CPU, start at once."""
+    monkeypatch.setattr(servers, "visible_gpus", lambda: ["4", "5"])
+    calls = []
+    made = {name: Recorded(name, calls, *where) for name, where in placed.items()}
+    policy = [server for name, server in made.items() if name.startswith("policy")]
+    group = Servers(RLConfig(), RunDir(tmp_path), None, policy, made.get("reference"))
+    assert not group.colocated
+    with ExitStack() as stack:
+        group.launch(stack)
+    starts = [call for call in calls if call[1] == "start"]
+    assert starts == [(name, "start", False) for name in made]  # in order, none waited for in start
+    for name in made:
+        ready_before = {call[0] for call in calls[: calls.index((name, "start", False))] if call[1] == "ready"}
+        assert ready_before == set(after.get(name, []))
 
 
 def test_servers_that_do_not_colocate_never_sleep_for_the_learner(tmp_path):

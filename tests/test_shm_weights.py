@@ -96,6 +96,50 @@ def test_a_version_not_in_shared_memory_comes_from_its_checkpoint(tmp_path):
     assert transport.serve(4) == [] and server.loaded == [run.checkpoint(4).resolve()]
 
 
+class FullShm(Learner):
+    """A learner whose version is 1 GiB of bf16 tensors; its writes into shared memory fail for want of room
+    when `fails_in_shm` (the space check passed, the tmpfs filled meanwhile)."""
+
+    def __init__(self, fails_in_shm=False):
+        super().__init__()
+        self.fails_in_shm = fails_in_shm
+
+    def policy_weights(self):
+        import torch
+
+        return {"w": torch.empty(1, dtype=torch.bfloat16).expand(2**29)}  # 1 GiB, no memory taken
+
+    def save_weights(self, folder, weights):
+        if self.fails_in_shm and shm_folder.SHM_ROOT in Path(folder).parents:
+            Path(folder).mkdir(parents=True)
+            (Path(folder) / "model.safetensors").write_text("part")
+            raise OSError(28, "No space left on device")
+        super().save_weights(folder, {"w": 1})
+
+
+@pytest.mark.parametrize("fails_in_shm", [False, True])
+def test_a_version_shared_memory_has_no_room_for_goes_through_the_disk(tmp_path, monkeypatch, fails_in_shm):
+    """/dev/shm is too small (it needs the version's bytes and a tenth more free), or fills during the write:
+    the version's checkpoint gets its model folder, which the servers reload; nothing half-written is left."""
+    import shutil
+    from collections import namedtuple
+
+    free = 2**40 if fails_in_shm else int(1.05 * 2**30)  # room by the check / not a tenth to spare
+    usage = namedtuple("usage", "total used free")(2**41, 0, free)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    run = RunDir(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    server = Server()
+    transport = transport_for(run, [server], select("shm"), timeout_s=5, trainer=Trainer())
+    transport.start()
+    publisher, learner = publisher_for(run, announced(run), lora_rank=0), FullShm(fails_in_shm)
+    tmp = run.temp_checkpoint(1)
+    publisher.write(learner, tmp, 1, publisher.gather(learner), keep_folder=False)
+    run.publish_checkpoint(tmp, 1)
+    assert not shm_folder.shm_version(run.root, 1).exists() and run.has_weights(1)
+    assert transport.serve(1) == [] and server.loaded == [run.checkpoint(1).resolve()]
+
+
 def test_the_two_run_directories_get_two_folders_and_the_run_names_its_own(tmp_path):
     assert shm_folder.shm_root(tmp_path / "a") != shm_folder.shm_root(tmp_path / "b")
     assert shm_folder.shm_root(tmp_path / "a") == shm_folder.shm_root(tmp_path / "x" / ".." / "a")

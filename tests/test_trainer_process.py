@@ -49,3 +49,25 @@ def test_trainer_metrics_are_averaged_per_iteration(tmp_path, tiny_model_dir):
     # record is, and the batch's own figures, are not step figures
     assert m["train_drift"] == 1.0 and m["lag_mean"] == 0.5
     assert set(m) == {"train_steps", "train_seconds", "train_loss", "train_kl", "train_drift", "lag_mean"}
+
+
+@pytest.mark.parametrize("status, waits", [("stopping", True), ("saving", True), ("training", False)])
+def test_a_stop_waits_for_a_trainer_writing_its_full_state(tmp_path, status, waits):
+    """Asked to stop, a trainer between batches writes its last full state (about 15 GB at 1B): it gets the
+    time to, past the stop's first wait; one mid-batch is stopped then (it resumes)."""
+    import subprocess
+    import sys
+    import time
+
+    from contract.durable import atomic_write_json
+
+    run = RunDir(tmp_path / "run")
+    run.create()
+    trainer = TrainerProcess(run, tmp_path, TrainConfig())
+    atomic_write_json(run.learner_status, {"status": status})
+    trainer.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])  # its last write
+    start = time.monotonic()
+    trainer.stop(timeout=0.3)
+    took = time.monotonic() - start
+    assert run.trainer_stop.exists()
+    assert (trainer.process.returncode == 0 and took >= 1.4) if waits else took < 1.4

@@ -240,34 +240,36 @@ def test_two_learner_processes_read_their_groups_timeout(tmp_path):
     assert got == [(0, 2, 1800.0, 900.0), (1, 2, 1800.0, 900.0)]
 
 
-def test_the_servers_group_and_store_on_a_vllm_without_timeout_or_return_store():
-    """vLLM 0.26's stateless group takes no `timeout` and no `return_store`: the engine then takes a client of
-    the same store (the barrier's and the abort key's), and the group PyTorch's default timeout; 0.32's is
-    asked for both."""
+def test_the_servers_group_is_bounded_by_the_transfer_timeout_on_a_vllm_without_a_timeout_argument():
+    """vLLM 0.26's stateless group takes no `timeout`: it reads the current vLLM config's, else PyTorch's
+    default (600 s NCCL, 1800 s gloo) would bound it; the engine builds it under a copy of the server's config
+    that sets the transfer timeout, the server's own config left as it was. 0.32's is given the timeout."""
     import types
     from datetime import timedelta
 
-    import torch
+    from vllm.config import get_current_vllm_config_or_none
 
     from orchestrate.serving.vllm_plugin.collective_engine import CollectiveEngine, group_and_store
 
-    master = torch.distributed.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
-    info = types.SimpleNamespace(host="127.0.0.1", port=master.port, world_size=2, timeout_s=5.0)
+    info = types.SimpleNamespace(host="127.0.0.1", port=29500, world_size=2, timeout_s=4.5)
+    parallel = types.SimpleNamespace(distributed_timeout_seconds=None, cpu_distributed_timeout_seconds=None)
+    server_config = types.SimpleNamespace(parallel_config=parallel)
     calls = []
 
-    def old(host, port, rank, world_size, backend):  # 0.26's signature
-        calls.append({})
-        return "group"
+    def old(host, port, rank, world_size, backend, group_name=None, return_store=False, listen_socket=None):  # 0.26
+        current = get_current_vllm_config_or_none().parallel_config  # as 0.26 reads it
+        calls.append((return_store, current.distributed_timeout_seconds, current.cpu_distributed_timeout_seconds))
+        return "group", "store"
 
-    group, store = group_and_store(old, info, 1, "gloo")
-    master.set("abort", "1")
-    assert group == "group" and store.get("abort") == b"1" and calls == [{}]  # the same keys as the group's store
+    assert group_and_store(old, info, 1, "nccl", server_config) == ("group", "store")
+    assert calls == [(True, 5, 5)]  # whole seconds, rounded up
+    assert get_current_vllm_config_or_none() is None and parallel.distributed_timeout_seconds is None
 
     def new(host, port, rank, world_size, backend, return_store=False, timeout=None):  # 0.32's
         calls.append({"return_store": return_store, "timeout": timeout})
-        return "group", master
+        return "group", "store"
 
-    assert group_and_store(new, info, 1, "gloo") == ("group", master)
-    assert calls[-1] == {"return_store": True, "timeout": timedelta(seconds=5.0)}
+    assert group_and_store(new, info, 1, "gloo", server_config) == ("group", "store")
+    assert calls[-1] == {"return_store": True, "timeout": timedelta(seconds=4.5)}
     with pytest.raises(NotImplementedError):  # 0.26 makes it abstract: the engine must define it to be built
         CollectiveEngine.trainer_send_weights(iter(()), None)

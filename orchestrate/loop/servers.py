@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from contract.rundir import RunDir
 from contract.weight_paths import KEEP, select
 from orchestrate.loop.config import RLConfig
-from orchestrate.loop.config_checks import colocated, gpu_slices
+from orchestrate.loop.config_checks import colocated, gpu_slices, visible_gpus
 from orchestrate.loop.metrics import server_metrics
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.serving.auth import APIKeyMissing, read_api_key
@@ -104,12 +104,18 @@ class Servers:
     # -- start -------------------------------------------------------------------------
 
     def launch(self, stack: ExitStack) -> None:
-        """Start every server and wait for them: all at once, or colocated one after the other, each asleep
-        before the next starts (vLLM takes its share of the GPU's free memory at start: no two measure at once,
-        and each finds the others' share free), then the policy servers woken; the servers by URL serve their
-        own model again (one used by an earlier run may hold its weights)."""
-        for server in self.all:
+        """Start every server and wait for them. vLLM sizes a server's KV cache from its GPU's free memory at
+        start, so no two servers on one GPU measure it at once: colocated, they start one after the other, each
+        asleep before the next starts (each finds the others' share free), then the policy servers are woken;
+        otherwise a server starts once those before it on any of its GPUs answer, and servers on other GPUs
+        (or on CPU) start at once. The servers by URL serve their own model again (one used by an earlier run
+        may hold its weights)."""
+        for i, server in enumerate(self.all):
             stack.callback(server.stop)
+            if not self.colocated:
+                for earlier in self.all[:i]:
+                    if gpus_of(server) & gpus_of(earlier):
+                        earlier.wait_ready()
             server.start(wait=self.colocated)
             if self.colocated:
                 server.sleep()
@@ -316,6 +322,16 @@ class Servers:
             if not self.colocated:  # colocated, they sleep on: the learner trains next (`wake` after it)
                 for server in self.policy:
                     server.wake_up()
+
+
+def gpus_of(server) -> set[str]:
+    """The GPUs a server of ours runs on, as CUDA_VISIBLE_DEVICES names them; none for a server on CPU or
+    elsewhere (by URL). Without GPUs of its own it takes the first visible ones, as many as its parallelism."""
+    if not server.on_gpu:
+        return set()
+    if server.gpu_ids is not None:
+        return {str(gpu) for gpu in server.gpu_ids}
+    return set(visible_gpus()[: server.config.tensor_parallel_size * server.config.data_parallel_size])
 
 
 def _no_counts() -> dict:

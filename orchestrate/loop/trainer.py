@@ -33,6 +33,9 @@ from orchestrate.loop.progress import progress_bar
 from orchestrate.serving.processes import parse_cpus, spawn, stop
 from orchestrate.serving.vllm_server import cuda_available, free_port, log_tail
 
+WRITING = ("saving", "stopping")  # the trainer's statuses (learner_status.json) while it writes a full state
+FINAL_STATE_S = 300.0  # the longest a stop waits for it: 15 GB at 1B, minutes on a slow disk
+
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE_CONFIGS = ROOT / "finetune" / "accelerate"
 MULTI_CPU = "multi_cpu.yaml"  # several learner processes without a GPU
@@ -331,15 +334,19 @@ class TrainerProcess:
 
     def stop(self, timeout: float = 5) -> None:
         """Ask the trainer to exit (it does between batches); past `timeout` (mid-batch), stop it: it resumes.
-        An external trainer is only asked (it exits after its current batch)."""
+        A trainer that is writing a full state (status saving, or stopping: its clean stop writes the last
+        version's model folder and full state, about 15 GB at 1B) is given up to FINAL_STATE_S more to finish
+        it. An external trainer is only asked (it exits after its current batch)."""
         if self.external and self.started:
             self.run.trainer_stop.touch()
             return
         if self.process is None:
             return
         self.run.trainer_stop.touch()  # the trainer exits between batches when it sees this
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        start = time.monotonic()
+        while self.process.poll() is None:
+            waited = time.monotonic() - start
+            if waited > timeout + FINAL_STATE_S or (waited > timeout and self.status().get("status") not in WRITING):
+                break
+            time.sleep(0.2)
         stop(self.process)

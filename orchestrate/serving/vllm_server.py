@@ -143,6 +143,13 @@ def cuda_available() -> bool:
         return False
 
 
+def flashinfer_installed() -> bool:
+    """Whether flashinfer can be imported here (a server runs on this Python: sys.executable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -257,6 +264,12 @@ class VLLMServer:
         if self.on_gpu:
             if self.gpu_ids is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
+            if not flashinfer_installed():
+                # On CUDA the V2 model runner's sampler (vLLM 0.26 picks it for dense models) calls vLLM's
+                # flashinfer_sampler_supported(), which imports flashinfer while VLLM_USE_FLASHINFER_SAMPLER is on
+                # (its default): the server would die at model load. The V1 runner's calls it too, unless the
+                # log-probs are processed ones (ours). Off, vLLM samples with its PyTorch code.
+                env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.kv_cache_gib)
             # The model runs inside the engine-core process, as on one GPU, instead of the worker process that

@@ -69,22 +69,37 @@ def unloaded(model, loaded) -> list[str]:
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
 
 
-def group_and_store(init, info, rank: int, backend: str):
+def group_and_store(init, info, rank: int, backend: str, vllm_config):
     """vLLM's stateless process group (`init`: vllm.distributed.utils.stateless_init_torch_distributed_process_group)
-    and the raw TCP store under it, where the barrier and the abort key live. vLLM 0.26's takes neither
-    `timeout` (the group then has PyTorch's default) nor `return_store` (a client of the same store instead:
-    the keys are the same, vLLM prefixes only the group's own)."""
+    and the raw TCP store under it, where the barrier and the abort key live, both bounded by the transfer
+    timeout (`info.timeout_s`). vLLM 0.32's `init` takes the timeout. 0.26's takes none: it reads the current
+    vLLM config's `parallel_config.distributed_timeout_seconds` (NCCL) or `cpu_distributed_timeout_seconds`
+    (gloo), else PyTorch's default (600 s for NCCL, 1800 s for gloo) bounds the rendezvous, the group's
+    forming and every collective; so there the group is built under a copy of the server's config (`vllm_config`)
+    that sets both."""
     import inspect
     from datetime import timedelta
 
-    params = inspect.signature(init).parameters
-    kwargs = {"timeout": timedelta(seconds=info.timeout_s)} if "timeout" in params else {}
-    if "return_store" in params:
-        return init(info.host, info.port, rank, info.world_size, backend=backend, return_store=True, **kwargs)
-    from torch.distributed import TCPStore
+    where = (info.host, info.port, rank, info.world_size)
+    if "timeout" in inspect.signature(init).parameters:
+        return init(*where, backend=backend, return_store=True, timeout=timedelta(seconds=info.timeout_s))
+    from vllm.config import set_current_vllm_config
 
-    group = init(info.host, info.port, rank, info.world_size, backend=backend, **kwargs)
-    return group, TCPStore(info.host, info.port, is_master=False, timeout=timedelta(seconds=info.timeout_s))
+    with set_current_vllm_config(timed(vllm_config, info.timeout_s)):
+        return init(*where, backend=backend, return_store=True)
+
+
+def timed(vllm_config, seconds: float):
+    """A copy of `vllm_config` whose device and CPU process groups time out after `seconds` (whole seconds,
+    rounded up); the server's own config is left as it is."""
+    import copy
+    import math
+
+    parallel = copy.copy(vllm_config.parallel_config)
+    parallel.distributed_timeout_seconds = parallel.cpu_distributed_timeout_seconds = math.ceil(seconds)
+    config = copy.copy(vllm_config)
+    config.parallel_config = parallel
+    return config
 
 
 @dataclass
@@ -136,7 +151,7 @@ class CollectiveEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         with unpinned(self.backend):  # NCCL builds its communicator at the first collective: that too
             with group_env(self.backend):  # NCCL: waits that block and raise, no watchdog ending the server
                 self.group, store = group_and_store(stateless_init_torch_distributed_process_group, init_info,
-                                                    rank, self.backend)  # fmt: skip
+                                                    rank, self.backend, self.vllm_config)  # fmt: skip
             try:
                 barrier(store, init_info.world_size, init_info.timeout_s)  # before NCCL's set-up, which has none
                 first_broadcast(self.group, torch.device("cpu") if self.backend in HOST_BACKENDS else self.device)
