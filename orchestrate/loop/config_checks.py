@@ -321,6 +321,18 @@ def check_program(config) -> None:
                           f"({', '.join(names)})")  # fmt: skip
 
 
+def check_teacher(config) -> None:
+    """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; the
+    learner's teacher_coef given here (the loop sets it from --teacher.coef)."""
+    t = config.train
+    if t.estimator == "zero" and not config.teacher.model:
+        raise ConfigError("--train.estimator zero: pure distillation (no reward advantage) needs a teacher; give "
+                          "--teacher.model, or choose another estimator")  # fmt: skip
+    if t.teacher_coef:
+        raise ConfigError("--train.teacher_coef: the loop sets it from --teacher.coef when --teacher.model is "
+                          "given; give those instead")  # fmt: skip
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -357,6 +369,7 @@ def check_config(config) -> None:
                      "importance ratios and KL; leave it at 1")  # fmt: skip
     check_placement(config)
     check_lora(config)
+    check_teacher(config)
     if config.train.overlong_buffer > r.max_tokens:
         raise ConfigError(f"--train.overlong_buffer: {config.train.overlong_buffer} tokens is more than --rollouts.max_tokens "
                           f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip
