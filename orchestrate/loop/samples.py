@@ -47,7 +47,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                 "(run the reference pass, or set kl_coef to 0)"
             )
         if call.teacher_logprobs is not None and len(call.teacher_logprobs) != len(call.output_token_ids):
-            raise SampleError(f"tape {tape.metadata.id} call {call.id}: teacher log-probs misaligned with the output tokens")
+            raise SampleError(f"tape {tape.metadata.id} call {call.id}: teacher log-probs misaligned with its output")
         if not 1 <= call.turn <= max(1, len(rewards)):
             raise SampleError(
                 f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's {len(rewards)} turns"
