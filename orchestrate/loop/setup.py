@@ -234,12 +234,22 @@ def score_reference(tapes: list[Tape], reference: Path | Any, settings, log_path
         asyncio.run(go())
 
 
+def is_run_dir(run: RunDir) -> bool:
+    """Whether the folder holds a run: a config.json that is a run's (sections such as `model`), not a model's
+    (`model_type`)."""
+    try:
+        saved = json.loads(run.config_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "model" in saved and "model_type" not in saved
+
+
 def teacher_folder(model: str, option: str = "--teacher.model") -> Path:
     """The teacher's model folder: a run directory's newest checkpoint with its weights on disk, else a model
     folder or name (resolve_model). SetupError in one line: a LoRA run (its versions are adapters), a run
     with no checkpoint on disk, a model that cannot be had."""
     run = RunDir(Path(model).expanduser())
-    if not run.config_path.is_file():
+    if not is_run_dir(run):
         return given_policy(model, option).model
     config = read_run_config(run.config_path, option)
     if config.train.lora.rank:
