@@ -213,3 +213,37 @@ def test_a_run_without_a_checkpoint_is_refused_as_a_teacher(tmp_path, rl_cli, ti
     run.mkdir()
     (run / "config.json").write_text(resolve("embedded", {"model.policy": str(tiny_model_dir)}).model_dump_json())
     refused(rl_cli, tmp_path, tiny_model_dir, run, ["--teacher.model", "no checkpoint"])
+
+
+def test_the_teacher_scores_in_the_reference_pass_on_its_own_server_the_policy_asleep(tmp_path, monkeypatch):
+    from contextlib import asynccontextmanager
+
+    from contract.rundir import RunDir
+    from orchestrate.loop import servers
+    from orchestrate.loop.config import RLConfig
+    from orchestrate.loop.servers import Servers
+    from tests.test_colocation import Recorded
+
+    calls = []
+    config = RLConfig.model_validate({"teacher": {"model": "smollm2"}, "train": {"kl_coef": 0.1}})
+    group = Servers(config, RunDir(tmp_path), None, [Recorded("policy", calls)], Recorded("reference", calls),
+                    teacher=Recorded("teacher", calls))  # fmt: skip
+
+    @asynccontextmanager
+    async def client(role):
+        yield role
+
+    async def scored(tapes, client, progress, field):
+        calls.append((client, field))
+
+    monkeypatch.setattr(group, "client", client)
+    monkeypatch.setattr(servers, "annotate_reference", scored)
+    group.score_reference([])
+    assert calls == [("policy", "sleep"), ("reference", "wake"), ("reference", "ref_logprobs"), ("reference", "sleep"),
+                     ("teacher", "wake"), ("teacher", "teacher_logprobs"), ("teacher", "sleep"), ("policy", "wake")]  # fmt: skip
+    # a LoRA run's reference on the policy servers' base model, the teacher on its own server
+    calls.clear()
+    group.reference = None
+    group.score_reference([])
+    assert calls == [("base", "ref_logprobs"), ("policy", "sleep"), ("teacher", "wake"),
+                     ("teacher", "teacher_logprobs"), ("teacher", "sleep"), ("policy", "wake")]  # fmt: skip

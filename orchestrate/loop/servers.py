@@ -311,7 +311,7 @@ class Servers:
         or a LoRA run's from the policy servers' base model), and the teacher's with --teacher.model (from its
         server); on a GPU the policy servers sleep while a server of its own scores."""
         passes = []  # (role, the LLMCall field it fills)
-        if self.config.train.needs_reference:
+        if self.reference is not None or self.config.train.needs_reference:
             passes.append(("reference" if self.reference is not None else "base", "ref_logprobs"))
         if self.teacher is not None:
             passes.append(("teacher", "teacher_logprobs"))
