@@ -12,12 +12,13 @@ import pytest
 from contract.batch import Sample, Turn
 from finetune.batch_advantages import batch_advantages
 from finetune.config import TrainConfig
-from orchestrate.loop.config import resolve
+from orchestrate.loop.config import RLConfig, resolve
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.loop.samples import tape_samples
 from tapes.tape import LLMCall, Tape
 from tests.test_episodes import play
+from tests.test_server_pool import fake_server  # noqa: F401 - a fixture: a server by URL that answers as ours
 
 # -- the signal, by hand --------------------------------------------------------------------------
 
@@ -220,7 +221,6 @@ def test_the_teacher_scores_in_the_reference_pass_on_its_own_server_the_policy_a
 
     from contract.rundir import RunDir
     from orchestrate.loop import servers
-    from orchestrate.loop.config import RLConfig
     from orchestrate.loop.servers import Servers
     from tests.test_colocation import Recorded
 
@@ -247,3 +247,55 @@ def test_the_teacher_scores_in_the_reference_pass_on_its_own_server_the_policy_a
     group.score_reference([])
     assert calls == [("base", "ref_logprobs"), ("policy", "sleep"), ("teacher", "wake"),
                      ("teacher", "teacher_logprobs"), ("teacher", "sleep"), ("policy", "wake")]  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 8])
+def test_a_run_with_a_teacher_builds_its_server_beside_the_others(tmp_path, tiny_model_dir, rank, monkeypatch):
+    """A teacher by folder gets a server of its own (named teacher, its own log), with or without a reference
+    server and with a LoRA student; a teacher by URL is used as it runs."""
+    from contract.rundir import RunDir
+    from orchestrate.loop.servers import Servers
+    from orchestrate.serving.vllm_server import RemoteServer, VLLMServer
+
+    model = str(tiny_model_dir)
+    config = RLConfig.model_validate(
+        {"model": {"policy": model}, "teacher": {"model": model}, "train": {"lora": {"rank": rank}}}
+    )
+    servers = Servers.for_run(config, RunDir(tmp_path / "run"), model, model, None, progress=False,
+                              teacher_dir=tiny_model_dir)  # fmt: skip
+    assert isinstance(servers.teacher, VLLMServer) and servers.teacher.served_model_name == "teacher"
+    assert servers.teacher.log_path == tmp_path / "run" / "logs" / "teacher.log"
+    assert servers.reference is None and servers.all == [*servers.policy, servers.teacher]  # no KL term
+    config = RLConfig.model_validate({"model": {"policy": model}, "teacher": {"model": "http://node7:8000"},
+                            "train": {"kl_coef": 0.01}})  # fmt: skip
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    servers = Servers.for_run(config, RunDir(tmp_path / "run2"), model, model, None, progress=False)
+    assert isinstance(servers.teacher, RemoteServer) and servers.teacher.url == "http://node7:8000"
+    assert servers.teacher.served_model_name == "teacher" and isinstance(servers.reference, VLLMServer)
+
+
+def test_a_teacher_by_url_is_checked_before_the_run(tmp_path, monkeypatch, fake_server):  # noqa: F811
+    from orchestrate.loop.preflight import PreflightError, check_remote_servers
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    policy = fake_server()
+    config = RLConfig.model_validate(
+        {"server": {"policy_urls": [policy]}, "teacher": {"model": fake_server(model="teacher")}}
+    )
+    check_remote_servers(config, tmp_path / "run")
+    config = RLConfig.model_validate(
+        {"server": {"policy_urls": [policy]}, "teacher": {"model": fake_server(model="reference")}}
+    )
+    with pytest.raises(PreflightError, match=r"^--teacher.model: .*serves 'reference', not 'teacher'"):
+        check_remote_servers(config, tmp_path / "run")
+
+
+def test_the_serve_command_serves_a_teacher(tmp_path, tiny_model_dir):
+    from orchestrate.serve import build_server
+
+    config = RLConfig.model_validate(
+        {"model": {"policy": str(tiny_model_dir)}, "teacher": {"model": str(tiny_model_dir)}}
+    )
+    command = build_server(config, "teacher", "0.0.0.0", 8123, tmp_path).command()
+    assert command[command.index("--served-model-name") + 1] == "teacher"
+    assert str(tiny_model_dir) in command
