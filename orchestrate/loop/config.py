@@ -233,7 +233,9 @@ class ServerSection(ServerConfig):
         "in order); apart from --trainer.gpus, or the same ones to colocate; default: one per server",
     )
     reference_gpus: DeviceList = Field(
-        None, description="GPUs of the reference server, e.g. '4'; default: the policy's (it sleeps meanwhile)"
+        None,
+        description="GPUs of the reference server (and of the teacher's, --teacher.model), e.g. '4'; default: the "
+        "policy's (it sleeps meanwhile)",
     )
     policy_urls: URLList = Field(
         default_factory=list,
