@@ -239,8 +239,9 @@ def test_the_teacher_scores_in_the_reference_pass_on_its_own_server_the_policy_a
     monkeypatch.setattr(group, "client", client)
     monkeypatch.setattr(servers, "annotate_reference", scored)
     group.score_reference([])
-    assert calls == [("policy", "sleep"), ("reference", "wake"), ("reference", "ref_logprobs"), ("reference", "sleep"),
-                     ("teacher", "wake"), ("teacher", "teacher_logprobs"), ("teacher", "sleep"), ("policy", "wake")]  # fmt: skip
+    assert calls == [("policy", "sleep"), ("reference", "wake"), ("reference", "ref_logprobs"),
+                     ("reference", "sleep"), ("teacher", "wake"), ("teacher", "teacher_logprobs"),
+                     ("teacher", "sleep"), ("policy", "wake")]  # fmt: skip
     # a LoRA run's reference on the policy servers' base model, the teacher on its own server
     calls.clear()
     group.reference = None

@@ -32,8 +32,8 @@ ROLES = ("policy", "base", "reference", "teacher")
 
 
 class Servers:
-    """The policy servers (and the reference and teacher servers, if any) of one run. `use(trainer)` attaches the learner
-    whose checkpoints they serve; `start` starts them (those given by URL are reset to their own model)."""
+    """The policy servers (and the reference and teacher servers, if any) of one run. `use(trainer)` attaches the
+    learner whose checkpoints they serve; `start` starts them (those given by URL are reset to their own model)."""
 
     def __init__(self, config: RLConfig, run: RunDir, tokenizer, policy: list, reference=None, progress=True,
                  teacher=None):  # fmt: skip
