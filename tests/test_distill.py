@@ -300,3 +300,18 @@ def test_the_serve_command_serves_a_teacher(tmp_path, tiny_model_dir):
     command = build_server(config, "teacher", "0.0.0.0", 8123, tmp_path).command()
     assert command[command.index("--served-model-name") + 1] == "teacher"
     assert str(tiny_model_dir) in command
+
+
+def test_a_colocated_teacher_counts_in_the_memory_plan_as_one_more_sleeping_server():
+    """On one GPU the teacher's server sleeps through generation and training and is awake for its pass alone,
+    as the reference server: each phase needs one SLEEPING_GIB more than without it."""
+    from orchestrate.loop.memory_plan import SLEEPING_GIB, Shape, phases
+    from tests.test_colocation import LLAMA_1B, gsm8k
+
+    plain = gsm8k()  # a KL term: a reference server
+    taught = plain.model_copy(update={"teacher": plain.teacher.model_copy(update={"model": "smollm2"})})
+    before = phases(plain, Shape(**LLAMA_1B), 79.1, compiled=True, colocated=True)
+    after = phases(taught, Shape(**LLAMA_1B), 79.1, compiled=True, colocated=True)
+    assert {p: round(after[p] - before[p], 6) for p in before} == {p: SLEEPING_GIB for p in before}
+    by_url = plain.model_copy(update={"teacher": plain.teacher.model_copy(update={"model": "http://node7:8000"})})
+    assert phases(by_url, Shape(**LLAMA_1B), 79.1, compiled=True, colocated=True) == before
