@@ -112,6 +112,14 @@ def gpu_slices(text: str | None, servers: int, per_server: int) -> list[list[str
     return [names[i * per_server : (i + 1) * per_server] for i in range(servers)]
 
 
+def servers_here(config) -> bool:
+    """Whether a vLLM server starts on this machine: the policy servers unless given by URL, the reference server
+    (when a KL term needs one) unless given by URL, the teacher's unless given by URL."""
+    s = config.server
+    by_url = s.policy_urls and (s.reference_url or not config.train.needs_reference)
+    return not by_url or bool(config.teacher.model and not config.teacher.url)
+
+
 def check_gpus(config, count: int | None = None) -> None:
     """--server.gpus, --server.reference_gpus and --trainer.gpus name visible GPUs, enough of them, and
     the trainer's are not the servers'; tensor/data parallelism needs GPUs. `count`: the visible GPUs (for
@@ -123,7 +131,7 @@ def check_gpus(config, count: int | None = None) -> None:
                                ("trainer.gpus", t.gpus)) if v is not None}  # fmt: skip
     parallel = {d: v for d, v in (("server.tensor_parallel_size", s.tensor_parallel_size),
                                   ("server.data_parallel_size", s.data_parallel_size)) if v > 1}  # fmt: skip
-    if s.policy_urls and (s.reference_url or not config.train.needs_reference):
+    if not servers_here(config):
         parallel = {}  # no server runs here: parallelism is for `orchestrate.serve` on their machines
     one_rank_per_gpu = select(s.weight_transfer).one_rank_per_gpu  # our servers and trainer meet on GPUs
     if one_rank_per_gpu and not s.policy_urls:

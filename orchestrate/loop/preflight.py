@@ -186,15 +186,14 @@ def preflight(config) -> None:
         check_search_corpus(config.env.search)
     check_capabilities(config)
     check_environment(config)
-    s = config.server
-    teacher_here = config.teacher.model and not config.teacher.url
-    by_url = s.policy_urls and (s.reference_url or not config.train.needs_reference)
-    if teacher_here or not by_url:  # a server starts here
+    from orchestrate.loop.config_checks import servers_here
+
+    if servers_here(config):
         check_vllm()
     policy = check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
-    if teacher_here:
+    if config.teacher.model and not config.teacher.url:
         check_teacher(config.teacher.model, policy, config.model.policy)
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
