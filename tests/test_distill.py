@@ -315,3 +315,17 @@ def test_a_colocated_teacher_counts_in_the_memory_plan_as_one_more_sleeping_serv
     assert {p: round(after[p] - before[p], 6) for p in before} == {p: SLEEPING_GIB for p in before}
     by_url = plain.model_copy(update={"teacher": plain.teacher.model_copy(update={"model": "http://node7:8000"})})
     assert phases(by_url, Shape(**LLAMA_1B), 79.1, compiled=True, colocated=True) == before
+
+
+def test_the_browser_shows_each_tokens_teacher_log_prob(tmp_path, tokenizer):
+    from orchestrate.after.browse import RunIndex
+    from orchestrate.loop.samples import save_tapes
+
+    tape, _, _ = play(tokenizer, [("too low", 0.0, False), ("yes", 1.0, True)], ["\\boxed{5}", "\\boxed{7}"])
+    first, second = tape.llm_calls
+    first.teacher_logprobs = [-0.5] * len(first.output_token_ids)
+    save_tapes(tmp_path / "run" / "tapes" / "iter_000001.jsonl", [tape])
+    body = RunIndex(tmp_path / "run").tape("iter_000001.jsonl", 0)
+    shown, unscored = body["calls"]
+    assert [t["teacher_logprob"] for t in shown["tokens"]] == first.teacher_logprobs
+    assert all("teacher_logprob" not in t for t in unscored["tokens"]) and "teacher_logprobs" not in shown
