@@ -329,3 +329,15 @@ def test_the_browser_shows_each_tokens_teacher_log_prob(tmp_path, tokenizer):
     shown, unscored = body["calls"]
     assert [t["teacher_logprob"] for t in shown["tokens"]] == first.teacher_logprobs
     assert all("teacher_logprob" not in t for t in unscored["tokens"]) and "teacher_logprobs" not in shown
+
+
+def test_offline_distillation_needs_the_teachers_log_probs_on_every_call(tokenizer):
+    from orchestrate.after.offline import check_teacher_logprobs
+
+    tape, _, _ = play(tokenizer, [("too low", 0.0, False), ("yes", 1.0, True)], ["\\boxed{5}", "\\boxed{7}"])
+    check_teacher_logprobs([tape], TrainConfig())  # no teacher term: nothing needed
+    tape.llm_calls[0].teacher_logprobs = [-0.5] * len(tape.llm_calls[0].output_token_ids)
+    with pytest.raises(ConfigError, match=r"^--train.teacher_coef: 1 LLM calls have no teacher log-probs"):
+        check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0))
+    tape.llm_calls[1].teacher_logprobs = [-0.5] * len(tape.llm_calls[1].output_token_ids)
+    check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0))

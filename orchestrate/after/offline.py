@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         tapes = score_and_filter(tapes, given.reward_fn, given.keep, args.filter, given.train,
                                  progress=not args.no_progress)  # fmt: skip
         require_ref = check_reference(tapes, given.train, given.reference)
+        check_teacher_logprobs(tapes, given.train)
         run = open_out(given.out)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
@@ -465,6 +466,15 @@ def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | N
                            f"(or --server.reference_url URL), or "
                            f"{what} 0")  # fmt: skip
     return train.needs_reference
+
+
+def check_teacher_logprobs(tapes: list[Tape], train) -> None:
+    """With --train.teacher_coef (distillation from the tapes), every sampled call has the teacher's log-probs
+    (recorded by a run with --teacher.model); ConfigError otherwise."""
+    missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.teacher_logprobs is None)
+    if train.teacher_coef and missing:
+        raise ConfigError(f"--train.teacher_coef: {missing} LLM calls have no teacher log-probs (a run with "
+                          "--teacher.model records them); train on such tapes, or set it to 0")  # fmt: skip
 
 
 def open_out(out: Path):
