@@ -341,3 +341,12 @@ def test_offline_distillation_needs_the_teachers_log_probs_on_every_call(tokeniz
         check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0))
     tape.llm_calls[1].teacher_logprobs = [-0.5] * len(tape.llm_calls[1].output_token_ids)
     check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0))
+
+
+def test_offline_equal_rewards_are_kept_when_the_teacher_gives_the_signal():
+    from orchestrate.after.offline import score_and_filter
+    from tests.test_tapes import make_tape
+
+    tapes = [make_tape(i) for i in range(4)]  # one group, every reward 1.0: the group baseline gives 0
+    kept = score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(teacher_coef=1.0), progress=False)
+    assert kept == tapes

@@ -449,7 +449,8 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     kept = [t for t in tapes if keep(t)]
     if not kept:
         raise ConfigError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
-    if "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not groups_with_signal(kept):
+    group_only = "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not train.teacher_coef
+    if group_only and not groups_with_signal(kept):  # the reward's advantage is all there is, and it is 0
         raise ConfigError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
