@@ -162,6 +162,13 @@ def test_bad_distillation_options_are_refused_in_one_line(overrides, words):
     assert "\n" not in line and all(w in line for w in words), line
 
 
+def test_one_attempt_per_task_is_allowed_with_a_teacher():
+    """Groups of one give the group baseline nothing, but the teacher's term still trains every token."""
+    assert resolve("embedded", {"rollouts.attempts": "1", "teacher.model": "smollm2"}).rollouts.attempts == 1
+    with pytest.raises(ConfigError, match="^--rollouts.attempts: 1 attempt per task"):
+        resolve("embedded", {"rollouts.attempts": "1"})
+
+
 def test_the_learner_gets_the_teacher_coef_and_a_url_is_a_served_teacher():
     c = resolve("embedded", {"teacher.model": "smollm2", "teacher.coef": "0.25", "train.estimator": "zero"})
     assert c.teacher_coef == 0.25 and c.train.teacher_coef == 0.0 and c.teacher.url is None  # set at the start

@@ -367,7 +367,9 @@ def check_config(config) -> None:
         raise ConfigError(f"--server.kv_cache_gib: {s.kv_cache_gib} GiB is more than this machine's memory "
                           f"({memory_gib:.0f} GiB)")  # fmt: skip
     estimator = config.train.estimator
-    if "group" in ESTIMATORS[estimator].needs and not config.train.loss_spec.critic and r.attempts < 2:
+    taught = bool(config.teacher.model)  # the teacher's term gives every token a signal of its own
+    group_only = "group" in ESTIMATORS[estimator].needs and not config.train.loss_spec.critic and not taught
+    if group_only and r.attempts < 2:  # the reward's group advantage is all there is, and it is 0
         raise ConfigError(f"--rollouts.attempts: {r.attempts} attempt per task leaves every group of one, so every "
                           f"group-baseline advantage ({config.train.algorithm}, train.estimator {estimator}) is 0 and nothing "
                           "is learned; use 2 or more (or --train.algorithm reinforce: no baseline)")  # fmt: skip
