@@ -329,7 +329,7 @@ def check_program(config) -> None:
                           f"({', '.join(names)})")  # fmt: skip
 
 
-def check_teacher(config) -> None:
+def check_distillation(config) -> None:
     """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; the
     learner's teacher_coef given here (the loop sets it from --teacher.coef)."""
     t = config.train
@@ -379,7 +379,7 @@ def check_config(config) -> None:
                      "importance ratios and KL; leave it at 1")  # fmt: skip
     check_placement(config)
     check_lora(config)
-    check_teacher(config)
+    check_distillation(config)
     if config.train.overlong_buffer > r.max_tokens:
         raise ConfigError(f"--train.overlong_buffer: {config.train.overlong_buffer} tokens is more than --rollouts.max_tokens "
                           f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip
