@@ -113,6 +113,11 @@ class Sample(BaseModel):
         description="Log-prob of each completion token under the reference model at temperature 1; "
         "null when no KL penalty is used.",
     )
+    teacher_logprobs: list[Finite] | None = Field(
+        default=None,
+        description="Log-prob of each completion token under the teacher at temperature 1 (on-policy "
+        "distillation, teacher_coef); null without a teacher.",
+    )
     reward: Finite = Field(
         description="Reward of the whole completion (of a multi-turn sample: the sum of its turns')."
     )
@@ -171,6 +176,8 @@ class Sample(BaseModel):
             raise ValueError(f"behaviour_logprobs has {len(self.behaviour_logprobs)} values for {n} sampled tokens")
         if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
             raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} sampled tokens")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} values for {n} sampled tokens")
         return self
 
     @property

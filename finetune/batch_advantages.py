@@ -1,7 +1,8 @@
 """What a batch trains with before its first step: the samples fresh enough to train (max_lag) and the lag
 figures, then per-turn returns (discount gamma) and advantages (the chosen estimator, see
 `estimators.turn_advantages`; with a loss's critic, token-level GAE on the critic's values instead, see
-finetune.critic), one advantage per trained token, and the record of each turn the trainer writes beside the
+finetune.critic), one advantage per trained token (plus, with a teacher, teacher_coef x its log-prob minus the
+behaviour log-prob of each token: `teacher_advantages`), and the record of each turn the trainer writes beside the
 checkpoint (RUN/advantages/)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from finetune.estimators import turn_advantages
 class BatchAdvantages:
     per_token: list[torch.Tensor]  # per sample: one advantage per trained token
     turn_records: list[dict]  # per sample, per turn: reward, return, advantage (and value, overlong penalty)
-    stats: dict  # the critic's figures of the batch (none without one)
+    stats: dict  # the critic's and the teacher's figures of the batch (none without either)
     critic: CriticBatch | None  # the critic's advantages, old values and returns (with one)
 
 
@@ -77,6 +78,10 @@ def batch_advantages(
             for sample, sample_adv in zip(samples, turn_adv)
         ]  # one per trained token
         turn_values = None
+    if cfg.teacher_coef:
+        distill, distill_stats = teacher_advantages(samples, cfg.teacher_coef, advantages)
+        advantages = [a + d for a, d in zip(advantages, distill)]
+        stats = {**stats, **distill_stats}
     # what the step trains with, per sample and turn: the trainer writes it beside the checkpoint
     records = [
         {"sample_id": sample.sample_id, "turns": [
@@ -87,3 +92,30 @@ def batch_advantages(
         for i, (sample, sample_returns, sample_adv) in enumerate(zip(samples, returns, turn_adv))
     ]  # fmt: skip
     return BatchAdvantages(advantages, records, stats, critic_batch)
+
+
+def teacher_advantages(
+    samples: list[Sample], coef: float, reward_advantages: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """On-policy distillation's per-token advantages: coef x (teacher log-prob - behaviour log-prob) of each
+    sampled token, the negative of that token's reverse KL from the student that sampled it to the teacher (the
+    loss's ratio then corrects for the sampler like any advantage). Only the model's own tokens (each turn's
+    output) have one. Figures over the batch's trained tokens: teacher_kl (the mean of behaviour - teacher
+    log-prob, the reverse KL's estimate) and teacher_adv_share (sum |teacher advantage| over sum |teacher
+    advantage| + sum |reward advantage|)."""
+    if any(s.teacher_logprobs is None for s in samples):
+        raise ValueError("teacher_coef > 0 but some samples have no teacher_logprobs: score them with the teacher "
+                         "(--teacher.model), or set it to 0")  # fmt: skip
+    kl = [
+        torch.tensor(s.behaviour_logprobs, dtype=torch.float64) - torch.tensor(s.teacher_logprobs, dtype=torch.float64)
+        for s in samples
+    ]
+    distill = [(-coef * k).float() for k in kl]
+    tokens = sum(len(k) for k in kl)
+    teacher = sum(float(d.abs().sum()) for d in distill)
+    reward = sum(float(a.abs().sum()) for a in reward_advantages)
+    stats = {
+        "teacher_kl": sum(float(k.sum()) for k in kl) / tokens if tokens else 0.0,
+        "teacher_adv_share": teacher / (teacher + reward) if teacher + reward else 0.0,
+    }
+    return distill, stats

@@ -111,6 +111,14 @@ class _TrainOptions(BaseModel):
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of the k3 KL penalty to the reference log-probs; 0 needs no ref_logprobs."
     )
+    teacher_coef: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="On-policy distillation: each trained token's advantage gets teacher_coef x (teacher log-prob "
+        "- behaviour log-prob), the negative of the reverse KL to the teacher on that token (needs "
+        "teacher_logprobs in the batch); 0: none. The RL loop sets it from --teacher.coef.",
+    )
     aggregation: Literal["token", "sequence"] = Field(
         "token",
         description="token: mean over all completion tokens of a step; sequence: mean over "

@@ -177,6 +177,12 @@ def no_baseline(x: Episodes) -> dict[str, dict[int, float]]:
     return {e: dict(r) for e, r in x.returns.items()}
 
 
+@register_estimator("zero", paper="arXiv:2306.13649 (GKD); on-policy distillation")
+def zero(x: Episodes) -> dict[str, dict[int, float]]:
+    """No reward advantage (0 on every turn): pure on-policy distillation, the teacher's term (teacher_coef) alone."""
+    return {e: {t: 0.0 for t in r} for e, r in x.returns.items()}
+
+
 @register_estimator("rloo", needs=("group",), paper="arXiv:2402.14740 (RLOO)", group_relative=True)
 def leave_one_out(x: Episodes) -> dict[str, dict[int, float]]:
     """RLOO: an episode's G_0 minus the mean of the other episodes of its group (no std; a lone episode: 0)."""

@@ -1,11 +1,13 @@
 """A vLLM server for a run, on this machine, for an orchestrator elsewhere to use by URL.
 
     export VLLM_API_KEY=...        # or: --key-file FILE (never the key itself on a command line)
-    uv run -m orchestrate.serve --run-dir DIR [--role policy|reference] [--port 8000] [--print]
+    uv run -m orchestrate.serve --run-dir DIR [--role policy|reference|teacher] [--port 8000] [--print]
 
 then, on the orchestrator's machine:
 
     uv run -m orchestrate.rl --run-dir DIR --server.policy_urls http://THIS-HOST:8000 [...]
+
+(a reference server: --server.reference_url; a teacher's, started with --teacher.model MODEL: --teacher.model URL)
 
 The command line is the one orchestrate/serving/vllm_server.py builds for the servers
 the orchestrator starts itself (same model folder, dtype, context length,
@@ -43,6 +45,10 @@ def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Pat
     policy = resolve_model(config.model.policy)
     if role == "policy":
         model = untied_copy(policy)  # as the orchestrator's own policy servers: reloads swap the head too
+    elif role == "teacher":
+        from orchestrate.loop.setup import teacher_folder
+
+        model = teacher_folder(config.teacher.model)
     else:
         model = resolve_model(config.model.reference) if config.model.reference else policy
     s = config.server
@@ -56,7 +62,7 @@ def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Pat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--role", choices=("policy", "reference"), default="policy")
+    parser.add_argument("--role", choices=("policy", "reference", "teacher"), default="policy")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--key-file", default=None)
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.help:
         print(__doc__.strip())
-        print("\nOptions: --role policy|reference, --host H (default 0.0.0.0), --port P (default 8000), "
+        print("\nOptions: --role policy|reference|teacher, --host H (default 0.0.0.0), --port P (default 8000), "
               "--key-file FILE (default: $VLLM_API_KEY), --print; and those of `uv run -m orchestrate.rl --help`.")  # fmt: skip
         return 0
     if not 0 < ours.port < 65536:
@@ -80,13 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
         config = RLConfig.model_validate(json.loads(saved.read_text()))
         config.server = config.server.model_copy(update=placement)
-    from orchestrate.loop.preflight import PreflightError, check_model, check_vllm
+    from orchestrate.loop.preflight import PreflightError, check_model, check_teacher, check_vllm
+    from orchestrate.serving.models import resolve_model
 
     try:  # the model folder and vLLM, as the run checks them
         check_vllm()
         check_model(config.model.policy, "--model.policy")
         if ours.role == "reference" and config.model.reference:
             check_model(config.model.reference, "--model.reference")
+        if ours.role == "teacher":
+            if not config.teacher.model or config.teacher.url:
+                raise PreflightError("--role teacher: give the teacher's model (--teacher.model MODEL)")
+            check_teacher(config.teacher.model, resolve_model(config.model.policy), config.model.policy)
     except PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

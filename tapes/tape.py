@@ -100,6 +100,9 @@ class LLMCall(OpenTapeModel):
     ref_logprobs: list[float] | None = Field(
         None, description="log-prob of each output token under the reference model, once annotated"
     )
+    teacher_logprobs: list[float] | None = Field(
+        None, description="log-prob of each output token under the teacher (--teacher.model), once annotated"
+    )
     finish_reason: str | None = Field(None, description="'stop', 'length' (cut by max_tokens), ...")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     created: float = Field(default_factory=time.time)

@@ -332,6 +332,9 @@ class RunIndex:
                 if call.ref_logprobs and len(call.ref_logprobs) == len(call.output_token_ids)
                 else None
             )
+            teacher = call.teacher_logprobs
+            if teacher is not None and len(teacher) != len(call.output_token_ids):
+                teacher = None
             tokens = []
             for i, (tid, text) in enumerate(zip(call.output_token_ids, texts)):
                 lp = call.logprobs[i] if i < len(call.logprobs) else None
@@ -339,10 +342,12 @@ class RunIndex:
                 if ref is not None and lp is not None:
                     entry["ref_logprob"] = ref[i]
                     entry["kl"] = k3(lp, ref[i])
+                if teacher is not None:
+                    entry["teacher_logprob"] = teacher[i]
                 tokens.append(entry)
             calls.append(
                 {
-                    **call.model_dump(exclude={"output_token_ids", "logprobs", "ref_logprobs"}),
+                    **call.model_dump(exclude={"output_token_ids", "logprobs", "ref_logprobs", "teacher_logprobs"}),
                     "tokens": tokens,
                     "has_ref": ref is not None,
                     "n_prompt_tokens": len(call.prompt_token_ids),

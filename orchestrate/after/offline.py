@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         tapes = score_and_filter(tapes, given.reward_fn, given.keep, args.filter, given.train,
                                  progress=not args.no_progress)  # fmt: skip
         require_ref = check_reference(tapes, given.train, given.reference)
+        check_teacher_logprobs(tapes, given.train)
         run = open_out(given.out)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
@@ -448,7 +449,8 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     kept = [t for t in tapes if keep(t)]
     if not kept:
         raise ConfigError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
-    if "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not groups_with_signal(kept):
+    group_only = "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not train.teacher_coef
+    if group_only and not groups_with_signal(kept):  # the reward's advantage is all there is, and it is 0
         raise ConfigError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
@@ -465,6 +467,15 @@ def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | N
                            f"(or --server.reference_url URL), or "
                            f"{what} 0")  # fmt: skip
     return train.needs_reference
+
+
+def check_teacher_logprobs(tapes: list[Tape], train) -> None:
+    """With --train.teacher_coef (distillation from the tapes), every sampled call has the teacher's log-probs
+    (recorded by a run with --teacher.model); ConfigError otherwise."""
+    missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.teacher_logprobs is None)
+    if train.teacher_coef and missing:
+        raise ConfigError(f"--train.teacher_coef: {missing} LLM calls have no teacher log-probs (a run with "
+                          "--teacher.model records them); train on such tapes, or set it to 0")  # fmt: skip
 
 
 def open_out(out: Path):

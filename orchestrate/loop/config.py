@@ -259,7 +259,9 @@ class ServerSection(ServerConfig):
         "in order); apart from --trainer.gpus, or the same ones to colocate; default: one per server",
     )
     reference_gpus: DeviceList = Field(
-        None, description="GPUs of the reference server, e.g. '4'; default: the policy's (it sleeps meanwhile)"
+        None,
+        description="GPUs of the reference server (and of the teacher's, --teacher.model), e.g. '4'; default: the "
+        "policy's (it sleeps meanwhile)",
     )
     policy_urls: URLList = Field(
         default_factory=list,
@@ -324,6 +326,37 @@ class TrainerSection(BaseModel):
     )
 
 
+class TeacherSection(BaseModel):
+    """On-policy distillation: a teacher scores every sampled token where the reference does, and its
+    per-token reverse KL to the student becomes part of each token's advantage (docs/training.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        None,
+        description="the teacher: a model folder, a model name ('smollm2'), a run directory (its newest checkpoint "
+        "with weights on disk) or a server URL (started with `orchestrate.serve --role teacher`); its tokenizer "
+        "must be the student's; none: no distillation",
+    )
+    coef: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="weight of the teacher's term: each sampled token's advantage gets coef x (teacher log-prob - "
+        "behaviour log-prob), added to the reward's advantage (--train.estimator zero: pure distillation)",
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _url_checked(cls, value: str | None) -> str | None:
+        return _check_url(value) if value and value.startswith(("http://", "https://")) else value
+
+    @property
+    def url(self) -> str | None:
+        """The teacher's server URL when it is given by one, else None (a model to serve)."""
+        return self.model if self.model and self.model.startswith(("http://", "https://")) else None
+
+
 class RunSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -368,6 +401,7 @@ class RLConfig(BaseModel):
     server: ServerSection = Field(default_factory=ServerSection)
     train: TrainConfig = Field(default_factory=TrainConfig)  # the learner's own config, written for it whole
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    teacher: TeacherSection = Field(default_factory=TeacherSection)
     run: RunSection = Field(default_factory=RunSection)
 
     @model_validator(mode="before")
@@ -380,6 +414,11 @@ class RLConfig(BaseModel):
         """A LoRA run whose reference is the initial policy: reference log-probs are the base model's, which
         the policy servers serve under their plain name (no adapter); no reference server is started."""
         return self.train.lora.rank > 0 and self.model.reference in (None, self.model.policy)
+
+    @property
+    def teacher_coef(self) -> float:
+        """The learner's train.teacher_coef: --teacher.coef with a teacher, else 0."""
+        return self.teacher.coef if self.teacher.model else 0.0
 
 
 # -- command line ---------------------------------------------------------------

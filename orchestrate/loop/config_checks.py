@@ -115,6 +115,14 @@ def gpu_slices(text: str | None, servers: int, per_server: int) -> list[list[str
     return [names[i * per_server : (i + 1) * per_server] for i in range(servers)]
 
 
+def servers_here(config) -> bool:
+    """Whether a vLLM server starts on this machine: the policy servers unless given by URL, the reference server
+    (when a KL term needs one) unless given by URL, the teacher's unless given by URL."""
+    s = config.server
+    by_url = s.policy_urls and (s.reference_url or not config.train.needs_reference)
+    return not by_url or bool(config.teacher.model and not config.teacher.url)
+
+
 def check_gpus(config, count: int | None = None) -> None:
     """--server.gpus, --server.reference_gpus and --trainer.gpus name visible GPUs, enough of them, and
     the trainer's are not the servers'; tensor/data parallelism needs GPUs. `count`: the visible GPUs (for
@@ -126,7 +134,7 @@ def check_gpus(config, count: int | None = None) -> None:
                                ("trainer.gpus", t.gpus)) if v is not None}  # fmt: skip
     parallel = {d: v for d, v in (("server.tensor_parallel_size", s.tensor_parallel_size),
                                   ("server.data_parallel_size", s.data_parallel_size)) if v > 1}  # fmt: skip
-    if s.policy_urls and (s.reference_url or not config.train.needs_reference):
+    if not servers_here(config):
         parallel = {}  # no server runs here: parallelism is for `orchestrate.serve` on their machines
     one_rank_per_gpu = select(s.weight_transfer).one_rank_per_gpu  # our servers and trainer meet on GPUs
     if one_rank_per_gpu and not s.policy_urls:
@@ -366,6 +374,18 @@ def check_program(config) -> None:
                           f"({', '.join(names)})")  # fmt: skip
 
 
+def check_distillation(config) -> None:
+    """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; the
+    learner's teacher_coef given here (the loop sets it from --teacher.coef)."""
+    t = config.train
+    if t.estimator == "zero" and not config.teacher.model:
+        raise ConfigError("--train.estimator zero: pure distillation (no reward advantage) needs a teacher; give "
+                          "--teacher.model, or choose another estimator")  # fmt: skip
+    if t.teacher_coef:
+        raise ConfigError("--train.teacher_coef: the loop sets it from --teacher.coef when --teacher.model is "
+                          "given; give those instead")  # fmt: skip
+
+
 def check_config(config) -> None:
     """Cross-field checks and limits of a validated RLConfig."""
     check_finite(config.model_dump(mode="python"))
@@ -393,7 +413,9 @@ def check_config(config) -> None:
         raise ConfigError(f"--server.kv_cache_gib: {s.kv_cache_gib} GiB is more than this machine's memory "
                           f"({memory_gib:.0f} GiB)")  # fmt: skip
     estimator = config.train.estimator
-    if "group" in ESTIMATORS[estimator].needs and not config.train.loss_spec.critic and r.attempts < 2:
+    taught = bool(config.teacher.model)  # the teacher's term gives every token a signal of its own
+    group_only = "group" in ESTIMATORS[estimator].needs and not config.train.loss_spec.critic and not taught
+    if group_only and r.attempts < 2:  # the reward's group advantage is all there is, and it is 0
         raise ConfigError(f"--rollouts.attempts: {r.attempts} attempt per task leaves every group of one, so every "
                           f"group-baseline advantage ({config.train.algorithm}, train.estimator {estimator}) is 0 and nothing "
                           "is learned; use 2 or more (or --train.algorithm reinforce: no baseline)")  # fmt: skip
@@ -403,6 +425,7 @@ def check_config(config) -> None:
                      "importance ratios and KL; leave it at 1")  # fmt: skip
     check_placement(config)
     check_lora(config)
+    check_distillation(config)
     if config.train.overlong_buffer > r.max_tokens:
         raise ConfigError(f"--train.overlong_buffer: {config.train.overlong_buffer} tokens is more than --rollouts.max_tokens "
                           f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip

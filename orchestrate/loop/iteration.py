@@ -6,7 +6,8 @@ Each iteration i, the README's six steps (`generate`, then `catch_up` and `compl
      rollouts.dynamic_sampling, groups without signal are dropped and extra seeds played in rounds
      (orchestrate.loop.dynamic_sampling)
   2. reference pass (orchestrate.loop.servers; skipped when no KL term needs it: kl_coef 0, ppo.kl_in_reward 0)
-     over the tapes of the batch; a LoRA run scores it on the policy servers' base model (no adapter)
+     over the tapes of the batch; a LoRA run scores it on the policy servers' base model (no adapter); with
+     --teacher.model the teacher scores the same tapes in this pass
   3. the tapes are saved, then the training samples (batches/i, orchestrate.loop.samples)
   4. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
   5. the policy servers get the new weights, no restart (orchestrate.loop.servers, orchestrate.serving.weights)
@@ -161,7 +162,7 @@ class Loop:
                 tapes = sample_dynamically(rollout, seeds, extra, c.train).tapes
             else:
                 tapes = rollout(seeds)
-            if self.use_reference:  # the tapes trained on (dynamic sampling: not those of dropped groups)
+            if self.use_reference or c.teacher.model:  # the tapes trained on (not those of dropped groups)
                 self._enter(i, "reference")
                 start = time.perf_counter()
                 self.servers.score_reference([t for t in tapes if not dropped(t)])

@@ -2,9 +2,11 @@
 
 Colocated (--server.colocate), one GPU holds in turn:
   generate   the policy server awake (vLLM takes --server.gpu_memory_utilization of the GPU: weights, KV cache,
-             graphs), the reference server asleep, the learner between batches (its weights and optimizer);
-  reference  the policy server asleep, the reference server awake, the learner between batches;
-  train      both servers asleep, the learner at its peak (gradients and the activations of a micro-batch of
+             graphs), the reference and teacher servers asleep, the learner between batches (its weights and
+             optimizer);
+  reference  the policy server asleep, the reference (then the teacher's) server awake, the other asleep, the
+             learner between batches;
+  train      every server asleep, the learner at its peak (gradients and the activations of a micro-batch of
              --train.token_budget tokens on top);
 (the servers start one after the other, each asleep before the next starts, so each finds its share free, and
 the learner after them). A learner on GPUs of its own is checked against its peak alone.
@@ -76,11 +78,11 @@ def phases(config, shape: Shape, total_gib: float, compiled: bool, colocated: bo
         return {"train": peak}
     awake = config.server.gpu_memory_utilization * total_gib
     reference = config.train.needs_reference and not config.reference_on_policy
-    asleep = SLEEPING_GIB * (2 if reference else 1)
-    plan = {"generate": awake + resident + (SLEEPING_GIB if reference else 0)}
-    if reference:
-        plan["reference"] = awake + SLEEPING_GIB + resident
-    plan["train"] = asleep + peak
+    scorers = int(reference) + int(bool(config.teacher.model and not config.teacher.url))  # servers of their own
+    plan = {"generate": awake + resident + SLEEPING_GIB * scorers}
+    if scorers:  # one scorer awake, the policy server and the other scorer asleep
+        plan["reference"] = awake + SLEEPING_GIB * scorers + resident
+    plan["train"] = SLEEPING_GIB * (1 + scorers) + peak
     return plan
 
 

@@ -6,7 +6,8 @@ cannot be had or a folder that holds no model; task data that is missing, of
 an unknown kind, unreadable or without the fields it needs (GSM8K files, the
 qa environment's questions, the search tool's corpus); options that need
 what the environment does not offer (more evaluated tasks than its held-out
-episodes, tools with one turn). Only then does
+episodes, tools with one turn); a teacher that cannot be had, has no tokenizer, or
+tokenizes otherwise than the student. Only then does
 it create the run directory, take its lock and save config.json: a refused
 run leaves nothing behind that would make the corrected command look like a
 changed resume.
@@ -81,6 +82,40 @@ def check_model(name: str, option: str) -> Path:
     return folder
 
 
+def check_teacher(teacher: str, student: Path, student_name: str, option: str = "--teacher.model") -> Path:
+    """The teacher's model folder (orchestrate.loop.setup.teacher_folder), checked as a model, with a tokenizer
+    that is the student's: the same vocabulary (token -> id) and chat template, since the teacher scores the
+    student's token ids as they are."""
+    from orchestrate.loop.setup import SetupError, teacher_folder
+
+    try:
+        folder = teacher_folder(teacher, option)
+    except SetupError as exc:
+        raise PreflightError(str(exc)) from None
+    check_model(str(folder), option)
+    teacher_tok = _tokenizer(folder, f"{option} {teacher}")
+    student_tok = _tokenizer(student, f"--model.policy {student_name}")
+    if teacher_tok.get_vocab() != student_tok.get_vocab():
+        raise PreflightError(f"{option}: the teacher {teacher} ({folder}) has another vocabulary than the student "
+                             f"{student_name} ({student}); the teacher scores the student's token ids, so give a "
+                             "teacher with the student's tokenizer")  # fmt: skip
+    if getattr(teacher_tok, "chat_template", None) != getattr(student_tok, "chat_template", None):
+        raise PreflightError(f"{option}: the teacher {teacher} ({folder}) has another chat template than the "
+                             f"student {student_name} ({student}); the teacher would score prompts rendered for "
+                             "another model, so give a teacher with the student's chat template")  # fmt: skip
+    return folder
+
+
+def _tokenizer(folder: Path, what: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - missing files, a bad file: the same one line
+        raise PreflightError(f"{what}: {folder} holds no usable tokenizer ({_first_line(exc)}); give a model "
+                             "folder with its tokenizer files") from None  # fmt: skip
+
+
 # -- task data ------------------------------------------------------------------------
 
 
@@ -151,12 +186,15 @@ def preflight(config) -> None:
         check_search_corpus(config.env.search)
     check_capabilities(config)
     check_environment(config)
-    s = config.server
-    if not (s.policy_urls and (s.reference_url or not config.train.needs_reference)):  # a server starts here
+    from orchestrate.loop.config_checks import servers_here
+
+    if servers_here(config):
         check_vllm()
     policy = check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
+    if config.teacher.model and not config.teacher.url:
+        check_teacher(config.teacher.model, policy, config.model.policy)
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
     check_memory(config, policy)
@@ -297,6 +335,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     wanted = [("--server.policy_urls", url, "policy") for url in s.policy_urls]
     if s.reference_url and config.train.needs_reference and not config.reference_on_policy:
         wanted.append(("--server.reference_url", s.reference_url, "reference"))
+    if config.teacher.url:
+        wanted.append(("--teacher.model", config.teacher.url, "teacher"))
     if not wanted:
         return
     try:

@@ -1,9 +1,11 @@
-"""Reference log-probs: score each completion under the reference model.
+"""Reference (and teacher) log-probs: score each completion under a model whose weights never change.
 
 The reference server (the initial weights, never reloaded) scores the token
 ids the policy sampled, prompt included, with echo + prompt_logprobs. These
-are log-probs of the reference model at temperature 1. On GPU the policy
-server sleeps while the reference server is awake; on CPU both stay up.
+are log-probs of the reference model at temperature 1. A teacher
+(--teacher.model, on-policy distillation) scores them the same way on its own
+server, into `teacher_logprobs`. On GPU the policy server sleeps while the
+reference or teacher server is awake; on CPU both stay up.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ from orchestrate.serving.llm import VLLMClient
 from tapes.tape import Tape, call_chains
 
 
-async def annotate_reference(tapes: list[Tape], reference: VLLMClient, progress: bool = True) -> int:
-    """Fill `ref_logprobs` on every LLM call of every tape; returns the number of calls scored.
+async def annotate_reference(
+    tapes: list[Tape], reference: VLLMClient, progress: bool = True, field: str = "ref_logprobs"
+) -> int:
+    """Fill `field` (`ref_logprobs`, or a teacher's `teacher_logprobs`) on every LLM call of every tape with
+    the log-probs `reference` gives the sampled tokens; returns the number of calls scored.
 
     The turns of an episode are scored in one request: the last call's prompt + output holds every
     earlier turn, so the reference model reads each token once instead of once per later turn.
     """
     chains = [chain for tape in tapes for chain in call_chains([c for c in tape.llm_calls if c.output_token_ids])]
-    bar = progress_bar(total=sum(map(len, chains)), desc="reference", unit="call", disable=not progress, leave=False)
+    desc = "teacher" if field == "teacher_logprobs" else "reference"
+    bar = progress_bar(total=sum(map(len, chains)), desc=desc, unit="call", disable=not progress, leave=False)
 
     async def one(chain) -> None:
         last, first = chain[-1], chain[0]
@@ -34,9 +40,9 @@ async def annotate_reference(tapes: list[Tape], reference: VLLMClient, progress:
             part = scores[start : start + len(call.output_token_ids)]
             if len(part) != len(call.output_token_ids):  # score() checks too; this is the contract
                 raise RuntimeError(
-                    f"call {call.id}: {len(part)} reference log-probs for {len(call.output_token_ids)} tokens"
+                    f"call {call.id}: {len(part)} {desc} log-probs for {len(call.output_token_ids)} tokens"
                 )
-            call.ref_logprobs = part
+            setattr(call, field, part)
         bar.update(len(chain))
 
     try:

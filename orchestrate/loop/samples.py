@@ -9,7 +9,9 @@ not extend the previous prompt + output (an agent that re-rendered or cut its
 history), the episode is cut there into samples that share an `episode_id`.
 
 Each turn carries its own reward; the learner turns them into returns and
-advantages. Tapes flagged with an infrastructure error are left out.
+advantages. The teacher's log-probs (on-policy distillation) are carried when
+every call of the sample has them. Tapes flagged with an infrastructure error
+are left out.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                 f"tape {tape.metadata.id} call {call.id}: reference log-probs missing or misaligned "
                 "(run the reference pass, or set kl_coef to 0)"
             )
+        if call.teacher_logprobs is not None and len(call.teacher_logprobs) != len(call.output_token_ids):
+            raise SampleError(f"tape {tape.metadata.id} call {call.id}: teacher log-probs misaligned with its output")
         if not 1 <= call.turn <= max(1, len(rewards)):
             raise SampleError(
                 f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's {len(rewards)} turns"
@@ -62,7 +66,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             continue  # wholly replayed: the parent's sample trains it
         prompt = segment[0].prompt_token_ids
         completion: list[int] = []
-        turns, behaviour, ref = [], [], []
+        turns, behaviour, ref, teacher = [], [], [], []
         for call in segment:
             completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
             if call.id not in replayed:  # a replayed call's output is context here, as the environment's
@@ -72,6 +76,10 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                 behaviour += call.logprobs
                 if require_ref:
                     ref += call.ref_logprobs
+                if teacher is not None and call.teacher_logprobs is not None:
+                    teacher += call.teacher_logprobs
+                else:
+                    teacher = None
             completion += call.output_token_ids
         # where the version of the sampled tokens changes (a later turn's newer call, or new weights under a call)
         oldest = min(call.policy_version for call in own)
@@ -83,6 +91,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "turns": turns,
             "behaviour_logprobs": behaviour,
             "ref_logprobs": ref if require_ref else None,
+            "teacher_logprobs": teacher,
             "reward": sum(t["reward"] for t in turns),
             "group_id": tape.metadata.group_id,
             "episode_id": tape.metadata.id,

@@ -2,7 +2,8 @@
 
 The policy servers (started here, or run elsewhere and used by URL: `orchestrate.serve`), the reference
 server when a KL term needs one (a LoRA run scores the reference on the policy servers' base model instead,
-no adapter), the version the policy servers serve, and the clients that call them. New weights reach the
+no adapter), the teacher's server with --teacher.model (the reference's seat: served like it, or by URL), the
+version the policy servers serve, and the clients that call them. New weights reach the
 servers through orchestrate.serving.weights (in memory, from the checkpoint folder, or the checkpoint's adapter).
 The loop (orchestrate.loop.iteration) asks for a client, a reference pass, or the next version served; this module
 decides how.
@@ -27,19 +28,21 @@ from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServe
 from orchestrate.serving.weights import Transport, close_group, transport_for
 from tapes.tape import Tape
 
-ROLES = ("policy", "base", "reference")
+ROLES = ("policy", "base", "reference", "teacher")
 
 
 class Servers:
-    """The policy servers (and the reference server, if any) of one run. `use(trainer)` attaches the learner
-    whose checkpoints they serve; `start` starts them (those given by URL are reset to their own model)."""
+    """The policy servers (and the reference and teacher servers, if any) of one run. `use(trainer)` attaches the
+    learner whose checkpoints they serve; `start` starts them (those given by URL are reset to their own model)."""
 
-    def __init__(self, config: RLConfig, run: RunDir, tokenizer, policy: list, reference=None, progress=True):
+    def __init__(self, config: RLConfig, run: RunDir, tokenizer, policy: list, reference=None, progress=True,
+                 teacher=None):  # fmt: skip
         self.config = config
         self.run = run
         self.tokenizer = tokenizer
         self.policy = list(policy)
         self.reference = reference
+        self.teacher = teacher
         self.progress = progress
         # how new weights reach the policy servers (contract.weight_paths): a LoRA run's, each version an adapter
         self.mechanism = select(config.server.weight_transfer, config.train.lora.rank)
@@ -51,10 +54,12 @@ class Servers:
         self.asleep = False  # the policy servers sleep (colocated, between the batch and its checkpoint)
 
     @classmethod
-    def for_run(cls, config: RLConfig, run: RunDir, policy_dir, reference_dir, tokenizer, progress=True) -> Servers:
-        """The servers `config` asks for, built (not started): ours, or those given by URL."""
+    def for_run(cls, config: RLConfig, run: RunDir, policy_dir, reference_dir, tokenizer, progress=True,
+                teacher_dir=None) -> Servers:  # fmt: skip
+        """The servers `config` asks for, built (not started): ours, or those given by URL. `teacher_dir`: the
+        teacher's model folder (orchestrate.loop.setup.teacher_folder), when it is not given by URL."""
         c = config
-        remote = bool(c.server.policy_urls or c.server.reference_url)
+        remote = bool(c.server.policy_urls or c.server.reference_url or c.teacher.url)
         try:
             key = read_api_key(c.server.api_key_file) if remote else ""
         except APIKeyMissing as exc:
@@ -76,6 +81,13 @@ class Servers:
             else:
                 gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
                 reference = reference_server(reference_dir, c.server, logs / "reference.log", gpus=gpus, cpus=cpus)
+        teacher = None
+        if c.teacher.url:
+            teacher = remote_servers([c.teacher.url], role="teacher", api_key=key)[0]
+        elif c.teacher.model:  # on the reference's GPUs (each sleeps while the other scores)
+            gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
+            teacher = reference_server(teacher_dir, c.server, logs / "teacher.log", gpus=gpus, cpus=cpus,
+                                       role="teacher")  # fmt: skip
         by_path = select(c.server.weight_transfer, c.train.lora.rank).by_path  # servers reload versions by path
         for server in policy:
             # Checked before the run directory was written (preflight); now that it exists, exactly (before
@@ -85,11 +97,11 @@ class Servers:
                 raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
                                   f"so mount {run.root.resolve()} at the same path there")  # fmt: skip
         close_group(run)  # before the learner starts: no joining the group of a killed run
-        return cls(config, run, tokenizer, policy, reference, progress)
+        return cls(config, run, tokenizer, policy, reference, progress, teacher)
 
     @property
     def all(self) -> list:
-        return self.policy + ([self.reference] if self.reference is not None else [])
+        return self.policy + [s for s in (self.reference, self.teacher) if s is not None]
 
     @property
     def served(self) -> int:
@@ -124,8 +136,9 @@ class Servers:
         if self.colocated:
             for server in self.policy:
                 server.wake_up()
-        if self.reference is not None and not self.colocated:  # colocated, it is asleep already
-            self.reference.sleep()  # GPU: woken for the reference pass only
+        for scorer in (self.reference, self.teacher):
+            if scorer is not None and not self.colocated:  # colocated, it is asleep already
+                scorer.sleep()  # GPU: woken for its scoring pass only
         for server in self.policy:
             if isinstance(server, RemoteServer):
                 server.resume()  # an orchestrator killed during an in-flight swap may have left it paused
@@ -268,10 +281,11 @@ class Servers:
     def client(self, role: str, policy_version: int = 0) -> VLLMClient:
         """A client for `role`: "policy" (the policy servers; in a LoRA run each call names its version's
         adapter), "base" (the policy servers' base model, no adapter: a LoRA run's reference) or "reference"
-        (the reference server)."""
+        (the reference server) or "teacher" (the teacher's server)."""
         if role not in ROLES:
             raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
-        servers = [self.reference] if role == "reference" else self.policy
+        scorer = role in ("reference", "teacher")
+        servers = [self.reference if role == "reference" else self.teacher] if scorer else self.policy
         adapter = None
         if role == "policy" and self.mechanism.adapter:
             name = self.policy[0].served_model_name
@@ -279,7 +293,7 @@ class Servers:
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
-            on_rejoin=self.rejoin if role != "reference" else None, out=[s for s in servers if s in self.stale],
+            on_rejoin=None if scorer else self.rejoin, out=[s for s in servers if s in self.stale],
             adapter=adapter,
         )  # fmt: skip
 
@@ -299,26 +313,39 @@ class Servers:
         return record
 
     def score_reference(self, tapes: list[Tape]) -> None:
-        """Reference log-probs on every LLM call of `tapes`: from the reference server (on a GPU the policy
-        servers sleep meanwhile), or a LoRA run's from the policy servers' base model."""
-        role = "reference" if self.reference is not None else "base"
+        """Reference log-probs on every LLM call of `tapes` when a KL term needs them (from the reference server,
+        or a LoRA run's from the policy servers' base model), and the teacher's with --teacher.model (from its
+        server); on a GPU the policy servers sleep while a server of its own scores."""
+        passes = []  # (role, the LLMCall field it fills)
+        if self.reference is not None or self.config.train.needs_reference:
+            passes.append(("reference" if self.reference is not None else "base", "ref_logprobs"))
+        if self.teacher is not None:
+            passes.append(("teacher", "teacher_logprobs"))
 
-        async def score():
+        async def score(role: str, field: str):
             async with self.client(role) as client:
-                await annotate_reference(tapes, client, progress=self.progress)
+                await annotate_reference(tapes, client, progress=self.progress, field=field)
 
-        if role == "base":
-            return asyncio.run(score())
+        apart = [(role, field) for role, field in passes if role != "base"]
+        for role, field in passes:
+            if role == "base":
+                asyncio.run(score(role, field))
+        if not apart:
+            return
         if self.colocated:
             self.make_room()
         else:
             for server in self.policy:
                 server.sleep()
-        self.reference.wake_up()
         try:
-            asyncio.run(score())
+            for role, field in apart:
+                server = self.reference if role == "reference" else self.teacher
+                server.wake_up()
+                try:
+                    asyncio.run(score(role, field))
+                finally:
+                    server.sleep()
         finally:
-            self.reference.sleep()
             if not self.colocated:  # colocated, they sleep on: the learner trains next (`wake` after it)
                 for server in self.policy:
                     server.wake_up()

@@ -4,6 +4,7 @@
 - the policy to sample from (`Policy`: a run's newest servable checkpoint or version N, a checkpoint or model
   folder, a model by name, a server that runs) and its server, started and stopped here (`PolicyServer`);
 - the reference scorer for tapes (`score_reference`): a reference model served for the pass, or a server by URL;
+- the teacher's model folder (`teacher_folder`: a model, or a run's newest checkpoint with weights);
 - the loop's servers and learner, in the order they must start (`RunSetup.start`).
 
 The loop (orchestrate.loop.iteration), eval (orchestrate.eval), fork, replay and offline (orchestrate.after)
@@ -233,6 +234,33 @@ def score_reference(tapes: list[Tape], reference: Path | Any, settings, log_path
         asyncio.run(go())
 
 
+def is_run_dir(run: RunDir) -> bool:
+    """Whether the folder holds a run: a config.json that is a run's (sections such as `model`), not a model's
+    (`model_type`)."""
+    try:
+        saved = json.loads(run.config_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "model" in saved and "model_type" not in saved
+
+
+def teacher_folder(model: str, option: str = "--teacher.model") -> Path:
+    """The teacher's model folder: a run directory's newest checkpoint with its weights on disk, else a model
+    folder or name (resolve_model). SetupError in one line: a LoRA run (its versions are adapters), a run
+    with no checkpoint on disk, a model that cannot be had."""
+    run = RunDir(Path(model).expanduser())
+    if not is_run_dir(run):
+        return given_policy(model, option).model
+    config = read_run_config(run.config_path, option)
+    if config.train.lora.rank:
+        raise SetupError(f"{option}: {run.root} is a LoRA run, whose versions are adapters; fold one into a model "
+                         f"folder (uv run -m orchestrate.after.merge {run.root} --out DIR) and give that")  # fmt: skip
+    policy = run_policy(run, config, option=option)
+    if policy.version == 0:
+        raise SetupError(f"{option}: {run.root} has no checkpoint yet; give a run that has trained, or a model")
+    return policy.model
+
+
 # -- the loop's servers and learner ------------------------------------------------------------------
 
 
@@ -246,6 +274,8 @@ class RunSetup:
         self.config, self.run, self.progress = config, run, progress
         self.policy_dir = resolve_model(config.model.policy)
         self.reference_dir = resolve_model(config.model.reference) if config.model.reference else self.policy_dir
+        t = config.teacher
+        self.teacher_dir = teacher_folder(t.model) if t.model and not t.url else None  # by URL: its server's
         self._tokenizer = None
 
     @property
@@ -269,8 +299,8 @@ class RunSetup:
 
         c = self.config
         servers = Servers.for_run(c, self.run, self.policy_dir, self.reference_dir, self.tokenizer,
-                                  progress=self.progress)  # fmt: skip
-        train = c.train.model_copy(update={"colocated": servers.colocated})
+                                  progress=self.progress, teacher_dir=self.teacher_dir)  # fmt: skip
+        train = c.train.model_copy(update={"colocated": servers.colocated, "teacher_coef": c.teacher_coef})
         if c.run.async_level and c.train.max_lag is None:  # it trains nothing more than K versions old
             train = train.model_copy(update={"max_lag": c.run.async_level})
         trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)

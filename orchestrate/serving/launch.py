@@ -56,9 +56,11 @@ def reference_server(
     *,
     gpus: list[int] | None = None,
     cpus: list[int] | None = None,
+    role: str = "reference",
 ) -> VLLMServer:
-    """The reference model's server: it scores sampled tokens, its weights never change."""
-    return VLLMServer(model_dir, log_path=log_path, name="reference", config=settings, gpu_ids=gpus, cpus=cpus)
+    """The reference model's server (or, as `role` "teacher", the teacher's): it scores sampled tokens, its
+    weights never change."""
+    return VLLMServer(model_dir, log_path=log_path, name=role, config=settings, gpu_ids=gpus, cpus=cpus)
 
 
 def own_server(
