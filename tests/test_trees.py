@@ -251,3 +251,30 @@ def test_an_agent_programs_episodes_branch_after_its_tool_call(tokenizer, progra
     assert fork.llm_calls[0].id == root.llm_calls[0].id and fork.llm_calls[1].extends_previous is True
     (sample,) = tapes_to_samples([fork], require_ref=False)
     assert sample["branch"]["turn"] == 1 and [t["index"] for t in sample["turns"]] == [1]
+
+
+class SwappingLLM(ScriptedLLM):
+    """Version 1 for the first `swap_after` calls, then version 2: new weights arrived during the tree."""
+
+    def __init__(self, tokenizer, texts, swap_after):
+        super().__init__(tokenizer, texts, version=1)
+        self.swap_after = swap_after
+
+    async def complete_ids(self, prompt_ids, sampling, **kw):
+        self.version = 1 if len(self.prompts) < self.swap_after else 2
+        return await super().complete_ids(prompt_ids, sampling, **kw)
+
+
+def test_under_new_weights_a_forks_own_calls_carry_the_version_that_sampled_them(tokenizer):
+    """Generation ahead of training (run.async_level > 0): the roots were sampled by version 1, the forks' live
+    calls by version 2; their replayed calls keep version 1 and their samples are version 2's."""
+    right = answer(GAME, 0)
+    llm = SwappingLLM(tokenizer, wrong_guesses(GAME, 0, 3) + ["\\boxed{1}"] + [f"\\boxed{{{right}}}"] * 4, 4)
+    root, *forks = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, llm, TreeSection(width=3),
+                                         iteration=1, policy_version=1))  # fmt: skip
+    assert [c.policy_version for c in root.llm_calls] == [1, 1, 1, 1] and len(forks) == 2
+    for fork in forks:
+        k = fork.metadata.branch_at
+        assert [c.policy_version for c in fork.llm_calls] == [1] * k + [2]
+        (sample,) = tapes_to_samples([fork], require_ref=False)
+        assert sample["policy_version"] == 2 and sample["version_changes"] is None
