@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
+from orchestrate.loop.trees import generated_tokens  # noqa: E402
 from tapes.store import read_tapes  # noqa: E402
 from tapes.tape import EnvObservation  # noqa: E402
 
@@ -51,7 +52,7 @@ def tape_counts(run_dir: Path) -> dict[int, dict[str, int]]:
         tokens = steps = episodes = 0
         for tape in read_tapes(path):
             episodes += 1
-            tokens += sum(len(c.output_token_ids) for c in tape.llm_calls[tape.metadata.branch_at or 0 :])
+            tokens += generated_tokens(tape)
             steps += sum(isinstance(s, EnvObservation) and s.turn > 0 for s in tape.steps)
         out[int(path.stem.split("_")[1])] = {"tokens": tokens, "steps": steps, "episodes": episodes}
     return out

@@ -82,25 +82,24 @@ async def fork_once(
         context=copy.deepcopy(tape.context),
     )  # fmt: skip
     llm = ForkLLM(tape, at, live)
+    diverged: ForkDiverged | None = None
     try:
         env = spec.make(recorded=replayed_part(tape, at), live_after=True)
         await agent.run_episode(env if wrap_env is None else wrap_env(env), seed, llm, fork, sampling)
-    except ForkDiverged as exc:
-        if not keep_diverged:
-            raise
-        fork.metadata.error, fork.metadata.dropped = str(exc), DIVERGED
+    except ForkDiverged as exc:  # a replayed prompt differs
+        diverged = exc
         summarize(fork)
-        return fork
     except LLMError:
         raise
     except Exception as exc:  # the environment or agent failed: on the record, as a rollout keeps it
         fork.metadata.error = f"{type(exc).__name__}: {exc}"
         summarize(fork)
-    if llm.replayed < at:
+    if diverged is None and llm.replayed < at:
         why = fork.metadata.error or fork.metadata.reward_reason
         diverged = ForkDiverged(f"fork at call {at}: the episode ended after {llm.replayed} call"
                                 f"{'' if llm.replayed == 1 else 's'}, before the branch point"
                                 + (f" ({why})" if why else ""))  # fmt: skip
+    if diverged is not None:
         if not keep_diverged:
             raise diverged
         fork.metadata.error, fork.metadata.dropped = str(diverged), DIVERGED
