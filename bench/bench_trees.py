@@ -8,7 +8,7 @@ its shared prefixes computed once against the same batch unshared.
 
 Each run is `orchestrate.rl --preset P --run.max_minutes M` started from its untrained model (the chain run as the
 preset has it; the tree run with TREE_OPTIONS: two roots per task, each branched into three at one point, twice
-deep, within a token budget per task), one after the other, with nothing else running. Generated tokens are
+deep, within a token budget per task; TREE_OPTIONS has each preset's), one after the other, with nothing else running. Generated tokens are
 counted from the saved tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too
 (a fork's replayed turns are stepped again: they count). Prints a table, writes OUT/trees_PRESET.json and
 OUT/trees_PRESET.png.
@@ -30,8 +30,15 @@ from orchestrate.loop.trees import generated_tokens  # noqa: E402
 from tapes.store import read_tapes  # noqa: E402
 from tapes.tape import EnvObservation  # noqa: E402
 
-TREE_OPTIONS = ["--rollouts.attempts", "2", "--tree.width", "3", "--tree.depth", "2", "--tree.token_budget", "160",
-                "--train.estimator", "tree"]  # fmt: skip
+# Per preset: the tree run's options, chosen to generate about the chain run's tokens per iteration. The game
+# (5 turns): two roots per task, branched into three at one point, twice deep. Countdown (2 turns, the second a
+# retry after a wrong answer): two roots per task, each wrong first answer's retry sampled four times.
+TREE_OPTIONS = {
+    "game": ["--rollouts.attempts", "2", "--tree.width", "3", "--tree.depth", "2", "--tree.token_budget", "160",
+             "--train.estimator", "tree"],
+    "countdown": ["--rollouts.attempts", "2", "--tree.width", "4", "--tree.depth", "1", "--tree.token_budget", "200",
+                  "--train.estimator", "tree"],
+}  # fmt: skip
 
 
 def run(preset: str, run_dir: Path, minutes: float, extra: list[str]) -> float:
@@ -151,8 +158,10 @@ def main() -> int:
     args = parser.parse_args()
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    runs = {"chain": [], "tree": TREE_OPTIONS}
-    results: dict = {"preset": args.preset, "minutes": args.minutes, "tree_options": TREE_OPTIONS, "runs": {}}
+    if args.preset not in TREE_OPTIONS:
+        parser.error(f"--preset {args.preset}: no tree options for it here (have: {', '.join(TREE_OPTIONS)})")
+    runs = {"chain": [], "tree": TREE_OPTIONS[args.preset]}
+    results: dict = {"preset": args.preset, "minutes": args.minutes, "tree_options": runs["tree"], "runs": {}}
     for label, extra in runs.items():
         run_dir = root / f"{args.preset}-{label}"
         if not args.report_only:

@@ -14,6 +14,7 @@ from finetune.batch_advantages import batch_advantages
 from finetune.config import TrainConfig
 from orchestrate.loop.config import RLConfig, resolve
 from orchestrate.loop.config_checks import ConfigError
+from orchestrate.loop.preflight import PreflightError
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.loop.samples import tape_samples
 from tapes.tape import LLMCall, Tape
@@ -214,6 +215,30 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, rl_cl
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(teacher)
     refused(rl_cli, tmp_path, tiny_model_dir, teacher, ["--teacher.model", "chat template", str(tiny_model_dir)])
+
+
+def test_a_teacher_whose_template_differs_only_in_text_passes_with_a_note(tmp_path, tiny_model_dir, capsys):
+    """Llama-3.1-8B teaching Llama-3.2-1B: one vocabulary, templates that differ in the system header's text
+    only. The teacher scores the student's rendering, so the run may go; a note says so."""
+    from transformers import AutoTokenizer
+
+    from orchestrate.loop.preflight import chat_markup, check_teacher
+    from tests.conftest import TINY_CHAT_TEMPLATE
+
+    teacher = copy_model(tiny_model_dir, tmp_path / "teacher")
+    tok = AutoTokenizer.from_pretrained(teacher)
+    tok.chat_template = "Cutting Knowledge Date: December 2023\n" + TINY_CHAT_TEMPLATE
+    tok.save_pretrained(teacher)
+    student_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok.chat_template != student_tok.chat_template
+    assert chat_markup(tok, "t") == chat_markup(student_tok, "s") == ["<s>", "</s>", "<s>", "</s>", "<s>", "</s>", "<s>"]
+    assert check_teacher(str(teacher), tiny_model_dir, "student") == teacher
+    assert "differs from the student's in its text" in capsys.readouterr().err
+    # another markup: one turn marker fewer (no generation prompt's) is refused, both sequences named
+    tok.chat_template = TINY_CHAT_TEMPLATE.replace("<s>assistant", "assistant")
+    tok.save_pretrained(teacher)
+    with pytest.raises(PreflightError, match="marks chat turns otherwise.*</s> <s> </s> against"):
+        check_teacher(str(teacher), tiny_model_dir, "student")
 
 
 def test_a_run_without_a_checkpoint_is_refused_as_a_teacher(tmp_path, rl_cli, tiny_model_dir):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from contract.rundir import RunDir
@@ -84,8 +85,10 @@ def check_model(name: str, option: str) -> Path:
 
 def check_teacher(teacher: str, student: Path, student_name: str, option: str = "--teacher.model") -> Path:
     """The teacher's model folder (orchestrate.loop.setup.teacher_folder), checked as a model, with a tokenizer
-    that is the student's: the same vocabulary (token -> id) and chat template, since the teacher scores the
-    student's token ids as they are."""
+    that is the student's (the same vocabulary, token -> id: the teacher scores the student's token ids as they
+    are) and a chat template with the student's turn markup (`chat_markup`). Templates that differ only in their
+    text (Llama-3.1-8B's and Llama-3.2-1B's: the system header's date line) pass, with a note on stderr: the
+    teacher reads every prompt as the student's template rendered it."""
     from orchestrate.loop.setup import SetupError, teacher_folder
 
     try:
@@ -99,11 +102,32 @@ def check_teacher(teacher: str, student: Path, student_name: str, option: str = 
         raise PreflightError(f"{option}: the teacher {teacher} ({folder}) has another vocabulary than the student "
                              f"{student_name} ({student}); the teacher scores the student's token ids, so give a "
                              "teacher with the student's tokenizer")  # fmt: skip
-    if getattr(teacher_tok, "chat_template", None) != getattr(student_tok, "chat_template", None):
-        raise PreflightError(f"{option}: the teacher {teacher} ({folder}) has another chat template than the "
-                             f"student {student_name} ({student}); the teacher would score prompts rendered for "
-                             "another model, so give a teacher with the student's chat template")  # fmt: skip
+    if getattr(teacher_tok, "chat_template", None) == getattr(student_tok, "chat_template", None):
+        return folder
+    theirs, ours = chat_markup(teacher_tok, f"{option} {teacher}"), chat_markup(student_tok, student_name)
+    if theirs != ours:
+        raise PreflightError(f"{option}: the teacher {teacher} ({folder}) marks chat turns otherwise than the student "
+                             f"{student_name} ({student}): {' '.join(theirs) or 'no special tokens'} against "
+                             f"{' '.join(ours) or 'no special tokens'}; the teacher would score prompts in a markup it "
+                             "was not trained on, so give a teacher with the student's chat template")  # fmt: skip
+    print(f"note: {option}: the teacher's chat template differs from the student's in its text, not its turn markup; "
+          "the teacher scores each prompt as the student's template rendered it", file=sys.stderr)  # fmt: skip
     return folder
+
+
+MARKUP_PROBE = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+
+
+def chat_markup(tok, what: str) -> list[str]:
+    """The special tokens (added tokens marked special: <|im_start|>, <|start_header_id|>, ...) that the
+    tokenizer's chat template puts around a short conversation with its generation prompt, in order: how the
+    model was taught to tell turns apart."""
+    try:
+        text = tok.apply_chat_template(MARKUP_PROBE, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - no template, a template that refuses the probe: one line
+        raise PreflightError(f"{what}: its chat template cannot render a conversation ({_first_line(exc)})") from None
+    special = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
+    return [special[i] for i in tok(text, add_special_tokens=False)["input_ids"] if i in special]
 
 
 def _tokenizer(folder: Path, what: str):
