@@ -228,6 +228,28 @@ def test_the_gsm8k_preset_fits_one_80_gb_gpu_colocated_and_what_does_not_is_refu
         check(gsm8k(token_budget=65536), Shape(**LLAMA_1B), h100, compiled=True, colocated=False)
 
 
+LLAMA_8B = dict(parameters=8_030_261_248, layers=32, hidden=4096)  # Llama-3.1-8B's shape (its config.json)
+
+
+def test_the_distillation_preset_fits_one_80_gb_gpu_with_its_8b_teacher_and_a_bigger_one_is_refused():
+    """gsm8k_distill: a 1B student, an 8B teacher scored in the reference's seat (docs/training.md's plan)."""
+    from orchestrate.loop.config import resolve
+    from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check
+
+    config = resolve("gsm8k_distill", {})
+    assert config.teacher.model and config.train.estimator == "zero" and not config.train.needs_reference
+    h100 = 79.1
+    plan = check(config, Shape(**LLAMA_1B), h100, compiled=True, colocated=True, teacher=Shape(**LLAMA_8B))
+    assert set(plan) == {"generate", "reference", "train"}  # the teacher's pass is the reference's phase
+    assert max(plan.values()) < 0.9 * h100, plan
+    seventy = Shape(parameters=70_553_706_496, layers=80, hidden=8192)  # Llama-3.1-70B: 131 GiB of weights
+    with pytest.raises(MemoryPlanError, match=r"^--teacher.model: its weights \(70.55B parameters, about 131.4 GiB"):
+        check(config, Shape(**LLAMA_1B), h100, compiled=True, colocated=True, teacher=seventy)
+    config.server.gpu_memory_utilization = 0.2  # 15.8 GiB: not the 8B's 15.0 GiB of weights and a KV cache
+    with pytest.raises(MemoryPlanError, match="raise --server.gpu_memory_utilization"):
+        check(config, Shape(**LLAMA_1B), h100, compiled=True, colocated=True, teacher=Shape(**LLAMA_8B))
+
+
 def test_the_plan_is_checked_before_the_run_on_the_gpu_it_is_tightest_on(tiny_model_dir):
     """preflight's check reads the model's shape from its folder; no GPU, no plan."""
     from orchestrate.loop.memory_plan import Shape

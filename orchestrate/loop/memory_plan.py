@@ -29,6 +29,7 @@ from pathlib import Path
 GiB = 2**30
 ACTIVATION_BYTES = {"eager": 87, "compiled": 54}  # per token x layer x hidden unit (see above)
 SLEEPING_GIB = 1.0  # what a sleeping server still holds of the GPU
+SERVER_WORK_GIB = 2.0  # of a server's share, what is neither weights nor KV cache (activations, CUDA graphs)
 CONTEXT_GIB = 0.5  # a process's CUDA context (the learner's)
 
 
@@ -86,9 +87,25 @@ def phases(config, shape: Shape, total_gib: float, compiled: bool, colocated: bo
     return plan
 
 
-def check(config, shape: Shape, total_gib: float, compiled: bool, colocated: bool) -> dict[str, float]:
-    """The plan, or MemoryPlanError naming the phase that does not fit, its numbers and what to change."""
+def weights_gib(shape: Shape) -> float:
+    """A server's weights: bfloat16, 2 bytes a parameter."""
+    return shape.parameters * 2 / GiB
+
+
+def check(config, shape: Shape, total_gib: float, compiled: bool, colocated: bool,
+          teacher: Shape | None = None) -> dict[str, float]:  # fmt: skip
+    """The plan, or MemoryPlanError naming the phase that does not fit, its numbers and what to change.
+    `teacher`: a teacher's shape when its server shares the GPU; its weights must leave room for a KV cache
+    in one server's share (a teacher larger than the student: an 8B teacher, a 1B student)."""
     plan = phases(config, shape, total_gib, compiled, colocated)
+    share = config.server.gpu_memory_utilization * total_gib
+    if colocated and teacher is not None and weights_gib(teacher) + SERVER_WORK_GIB > 0.9 * share:
+        raise MemoryPlanError(
+            f"--teacher.model: its weights ({teacher.parameters / 1e9:.2f}B parameters, about "
+            f"{weights_gib(teacher):.1f} GiB in bfloat16) leave no room for a KV cache in one server's share of "
+            f"the GPU ({config.server.gpu_memory_utilization} x {total_gib:.1f} = {share:.1f} GiB); raise "
+            "--server.gpu_memory_utilization, or serve the teacher elsewhere (--teacher.model URL)"
+        )
     for phase, need in plan.items():
         if need > total_gib:
             if phase == "train":

@@ -217,16 +217,19 @@ def preflight(config) -> None:
     policy = check_model(config.model.policy, "--model.policy")
     if config.model.reference:
         check_model(config.model.reference, "--model.reference")
+    teacher = None
     if config.teacher.model and not config.teacher.url:
-        check_teacher(config.teacher.model, policy, config.model.policy)
+        teacher = check_teacher(config.teacher.model, policy, config.model.policy)
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
-    check_memory(config, policy)
+    check_memory(config, policy, teacher=teacher)
 
 
-def check_memory(config, policy: Path, totals: list[float] | None = None) -> dict[str, float] | None:
+def check_memory(config, policy: Path, totals: list[float] | None = None,
+                 teacher: Path | None = None) -> dict[str, float] | None:  # fmt: skip
     """On GPUs, the run's memory plan (orchestrate.loop.memory_plan) fits the GPU it is tightest on: the
-    colocated servers' first, else the learner's. `totals`: each visible GPU's GiB (for tests)."""
+    colocated servers' first, else the learner's; a teacher served here (`teacher`: its folder) has room in
+    a server's share. `totals`: each visible GPU's GiB (for tests)."""
     from orchestrate.loop.config_checks import colocated, placements, visible_gpus
     from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check, gpu_totals_gib
 
@@ -240,7 +243,8 @@ def check_memory(config, policy: Path, totals: list[float] | None = None) -> dic
         return None  # check_gpus names what is not visible
     compiled = config.train.compile == "on" or (config.train.compile == "auto" and not config.trainer.accelerate_config)
     try:
-        return check(config, Shape.of(policy), totals[gpu], compiled, together)
+        return check(config, Shape.of(policy), totals[gpu], compiled, together,
+                     teacher=Shape.of(teacher) if teacher else None)  # fmt: skip
     except MemoryPlanError as exc:
         raise PreflightError(str(exc)) from None
 
