@@ -1,21 +1,26 @@
 """On-policy distillation against the RL run that made its teacher: held-out success against wall time.
 
     uv run --no-sync python bench/bench_distill.py                                  # 20 min GRPO, then 8 min distilling
+    uv run --no-sync python bench/bench_distill.py --preset game --teacher best --grpo-minutes 30 --distill-minutes 30
     uv run --no-sync python bench/bench_distill.py --report-only --out-dir DIR      # the table of runs already made
 
-1. GRPO: `orchestrate.rl --preset P` from the untrained model for --grpo-minutes: its newest checkpoint is the teacher.
-2. Distillation: `orchestrate.rl --preset P --teacher.model GRPO_RUN --train.estimator zero` (the teacher's term
+1. GRPO: `orchestrate.rl --preset P` from the untrained model for --grpo-minutes. The teacher: its newest
+   checkpoint (--teacher newest), or the one its held-out success was best at (--teacher best: every
+   checkpoint is kept during the run, the others deleted after it).
+2. Distillation: `orchestrate.rl --preset P --teacher.model TEACHER --train.estimator zero` (the teacher's term
    alone) from the same untrained model, sampling at temperature 1 (where the term is the per-token reverse KL
    exactly), evaluated every 2 iterations, for --distill-minutes.
-Both start from the command's start (servers, the first evaluation included). The teacher's success is the GRPO
-run's last held-out figure; the target: the student reaches 90% of it within a third of the minutes GRPO took to
-first reach it. Prints the table, writes OUT/distill_PRESET.json and OUT/distill_PRESET.png.
+Both start from the command's start (servers, the first evaluation included). Two targets: the student reaches
+90% of the teacher's held-out success within a third of the minutes GRPO took to first reach the teacher's;
+and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's.
+Prints the table, writes OUT/distill_PRESET.json and OUT/distill_PRESET.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_trees import run  # noqa: E402
 
+from contract.rundir import RunDir  # noqa: E402
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
 
@@ -38,11 +44,34 @@ def first_reaching(points, level: float) -> float | None:
     return next((m for m, s, _ in points if s >= level - 1e-9), None)
 
 
+def at(points, minutes: float) -> tuple[float, float, int] | None:
+    """A run's latest evaluation at or before `minutes` (none: none yet)."""
+    return ([p for p in points if p[0] <= minutes + 1e-9] or [None])[-1]
+
+
+def best_checkpoint(run_dir: Path, points) -> tuple[Path, float, int]:
+    """The checkpoint (weights served at that evaluation) with the best held-out success after training
+    started, the earliest of equals; every other checkpoint of the run is deleted."""
+    _, success, iteration = max((p for p in points if p[2] > 0), key=lambda p: (p[1], -p[2]))
+    run = RunDir(run_dir)
+    keep = run.checkpoint(iteration)
+    if not (keep / "config.json").exists():
+        raise SystemExit(
+            f"{keep}: the checkpoint of iteration {iteration} is not on disk (kept: --run.keep_checkpoints)"
+        )
+    for other in run.checkpoints.iterdir():
+        if other != keep:
+            shutil.rmtree(other, ignore_errors=True)
+    return keep, success, iteration
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="embedded")
     parser.add_argument("--grpo-minutes", type=float, default=20.0)
     parser.add_argument("--distill-minutes", type=float, default=8.0)
+    parser.add_argument("--teacher", choices=("newest", "best"), default="newest",
+                        help="GRPO's checkpoint that teaches: its newest, or its best held-out")  # fmt: skip
     parser.add_argument("--out-dir", default="/tmp/bench_distill", help="where the runs go")
     parser.add_argument("--out", default="bench", help="where the JSON and the plot go")
     parser.add_argument("--report-only", action="store_true", help="read the runs in --out-dir, start none")
@@ -54,26 +83,44 @@ def main() -> int:
         for d in (grpo, student):
             if d.exists():
                 parser.error(f"{d} exists: remove it, or pass --report-only")
-        run(args.preset, grpo, args.grpo_minutes, [])
-        run(args.preset, student, args.distill_minutes, ["--teacher.model", str(grpo), "--train.estimator", "zero",
+        run(args.preset, grpo, args.grpo_minutes, ["--run.keep_checkpoints", "1000"] if args.teacher == "best" else [])
+    teacher_curve = held_out(grpo)
+    if args.teacher == "best":
+        source_file = root / f"{args.preset}-teacher.json"
+        if args.report_only:
+            source = json.loads(source_file.read_text())
+        else:
+            path, success, iteration = best_checkpoint(grpo, teacher_curve)
+            source = {"path": str(path), "success": success, "iteration": iteration}
+            source_file.write_text(json.dumps(source))
+        teacher_model, teacher = source["path"], source["success"]
+    else:
+        source = {"path": str(grpo), "success": teacher_curve[-1][1], "iteration": teacher_curve[-1][2]}
+        teacher_model, teacher = str(grpo), teacher_curve[-1][1]
+    if not args.report_only:
+        run(args.preset, student, args.distill_minutes, ["--teacher.model", teacher_model, "--train.estimator", "zero",
                                                          "--rollouts.temperature", "1.0", "--eval.every", "2"])  # fmt: skip
-    teacher_curve, student_curve = held_out(grpo), held_out(student)
-    teacher = teacher_curve[-1][1]
+    student_curve = held_out(student)
     grpo_reached = first_reaching(teacher_curve, teacher)
     student_reached = first_reaching(student_curve, 0.9 * teacher)
     ratio = student_reached / grpo_reached if student_reached is not None and grpo_reached else None
-    results = {"preset": args.preset, "teacher_success": teacher, "grpo_minutes_to_teacher": grpo_reached,
+    same = min(teacher_curve[-1][0], student_curve[-1][0])  # the shorter run's last evaluation
+    rl_then, student_then = at(teacher_curve, same), at(student_curve, same)
+    results = {"preset": args.preset, "teacher": args.teacher, "teacher_checkpoint": source,
+               "teacher_success": teacher, "grpo_minutes_to_teacher": grpo_reached,
                "student_minutes_to_90pct": student_reached, "time_ratio": ratio,
+               "same_minutes": same, "grpo_at_same_minutes": rl_then[1], "student_at_same_minutes": student_then[1],
                "grpo": teacher_curve, "distill": student_curve}  # fmt: skip
-    print(
-        f"{args.preset}: teacher (GRPO's last held-out) {100 * teacher:.1f}%, first reached at {grpo_reached:.1f} min"
-    )
+    print(f"{args.preset}: teacher (GRPO's {args.teacher} checkpoint, iteration {source['iteration']}) "
+          f"{100 * teacher:.1f}% held-out, first reached at {grpo_reached:.1f} min")  # fmt: skip
     for label, points in (("GRPO", teacher_curve), ("distillation", student_curve)):
         print(f"  {label}: " + ", ".join(f"it {i} {m:.1f} min {100 * s:.1f}%" for m, s, i in points))
     if student_reached is None:
         print(f"  the student did not reach 90% of the teacher ({90 * teacher:.1f}%) within {args.distill_minutes} min")
     else:
         print(f"  the student reached {90 * teacher:.1f}% at {student_reached:.1f} min: {ratio:.2f} of GRPO's time")
+    print(f"  at {same:.1f} min: GRPO {100 * rl_then[1]:.1f}% (iteration {rl_then[2]}), the student "
+          f"{100 * student_then[1]:.1f}% (iteration {student_then[2]})")  # fmt: skip
     out = Path(args.out)
     (out / f"distill_{args.preset}.json").write_text(json.dumps(results, indent=1))
     import matplotlib

@@ -231,7 +231,9 @@ def test_a_teacher_whose_template_differs_only_in_text_passes_with_a_note(tmp_pa
     tok.save_pretrained(teacher)
     student_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert tok.chat_template != student_tok.chat_template
-    assert chat_markup(tok, "t") == chat_markup(student_tok, "s") == ["<s>", "</s>", "<s>", "</s>", "<s>", "</s>", "<s>"]
+    assert (
+        chat_markup(tok, "t") == chat_markup(student_tok, "s") == ["<s>", "</s>", "<s>", "</s>", "<s>", "</s>", "<s>"]
+    )
     assert check_teacher(str(teacher), tiny_model_dir, "student") == teacher
     assert "differs from the student's in its text" in capsys.readouterr().err
     # another markup: one turn marker fewer (no generation prompt's) is refused, both sequences named

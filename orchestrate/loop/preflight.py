@@ -115,7 +115,11 @@ def check_teacher(teacher: str, student: Path, student_name: str, option: str = 
     return folder
 
 
-MARKUP_PROBE = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+MARKUP_PROBE = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b"},
+    {"role": "user", "content": "c"},
+]
 
 
 def chat_markup(tok, what: str) -> list[str]:
