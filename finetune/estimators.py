@@ -47,6 +47,19 @@ class Episodes:
     normalize_std: bool  # divide by the std (false: Dr. GRPO's mean-only baseline)
     eps: float  # added to the std before dividing
     tree: dict[str, tuple[str, int]] | None = None  # a fork -> (its parent, the first turn it played itself)
+    own: dict[str, set[int]] | None = None  # episode -> the turns its samples train (a fork's replayed ones are not)
+
+    def trained(self) -> list[tuple[str, int]]:
+        """(episode, turn) of every turn the batch trains, in order: a fork's replayed turns are its parent's
+        (counted there once), so statistics over turns leave them out."""
+        return [(e, t) for e, r in self.returns.items() for t in r if self.own is None or t in self.own.get(e, ())]
+
+    def per_turn(self, keys: list[tuple[str, int]], values: list[float]) -> dict[str, dict[int, float]]:
+        """Advantages of the given turns; every other turn (a fork's replayed ones) gets 0."""
+        out: dict[str, dict[int, float]] = {e: {t: 0.0 for t in r} for e, r in self.returns.items()}
+        for (e, t), a in zip(keys, values):
+            out[e][t] = a
+        return out
 
     def first(self) -> dict[str, float]:
         """Each episode's score: its return from the first turn, G_0 (0 for an episode with no turns)."""
@@ -162,13 +175,9 @@ def group_baseline(x: Episodes) -> dict[str, dict[int, float]]:
 @register_estimator("batch", paper="arXiv:2510.01051 (GEM's ReBN)")
 def batch_baseline(x: Episodes) -> dict[str, dict[int, float]]:
     """ReBN: each turn's return G_t normalised over all turns of the batch (per-turn rewards, gamma < 1)."""
-    keys = [(e, t) for e, r in x.returns.items() for t in r]
+    keys = x.trained()
     flat = torch.tensor([x.returns[e][t] for e, t in keys], dtype=torch.float64)
-    adv = _whiten(flat, torch.ones_like(flat), x.normalize_std, x.eps).tolist()
-    out: dict[str, dict[int, float]] = {e: {} for e in x.returns}
-    for (e, t), a in zip(keys, adv):
-        out[e][t] = a
-    return out
+    return x.per_turn(keys, _whiten(flat, torch.ones_like(flat), x.normalize_std, x.eps).tolist())
 
 
 @register_estimator("none", paper="Williams 1992 (REINFORCE)")
@@ -205,14 +214,10 @@ def reinforce_pp(x: Episodes) -> dict[str, dict[int, float]]:
     """REINFORCE++: each turn's return against the whole batch's, mean and std taken over all trained tokens."""
     # global batch normalisation over tokens (a turn of 10 tokens counts 10 times), not over turns as in batch
     assert x.tokens is not None
-    keys = [(e, t) for e, r in x.returns.items() for t in r]
+    keys = x.trained()
     flat = torch.tensor([x.returns[e][t] for e, t in keys], dtype=torch.float64)
     counts = torch.tensor([x.tokens[e][t] for e, t in keys], dtype=torch.float64)
-    adv = _whiten(flat, counts, x.normalize_std, x.eps).tolist()
-    out: dict[str, dict[int, float]] = {e: {} for e in x.returns}
-    for (e, t), a in zip(keys, adv):
-        out[e][t] = a
-    return out
+    return x.per_turn(keys, _whiten(flat, counts, x.normalize_std, x.eps).tolist())
 
 
 @register_estimator(
@@ -293,14 +298,30 @@ def episode_returns(
     (`branches[i]`: a contract.batch.Branch or its dict) over the turns it replayed too. An estimator's score
     of an episode is its G_0 (Episodes.first)."""
     episodes: dict[str, dict[int, float]] = {}
+    forks: dict[str, tuple[str, int, list[float]]] = {}
     for i, (sample_turns, episode) in enumerate(zip(turns, episode_ids)):
         rewards = episodes.setdefault(episode, {})
         for index, reward in sample_turns:
             rewards[index] = float(reward)
         branch = _branch(branches[i]) if branches is not None else None
         if branch is not None:
-            for index, reward in enumerate(branch[2]):
-                rewards.setdefault(index, float(reward))
+            forks[episode] = branch
+
+    def fill(episode: str) -> None:
+        """A fork's replayed turns: its parent's rewards when the parent is in the batch (shaped, as the
+        parent's own turns are), else those its Branch recorded."""
+        parent, turn, prefix = forks.pop(episode)
+        if parent in forks:
+            fill(parent)
+        given = episodes.get(parent, {})
+        for index in range(turn):
+            if index in given:
+                episodes[episode].setdefault(index, given[index])
+            elif index < len(prefix):
+                episodes[episode].setdefault(index, float(prefix[index]))
+
+    while forks:
+        fill(next(iter(forks)))
     returns_of: dict[str, dict[int, float]] = {}
     for episode, rewards in episodes.items():
         order = sorted(rewards)
@@ -354,7 +375,10 @@ def turn_advantages(
         branch = _branch(branches[i]) if branches is not None else None
         if branch is not None:
             tree[episode] = (branch[0], branch[1])
-    x = Episodes(returns_of, group, tokens if lengths is not None else None, normalize_std, eps, tree)
+    own: dict[str, set[int]] = {}
+    for sample_turns, episode in zip(turns, episode_ids):
+        own.setdefault(episode, set()).update(index for index, _ in sample_turns)
+    x = Episodes(returns_of, group, tokens if lengths is not None else None, normalize_std, eps, tree, own)
     adv_of = spec.fn(x)
     returns = [[returns_of[e][index] for index, _ in st] for st, e in zip(turns, episode_ids)]
     advantages = [[float(adv_of[e][index]) for index, _ in st] for st, e in zip(turns, episode_ids)]

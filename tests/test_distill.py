@@ -374,7 +374,13 @@ def test_offline_distillation_needs_the_teachers_log_probs_on_every_call(tokeniz
     with pytest.raises(ConfigError, match=r"^--train.teacher_coef: 1 LLM calls have no teacher log-probs"):
         check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0))
     tape.llm_calls[1].teacher_logprobs = [-0.5] * len(tape.llm_calls[1].output_token_ids)
-    check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0))
+    assert check_teacher_logprobs([tape], TrainConfig(teacher_coef=1.0)) == [tape]
+    # a tape dynamic sampling left out of its run's batch was never scored: left out here too, said in a line
+    from orchestrate.loop.dynamic_sampling import mark_dropped
+
+    unscored, _, _ = play(tokenizer, [("yes", 1.0, True)], ["\\boxed{7}"])
+    mark_dropped(unscored)
+    assert check_teacher_logprobs([tape, unscored], TrainConfig(teacher_coef=1.0)) == [tape]
 
 
 def test_offline_equal_rewards_are_kept_when_the_teacher_gives_the_signal():

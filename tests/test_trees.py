@@ -81,6 +81,52 @@ def test_without_forks_the_tree_estimator_is_grpo():
     assert advantages(flat, {}, normalize_std=True) == {"x": [0.0], "y": [0.0], "z": [0.0]}
 
 
+def test_turn_estimators_count_a_forks_replayed_turns_once_in_its_parent():
+    """batch (ReBN) and reinforce_pp normalise over the turns the batch trains: a fork's replayed turns are
+    its parent's, counted there; the fork gets advantages for its own turns only."""
+    episodes = {"a": [(0, 0.0), (1, 1.0)], "b": [(0, 0.0), (1, 0.0)], "c": [(1, 0.0)]}
+    branch = {"c": {"parent_id": "a", "turn": 1, "prefix_rewards": [0.0]}}
+    # gamma 1: trained returns a (1, 1), b (0, 0), c's turn 1: 0 -> five values, mean 0.4, centred
+    adv = advantages(episodes, branch, baseline="batch")
+    assert adv["a"] == pytest.approx([0.6, 0.6]) and adv["b"] == pytest.approx([-0.4, -0.4])
+    assert adv["c"] == pytest.approx([-0.4])
+    # reinforce_pp weighs each turn by its tokens; with forks it used to look up the replayed turn's tokens
+    ids = list(episodes)
+    lengths = [[1] * len(episodes[e]) for e in ids]
+    _, adv = turn_advantages([episodes[e] for e in ids], ids, ["task"] * 3, "reinforce_pp", 1.0, False,
+                             lengths=lengths, branches=[branch.get(e) for e in ids])  # fmt: skip
+    assert [a for episode in adv for a in episode] == pytest.approx([0.6, 0.6, -0.4, -0.4, -0.4])
+
+
+def test_a_forks_replayed_turns_take_its_parents_shaped_rewards():
+    """Overlong shaping is applied to the samples' own turns; a fork's replayed turns are its parent's, so
+    when the parent is in the batch its shaped rewards are the fork's too (the Branch holds raw ones)."""
+    from finetune.estimators import episode_returns
+
+    # a's turn 0 was cut (shaped: -0.5), c forks a at 1 and replays it; d forks c at 2
+    turns = [[(0, -0.5), (1, 1.0)], [(1, 1.0), (2, 0.0)], [(2, 1.0)]]
+    branches = [None, {"parent_id": "a", "turn": 1, "prefix_rewards": [0.0]},
+                {"parent_id": "c", "turn": 2, "prefix_rewards": [0.0, 1.0]}]  # fmt: skip
+    returns = episode_returns(turns, ["a", "c", "d"], 1.0, branches)
+    assert returns["a"][0] == returns["c"][0] - 0.0 == pytest.approx(0.5)  # identical outcome, identical G_0
+    assert returns["d"] == pytest.approx({0: 1.5, 1: 2.0, 2: 1.0})
+    # without its parent in the batch the fork's own record of the prefix is used
+    alone = episode_returns(turns[1:], ["c", "d"], 1.0, branches[1:])
+    assert alone["c"] == pytest.approx({0: 1.0, 1: 1.0, 2: 0.0})
+
+
+def test_a_trees_size_has_one_formula_and_a_limit():
+    from orchestrate.loop.config_checks import TAPES_PER_ITERATION_LIMIT
+
+    tree = TreeSection(width=4, points=2, depth=3)
+    assert tree.max_episodes(16) == 16 * (1 + 6 + 36 + 216)  # each level forks every episode of the last
+    assert TreeSection(width=3).max_episodes(2) == 2 * 3
+    assert resolve("game", {"tree.width": "4", "tree.points": "2", "tree.depth": "3"}).tree.depth == 3
+    with pytest.raises(ConfigError, match=rf"^--tree.depth: 8 tasks x up to .* more tapes per iteration than the "
+                                          rf"limit {TAPES_PER_ITERATION_LIMIT}"):  # fmt: skip
+        resolve("game", {"tree.width": "8", "tree.points": "4", "tree.depth": "5"})
+
+
 # -- trees on the game, against scripted LLMs -------------------------------------------------------------------
 
 

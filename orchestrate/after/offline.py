@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         tapes = score_and_filter(tapes, given.reward_fn, given.keep, args.filter, given.train,
                                  progress=not args.no_progress)  # fmt: skip
         require_ref = check_reference(tapes, given.train, given.reference)
-        check_teacher_logprobs(tapes, given.train)
+        tapes = check_teacher_logprobs(tapes, given.train)
         run = open_out(given.out)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
@@ -469,13 +469,26 @@ def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | N
     return train.needs_reference
 
 
-def check_teacher_logprobs(tapes: list[Tape], train) -> None:
+def check_teacher_logprobs(tapes: list[Tape], train) -> list[Tape]:
     """With --train.teacher_coef (distillation from the tapes), every sampled call has the teacher's log-probs
-    (recorded by a run with --teacher.model); ConfigError otherwise."""
-    missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.teacher_logprobs is None)
-    if train.teacher_coef and missing:
+    (recorded by a run with --teacher.model); ConfigError otherwise. The tapes a run left out of its batches
+    (dynamic sampling's dropped groups: the teacher never scored them) are left out here too, said in a line."""
+
+    def unscored(tape: Tape) -> int:
+        return sum(1 for c in tape.llm_calls if c.output_token_ids and c.teacher_logprobs is None)
+
+    if not train.teacher_coef:
+        return tapes
+    from orchestrate.loop.dynamic_sampling import dropped
+
+    kept = [t for t in tapes if not (dropped(t) and unscored(t))]
+    if len(kept) < len(tapes):
+        print(f"--train.teacher_coef: {len(tapes) - len(kept)} tapes left out: dropped from their run's batches by "
+              "dynamic sampling, never scored by the teacher", file=sys.stderr)  # fmt: skip
+    if missing := sum(unscored(t) for t in kept):
         raise ConfigError(f"--train.teacher_coef: {missing} LLM calls have no teacher log-probs (a run with "
                           "--teacher.model records them); train on such tapes, or set it to 0")  # fmt: skip
+    return kept
 
 
 def open_out(out: Path):

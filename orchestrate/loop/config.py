@@ -188,6 +188,12 @@ class TreeSection(BaseModel):
         "spent (compare a tree and a chain at the same budget); none: width x points x depth decide",
     )
 
+    def max_episodes(self, attempts: int) -> int:
+        """A task's episodes at most: each of its `attempts` roots, then on every level each episode of the
+        level before forked width - 1 times at each of its points (the budget may stop it sooner)."""
+        per_level = self.points * ((self.width or 1) - 1)
+        return attempts * sum(per_level**d for d in range(self.depth + 1))
+
 
 class EvalSection(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -399,6 +399,12 @@ def check_config(config) -> None:
         raise ConfigError(f"--rollouts.attempts: {tasks} tasks x {r.attempts} attempts = "
                           f"{tasks * r.attempts} tapes per iteration, more than the limit "
                           f"{TAPES_PER_ITERATION_LIMIT}")  # fmt: skip
+    if config.tree.width and tasks * config.tree.max_episodes(r.attempts) > TAPES_PER_ITERATION_LIMIT:
+        t = config.tree
+        raise ConfigError(f"--tree.depth: {tasks} tasks x up to {t.max_episodes(r.attempts)} episodes a tree "
+                          f"({r.attempts} roots, {t.points} points x {t.width - 1} forks a level, {t.depth} levels) "
+                          f"may play more tapes per iteration than the limit {TAPES_PER_ITERATION_LIMIT}; lower "
+                          "--tree.depth, --tree.width or --tree.points")  # fmt: skip
     check_dynamic_sampling(config)
     check_tree(config)
     if config.eval.samples > 1 and config.eval.temperature == 0:

@@ -162,8 +162,9 @@ async def run_tree_rollouts(
     clock: EnvClock | None = None,
 ) -> list[Tape]:
     """Every task's tree (`grow_tree`), all tasks at once; the tapes grouped by task, in order."""
-    planned = attempts * (1 + tree.depth * tree.points * (tree.width - 1))  # at most, per task
-    bar = progress_bar(total=len(seeds) * planned, desc=desc, unit="episode", disable=not progress, leave=False)
+    bar = progress_bar(
+        total=len(seeds) * tree.max_episodes(attempts), desc=desc, unit="episode", disable=not progress, leave=False
+    )
     try:
         trees = await asyncio.gather(*(
             grow_tree(agent, spec, seed, attempts, llm, tree, iteration=iteration, policy_version=policy_version,
