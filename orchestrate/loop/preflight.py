@@ -224,6 +224,10 @@ def preflight(config) -> None:
     teacher = None
     if config.teacher.model and not config.teacher.url:
         teacher = check_teacher(config.teacher.model, policy, config.model.policy)
+    if config.teacher.model and config.rollouts.temperature != 1.0:
+        print(f"note: --teacher.model at --rollouts.temperature {config.rollouts.temperature}: the teacher scores "
+              "untempered, the sampled log-probs are tempered, so the teacher's term pulls the tempered "
+              "distribution toward the teacher (at 1.0 it is the reverse KL's estimate)", file=sys.stderr)  # fmt: skip
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
     check_memory(config, policy, teacher=teacher)
