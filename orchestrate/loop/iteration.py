@@ -162,10 +162,10 @@ class Loop:
                 tapes = sample_dynamically(rollout, seeds, extra, c.train).tapes
             else:
                 tapes = rollout(seeds)
-            if self.use_reference or c.teacher.model:  # the tapes trained on (not those of dropped groups)
-                self._enter(i, "reference")
+            if self.use_reference or c.teacher.model:  # the tapes trained on: not dropped groups', nor forks
+                self._enter(i, "reference")  # that did not come back to their branch point
                 start = time.perf_counter()
-                self.servers.score_reference([t for t in tapes if not dropped(t)])
+                self.servers.score_reference([t for t in tapes if not dropped(t) and not diverged(t)])
                 timer.add("reference", time.perf_counter() - start)
             self._enter(i, "samples")  # the tapes, then the batch
             save_tapes(tape_file, tapes)
