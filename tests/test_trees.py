@@ -279,6 +279,10 @@ def test_tree_options_that_work():
     config = resolve("game", {"tree.width": "3", "tree.depth": "2", "tree.token_budget": "2000",
                               "tree.branch_by": "entropy", "train.estimator": "tree"})  # fmt: skip
     assert config.tree.width == 3 and config.train.estimator == "tree"
+    # one root a task: its forks are its group's other episodes (chains refuse it: a group of one)
+    assert resolve("game", {"tree.width": "4", "rollouts.attempts": "1", "train.estimator": "tree"}).tree.width == 4
+    with pytest.raises(ConfigError, match=r"^--rollouts.attempts: 1 attempt per task leaves every group of one"):
+        resolve("game", {"rollouts.attempts": "1", "train.estimator": "tree"})
 
 
 def test_an_agent_programs_episodes_branch_after_its_tool_call(tokenizer, program_agent):

@@ -420,7 +420,9 @@ def check_config(config) -> None:
                           f"({memory_gib:.0f} GiB)")  # fmt: skip
     estimator = config.train.estimator
     taught = bool(config.teacher.model)  # the teacher's term gives every token a signal of its own
+    forked = bool(config.tree.width)  # a tree's forks join their root's group: one root is a group of several
     group_only = "group" in ESTIMATORS[estimator].needs and not config.train.loss_spec.critic and not taught
+    group_only = group_only and not forked
     if group_only and r.attempts < 2:  # the reward's group advantage is all there is, and it is 0
         raise ConfigError(f"--rollouts.attempts: {r.attempts} attempt per task leaves every group of one, so every "
                           f"group-baseline advantage ({config.train.algorithm}, train.estimator {estimator}) is 0 and nothing "
