@@ -7,10 +7,10 @@ its shared prefixes computed once against the same batch unshared.
     uv run --no-sync python bench/bench_trees.py --report-only --out-dir DIR     # the table of runs already made
 
 Each run is `orchestrate.rl --preset P --run.max_minutes M` started from its untrained model (the chain run as the
-preset has it; the tree run with TREE_OPTIONS: two roots per task, each branched into three at one point, twice
-deep, within a token budget per task; TREE_OPTIONS has each preset's), one after the other, with nothing else running. Generated tokens are
-counted from the saved tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too
-(a fork's replayed turns are stepped again: they count). Prints a table, writes OUT/trees_PRESET.json and
+preset has it; the tree run with the preset's TREE_OPTIONS, chosen to generate about the chain's tokens per
+iteration), one after the other, with nothing else running. Generated tokens are counted from the saved
+tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too (a fork's replayed
+turns are stepped again: they count). Prints a table, writes OUT/trees_PRESET.json and
 OUT/trees_PRESET.png.
 """
 
