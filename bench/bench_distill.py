@@ -9,7 +9,9 @@
    checkpoint is kept during the run, the others deleted after it).
 2. Distillation: `orchestrate.rl --preset P --teacher.model TEACHER --train.estimator zero` (the teacher's term
    alone) from the same untrained model, sampling at temperature 1 (where the term is the per-token reverse KL
-   exactly), evaluated every 2 iterations, for --distill-minutes.
+   exactly), evaluated every 2 iterations, for --distill-minutes. --student-options adds options or replaces
+   these (e.g. "--train.estimator batch --teacher.coef 1": the teacher's term beside the reward's);
+   --reuse-grpo runs another student of the same teacher; --tag names its directory and outputs.
 Both start from the command's start (servers, the first evaluation included). Two targets: the student reaches
 90% of the teacher's held-out success within a third of the minutes GRPO took to first reach the teacher's;
 and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -33,10 +36,41 @@ from contract.rundir import RunDir  # noqa: E402
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
 
-def held_out(run_dir: Path) -> list[tuple[float, float, int]]:
-    """(minutes from the command's start, held-out success, iteration) of each evaluation."""
-    return [(r["elapsed_s"] / 60, r["eval_success_rate"], r["iteration"]) for r in read_metrics(run_dir / "metrics.jsonl")
-            if r.get("eval_success_rate") is not None and "elapsed_s" in r]  # fmt: skip
+def held_out(run_dir: Path, evaluations: bool = True) -> list[tuple[float, float, int]]:
+    """(minutes from the command's start, held-out success, iteration) of each evaluation; without
+    `evaluations`, the minutes the evaluations so far took (metrics' time_eval) are left out of the clock, so
+    that two runs evaluated at different intervals compare by the time their training took."""
+    points, evaluating = [], 0.0
+    for r in read_metrics(run_dir / "metrics.jsonl"):
+        evaluating += r.get("time_eval") or 0.0
+        if r.get("eval_success_rate") is not None and "elapsed_s" in r:
+            seconds = r["elapsed_s"] - (0.0 if evaluations else evaluating)
+            points.append((seconds / 60, r["eval_success_rate"], r["iteration"]))
+    return points
+
+
+STUDENT_DEFAULTS = {"--train.estimator": "zero", "--rollouts.temperature": "1.0", "--eval.every": "2"}
+
+
+def student_options(teacher_model: str, extra: list[str]) -> list[str]:
+    """The distillation run's options: the teacher, the student's defaults (each replaced by the same option
+    in `extra`: the loop takes an option once), then `extra`."""
+    given = {o.split("=")[0] for o in extra if o.startswith("--")}
+    kept = [x for option, value in STUDENT_DEFAULTS.items() if option not in given for x in (option, value)]
+    return ["--teacher.model", teacher_model, *kept, *extra]
+
+
+def setting(run_dir: Path) -> str:
+    """A student run's learning rate, episodes per iteration and (beside the teacher's) its reward's estimator,
+    read from its resolved config."""
+    config = json.loads(RunDir(run_dir).config_path.read_text())
+    rollouts = config["rollouts"]
+    signal = (
+        ""
+        if config["train"]["estimator"] == "zero"
+        else f", {config['train']['estimator']} + teacher x {config['teacher']['coef']:g}"
+    )
+    return f"lr {config['train']['lr']:g}, {rollouts['tasks_per_iteration']} tasks x {rollouts['attempts']}{signal}"
 
 
 def first_reaching(points, level: float) -> float | None:
@@ -72,22 +106,36 @@ def main() -> int:
     parser.add_argument("--distill-minutes", type=float, default=8.0)
     parser.add_argument("--teacher", choices=("newest", "best"), default="newest",
                         help="GRPO's checkpoint that teaches: its newest, or its best held-out")  # fmt: skip
+    parser.add_argument("--student-options", default="",
+                        help="options added to the distillation run's command, e.g. \"--train.lr 3e-5\"")  # fmt: skip
+    parser.add_argument("--tag", default="", help="suffix of the distillation run's directory and of the outputs")
+    parser.add_argument("--reuse-grpo", action="store_true",
+                        help="use the GRPO run (and teacher) already in --out-dir; run the distillation only")  # fmt: skip
     parser.add_argument("--out-dir", default="/tmp/bench_distill", help="where the runs go")
     parser.add_argument("--out", default="bench", help="where the JSON and the plot go")
     parser.add_argument("--report-only", action="store_true", help="read the runs in --out-dir, start none")
     args = parser.parse_args()
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    grpo, student = root / f"{args.preset}-grpo", root / f"{args.preset}-distill"
+    grpo, student = root / f"{args.preset}-grpo", root / f"{args.preset}-distill{args.tag}"
+    extra = shlex.split(args.student_options)
     if not args.report_only:
-        for d in (grpo, student):
+        for d in (student,) if args.reuse_grpo else (grpo, student):
             if d.exists():
                 parser.error(f"{d} exists: remove it, or pass --report-only")
-        run(args.preset, grpo, args.grpo_minutes, ["--run.keep_checkpoints", "1000"] if args.teacher == "best" else [])
+        if args.reuse_grpo and not (grpo / "metrics.jsonl").exists():
+            parser.error(f"--reuse-grpo: {grpo} holds no run")
+        if not args.reuse_grpo:
+            run(
+                args.preset,
+                grpo,
+                args.grpo_minutes,
+                ["--run.keep_checkpoints", "1000"] if args.teacher == "best" else [],
+            )
     teacher_curve = held_out(grpo)
     if args.teacher == "best":
         source_file = root / f"{args.preset}-teacher.json"
-        if args.report_only:
+        if args.report_only or (args.reuse_grpo and source_file.exists()):
             source = json.loads(source_file.read_text())
         else:
             path, success, iteration = best_checkpoint(grpo, teacher_curve)
@@ -98,9 +146,12 @@ def main() -> int:
         source = {"path": str(grpo), "success": teacher_curve[-1][1], "iteration": teacher_curve[-1][2]}
         teacher_model, teacher = str(grpo), teacher_curve[-1][1]
     if not args.report_only:
-        run(args.preset, student, args.distill_minutes, ["--teacher.model", teacher_model, "--train.estimator", "zero",
-                                                         "--rollouts.temperature", "1.0", "--eval.every", "2"])  # fmt: skip
+        run(args.preset, student, args.distill_minutes, student_options(teacher_model, extra))
     student_curve = held_out(student)
+    # the same comparison with the evaluations' minutes left out (the student is evaluated more often)
+    training = {"grpo": held_out(grpo, evaluations=False), "distill": held_out(student, evaluations=False)}
+    g, s_ = first_reaching(training["grpo"], teacher), first_reaching(training["distill"], 0.9 * teacher)
+    training_ratio = s_ / g if s_ is not None and g else None
     grpo_reached = first_reaching(teacher_curve, teacher)
     student_reached = first_reaching(student_curve, 0.9 * teacher)
     ratio = student_reached / grpo_reached if student_reached is not None and grpo_reached else None
@@ -108,7 +159,8 @@ def main() -> int:
     rl_then, student_then = at(teacher_curve, same), at(student_curve, same)
     results = {"preset": args.preset, "teacher": args.teacher, "teacher_checkpoint": source,
                "teacher_success": teacher, "grpo_minutes_to_teacher": grpo_reached,
-               "student_minutes_to_90pct": student_reached, "time_ratio": ratio,
+               "student_minutes_to_90pct": student_reached, "time_ratio": ratio, "student_options": extra,
+               "training_minutes": {"grpo_to_teacher": g, "student_to_90pct": s_, "time_ratio": training_ratio},
                "same_minutes": same, "grpo_at_same_minutes": rl_then[1], "student_at_same_minutes": student_then[1],
                "grpo": teacher_curve, "distill": student_curve}  # fmt: skip
     print(f"{args.preset}: teacher (GRPO's {args.teacher} checkpoint, iteration {source['iteration']}) "
@@ -119,27 +171,37 @@ def main() -> int:
         print(f"  the student did not reach 90% of the teacher ({90 * teacher:.1f}%) within {args.distill_minutes} min")
     else:
         print(f"  the student reached {90 * teacher:.1f}% at {student_reached:.1f} min: {ratio:.2f} of GRPO's time")
+    if training_ratio is not None:
+        print(f"  without the evaluations' minutes: GRPO reached the teacher's at {g:.1f} min, the student 90% of it "
+              f"at {s_:.1f} min: {training_ratio:.2f} of GRPO's time")  # fmt: skip
     print(f"  at {same:.1f} min: GRPO {100 * rl_then[1]:.1f}% (iteration {rl_then[2]}), the student "
           f"{100 * student_then[1]:.1f}% (iteration {student_then[2]})")  # fmt: skip
     out = Path(args.out)
-    (out / f"distill_{args.preset}.json").write_text(json.dumps(results, indent=1))
+    (out / f"distill_{args.preset}{args.tag}.json").write_text(json.dumps(results, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, points in (("GRPO (makes the teacher)", teacher_curve), ("on-policy distillation", student_curve)):
-        ax.plot([m for m, _, _ in points], [100 * s for _, s, _ in points], marker="o", label=label)
+    curves = [
+        ("GRPO (makes the teacher)", teacher_curve, "-"),
+        (f"distillation, {setting(student)}", student_curve, "-"),
+    ]
+    for other in sorted(root.glob(f"{args.preset}-distill*")):  # the other students of this teacher, dashed
+        if other.is_dir() and other != student and (other / "metrics.jsonl").exists():
+            curves.append((f"distillation, {setting(other)}", held_out(other), "--"))
+    for label, points, style in curves:
+        ax.plot([m for m, _, _ in points], [100 * s for _, s, _ in points], marker="o", linestyle=style, label=label)
     ax.axhline(90 * teacher, color="grey", linestyle=":", label="90% of the teacher")
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
     ax.set_title(f"{args.preset}: distillation from GRPO's checkpoint")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / f"distill_{args.preset}.png", dpi=90)
-    print(f"wrote {out / f'distill_{args.preset}.json'} and {out / f'distill_{args.preset}.png'}")
+    fig.savefig(out / f"distill_{args.preset}{args.tag}.png", dpi=90)
+    print(f"wrote {out / f'distill_{args.preset}{args.tag}.json'} and {out / f'distill_{args.preset}{args.tag}.png'}")
     return 0
 
 

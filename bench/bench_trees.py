@@ -5,19 +5,22 @@ its shared prefixes computed once against the same batch unshared.
     uv run --no-sync python bench/bench_trees.py --minutes 25                    # game preset, both runs
     uv run --no-sync python bench/bench_trees.py --preset countdown --minutes 25
     uv run --no-sync python bench/bench_trees.py --report-only --out-dir DIR     # the table of runs already made
+    uv run --no-sync python bench/bench_trees.py --arms tree --tag _wide --minutes 30 \
+        --tree-options "--rollouts.attempts 4 --tree.width 3 --tree.points 2 --train.estimator tree"   # another tree
 
 Each run is `orchestrate.rl --preset P --run.max_minutes M` started from its untrained model (the chain run as the
 preset has it; the tree run with the preset's TREE_OPTIONS, chosen to generate about the chain's tokens per
 iteration), one after the other, with nothing else running. Generated tokens are counted from the saved
 tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too (a fork's replayed
-turns are stepped again: they count). Prints a table, writes OUT/trees_PRESET.json and
-OUT/trees_PRESET.png.
+turns are stepped again: they count). Prints a table, writes OUT/trees_PRESET[TAG].json and
+OUT/trees_PRESET[TAG].png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -155,15 +158,23 @@ def main() -> int:
     parser.add_argument("--out", default="bench", help="where the JSON and the plot go")
     parser.add_argument("--report-only", action="store_true", help="read the runs in --out-dir, start none")
     parser.add_argument("--skip-learner", action="store_true", help="no shared-against-unshared learner step")
+    parser.add_argument("--arms", default="chain,tree", help="which runs to make: chain, tree or both")
+    parser.add_argument("--tree-options", default=None,
+                        help="the tree run's options instead of the preset's TREE_OPTIONS, e.g. \"--tree.width 3 ...\"")  # fmt: skip
+    parser.add_argument("--tag", default="", help="suffix of the runs' directories and of the outputs")
     args = parser.parse_args()
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
     if args.preset not in TREE_OPTIONS:
         parser.error(f"--preset {args.preset}: no tree options for it here (have: {', '.join(TREE_OPTIONS)})")
-    runs = {"chain": [], "tree": TREE_OPTIONS[args.preset]}
-    results: dict = {"preset": args.preset, "minutes": args.minutes, "tree_options": runs["tree"], "runs": {}}
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or set(arms) - {"chain", "tree"}:
+        parser.error(f"--arms {args.arms}: chain, tree or chain,tree")
+    tree = shlex.split(args.tree_options) if args.tree_options is not None else TREE_OPTIONS[args.preset]
+    runs = {label: extra for label, extra in (("chain", []), ("tree", tree)) if label in arms}
+    results: dict = {"preset": args.preset, "minutes": args.minutes, "tree_options": tree, "runs": {}}
     for label, extra in runs.items():
-        run_dir = root / f"{args.preset}-{label}"
+        run_dir = root / f"{args.preset}-{label}{args.tag}"
         if not args.report_only:
             if run_dir.exists():
                 parser.error(f"{run_dir} exists: remove it, or pass --report-only")
@@ -177,15 +188,16 @@ def main() -> int:
         if best:
             print(f"  {label}: best {100 * best['success']:.0f}% at {best['minutes']:.1f} min, {best['tokens']} tokens")
         print(f"  {label}: learner {r['learner']}")
-    if not args.skip_learner:
+    if not args.skip_learner and "tree" in runs:
         print("learner step on the tree run's largest batch:")
-        results["layout"] = shared_vs_unshared(root / f"{args.preset}-tree")
+        results["layout"] = shared_vs_unshared(root / f"{args.preset}-tree{args.tag}")
         print(f"  shared / unshared time per logical token: {results['layout']['time_ratio']:.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"trees_{args.preset}.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / f"trees_{args.preset}.png", args.preset)
-    print(f"wrote {out / f'trees_{args.preset}.json'} and {out / f'trees_{args.preset}.png'}")
+    name = f"trees_{args.preset}{args.tag}"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / f"{name}.png", args.preset)
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return 0
 
 

@@ -1,0 +1,33 @@
+"""bench/bench_distill.py's clock and its student's options."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from bench_distill import first_reaching, held_out, student_options  # noqa: E402
+
+
+def test_held_out_leaves_the_evaluations_minutes_out(tmp_path):
+    rows = [
+        {"iteration": 0, "eval_success_rate": 0.3, "elapsed_s": 60.0, "time_eval": 30.0},
+        {"iteration": 1, "elapsed_s": 120.0, "time_train": 50.0},
+        {"iteration": 2, "eval_success_rate": 0.6, "elapsed_s": 240.0, "time_eval": 30.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert held_out(tmp_path) == [(1.0, 0.3, 0), (4.0, 0.6, 2)]
+    # 30 s of evaluation before the first point, 60 s before the second
+    assert held_out(tmp_path, evaluations=False) == [(0.5, 0.3, 0), (3.0, 0.6, 2)]
+    assert first_reaching(held_out(tmp_path, evaluations=False), 0.6) == 3.0
+    assert first_reaching(held_out(tmp_path), 0.7) is None
+
+
+def test_student_options_replace_a_default_given_again():
+    assert student_options("T", []) == [
+        "--teacher.model", "T", "--train.estimator", "zero", "--rollouts.temperature", "1.0", "--eval.every", "2",
+    ]  # fmt: skip
+    options = student_options("T", ["--train.estimator", "batch", "--teacher.coef", "1"])
+    assert options.count("--train.estimator") == 1
+    assert options[options.index("--train.estimator") + 1] == "batch"
+    assert "--rollouts.temperature" in options and options[-2:] == ["--teacher.coef", "1"]
