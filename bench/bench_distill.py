@@ -99,6 +99,20 @@ def best_checkpoint(run_dir: Path, points) -> tuple[Path, float, int]:
     return keep, success, iteration
 
 
+def newest_checkpoint(run_dir: Path, points) -> tuple[Path, float, int]:
+    """The run's newest checkpoint and its held-out success; refused when that checkpoint was not evaluated
+    (the run stopped between evaluations: its success is not known)."""
+    iteration = RunDir(run_dir).newest_checkpoint()
+    success = next((s for _, s, i in points if i == iteration), None)
+    if not iteration or success is None:
+        evaluated = ", ".join(str(i) for _, _, i in points)
+        raise SystemExit(
+            f"{run_dir}: its newest checkpoint ({iteration}) has no held-out evaluation (evaluated: {evaluated}); "
+            "pass --teacher best"
+        )
+    return RunDir(run_dir).checkpoint(iteration), success, iteration
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="embedded")
@@ -133,18 +147,16 @@ def main() -> int:
                 ["--run.keep_checkpoints", "1000"] if args.teacher == "best" else [],
             )
     teacher_curve = held_out(grpo)
-    if args.teacher == "best":
-        source_file = root / f"{args.preset}-teacher.json"
-        if args.report_only or (args.reuse_grpo and source_file.exists()):
-            source = json.loads(source_file.read_text())
-        else:
-            path, success, iteration = best_checkpoint(grpo, teacher_curve)
-            source = {"path": str(path), "success": success, "iteration": iteration}
-            source_file.write_text(json.dumps(source))
-        teacher_model, teacher = source["path"], source["success"]
+    source_file = root / f"{args.preset}-teacher.json"  # the teacher chosen, kept for --report-only and --reuse-grpo
+    if args.report_only or (args.reuse_grpo and source_file.exists()):
+        source = json.loads(source_file.read_text())
     else:
-        source = {"path": str(grpo), "success": teacher_curve[-1][1], "iteration": teacher_curve[-1][2]}
-        teacher_model, teacher = str(grpo), teacher_curve[-1][1]
+        path, success, iteration = (best_checkpoint if args.teacher == "best" else newest_checkpoint)(
+            grpo, teacher_curve
+        )
+        source = {"path": str(path), "success": success, "iteration": iteration}
+        source_file.write_text(json.dumps(source))
+    teacher_model, teacher = source["path"], source["success"]
     if not args.report_only:
         run(args.preset, student, args.distill_minutes, student_options(teacher_model, extra))
     student_curve = held_out(student)

@@ -31,3 +31,22 @@ def test_student_options_replace_a_default_given_again():
     assert options.count("--train.estimator") == 1
     assert options[options.index("--train.estimator") + 1] == "batch"
     assert "--rollouts.temperature" in options and options[-2:] == ["--teacher.coef", "1"]
+
+
+def test_the_newest_checkpoint_teaches_only_when_it_was_evaluated(tmp_path):
+    from bench_distill import newest_checkpoint
+
+    from contract.rundir import WEIGHTS_FILE, RunDir
+
+    run = RunDir(tmp_path)
+    for i in (5, 6):
+        run.checkpoint(i).mkdir(parents=True)
+        (run.checkpoint(i) / WEIGHTS_FILE).write_text("{}")
+    points = [(0.5, 0.3, 0), (2.0, 0.6, 5)]
+    try:
+        newest_checkpoint(tmp_path, points)
+    except SystemExit as e:
+        assert "newest checkpoint (6) has no held-out evaluation (evaluated: 0, 5)" in str(e)
+    else:
+        raise AssertionError("an unevaluated newest checkpoint was taken as the teacher")
+    assert newest_checkpoint(tmp_path, [*points, (3.0, 0.7, 6)]) == (run.checkpoint(6), 0.7, 6)
