@@ -73,6 +73,13 @@ def setting(run_dir: Path) -> str:
     return f"lr {config['train']['lr']:g}, {rollouts['tasks_per_iteration']} tasks x {rollouts['attempts']}{signal}"
 
 
+def rl_setting(run_dir: Path) -> str:
+    """The RL run's algorithm and estimator, trees named, read from its resolved config."""
+    config = json.loads(RunDir(run_dir).config_path.read_text())
+    trees = f", trees of width {config['tree']['width']}" if config.get("tree", {}).get("width") else ""
+    return f"{config['train']['algorithm'].upper()}, {config['train']['estimator']}{trees}"
+
+
 def first_reaching(points, level: float) -> float | None:
     """Minutes at which a run's held-out success first reached `level` (none: never)."""
     return next((m for m, s, _ in points if s >= level - 1e-9), None)
@@ -197,7 +204,7 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     curves = [
-        ("GRPO (makes the teacher)", teacher_curve, "-"),
+        (f"{rl_setting(grpo)} (makes the teacher)", teacher_curve, "-"),
         (f"distillation, {setting(student)}", student_curve, "-"),
     ]
     for other in sorted(root.glob(f"{args.preset}-distill*")):  # the other students of this teacher, dashed
