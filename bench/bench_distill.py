@@ -63,7 +63,7 @@ def student_options(teacher_model: str, extra: list[str]) -> list[str]:
 def setting(run_dir: Path) -> str:
     """A student run's learning rate, episodes per iteration and (beside the teacher's) its reward's estimator,
     read from its resolved config."""
-    config = json.loads(RunDir(run_dir).config_path.read_text())
+    config = RunDir(run_dir).saved_config()
     rollouts = config["rollouts"]
     signal = (
         ""
@@ -75,7 +75,7 @@ def setting(run_dir: Path) -> str:
 
 def rl_setting(run_dir: Path) -> str:
     """The RL run's algorithm and estimator, trees named, read from its resolved config."""
-    config = json.loads(RunDir(run_dir).config_path.read_text())
+    config = RunDir(run_dir).saved_config()
     trees = f", trees of width {config['tree']['width']}" if config.get("tree", {}).get("width") else ""
     return f"{config['train']['algorithm'].upper()}, {config['train']['estimator']}{trees}"
 

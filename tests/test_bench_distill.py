@@ -50,3 +50,18 @@ def test_the_newest_checkpoint_teaches_only_when_it_was_evaluated(tmp_path):
     else:
         raise AssertionError("an unevaluated newest checkpoint was taken as the teacher")
     assert newest_checkpoint(tmp_path, [*points, (3.0, 0.7, 6)]) == (run.checkpoint(6), 0.7, 6)
+
+
+def test_the_plot_labels_read_the_runs_resolved_configs(tmp_path):
+    from bench_distill import rl_setting, setting
+
+    from contract.rundir import RunDir
+
+    student, rl = RunDir(tmp_path / "student"), RunDir(tmp_path / "rl")
+    for run in (student, rl):
+        run.root.mkdir()
+    student.save_config({"rollouts": {"tasks_per_iteration": 16, "attempts": 2}, "teacher": {"coef": 1.0},
+                         "train": {"lr": 2e-5, "estimator": "batch"}})  # fmt: skip
+    rl.save_config({"tree": {"width": 3}, "train": {"algorithm": "grpo", "estimator": "tree"}})
+    assert setting(student.root) == "lr 2e-05, 16 tasks x 2, batch + teacher x 1"
+    assert rl_setting(rl.root) == "GRPO, tree, trees of width 3"
