@@ -5,8 +5,9 @@
     uv run --no-sync python bench/bench_distill.py --report-only --out-dir DIR      # the table of runs already made
 
 1. GRPO: `orchestrate.rl --preset P` from the untrained model for --grpo-minutes. The teacher: its newest
-   checkpoint (--teacher newest), or the one its held-out success was best at (--teacher best: every
-   checkpoint is kept during the run, the others deleted after it).
+   checkpoint (--teacher newest; measured with `orchestrate.eval` when the run stopped after its last
+   evaluation), or the one its held-out success was best at (--teacher best: every checkpoint is kept during
+   the run, the others deleted after it).
 2. Distillation: `orchestrate.rl --preset P --teacher.model TEACHER --train.estimator zero` (the teacher's term
    alone) from the same untrained model, sampling at temperature 1 (where the term is the per-token reverse KL
    exactly), evaluated every 2 iterations, for --distill-minutes. --student-options adds options or replaces
@@ -24,6 +25,7 @@ import argparse
 import json
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,18 +108,30 @@ def best_checkpoint(run_dir: Path, points) -> tuple[Path, float, int]:
     return keep, success, iteration
 
 
-def newest_checkpoint(run_dir: Path, points) -> tuple[Path, float, int]:
-    """The run's newest checkpoint and its held-out success; refused when that checkpoint was not evaluated
-    (the run stopped between evaluations: its success is not known)."""
+def measure_checkpoint(run_dir: Path, iteration: int) -> float:
+    """Held-out success of one checkpoint of a run, measured as the loop measures it: `orchestrate.eval RUN
+    --version N` plays the run's held-out tasks at its evaluation temperature; its eval.json is kept in
+    RUN/evals/teacher-vN."""
+    out = run_dir / "evals" / f"teacher-v{iteration}"
+    cmd = [sys.executable, "-m", "orchestrate.eval", str(run_dir), "--version", str(iteration), "--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return json.loads((out / "eval.json").read_text())["pass@1"]["value"]
+
+
+def newest_checkpoint(run_dir: Path, points, measure=measure_checkpoint) -> tuple[Path, float, int, str]:
+    """The run's newest checkpoint, its held-out success and how that was measured: the run's own evaluation
+    of it, else (the run stopped between evaluations) `measure` (an `orchestrate.eval` of that version)."""
     iteration = RunDir(run_dir).newest_checkpoint()
+    if not iteration:
+        raise SystemExit(f"{run_dir}: no checkpoint on disk to teach with")
     success = next((s for _, s, i in points if i == iteration), None)
-    if not iteration or success is None:
-        evaluated = ", ".join(str(i) for _, _, i in points)
-        raise SystemExit(
-            f"{run_dir}: its newest checkpoint ({iteration}) has no held-out evaluation (evaluated: {evaluated}); "
-            "pass --teacher best"
-        )
-    return RunDir(run_dir).checkpoint(iteration), success, iteration
+    how = "the run's evaluation"
+    if success is None:
+        success, how = measure(run_dir, iteration), f"orchestrate.eval --version {iteration}"
+    return RunDir(run_dir).checkpoint(iteration), success, iteration, how
 
 
 def main() -> int:
@@ -158,10 +172,11 @@ def main() -> int:
     if args.report_only or (args.reuse_grpo and source_file.exists()):
         source = json.loads(source_file.read_text())
     else:
-        path, success, iteration = (best_checkpoint if args.teacher == "best" else newest_checkpoint)(
-            grpo, teacher_curve
-        )
-        source = {"path": str(path), "success": success, "iteration": iteration}
+        if args.teacher == "best":
+            path, success, iteration, how = *best_checkpoint(grpo, teacher_curve), "the run's evaluation"
+        else:
+            path, success, iteration, how = newest_checkpoint(grpo, teacher_curve)
+        source = {"path": str(path), "success": success, "iteration": iteration, "measured_by": how}
         source_file.write_text(json.dumps(source))
     teacher_model, teacher = source["path"], source["success"]
     if not args.report_only:

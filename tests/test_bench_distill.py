@@ -33,7 +33,7 @@ def test_student_options_replace_a_default_given_again():
     assert "--rollouts.temperature" in options and options[-2:] == ["--teacher.coef", "1"]
 
 
-def test_the_newest_checkpoint_teaches_only_when_it_was_evaluated(tmp_path):
+def test_the_newest_checkpoint_is_measured_when_the_run_did_not_evaluate_it(tmp_path):
     from bench_distill import newest_checkpoint
 
     from contract.rundir import WEIGHTS_FILE, RunDir
@@ -43,13 +43,19 @@ def test_the_newest_checkpoint_teaches_only_when_it_was_evaluated(tmp_path):
         run.checkpoint(i).mkdir(parents=True)
         (run.checkpoint(i) / WEIGHTS_FILE).write_text("{}")
     points = [(0.5, 0.3, 0), (2.0, 0.6, 5)]
-    try:
-        newest_checkpoint(tmp_path, points)
-    except SystemExit as e:
-        assert "newest checkpoint (6) has no held-out evaluation (evaluated: 0, 5)" in str(e)
-    else:
-        raise AssertionError("an unevaluated newest checkpoint was taken as the teacher")
-    assert newest_checkpoint(tmp_path, [*points, (3.0, 0.7, 6)]) == (run.checkpoint(6), 0.7, 6)
+    measured = []
+
+    def measure(run_dir, iteration):
+        measured.append((run_dir, iteration))
+        return 0.65
+
+    # the run stopped after checkpoint 6, its last evaluation was of 5: 6 is measured, not labelled with 5's
+    assert newest_checkpoint(tmp_path, points, measure) == (run.checkpoint(6), 0.65, 6, "orchestrate.eval --version 6")
+    assert measured == [(tmp_path, 6)]
+    # evaluated by the run: its own figure, nothing measured again
+    assert newest_checkpoint(tmp_path, [*points, (3.0, 0.7, 6)], measure) == (
+        run.checkpoint(6), 0.7, 6, "the run's evaluation")  # fmt: skip
+    assert len(measured) == 1
 
 
 def test_the_plot_labels_read_the_runs_resolved_configs(tmp_path):
