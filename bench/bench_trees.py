@@ -4,6 +4,7 @@ its shared prefixes computed once against the same batch unshared.
 
     uv run --no-sync python bench/bench_trees.py --minutes 25                    # game preset, both runs
     uv run --no-sync python bench/bench_trees.py --preset countdown --minutes 25
+    uv run --no-sync python bench/bench_trees.py --preset python_tool --minutes 14 --options "--eval.every 1"
     uv run --no-sync python bench/bench_trees.py --report-only --out-dir DIR     # the table of runs already made
     uv run --no-sync python bench/bench_trees.py --arms tree --tag _wide --minutes 30 \
         --tree-options "--rollouts.attempts 4 --tree.width 3 --tree.points 2 --train.estimator tree"   # another tree
@@ -12,8 +13,9 @@ Each run is `orchestrate.rl --preset P --run.max_minutes M` started from its unt
 preset has it; the tree run with the preset's TREE_OPTIONS, chosen to generate about the chain's tokens per
 iteration), one after the other, with nothing else running. Generated tokens are counted from the saved
 tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too (a fork's replayed
-turns are stepped again: they count). Prints a table, writes OUT/trees_PRESET[TAG].json and
-OUT/trees_PRESET[TAG].png.
+turns are stepped again: they count). Prints a table and, at the highest held-out success both runs reached,
+the tokens each generated to first reach it (the tree's as a share of the chain's); writes
+OUT/trees_PRESET[TAG].json and OUT/trees_PRESET[TAG].png.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ from tapes.tape import EnvObservation  # noqa: E402
 
 # Per preset: the tree run's options, chosen to generate about the chain run's tokens per iteration. The game
 # (5 turns): two roots per task, branched into three at one point, twice deep. Countdown (2 turns, the second a
-# retry after a wrong answer): two roots per task, each wrong first answer's retry sampled four times.
+# retry after a wrong answer): two roots per task, each wrong first answer's retry sampled four times. The python
+# tool (a tool call, then the answer after its output): two roots per task, each answer after the tool's output
+# sampled three times, the tool's run restored in the sandbox by replaying the root's tape.
 TREE_OPTIONS = {
     "game": ["--rollouts.attempts", "2", "--tree.width", "3", "--tree.depth", "2", "--tree.token_budget", "160",
              "--train.estimator", "tree"],
     "countdown": ["--rollouts.attempts", "2", "--tree.width", "4", "--tree.depth", "1", "--tree.token_budget", "200",
                   "--train.estimator", "tree"],
+    "python_tool": ["--rollouts.attempts", "2", "--tree.width", "3", "--tree.depth", "1", "--train.estimator", "tree"],
 }  # fmt: skip
 
 
@@ -80,6 +85,23 @@ def curve(run_dir: Path) -> list[dict]:
         points.append({"iteration": i, "minutes": r["elapsed_s"] / 60, "success": r["eval_success_rate"],
                        "tokens": sum(c["tokens"] for c in done), "env_steps": sum(c["steps"] for c in done)})  # fmt: skip
     return points
+
+
+def tokens_at_equal_success(runs: dict) -> dict | None:
+    """The highest held-out success both the chain and the tree reached, the generated tokens (and minutes) each
+    first reached it with, and the tree's tokens as a share of the chain's (none: an arm is missing or has no
+    point after training started)."""
+    curves = {
+        label: [p for p in runs[label]["curve"] if p["iteration"] > 0] for label in ("chain", "tree") if label in runs
+    }
+    if len(curves) < 2 or not all(curves.values()):
+        return None
+    level = min(max(p["success"] for p in c) for c in curves.values())
+    first = {label: next(p for p in c if p["success"] >= level - 1e-9) for label, c in curves.items()}
+    out = {"success": level, **{label: {"tokens": p["tokens"], "minutes": p["minutes"], "iteration": p["iteration"]}
+                                for label, p in first.items()}}  # fmt: skip
+    out["token_ratio"] = first["tree"]["tokens"] / first["chain"]["tokens"] if first["chain"]["tokens"] else None
+    return out
 
 
 def learner_figures(run_dir: Path) -> dict:
@@ -161,18 +183,22 @@ def main() -> int:
     parser.add_argument("--arms", default="chain,tree", help="which runs to make: chain, tree or both")
     parser.add_argument("--tree-options", default=None,
                         help="the tree run's options instead of the preset's TREE_OPTIONS, e.g. \"--tree.width 3 ...\"")  # fmt: skip
+    parser.add_argument("--options", default="",
+                        help="options both runs take, e.g. \"--eval.every 1\" (the tree's own come after them)")  # fmt: skip
     parser.add_argument("--tag", default="", help="suffix of the runs' directories and of the outputs")
     args = parser.parse_args()
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    if args.preset not in TREE_OPTIONS:
-        parser.error(f"--preset {args.preset}: no tree options for it here (have: {', '.join(TREE_OPTIONS)})")
+    if args.preset not in TREE_OPTIONS and args.tree_options is None:
+        parser.error(f"--preset {args.preset}: no tree options for it here (have: {', '.join(TREE_OPTIONS)}); "
+                     "pass --tree-options")  # fmt: skip
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or set(arms) - {"chain", "tree"}:
         parser.error(f"--arms {args.arms}: chain, tree or chain,tree")
     tree = shlex.split(args.tree_options) if args.tree_options is not None else TREE_OPTIONS[args.preset]
-    runs = {label: extra for label, extra in (("chain", []), ("tree", tree)) if label in arms}
-    results: dict = {"preset": args.preset, "minutes": args.minutes, "tree_options": tree, "runs": {}}
+    both = shlex.split(args.options)
+    runs = {label: both + extra for label, extra in (("chain", []), ("tree", tree)) if label in arms}
+    results: dict = {"preset": args.preset, "minutes": args.minutes, "options": both, "tree_options": tree, "runs": {}}
     for label, extra in runs.items():
         run_dir = root / f"{args.preset}-{label}{args.tag}"
         if not args.report_only:
@@ -188,6 +214,11 @@ def main() -> int:
         if best:
             print(f"  {label}: best {100 * best['success']:.0f}% at {best['minutes']:.1f} min, {best['tokens']} tokens")
         print(f"  {label}: learner {r['learner']}")
+    equal = results["equal_success"] = tokens_at_equal_success(results["runs"])
+    if equal:
+        print(f"  at {100 * equal['success']:.0f}% held-out (the lower of the two bests): chain {equal['chain']['tokens']} "
+              f"tokens ({equal['chain']['minutes']:.1f} min), tree {equal['tree']['tokens']} tokens "
+              f"({equal['tree']['minutes']:.1f} min): the tree's tokens {equal['token_ratio']:.2f} of the chain's")  # fmt: skip
     if not args.skip_learner and "tree" in runs:
         print("learner step on the tree run's largest batch:")
         results["layout"] = shared_vs_unshared(root / f"{args.preset}-tree{args.tag}")
