@@ -88,15 +88,18 @@ def curve(run_dir: Path) -> list[dict]:
 
 
 def tokens_at_equal_success(runs: dict) -> dict | None:
-    """The highest held-out success both the chain and the tree reached, the generated tokens (and minutes) each
-    first reached it with, and the tree's tokens as a share of the chain's (none: an arm is missing or has no
-    point after training started)."""
-    curves = {
-        label: [p for p in runs[label]["curve"] if p["iteration"] > 0] for label in ("chain", "tree") if label in runs
-    }
-    if len(curves) < 2 or not all(curves.values()):
+    """The highest held-out success both the chain and the tree reached after training started, the generated
+    tokens (and minutes) each first reached it with, and the tree's tokens as a share of the chain's. None when
+    an arm is missing, or when that success is no better than the untrained model's (an arm never improved)."""
+    if not {"chain", "tree"} <= set(runs):
+        return None
+    curves = {label: [p for p in runs[label]["curve"] if p["iteration"] > 0] for label in ("chain", "tree")}
+    start = max((p["success"] for label in curves for p in runs[label]["curve"] if p["iteration"] == 0), default=0.0)
+    if not all(curves.values()):
         return None
     level = min(max(p["success"] for p in c) for c in curves.values())
+    if level <= start + 1e-9:
+        return None
     first = {label: next(p for p in c if p["success"] >= level - 1e-9) for label, c in curves.items()}
     out = {"success": level, **{label: {"tokens": p["tokens"], "minutes": p["minutes"], "iteration": p["iteration"]}
                                 for label, p in first.items()}}  # fmt: skip

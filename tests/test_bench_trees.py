@@ -14,16 +14,19 @@ def point(iteration, success, tokens):
 
 def test_tokens_at_equal_success_take_the_lower_best_and_each_arms_first_reach():
     runs = {
-        "chain": {"curve": [point(0, 0.9, 0), point(1, 0.5, 1000), point(2, 0.8, 2000), point(3, 1.0, 3000)]},
-        "tree": {"curve": [point(0, 0.9, 0), point(1, 0.8, 900), point(2, 0.7, 1800)]},
+        "chain": {"curve": [point(0, 0.2, 0), point(1, 0.5, 1000), point(2, 0.8, 2000), point(3, 1.0, 3000)]},
+        "tree": {"curve": [point(0, 0.2, 0), point(1, 0.8, 900), point(2, 0.7, 1800)]},
     }
-    # iteration 0 (the untrained model's 0.9) does not count: the tree's best after training is 0.8
+    # the lower of the two bests (the tree's 0.8), each run's first point at it
     out = tokens_at_equal_success(runs)
     assert out["success"] == 0.8
     assert out["chain"]["tokens"] == 2000 and out["tree"]["tokens"] == 900
     assert out["token_ratio"] == 0.45
     assert tokens_at_equal_success({"chain": runs["chain"]}) is None
-    assert tokens_at_equal_success({**runs, "tree": {"curve": [point(0, 0.9, 0)]}}) is None
+    assert tokens_at_equal_success({**runs, "tree": {"curve": [point(0, 0.2, 0)]}}) is None
+    # a run that never beat the untrained model: no success both reached by training
+    flat = {"curve": [point(0, 0.2, 0), point(1, 0.2, 1000), point(2, 0.1, 2000)]}
+    assert tokens_at_equal_success({**runs, "chain": flat}) is None
 
 
 def test_every_presets_tree_options_pass_the_loops_checks():
