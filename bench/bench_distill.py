@@ -6,7 +6,7 @@
 
 1. GRPO: `orchestrate.rl --preset P` from the untrained model for --grpo-minutes. The teacher: its newest
    checkpoint (--teacher newest; measured with `orchestrate.eval` when the run stopped after its last
-   evaluation), or the one its held-out success was best at (--teacher best: every checkpoint is kept during
+   evaluation, and that measurement is then a point of GRPO's curve, at the end of its iteration), or the one its held-out success was best at (--teacher best: every checkpoint is kept during
    the run, the others deleted after it).
 2. Distillation: `orchestrate.rl --preset P --teacher.model TEACHER --train.estimator zero` (the teacher's term
    alone) from the same untrained model, sampling at temperature 1 (where the term is the per-token reverse KL
@@ -38,16 +38,23 @@ from contract.rundir import RunDir  # noqa: E402
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
 
-def held_out(run_dir: Path, evaluations: bool = True) -> list[tuple[float, float, int]]:
+def held_out(
+    run_dir: Path, evaluations: bool = True, measured: dict[int, float] | None = None
+) -> list[tuple[float, float, int]]:
     """(minutes from the command's start, held-out success, iteration) of each evaluation; without
     `evaluations`, the minutes the evaluations so far took (metrics' time_eval) are left out of the clock, so
-    that two runs evaluated at different intervals compare by the time their training took."""
-    points, evaluating = [], 0.0
+    that two runs evaluated at different intervals compare by the time their training took. `measured`: the
+    success of checkpoints the run did not evaluate, measured afterwards (orchestrate.eval), each placed at
+    the end of its iteration (when its checkpoint was served)."""
+    points, evaluating, measured = [], 0.0, measured or {}
     for r in read_metrics(run_dir / "metrics.jsonl"):
         evaluating += r.get("time_eval") or 0.0
-        if r.get("eval_success_rate") is not None and "elapsed_s" in r:
+        success = r.get("eval_success_rate")
+        if success is None:
+            success = measured.get(r["iteration"])
+        if success is not None and "elapsed_s" in r:
             seconds = r["elapsed_s"] - (0.0 if evaluations else evaluating)
-            points.append((seconds / 60, r["eval_success_rate"], r["iteration"]))
+            points.append((seconds / 60, success, r["iteration"]))
     return points
 
 
@@ -179,11 +186,15 @@ def main() -> int:
         source = {"path": str(path), "success": success, "iteration": iteration, "measured_by": how}
         source_file.write_text(json.dumps(source))
     teacher_model, teacher = source["path"], source["success"]
+    # a teacher measured after the run is a point of the run's curve too: GRPO had reached it by then
+    measured = {} if source.get("measured_by", "").startswith("the run") else {source["iteration"]: teacher}
+    teacher_curve = held_out(grpo, measured=measured)
     if not args.report_only:
         run(args.preset, student, args.distill_minutes, student_options(teacher_model, extra))
     student_curve = held_out(student)
     # the same comparison with the evaluations' minutes left out (the student is evaluated more often)
-    training = {"grpo": held_out(grpo, evaluations=False), "distill": held_out(student, evaluations=False)}
+    training = {"grpo": held_out(grpo, evaluations=False, measured=measured),
+                "distill": held_out(student, evaluations=False)}  # fmt: skip
     g, s_ = first_reaching(training["grpo"], teacher), first_reaching(training["distill"], 0.9 * teacher)
     training_ratio = s_ / g if s_ is not None and g else None
     grpo_reached = first_reaching(teacher_curve, teacher)

@@ -21,6 +21,10 @@ def test_held_out_leaves_the_evaluations_minutes_out(tmp_path):
     assert held_out(tmp_path, evaluations=False) == [(0.5, 0.3, 0), (3.0, 0.6, 2)]
     assert first_reaching(held_out(tmp_path, evaluations=False), 0.6) == 3.0
     assert first_reaching(held_out(tmp_path), 0.7) is None
+    # iteration 1's checkpoint measured afterwards: a point at the end of iteration 1, evaluations' minutes out
+    assert held_out(tmp_path, evaluations=False, measured={1: 0.7}) == [(0.5, 0.3, 0), (1.5, 0.7, 1), (3.0, 0.6, 2)]
+    assert first_reaching(held_out(tmp_path, measured={1: 0.7}), 0.7) == 2.0
+    assert held_out(tmp_path, measured={2: 0.9}) == held_out(tmp_path)  # the run's own evaluation stands
 
 
 def test_student_options_replace_a_default_given_again():
