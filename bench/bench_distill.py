@@ -6,8 +6,9 @@
 
 1. GRPO: `orchestrate.rl --preset P` from the untrained model for --grpo-minutes. The teacher: its newest
    checkpoint (--teacher newest; measured with `orchestrate.eval` when the run stopped after its last
-   evaluation, and that measurement is then a point of GRPO's curve, at the end of its iteration), or the one its held-out success was best at (--teacher best: every checkpoint is kept during
-   the run, the others deleted after it).
+   evaluation, and that measurement is then a point of GRPO's curve, at the end of its iteration), or the
+   one its held-out success was best at (--teacher best: every checkpoint is kept during the run, the others
+   deleted after it).
 2. Distillation: `orchestrate.rl --preset P --teacher.model TEACHER --train.estimator zero` (the teacher's term
    alone) from the same untrained model, sampling at temperature 1 (where the term is the per-token reverse KL
    exactly), evaluated every 2 iterations, for --distill-minutes. --student-options adds options or replaces
