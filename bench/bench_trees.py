@@ -4,14 +4,14 @@ its shared prefixes computed once against the same batch unshared.
 
     uv run --no-sync python bench/bench_trees.py --minutes 25                    # game preset, both runs
     uv run --no-sync python bench/bench_trees.py --preset countdown --minutes 25
-    uv run --no-sync python bench/bench_trees.py --preset python_tool --minutes 14 --options "--eval.every 1"
+    uv run --no-sync python bench/bench_trees.py --preset python_tool --minutes 8 --options "--eval.every 1"
     uv run --no-sync python bench/bench_trees.py --report-only --out-dir DIR     # the table of runs already made
     uv run --no-sync python bench/bench_trees.py --arms tree --tag _wide --minutes 30 \
         --tree-options "--rollouts.attempts 4 --tree.width 3 --tree.points 2 --train.estimator tree"   # another tree
 
 Each run is `orchestrate.rl --preset P --run.max_minutes M` started from its untrained model (the chain run as the
 preset has it; the tree run with the preset's TREE_OPTIONS, chosen to generate about the chain's tokens per
-iteration), one after the other, with nothing else running. Generated tokens are counted from the saved
+iteration on the game and countdown), one after the other, with nothing else running. Generated tokens are counted from the saved
 tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too (a fork's replayed
 turns are stepped again: they count). Prints a table and, at the highest held-out success both runs reached,
 the tokens each generated to first reach it (the tree's as a share of the chain's); writes
@@ -38,14 +38,15 @@ from tapes.tape import EnvObservation  # noqa: E402
 # Per preset: the tree run's options, chosen to generate about the chain run's tokens per iteration. The game
 # (5 turns): two roots per task, branched into three at one point, twice deep. Countdown (2 turns, the second a
 # retry after a wrong answer): two roots per task, each wrong first answer's retry sampled four times. The python
-# tool (a tool call, then the answer after its output): two roots per task, each answer after the tool's output
-# sampled three times, the tool's run restored in the sandbox by replaying the root's tape.
+# tool (a tool call, then the answer after its output): one root per task, its answer after the tool's output
+# sampled twice more, the tool's run restored in the sandbox by replaying the root's tape (about 0.4 of the
+# chain's tokens an iteration: the turn the untrained model gets wrong is the answer).
 TREE_OPTIONS = {
     "game": ["--rollouts.attempts", "2", "--tree.width", "3", "--tree.depth", "2", "--tree.token_budget", "160",
              "--train.estimator", "tree"],
     "countdown": ["--rollouts.attempts", "2", "--tree.width", "4", "--tree.depth", "1", "--tree.token_budget", "200",
                   "--train.estimator", "tree"],
-    "python_tool": ["--rollouts.attempts", "2", "--tree.width", "3", "--tree.depth", "1", "--train.estimator", "tree"],
+    "python_tool": ["--rollouts.attempts", "1", "--tree.width", "3", "--train.estimator", "tree"],
 }  # fmt: skip
 
 
