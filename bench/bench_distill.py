@@ -187,8 +187,9 @@ def main() -> int:
         source = {"path": str(path), "success": success, "iteration": iteration, "measured_by": how}
         source_file.write_text(json.dumps(source))
     teacher_model, teacher = source["path"], source["success"]
-    # a teacher measured after the run is a point of the run's curve too: GRPO had reached it by then
-    measured = {} if source.get("measured_by", "").startswith("the run") else {source["iteration"]: teacher}
+    # a teacher measured after the run is a point of the run's curve too (GRPO had reached it by then); where
+    # the run evaluated that checkpoint itself, held_out keeps the run's figure
+    measured = {source["iteration"]: teacher}
     teacher_curve = held_out(grpo, measured=measured)
     if not args.report_only:
         run(args.preset, student, args.distill_minutes, student_options(teacher_model, extra))

@@ -11,9 +11,9 @@ its shared prefixes computed once against the same batch unshared.
 
 Each run is `orchestrate.rl --preset P --run.max_minutes M` started from its untrained model (the chain run as the
 preset has it; the tree run with the preset's TREE_OPTIONS, chosen to generate about the chain's tokens per
-iteration on the game and countdown), one after the other, with nothing else running. Generated tokens are counted from the saved
-tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too (a fork's replayed
-turns are stepped again: they count). Prints a table and, at the highest held-out success both runs reached,
+iteration on the game and countdown), one after the other, with nothing else running. Generated tokens are
+counted from the saved tapes (a fork's own calls: its replayed ones are its parent's) and environment steps too
+(a fork's replayed turns are stepped again: they count). Prints a table and, at the highest held-out success both runs reached,
 the tokens each generated to first reach it (the tree's as a share of the chain's); writes
 OUT/trees_PRESET[TAG].json and OUT/trees_PRESET[TAG].png.
 """
