@@ -240,6 +240,26 @@ def test_a_forks_sample_trains_its_own_turns_and_names_its_branch(tokenizer):
     assert returns[1] == [1.0] and adv[1][0] > 0 > adv[0][0]
 
 
+def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(tokenizer):
+    from tests.test_fork import SAMPLING
+
+    roots = SAMPLING.model_copy(update={"temperature": 0.7})
+    tree = TreeSection(width=2, temperature=1.5)
+    tapes = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4), tree, iteration=1,
+                                  policy_version=1, sampling=roots))  # fmt: skip
+    root, fork = tapes
+    k = fork.metadata.branch_at
+    assert {c.sampling.temperature for c in root.llm_calls} == {0.7}
+    # the replayed calls are the parent's (sampled at 0.7); the fork's own at the tree's temperature
+    assert [c.sampling.temperature for c in fork.llm_calls] == [0.7] * k + [1.5] * (len(fork.llm_calls) - k)
+    (root_sample,), (fork_sample,) = tapes_to_samples([root], False), tapes_to_samples([fork], False)
+    assert root_sample["temperature"] == 0.7 and fork_sample["temperature"] == 1.5
+    # none given: the forks sample as the roots
+    same = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4), TreeSection(width=2),
+                                 iteration=1, policy_version=1, sampling=roots))  # fmt: skip
+    assert {c.sampling.temperature for t in same for c in t.llm_calls} == {0.7}
+
+
 def test_a_sample_may_not_train_its_parents_turns():
     with pytest.raises(ValueError, match="before the branch point"):
         Sample(prompt_ids=[1], completion_ids=[2, 3], behaviour_logprobs=[-1.0], reward=0.0, group_id="g",
@@ -268,6 +288,9 @@ def test_a_sample_may_not_train_its_parents_turns():
         ),
         ("game", {"tree.width": "2", "tree.branch_by": "luck"}, r"^--tree.branch_by: "),
         ("game", {"tree.width": "2", "tree.points": "0"}, r"^--tree.points: "),
+        ("game", {"tree.width": "2", "tree.temperature": "0"}, r"^--tree.temperature: "),
+        ("game", {"tree.width": "2", "tree.temperature": "nan"}, r"^--tree.temperature: "),
+        ("game", {"tree.temperature": "1.5"}, r"^--tree.temperature: is an option of tree rollouts, which are off"),
     ],
 )
 def test_tree_options_are_refused_in_one_line(preset, overrides, message):
@@ -277,8 +300,8 @@ def test_tree_options_are_refused_in_one_line(preset, overrides, message):
 
 def test_tree_options_that_work():
     config = resolve("game", {"tree.width": "3", "tree.depth": "2", "tree.token_budget": "2000",
-                              "tree.branch_by": "entropy", "train.estimator": "tree"})  # fmt: skip
-    assert config.tree.width == 3 and config.train.estimator == "tree"
+                              "tree.branch_by": "entropy", "train.estimator": "tree", "tree.temperature": "1.3"})  # fmt: skip
+    assert config.tree.width == 3 and config.train.estimator == "tree" and config.tree.temperature == 1.3
     # one root a task: its forks are its group's other episodes (chains refuse it: a group of one)
     assert resolve("game", {"tree.width": "4", "rollouts.attempts": "1", "train.estimator": "tree"}).tree.width == 4
     with pytest.raises(ConfigError, match=r"^--rollouts.attempts: 1 attempt per task leaves every group of one"):

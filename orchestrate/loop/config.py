@@ -187,6 +187,13 @@ class TreeSection(BaseModel):
         description="generated tokens per task, roots and branches together: no branch starts once they are "
         "spent (compare a tree and a chain at the same budget); none: width x points x depth decide",
     )
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        description="sampling temperature of the forks' live calls (above the roots': more varied continuations "
+        "where the tree branches; the learner scores each call at the temperature it was sampled at); none: "
+        "the roots' (rollouts.temperature)",
+    )
 
     def max_episodes(self, attempts: int) -> int:
         """A task's episodes at most: each of its `attempts` roots, then on every level each episode of the

@@ -95,7 +95,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "reward": sum(t["reward"] for t in turns),
             "group_id": tape.metadata.group_id,
             "episode_id": tape.metadata.id,
-            "temperature": segment[0].sampling.temperature,
+            "temperature": own[0].sampling.temperature,  # a fork's own calls' (tree.temperature), not its parent's
             "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
             "policy_version": oldest,
             "version_changes": changes or None,

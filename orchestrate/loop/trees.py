@@ -7,8 +7,8 @@ With `--tree.width W` (orchestrate.loop.config.TreeSection) an iteration plays, 
      each one W - 1 forks are played (orchestrate.loop.forks.fork_once): the environment restored by replaying
      the episode's recorded calls up to that call (answered from the tape, nothing regenerated; the prompts
      hit the server's prefix cache), then sampled live with the policy being served (each call carries its
-     version, so trees run under run.async_level > 0 as chains do). The episode's own continuation is the
-     W-th sibling at its branch point.
+     version, so trees run under run.async_level > 0 as chains do), at `tree.temperature` when given (the
+     roots' otherwise). The episode's own continuation is the W-th sibling at its branch point.
 Branch points: `turn` picks them uniformly over the eligible calls (Tree-GRPO, arXiv:2509.21240); `entropy`
 picks the calls whose first FIRST_TOKENS sampled tokens are the most surprising (mean -log p: a one-sample
 estimate of the entropy there) compared with the call before, i.e. where the model's uncertainty rises after an
@@ -117,6 +117,9 @@ async def grow_tree(
     group = group_id(iteration, spec, seed)
     rng = random.Random(f"tree|{group}")  # the same branch points for the same tapes
     budget = Budget(tree.token_budget)
+    fork_sampling = sampling
+    if tree.temperature is not None:
+        fork_sampling = (sampling or SamplingParams()).model_copy(update={"temperature": tree.temperature})
 
     async def root() -> Tape:
         tape = new_tape(spec, seed, iteration=iteration, group_id=group, policy_version=policy_version)
@@ -126,7 +129,7 @@ async def grow_tree(
         return tape
 
     async def fork(parent: Tape, at: int) -> Tape:
-        tape = await fork_once(parent, agent, at, llm, sampling, policy_version=policy_version, group_id=group,
+        tape = await fork_once(parent, agent, at, llm, fork_sampling, policy_version=policy_version, group_id=group,
                                iteration=iteration, keep_diverged=True,
                                wrap_env=None if clock is None else (lambda env: TimedEnv(env, clock)))  # fmt: skip
         if on_episode:
