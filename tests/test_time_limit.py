@@ -29,6 +29,8 @@ class FakeTrainer:
 
     def wait_for_checkpoint(self, j, progress=False, desc=None):
         assert self.run.batch(j).is_file(), f"checkpoint {j} waited for before its batch was written"
+        if self.run.checkpoint(j).is_dir():  # a resumed run's: trained before the stop
+            return self.run.checkpoint(j)
         self.trained.append(j)
         self.run.checkpoint(j).mkdir(parents=True)
         (self.run.checkpoint(j) / "config.json").write_text("{}")

@@ -218,6 +218,27 @@ def colocated(config, count: int | None = None) -> bool:
     return bool(servers & learner)
 
 
+def apart(config, count: int | None = None) -> bool:
+    """Whether the policy servers and the learner compute on separate hardware, so that work on one side does
+    not slow the other: servers by URL or a learner launched elsewhere; on GPUs, not colocated; on CPU, the
+    cores split by --server.cpus and --trainer.cpus (kept disjoint by check_placement). `count` as in colocated."""
+    s, t = config.server, config.trainer
+    if s.policy_urls or t.launch != "local":
+        return True
+    if len(visible_gpus()) if count is None else count:
+        return not colocated(config, count)
+    return bool(s.cpus and t.cpus)
+
+
+def overlap_eval(config, count: int | None = None) -> bool:
+    """Whether the loop plays an evaluation while the trainer trains the next batch (eval.overlap): at
+    async_level 0 (above it, it does anyway), never colocated, and with auto only when the two sides compute
+    apart."""
+    if config.run.async_level or config.eval.overlap == "off" or colocated(config, count):
+        return False
+    return config.eval.overlap == "on" or apart(config, count)
+
+
 def check_colocation(config, count: int | None = None) -> None:
     """Colocated servers sleep while the learner trains: what that rules out, each refused in one line."""
     from orchestrate.serving.processes import format_cpus
@@ -233,6 +254,9 @@ def check_colocation(config, count: int | None = None) -> None:
         where = "--server.policy_urls" if s.policy_urls else "--trainer.launch external"
         raise ConfigError(f"--server.colocate: on needs the policy servers and the learner on this machine, and "
                           f"{where} puts them elsewhere; leave it at auto")  # fmt: skip
+    if config.eval.overlap == "on":
+        raise ConfigError(f"--eval.overlap: on plays evaluations while the learner trains, but colocated servers "
+                          f"sleep then ({why}); leave it at auto")  # fmt: skip
     if config.run.async_level:
         raise ConfigError(f"--run.async_level: {config.run.async_level} generates while the learner trains, but "
                           f"colocated servers sleep then ({why}); set 0, or give the learner GPUs of its own "

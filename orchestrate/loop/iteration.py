@@ -11,7 +11,9 @@ Each iteration i, the README's six steps (`generate`, then `catch_up` and `compl
   3. the tapes are saved, then the training samples (batches/i, orchestrate.loop.samples)
   4. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
   5. the policy servers get the new weights, no restart (orchestrate.loop.servers, orchestrate.serving.weights)
-  6. every `eval.every` iterations: held-out episodes (orchestrate.loop.evaluation)
+  6. every `eval.every` iterations: held-out episodes (orchestrate.loop.evaluation); with eval.overlap (and
+     async_level 0, not colocated; auto: the servers and the learner apart) they play after the next iteration's batch is handed over, while the
+     trainer trains it, on the weights served since step 5 (the next ones are served after)
 and then its record (orchestrate.loop.report): metrics line, plot, state.json: the iteration is complete.
 
 With run.max_minutes the loop starts no new iteration once that many minutes have passed since the command
@@ -37,6 +39,7 @@ from agents.agent import Agent
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
+from orchestrate.loop.config_checks import overlap_eval
 from orchestrate.loop.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
 from orchestrate.loop.evaluation import Evaluation, play_tasks
 from orchestrate.loop.metrics import rollout_metrics
@@ -72,6 +75,7 @@ class Loop:
         self.generated: dict[int, list[Tape]] = {}  # iterations whose batch is written and record is not
         self.timer = Timer()
         self.phase: tuple | None = None  # (iteration, phase, since) of phase.json
+        self.deferred: int | None = None  # an iteration served whose evaluation waits for the next batch
 
     def _enter(self, iteration: int, phase: str) -> None:
         """The loop is now in `phase` of `iteration`: phase.json says so (and the test hook may fire)."""
@@ -181,11 +185,17 @@ class Loop:
         self.servers.make_room()
         self.timer.add("weight_sync", time.perf_counter() - start)
 
-    def catch_up(self, until: int, generated: int) -> None:
+    def catch_up(self, until: int, generated: int, defer: bool = False) -> None:
         """Complete iterations in order: through `until` (waiting for their checkpoints), then any later
-        one up to `generated` whose checkpoint is already there (never waiting)."""
+        one up to `generated` whose checkpoint is already there (never waiting). With `defer` (eval.overlap),
+        the last one, when its evaluation is due, is served and left for the next call: it is evaluated then,
+        after the next batch is handed over, while the trainer trains it."""
         state = self.run.load_state()
         for j in range(state.completed_iteration + 1, generated + 1):
+            if j == self.deferred:  # served already, and still (the next checkpoint is not served before it)
+                self.deferred = None
+                self.complete(j)
+                continue
             if j > until and self.trainer.newest_checkpoint() < j:
                 break
             self._enter(j, "training")
@@ -202,6 +212,9 @@ class Loop:
                 start = time.perf_counter()
                 self.servers.serve(newest)
                 self.timer.add("weight_sync", time.perf_counter() - start)
+            if defer and j == generated and self.evaluation.due(j) and self.servers.served == j:
+                self.deferred = j
+                continue
             self.complete(j)
 
     def complete(self, j: int) -> None:
@@ -233,6 +246,11 @@ class Loop:
         self.run.save_state(state)  # the iteration is complete
         self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(self.servers.served)})
         self.reporter.show(record)
+
+    def overlap_eval(self) -> bool:
+        """An evaluation plays while the trainer trains the next batch (eval.overlap, config_checks.overlap_eval)
+        with the servers awake then (not colocated)."""
+        return overlap_eval(self.config) and not self.servers.colocated
 
     def evaluate(self, i: int) -> dict:
         """The held-out metrics of the weights served after iteration i (orchestrate.loop.evaluation)."""
@@ -297,7 +315,7 @@ class Loop:
                     last = i - 1
                     break
                 self.generate(i)
-                self.catch_up(until=i - c.run.async_level, generated=i)
+                self.catch_up(until=i - c.run.async_level, generated=i, defer=self.overlap_eval())
             self.catch_up(until=last, generated=last)
             self._enter(last, "done")
         if last < c.run.iterations:
