@@ -17,7 +17,7 @@ from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.forks import DIVERGED, fork_once
 from orchestrate.loop.samples import tapes_to_samples
 from orchestrate.loop.trees import choose_points, eligible_points, generated_tokens, grow_tree, tree_metrics
-from tapes.tape import LLMCall, Tape, TapeMetadata
+from tapes.tape import LLMCall, SamplingParams, Tape, TapeMetadata
 from tests import test_fork
 from tests.test_fork import GAME, ScriptedLLM, answer, game_agent, wrong_guesses
 
@@ -254,6 +254,14 @@ def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(
     assert [c.sampling.temperature for c in fork.llm_calls] == [0.7] * k + [1.5] * (len(fork.llm_calls) - k)
     (root_sample,), (fork_sample,) = tapes_to_samples([root], False), tapes_to_samples([fork], False)
     assert root_sample["temperature"] == 0.7 and fork_sample["temperature"] == 1.5
+    # the loop passes no sampling (the agent's is the run's): the forks keep the parent's max_tokens and top_p
+    agent = game_agent(tokenizer)
+    tapes = asyncio.run(grow_tree(agent, GAME, 0, 1, tree_llm(tokenizer, 4), tree, iteration=1, policy_version=1))
+    root, fork = tapes
+    own = fork.llm_calls[fork.metadata.branch_at :]
+    assert {(c.sampling.temperature, c.sampling.max_tokens, c.sampling.top_p) for c in own} == {
+        (1.5, root.llm_calls[0].sampling.max_tokens, root.llm_calls[0].sampling.top_p)}  # fmt: skip
+    assert root.llm_calls[0].sampling.max_tokens == SAMPLING.max_tokens != SamplingParams().max_tokens
     # none given: the forks sample as the roots
     same = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4), TreeSection(width=2),
                                  iteration=1, policy_version=1, sampling=roots))  # fmt: skip

@@ -219,8 +219,8 @@ class EvalSection(BaseModel):
         description="with run.async_level 0, an evaluation plays while the trainer trains the next batch (the "
         "policy servers are idle then), on the weights it evaluates, and its iteration's record follows; off: "
         "before the next rollouts; auto: on when the servers and the learner compute apart (GPUs not colocated, "
-        "servers by URL, or CPU cores split by --server.cpus and --trainer.cpus; on shared cores it measured "
-        "2.3x slower). Refused when colocated (the servers sleep while the learner trains); with "
+        "servers by URL, or CPU cores split by --server.cpus and --trainer.cpus; on shared cores each side slows "
+        "the other: docs/benchmarks.md). Refused when colocated (the servers sleep while the learner trains); with "
         "async_level > 0 evaluations overlap training anyway",
     )
 

@@ -11,8 +11,8 @@ Each iteration i, the README's six steps (`generate`, then `catch_up` and `compl
   3. the tapes are saved, then the training samples (batches/i, orchestrate.loop.samples)
   4. the trainer (a separate accelerate process, alive for the whole run) writes checkpoints/i
   5. the policy servers get the new weights, no restart (orchestrate.loop.servers, orchestrate.serving.weights)
-  6. every `eval.every` iterations: held-out episodes (orchestrate.loop.evaluation); with eval.overlap (and
-     async_level 0, not colocated; auto: the servers and the learner apart) they play after the next iteration's batch is handed over, while the
+  6. every `eval.every` iterations: held-out episodes (orchestrate.loop.evaluation); with eval.overlap
+     (config_checks.overlap_eval) they play after the next iteration's batch is handed over, while the
      trainer trains it, on the weights served since step 5 (the next ones are served after)
 and then its record (orchestrate.loop.report): metrics line, plot, state.json: the iteration is complete.
 

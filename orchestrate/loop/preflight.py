@@ -224,8 +224,11 @@ def preflight(config) -> None:
     teacher = None
     if config.teacher.model and not config.teacher.url:
         teacher = check_teacher(config.teacher.model, policy, config.model.policy)
-    if config.teacher.model and config.rollouts.temperature != 1.0:
-        print(f"note: --teacher.model at --rollouts.temperature {config.rollouts.temperature}: the teacher scores "
+    tempered = [(f"--{k}", t) for k, t in (("rollouts.temperature", config.rollouts.temperature),
+                                            ("tree.temperature", config.tree.temperature)) if t not in (None, 1.0)]  # fmt: skip
+    if config.teacher.model and tempered:
+        option, t = tempered[0]
+        print(f"note: --teacher.model at {option} {t}: the teacher scores "
               "untempered, the sampled log-probs are tempered, so the teacher's term pulls the tempered "
               "distribution toward the teacher (at 1.0 it is the reverse KL's estimate)", file=sys.stderr)  # fmt: skip
     if config.train.lora.target_modules:

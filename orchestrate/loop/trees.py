@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from agents.agent import Agent, TokenLLM
 from agents.env_spec import EnvSpec
-from orchestrate.loop.forks import DIVERGED, fork_once
+from orchestrate.loop.forks import DIVERGED, fork_once, fork_sampling
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.rollouts import EnvClock, TimedEnv, group_id, new_tape, play
 from tapes.tape import SamplingParams, Tape
@@ -117,9 +117,6 @@ async def grow_tree(
     group = group_id(iteration, spec, seed)
     rng = random.Random(f"tree|{group}")  # the same branch points for the same tapes
     budget = Budget(tree.token_budget)
-    fork_sampling = sampling
-    if tree.temperature is not None:
-        fork_sampling = (sampling or SamplingParams()).model_copy(update={"temperature": tree.temperature})
 
     async def root() -> Tape:
         tape = new_tape(spec, seed, iteration=iteration, group_id=group, policy_version=policy_version)
@@ -129,7 +126,12 @@ async def grow_tree(
         return tape
 
     async def fork(parent: Tape, at: int) -> Tape:
-        tape = await fork_once(parent, agent, at, llm, fork_sampling, policy_version=policy_version, group_id=group,
+        if tree.temperature is not None:  # the parent's sampling (max_tokens, top_p) at the forks' temperature
+            given = sampling or getattr(agent, "sampling", None) or SamplingParams()
+            fork_at = fork_sampling(parent, given, temperature=tree.temperature)
+        else:
+            fork_at = sampling
+        tape = await fork_once(parent, agent, at, llm, fork_at, policy_version=policy_version, group_id=group,
                                iteration=iteration, keep_diverged=True,
                                wrap_env=None if clock is None else (lambda env: TimedEnv(env, clock)))  # fmt: skip
         if on_episode:
