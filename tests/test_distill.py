@@ -390,3 +390,18 @@ def test_offline_equal_rewards_are_kept_when_the_teacher_gives_the_signal():
     tapes = [make_tape(i) for i in range(4)]  # one group, every reward 1.0: the group baseline gives 0
     kept = score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(teacher_coef=1.0), progress=False)
     assert kept == tapes
+
+
+def test_the_teacher_note_names_a_tempered_rollout_or_tree():
+    from orchestrate.loop.config import resolve
+    from orchestrate.loop.preflight import teacher_temperature_note
+
+    def note(**options):
+        config = resolve("countdown", {k.replace("__", "."): v for k, v in options.items()})
+        return config.model_copy(update={"teacher": config.teacher.model_copy(update={"model": "teacher"})})
+
+    assert teacher_temperature_note(note()) is None  # countdown samples at 1.0
+    assert "--rollouts.temperature 0.7" in teacher_temperature_note(note(rollouts__temperature="0.7"))
+    assert "--tree.temperature 1.5" in teacher_temperature_note(note(tree__width="2", tree__temperature="1.5"))
+    no_teacher = resolve("countdown", {"rollouts.temperature": "0.7"})
+    assert teacher_temperature_note(no_teacher) is None

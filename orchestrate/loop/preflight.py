@@ -199,6 +199,19 @@ def check_search_corpus(search, option: str = "--env.search.corpus") -> int:
         raise PreflightError(f"{option}: {exc}") from None
 
 
+def teacher_temperature_note(config) -> str | None:
+    """The note for a teacher beside calls sampled at a temperature other than 1 (the rollouts', or the forks'
+    with tree.temperature); none otherwise."""
+    tempered = [(f"--{k}", t) for k, t in (("rollouts.temperature", config.rollouts.temperature),
+                                            ("tree.temperature", config.tree.temperature)) if t not in (None, 1.0)]  # fmt: skip
+    if not (config.teacher.model and tempered):
+        return None
+    option, t = tempered[0]
+    return (f"note: --teacher.model at {option} {t}: the teacher scores untempered, the sampled log-probs are "
+            "tempered, so the teacher's term pulls the tempered distribution toward the teacher (at 1.0 it is the "
+            "reverse KL's estimate)")  # fmt: skip
+
+
 def preflight(config) -> None:
     """Check task data, then models, of an RLConfig: PreflightError names the first problem."""
     if config.env.id in ("math:gsm8k", "qa"):
@@ -224,13 +237,9 @@ def preflight(config) -> None:
     teacher = None
     if config.teacher.model and not config.teacher.url:
         teacher = check_teacher(config.teacher.model, policy, config.model.policy)
-    tempered = [(f"--{k}", t) for k, t in (("rollouts.temperature", config.rollouts.temperature),
-                                            ("tree.temperature", config.tree.temperature)) if t not in (None, 1.0)]  # fmt: skip
-    if config.teacher.model and tempered:
-        option, t = tempered[0]
-        print(f"note: --teacher.model at {option} {t}: the teacher scores "
-              "untempered, the sampled log-probs are tempered, so the teacher's term pulls the tempered "
-              "distribution toward the teacher (at 1.0 it is the reverse KL's estimate)", file=sys.stderr)  # fmt: skip
+    note = teacher_temperature_note(config)
+    if note:
+        print(note, file=sys.stderr)
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
     check_memory(config, policy, teacher=teacher)
