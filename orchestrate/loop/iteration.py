@@ -247,11 +247,6 @@ class Loop:
         self.run.prune_checkpoints(c.run.keep_checkpoints, protect={self.run.checkpoint(self.servers.served)})
         self.reporter.show(record)
 
-    def overlap_eval(self) -> bool:
-        """An evaluation plays while the trainer trains the next batch (eval.overlap, config_checks.overlap_eval)
-        with the servers awake then (not colocated)."""
-        return overlap_eval(self.config) and not self.servers.colocated
-
     def evaluate(self, i: int) -> dict:
         """The held-out metrics of the weights served after iteration i (orchestrate.loop.evaluation)."""
 
@@ -315,7 +310,7 @@ class Loop:
                     last = i - 1
                     break
                 self.generate(i)
-                self.catch_up(until=i - c.run.async_level, generated=i, defer=self.overlap_eval())
+                self.catch_up(until=i - c.run.async_level, generated=i, defer=overlap_eval(c))
             self.catch_up(until=last, generated=last)
             self._enter(last, "done")
         if last < c.run.iterations:

@@ -126,11 +126,9 @@ async def grow_tree(
         return tape
 
     async def fork(parent: Tape, at: int) -> Tape:
-        if tree.temperature is not None:  # the parent's sampling (max_tokens, top_p) at the forks' temperature
-            given = sampling or getattr(agent, "sampling", None) or SamplingParams()
-            fork_at = fork_sampling(parent, given, temperature=tree.temperature)
-        else:
-            fork_at = sampling
+        fork_at = sampling  # the parent's sampling (max_tokens, top_p; a parent has calls) at the forks' temperature
+        if tree.temperature is not None:
+            fork_at = fork_sampling(parent, sampling or SamplingParams(), temperature=tree.temperature)
         tape = await fork_once(parent, agent, at, llm, fork_at, policy_version=policy_version, group_id=group,
                                iteration=iteration, keep_diverged=True,
                                wrap_env=None if clock is None else (lambda env: TimedEnv(env, clock)))  # fmt: skip
