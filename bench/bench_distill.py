@@ -14,6 +14,10 @@
    exactly), evaluated every 2 iterations, for --distill-minutes. --student-options adds options or replaces
    these (e.g. "--train.estimator batch --teacher.coef 1": the teacher's term beside the reward's);
    --reuse-grpo runs another student of the same teacher; --tag names its directory and outputs.
+--offline-eval K: neither run evaluates itself (`--eval.every 0`); each writes its weights every K iterations and
+keeps them, and after it `orchestrate.eval RUN --versions all --step K` evaluates those versions (and the
+newest) on one server, each placed at the minute its checkpoint came: both curves are then on the wall clock of
+runs that spent no time evaluating, at the same cadence.
 Both start from the command's start (servers, the first evaluation included). Two targets: the student reaches
 90% of the teacher's held-out success within a third of the minutes GRPO took to first reach the teacher's;
 and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's.
@@ -38,6 +42,8 @@ from bench_trees import run  # noqa: E402
 from contract.rundir import RunDir  # noqa: E402
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
+CURVE = "evals/curve"  # where --offline-eval's `orchestrate.eval --versions` writes a run's curve
+
 
 def held_out(
     run_dir: Path, evaluations: bool = True, measured: dict[int, float] | None = None
@@ -46,7 +52,13 @@ def held_out(
     `evaluations`, the minutes the evaluations so far took (metrics' time_eval) are left out of the clock, so
     that two runs evaluated at different intervals compare by the time their training took. `measured`: the
     success of checkpoints the run did not evaluate, measured afterwards (orchestrate.eval), each placed at
-    the end of its iteration (when its checkpoint was served)."""
+    the end of its iteration (when its checkpoint was served). A run evaluated after it (--offline-eval): the
+    points of its curve.json, placed by the same clock (orchestrate.loop.metrics.version_clock)."""
+    curve = run_dir / CURVE / "curve.json"
+    if curve.is_file():
+        key = "minutes" if evaluations else "training_minutes"
+        points = json.loads(curve.read_text())["points"]
+        return [(p[key], p["pass@1"]["value"], p["version"]) for p in points]
     points, evaluating, measured = [], 0.0, measured or {}
     for r in read_metrics(run_dir / "metrics.jsonl"):
         evaluating += r.get("time_eval") or 0.0
@@ -57,6 +69,16 @@ def held_out(
             seconds = r["elapsed_s"] - (0.0 if evaluations else evaluating)
             points.append((seconds / 60, success, r["iteration"]))
     return points
+
+
+def evaluate_versions(run_dir: Path, step: int) -> None:
+    """--offline-eval: the run's versions on disk, every `step`-th and the newest, evaluated on one server as the
+    loop would have (its held-out tasks and temperature) into RUN/evals/curve."""
+    cmd = [sys.executable, "-m", "orchestrate.eval", str(run_dir), "--versions", "all", "--step", str(step),
+           "--out", str(run_dir / CURVE), "--no-progress"]  # fmt: skip
+    print("$", " ".join(cmd), flush=True)
+    with open(run_dir.with_suffix(".eval.log"), "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
 STUDENT_DEFAULTS = {"--train.estimator": "zero", "--rollouts.temperature": "1.0", "--eval.every": "2"}
@@ -157,7 +179,15 @@ def main() -> int:
     parser.add_argument("--out-dir", default="/tmp/bench_distill", help="where the runs go")
     parser.add_argument("--out", default="bench", help="where the JSON and the plot go")
     parser.add_argument("--report-only", action="store_true", help="read the runs in --out-dir, start none")
+    parser.add_argument("--offline-eval", type=int, default=0, metavar="K",
+                        help="no evaluation in the runs: every K-th version evaluated after each run (0: off)")  # fmt: skip
     args = parser.parse_args()
+    if args.offline_eval < 0:
+        parser.error(f"--offline-eval {args.offline_eval}: expected K >= 1, or 0 (off)")
+    k = args.offline_eval
+    offline = (
+        ["--eval.every", "0", "--train.save_weights_every", str(k), "--run.keep_checkpoints", "1000"] if k else []
+    )
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
     grpo, student = root / f"{args.preset}-grpo", root / f"{args.preset}-distill{args.tag}"
@@ -169,12 +199,10 @@ def main() -> int:
         if args.reuse_grpo and not (grpo / "metrics.jsonl").exists():
             parser.error(f"--reuse-grpo: {grpo} holds no run")
         if not args.reuse_grpo:
-            run(
-                args.preset,
-                grpo,
-                args.grpo_minutes,
-                ["--run.keep_checkpoints", "1000"] if args.teacher == "best" else [],
-            )
+            keep = ["--run.keep_checkpoints", "1000"] if args.teacher == "best" and not k else []
+            run(args.preset, grpo, args.grpo_minutes, offline + keep)
+        if k:  # again after a failure: what was evaluated is kept, only the rest is played
+            evaluate_versions(grpo, k)
     teacher_curve = held_out(grpo)
     source_file = root / f"{args.preset}-teacher.json"  # the teacher chosen, kept for --report-only and --reuse-grpo
     if args.report_only or (args.reuse_grpo and source_file.exists()):
@@ -192,7 +220,9 @@ def main() -> int:
     measured = {source["iteration"]: teacher}
     teacher_curve = held_out(grpo, measured=measured)
     if not args.report_only:
-        run(args.preset, student, args.distill_minutes, student_options(teacher_model, extra))
+        run(args.preset, student, args.distill_minutes, student_options(teacher_model, offline + extra))
+        if k:
+            evaluate_versions(student, k)
     student_curve = held_out(student)
     # the same comparison with the evaluations' minutes left out (the student is evaluated more often)
     training = {"grpo": held_out(grpo, evaluations=False, measured=measured),
@@ -207,6 +237,7 @@ def main() -> int:
     results = {"preset": args.preset, "teacher": args.teacher, "teacher_checkpoint": source,
                "teacher_success": teacher, "grpo_minutes_to_teacher": grpo_reached,
                "student_minutes_to_90pct": student_reached, "time_ratio": ratio, "student_options": extra,
+               "offline_eval": k or None,
                "training_minutes": {"grpo_to_teacher": g, "student_to_90pct": s_, "time_ratio": training_ratio},
                "same_minutes": same, "grpo_at_same_minutes": rl_then[1], "student_at_same_minutes": student_then[1],
                "grpo": teacher_curve, "distill": student_curve}  # fmt: skip

@@ -41,6 +41,7 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("target", nargs="?", help="RUN, RUN@N, a model folder, a model name, or a server's URL")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B on the same tasks: B - A")
     parser.add_argument("--version", type=int, help="of a run: this version (0: the initial model)")
+    parser.add_argument(
+        "--versions",
+        help="of a run: these versions one after another on one server, and their "
+        "learning curve: all (those with weights on disk), or N,M and ranges A-B (B included)",
+    )
+    parser.add_argument(
+        "--step", type=int, help="with --versions: the versions that are multiples of STEP, and the newest"
+    )
     parser.add_argument("--config", help="the run config.json whose environment and agent to use")
     parser.add_argument("--preset", help=f"with no run config: this preset's environment and agent ({', '.join(presets())}) [default: embedded]")  # fmt: skip
     parser.add_argument("--split", default="test", choices=("test", "train"), help="the split [default: test]")
@@ -131,6 +140,7 @@ class Settings:
     key_file: str | None
     max_concurrency: int
     split: str
+    sweep: bool = False  # --versions: the targets are versions of one run, served by one server in turn
 
     def record(self, target: Target) -> dict:
         """What an evaluation folder holds: a resumed one must have been started with the same."""
@@ -219,6 +229,45 @@ def parse_ks(text: str | None, n: int) -> list[int]:
     return ks
 
 
+RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir) -> list[int]:
+    """--versions (all, or N,M and ranges A-B, B included) among the versions `on_disk` (0 always is), then
+    --step's multiples and the newest chosen; a version named alone that is not on disk is refused."""
+    available = sorted({0, *on_disk})
+    have = f"versions with weights on disk: {', '.join(map(str, available))}"
+    if text.strip() == "all":
+        chosen = available
+    else:
+        chosen = []
+        for item in text.split(","):
+            m = RANGE.match(item)
+            if not m:
+                raise EvalError(f"--versions: {item.strip()!r} is not a version N or a range A-B (or all)")
+            low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+            if high < low:
+                raise EvalError(f"--versions: {item.strip()!r} is an empty range")
+            if m.group(2) is None and low not in available:
+                raise EvalError(f"--versions: {run.root} has no version {low} on disk; {have}")
+            chosen += [v for v in available if low <= v <= high]
+        chosen = sorted(set(chosen))
+    if step is not None:
+        if step < 1:
+            raise EvalError(f"--step {step}: expected a positive integer")
+        chosen = sorted({v for v in chosen if v % step == 0} | set(chosen[-1:]))
+    if not chosen:
+        raise EvalError(f"--versions {text}: none of {run.root}'s versions is in it; {have}")
+    return chosen
+
+
+def folders_of(s: Settings) -> list[Path]:
+    """Where each target's evaluation goes: OUT; OUT/a and OUT/b (--compare); OUT/vN (--versions)."""
+    if s.sweep:
+        return [s.out / f"v{t.policy.version}" for t in s.targets]
+    return [s.out / "a", s.out / "b"] if len(s.targets) == 2 else [s.out]
+
+
 def label(settings_like: dict) -> str:
     """A folder name that says what was evaluated and how."""
     lo, hi = settings_like["tasks"]
@@ -236,6 +285,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         raise EvalError("target: name what to evaluate (a run, RUN@N, a model folder or name, a URL), or --compare A B")
     if args.version is not None and (args.compare or args.version < 0):
         raise EvalError(f"--version {args.version}: a version of one run (0 or more); with --compare write RUN@N")
+    if args.versions is not None and (args.compare or args.version is not None):
+        raise EvalError("--versions: the versions of one run; leave --version and --compare out")
+    if args.step is not None and args.versions is None:
+        raise EvalError("--step: it picks among --versions; give --versions too (e.g. --versions all)")
     if not 1 <= args.n <= MAX_SAMPLES:
         raise EvalError(f"--n {args.n}: sample each task 1 to {MAX_SAMPLES} times")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -259,6 +312,8 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
                 raise EvalError(f"--version: {text} is not a run directory")
             version = args.version
         runs.append((run, version))
+    if args.versions is not None and (runs[0][0] is None or runs[0][1] is not None):
+        raise EvalError(f"--versions: {texts[0]} is not a run directory (name the run, RUN, without @N)")
     overrides = given(args)
     overrides.update({f"env.options.{k}": v for k, v in env_options.items()})
     config, source = resolve_config(args, overrides, [r for r, _ in runs])
@@ -283,6 +338,16 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     temperature = args.temperature if args.temperature is not None else (
         config.eval.temperature if args.n == 1 else config.rollouts.temperature)  # fmt: skip
     targets = []
+    if args.versions is not None:
+        from orchestrate.loop.setup import servable_versions
+
+        run = runs[0][0]
+        try:
+            run_config = _run_config(run)
+        except SetupError as exc:
+            raise EvalError(str(exc)) from None
+        versions = parse_versions(args.versions, servable_versions(run, run_config), args.step, run)
+        texts, runs = [f"{texts[0]}@{v}" for v in versions], [(run, v) for v in versions]
     for text, (run, version) in zip(texts, runs):
         try:
             if text in urls:
@@ -296,12 +361,11 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         targets.append(Target(text, policy, run))
     settings = Settings(targets, config, source, seeds, args.n, temperature, max_tokens,
                         ks, Path(), args.key_file, args.max_concurrency or config.rollouts.max_concurrency,
-                        args.split)  # fmt: skip
+                        args.split, sweep=args.versions is not None)  # fmt: skip
     settings.out = Path(args.out) if args.out else default_out(settings)
     if settings.out.exists() and not settings.out.is_dir():
         raise EvalError(f"--out: {settings.out} is a file")
-    folders = [settings.out / x for x in ("a", "b")] if args.compare else [settings.out]
-    for folder, target in zip(folders, targets):
+    for folder, target in zip(folders_of(settings), targets):
         saved = _json(folder / "eval.json").get("settings")
         if saved is not None and saved != settings.record(target):
             raise EvalError(f"--out: {folder} holds an evaluation with other settings; pass a new --out")
@@ -316,6 +380,8 @@ def _run_config(run: RunDir) -> RLConfig:
 
 def default_out(s: Settings) -> Path:
     records = [s.record(t) for t in s.targets]
+    if s.sweep:  # the curve's folder: the label without a version (each version in OUT/vN)
+        return s.targets[0].run.root / "evals" / f"curve-{label(records[0]).split('-', 1)[1]}"
     if len(s.targets) == 2:
         names = "-vs-".join(re.sub(r"[^A-Za-z0-9_.-]", "_", Path(t.text.rstrip("/")).name)[:40] for t in s.targets)
         return Path("runs") / "evals" / f"compare-{names}-{label(records[1]).split('-', 1)[1]}"
@@ -373,8 +439,9 @@ class Appender:
         self.file.close()
 
 
-def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
-    """Evaluate one target into `folder` (resuming what it holds); its eval.json record."""
+def evaluate(s: Settings, target: Target, folder: Path, progress: bool, serve=None) -> dict:
+    """Evaluate one target into `folder` (resuming what it holds); its eval.json record. `serve(policy)`: a
+    context giving the policy's PolicyServer (default: one started for it and stopped after)."""
     from agents.env_spec import EnvSpec
     from orchestrate.loop.eval_report import markdown, plot
     from orchestrate.loop.eval_stats import summarize
@@ -397,11 +464,15 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool) -> dict:
               f"at temperature {s.temperature:g}" + (f"; {len(done)} done before, {len(todo)} to play" if done else ""),
               flush=True)  # fmt: skip
         if todo:
+
+            def own_server(policy):
+                return PolicyServer(policy, s.config, folder / "logs", s.key_file)
+
             appender = Appender(path)
             try:
                 with (
                     build_agent(s.config, _tokenizer(target.policy, s.config)) as agent,
-                    PolicyServer(target.policy, s.config, folder / "logs", s.key_file) as served,
+                    (serve or own_server)(target.policy) as served,
                 ):
 
                     async def play():
@@ -470,11 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrate.serving.llm import LLMError
     from orchestrate.serving.vllm_server import ServerError
 
-    folders = [s.out / "a", s.out / "b"] if len(s.targets) == 2 else [s.out]
+    folders = folders_of(s)
     records = []
+    one = OneServer(s, s.out / "logs") if s.sweep else None
     try:
         for target, folder in zip(s.targets, folders):
-            records.append(evaluate(s, target, folder, progress=not args.no_progress))
+            records.append(evaluate(s, target, folder, progress=not args.no_progress, serve=one))
             print(f"{target.text}: {headline(records[-1], s.ks)}  ({folder / 'summary.md'})", flush=True)
     except RunDirInUse as exc:
         print(f"error: --out: {exc}", file=sys.stderr)
@@ -483,9 +555,65 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(exc).splitlines()[0]}\nWhat finished is kept; run the same command again to play the "
               "rest.", file=sys.stderr)  # fmt: skip
         return 1
-    if len(records) == 2:
+    finally:
+        if one is not None:
+            one.close()
+    if s.sweep:
+        write_curve(s, records)
+    elif len(records) == 2:
         write_comparison(s, folders)
     return 0
+
+
+class OneServer:
+    """--versions: one server for all the versions, started for the first that has tasks to play and switched
+    to each next one (PolicyServer.switch: its weights reloaded, or its adapter loaded), stopped at the end."""
+
+    def __init__(self, s: Settings, logs: Path):
+        self.s, self.logs, self.served = s, logs, None
+
+    @contextmanager
+    def __call__(self, policy: Policy):
+        from orchestrate.loop.setup import PolicyServer
+
+        if self.served is None:
+            self.served = PolicyServer(policy, self.s.config, self.logs, self.s.key_file, switches=True).start()
+        elif self.served.policy != policy:
+            self.served.switch(policy)
+        yield self.served
+
+    def close(self) -> None:
+        if self.served is not None:
+            self.served.stop()
+
+
+def write_curve(s: Settings, records: list[dict]) -> dict:
+    """--versions: each version's figures against when its checkpoint came in the run (the run's metrics'
+    clock, with and without its own evaluations): OUT/curve.json, curve.md and curve.png."""
+    from orchestrate.loop.eval_report import curve_markdown, plot_curve
+    from orchestrate.loop.metrics import read_metrics, version_clock
+
+    run = s.targets[0].run
+    clock = version_clock(read_metrics(run.metrics_path))
+    names = ["mean_reward"] + [f"pass@{k}" for k in s.ks] + [f"maj@{k}" for k in s.ks if k > 1]
+    points = []
+    for target, record in zip(s.targets, records):
+        seconds, training = clock.get(target.policy.version, (None, None))
+        points.append({"version": target.policy.version,
+                       "minutes": None if seconds is None else round(seconds / 60, 3),
+                       "training_minutes": None if training is None else round(training / 60, 3),
+                       **{n: record[n] for n in names if record.get(n)}})  # fmt: skip
+    settings = {k: v for k, v in records[0]["settings"].items() if k not in ("target", "model", "version")}
+    curve = {"run": str(run.root), "settings": settings, "points": points}
+    atomic_write_json(s.out / "curve.json", curve)
+    atomic_write_text(s.out / "curve.md", curve_markdown(curve))
+    plot_curve(curve, s.out / "curve.png")
+    first = f"pass@{s.ks[0]}"
+    best = max(points, key=lambda p: (p[first]["value"] if first in p else -1, -p["version"]))
+    if first in best:
+        print(f"curve of {len(points)} versions: best {first} {best[first]['value']:.3f} at version {best['version']} "
+              f"({s.out / 'curve.md'})", flush=True)  # fmt: skip
+    return curve
 
 
 def write_comparison(s: Settings, folders: list[Path]) -> dict:

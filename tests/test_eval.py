@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,15 @@ QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
 class StandIn:
     served_model_name = "policy"
 
+    def __init__(self, switched=None):
+        self.switched = [] if switched is None else switched  # what the server was switched to, in order
+
+    def reload_weights(self, path, verify=True):
+        self.switched.append(("weights", str(path)))
+
+    def load_adapter(self, name, path, inplace=True):
+        self.switched.append(("adapter", name))
+
     def stop(self):
         pass
 
@@ -30,7 +40,7 @@ def scripted(monkeypatch, tokenizer):
     """The command's server and client replaced: each call answers the last question right or wrong, decided
     by a hash of (question, how many times it was asked), so tasks differ and samples of one task differ.
     Returns the record of calls made and the policies served."""
-    seen = {"calls": 0, "policies": [], "asked": {}}
+    seen = {"calls": 0, "policies": [], "asked": {}, "switched": []}
 
     class Client:
         def __init__(self, endpoints, tokenizer_=None, *, model="", policy_version=0, **kw):
@@ -57,7 +67,7 @@ def scripted(monkeypatch, tokenizer):
 
     def start(self):
         seen["policies"].append(self.policy)
-        self.server = StandIn()
+        self.server = StandIn(seen["switched"])
         return self
 
     monkeypatch.setattr("orchestrate.loop.setup.PolicyServer.start", start)
@@ -168,6 +178,8 @@ def test_a_run_is_evaluated_at_its_version_and_two_are_compared_on_the_same_task
         (["http://127.0.0.1:9"], ["$VLLM_API_KEY"]),
         ([], ["target"]),
         (["--compare", "smollm2"], ["--compare"]),
+        (["smollm2", "--versions", "all"], ["--versions", "not a run"]),
+        (["smollm2", "--step", 2], ["--step", "--versions"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, scripted, capsys, monkeypatch, args, words):
@@ -205,6 +217,29 @@ def test_the_loops_held_out_figure_is_evals_on_the_same_checkpoint_and_seeds(tin
     metrics = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     held_out = next(m["eval_success_rate"] for m in metrics if m.get("iteration") == 2 and "eval_success_rate" in m)
     assert json.loads((out / "eval.json").read_text())["pass@1"]["value"] == pytest.approx(held_out)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_runs_versions_on_one_real_server_sample_what_the_loop_sampled(tiny_run, tmp_path, capsys):
+    """--versions all on tiny_run (versions 0 and 2 on disk): one vLLM server is started for the initial model,
+    then version 2's weights are reloaded into it; each version samples the tokens the loop's own held-out
+    evaluation of it sampled (T = 0, the same 4 tasks)."""
+    out = tmp_path / "curve"
+    code, stdout, err = run_eval(tiny_run, "--versions", "all", "--tasks", 4, "--out", out, "--no-progress",
+                                 capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert [p.name for p in (out / "logs").iterdir()] == ["policy.log"]  # one server for both
+    sampled = {}
+    for v in (0, 2):
+        loop = list(read_tapes(tiny_run / "tapes" / f"eval_{v:06d}.jsonl"))
+        ours = list(read_tapes(out / f"v{v}" / "tapes" / f"eval_{v:06d}.jsonl"))
+        assert [t.metadata.task_id for t in ours] == [t.metadata.task_id for t in loop]
+        sampled[v] = [c.output_token_ids for t in ours for c in t.llm_calls]
+        assert sampled[v] == [c.output_token_ids for t in loop for c in t.llm_calls], f"version {v}"
+    assert sampled[0] != sampled[2]  # training changed what the model says: the reload took
+    points = json.loads((out / "curve.json").read_text())["points"]
+    assert [p["version"] for p in points] == [0, 2] and points[1]["minutes"] > 0
 
 
 def test_a_run_whose_loop_holds_its_lock_is_evaluated_beside_it(tmp_path, scripted, capsys):
@@ -245,3 +280,96 @@ def test_a_checkpoint_folder_is_that_version_of_its_run(tmp_path, scripted, caps
     assert scripted["policies"][-1].version == 3 and scripted["policies"][-1].model == checkpoint
     tapes = list(read_tapes(next((run / "evals").glob("v3-*/tapes/eval_000003.jsonl"))))
     assert {c.policy_version for t in tapes for c in t.llm_calls} == {3}
+
+
+def swept_run(tmp_path):
+    """A run as the loop leaves it: versions 1 (its weights sent in memory), 2 and 4 (on disk) published, and
+    metrics whose records say when each came (held-out evaluations of 30 s at iterations 0 and 2, a resume
+    after iteration 2)."""
+    from orchestrate.loop.config import resolve
+
+    run = tmp_path / "run"
+    for v, on_disk in ((1, False), (2, True), (4, True)):
+        folder = run / "checkpoints" / f"{v:06d}"
+        folder.mkdir(parents=True)
+        (folder / "learner.json").write_text("{}")
+        if on_disk:
+            (folder / "config.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
+    records = [{"iteration": 0, "elapsed_s": 60.0, "time_eval": 30.0}, {"iteration": 1, "elapsed_s": 120.0},
+               {"iteration": 2, "elapsed_s": 240.0, "time_eval": 30.0},
+               {"iteration": 3, "elapsed_s": 90.0}, {"iteration": 4, "elapsed_s": 150.0}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+def test_versions_of_a_run_play_on_one_server_switched_in_turn_and_make_a_curve(tmp_path, scripted, capsys):
+    run = swept_run(tmp_path)
+    code, stdout, err = run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", capsys=capsys)
+    assert code == 0, err
+    # one server, started for version 0, then switched to each next version's weights (1's are not on disk)
+    assert [p.version for p in scripted["policies"]] == [0]
+    assert scripted["switched"] == [("weights", str(run / "checkpoints" / f"{v:06d}")) for v in (2, 4)]
+    out = next((run / "evals").glob("curve-*"))
+    for v in (0, 2, 4):
+        tapes = list(read_tapes(out / f"v{v}" / "tapes" / f"eval_{v:06d}.jsonl"))
+        assert len(tapes) == 3 and {c.policy_version for t in tapes for c in t.llm_calls} == {v}
+    curve = json.loads((out / "curve.json").read_text())
+    assert [p["version"] for p in curve["points"]] == [0, 2, 4]
+    # when each version came: iteration N's record; the resumed command's clock goes on from 240 s; the
+    # run's own evaluations (30 s at iterations 0 and 2) left out of the training minutes
+    assert [p["minutes"] for p in curve["points"]] == [0.0, 4.0, 6.5]
+    assert [p["training_minutes"] for p in curve["points"]] == [0.0, 3.0, 5.5]
+    for point, v in zip(curve["points"], (0, 2, 4)):  # each point is that version's own eval.json figure
+        assert point["pass@1"] == json.loads((out / f"v{v}" / "eval.json").read_text())["pass@1"]
+    assert "| 4 | 6.5 | 5.5 |" in (out / "curve.md").read_text() and (out / "curve.png").stat().st_size > 0
+    assert "curve of 3 versions" in stdout
+    # again: every version is whole, nothing is played and no server starts
+    calls = scripted["calls"]
+    assert run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", capsys=capsys)[0] == 0
+    assert scripted["calls"] == calls and len(scripted["policies"]) == 1
+
+
+def test_versions_lists_ranges_and_step(tmp_path, scripted, capsys):
+    run = swept_run(tmp_path)
+    out = tmp_path / "curve"
+    code, _, err = run_eval(run, "--versions", "0,2-9", "--step", 4, "--tasks", 2, "--out", out, "--no-progress",
+                            capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert [p["version"] for p in json.loads((out / "curve.json").read_text())["points"]] == [0, 4]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--versions", "1"], ["--versions", "no version 1 on disk", "0, 2, 4"]),
+        (["--versions", "5-3"], ["--versions", "empty"]),
+        (["--versions", "x"], ["--versions", "'x'"]),
+        (["--versions", "7-9"], ["--versions", "none"]),
+        (["--versions", "all", "--step", 0], ["--step 0"]),
+        (["--versions", "all", "--version", 2], ["--versions", "--version"]),
+    ],
+)
+def test_bad_versions_are_one_line_exit_2(tmp_path, scripted, capsys, args, words):
+    run = swept_run(tmp_path)
+    code, _, err = run_eval(run, *args, "--tasks", 2, capsys=capsys)
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert all(w in line for w in words), line
+    assert not (run / "evals").exists() and scripted["policies"] == []
+    code, _, err = run_eval(f"{run}@2", "--versions", "all", capsys=capsys)
+    assert code == 2 and "without @N" in err
+
+
+def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
+    from orchestrate.loop.config import resolve
+    from orchestrate.loop.setup import Policy, PolicyServer
+
+    config = resolve("embedded", {"train.lora.rank": "8"})
+    served = PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path, switches=True)
+    served.server = StandIn()
+    served.switch(Policy(Path("base"), 3, "m", adapter=tmp_path / "a3"))
+    served.switch(Policy(Path("base"), 0, "m"))  # the base model: no adapter to load, no weights to reload
+    assert served.server.switched == [("adapter", "policy-v3")] and served.policy.version == 0
+    with pytest.raises(RuntimeError):
+        PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path).switch(Policy(Path("base"), 1, "m"))

@@ -90,3 +90,49 @@ def plot(summary: dict, path: str | os.PathLike, compare: dict | None = None, la
     ax.legend(fontsize=8)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def _curve_names(points: list[dict]) -> list[str]:
+    """The figures every version of a curve has, in the order of an evaluation's."""
+    names = [n for n in points[0] if n == "mean_reward" or n.startswith(("pass@", "maj@"))]
+    return [n for n in names if all(n in p for p in points)]
+
+
+def curve_markdown(curve: dict) -> str:
+    """orchestrate.eval --versions: a row per version, when it came and its figures with their intervals."""
+    points, names = curve["points"], _curve_names(curve["points"])
+    lines = [f"# {curve['run']}: each version evaluated", "",
+             "Minutes: of the run's commands until the version's checkpoint came (the run's own held-out "
+             "evaluations included; training: without them). Intervals: 95%, over tasks.", "",
+             "| version | minutes | minutes training | " + " | ".join(names) + " |",
+             "|---:|---:|---:|" + "---|" * len(names)]  # fmt: skip
+    for p in points:
+        when = [f"{p[k]:.1f}" if p.get(k) is not None else "-" for k in ("minutes", "training_minutes")]
+        lines.append(f"| {p['version']} | " + " | ".join(when + [_cell(p[n]) for n in names]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curve(curve: dict, path: str | os.PathLike) -> Path:
+    """Each pass@k (and the mean reward) against the minutes its version came (against the version where the
+    run's metrics do not say), with the 95% intervals, written whole."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = curve["points"]
+    timed = all(p.get("minutes") is not None for p in points)
+    xs = [p["minutes"] if timed else p["version"] for p in points]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in _curve_names(points):
+        values = [p[name]["value"] for p in points]
+        errors = [[v - p[name]["ci95"][0] for v, p in zip(values, points)],
+                  [p[name]["ci95"][1] - v for v, p in zip(values, points)]]  # fmt: skip
+        ax.errorbar(xs, values, yerr=errors, marker="o", capsize=3, label=name)
+    ax.set_xlabel("minutes of the run (when the version came)" if timed else "version")
+    ax.set_ylabel("held-out figure")
+    ax.set_title(f"{Path(curve['run']).name}: each version evaluated", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -86,6 +86,25 @@ def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> None:
     append_line(path, json.dumps(record))
 
 
+def version_clock(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """When each version of a run came, from its metrics: version N is served from the end of iteration N
+    (its record's elapsed_s; version 0 from the start) -> (seconds of the run's commands so far, the same less
+    the held-out evaluations' seconds so far: the time training took). A resumed run's clock goes on from
+    where the killed command's last record left it."""
+    clock, offset, last, evaluating = {0: (0.0, 0.0)}, 0.0, 0.0, 0.0
+    for r in records:
+        if "elapsed_s" not in r or "iteration" not in r:
+            continue
+        if r["elapsed_s"] < last:  # a new command (a resume): its clock starts again
+            offset += last
+        last = r["elapsed_s"]
+        evaluating += r.get("time_eval") or 0.0
+        seconds = offset + last
+        if r["iteration"] > 0:  # iteration 0's record is the initial evaluation: version 0 was there before it
+            clock[int(r["iteration"])] = (seconds, seconds - evaluating)
+    return clock
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():

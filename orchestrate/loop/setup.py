@@ -96,6 +96,13 @@ def checkpoint_number(folder: Path) -> int:
     return int(m.group(1)) if m and folder.parent.name == "checkpoints" else 0
 
 
+def servable_versions(run: RunDir, config: RLConfig) -> list[int]:
+    """A run's published versions that can be served, oldest first: their weights on disk (a LoRA run: their
+    adapter). Version 0, the initial model, is not listed: it always can."""
+    lora = config.train.lora.rank > 0
+    return [i for i in run.published() if (run.has_adapter(i) if lora else run.has_weights(i))]
+
+
 def run_policy(run: RunDir, config: RLConfig, version: int | None = None, option: str = "--model") -> Policy:
     """A run's policy: version `version` (0: the initial model), else its newest checkpoint that can be served
     (its weights on disk, or for a LoRA run its adapter), else the initial model before any. SetupError when
@@ -104,7 +111,7 @@ def run_policy(run: RunDir, config: RLConfig, version: int | None = None, option
 
     published = run.published()
     lora = config.train.lora.rank > 0
-    servable = [i for i in published if (run.has_adapter(i) if lora else run.has_weights(i))]
+    servable = servable_versions(run, config)
     initial = Policy(resolve_model(config.model.policy), 0, config.model.policy,
                      note=f"the initial policy {config.model.policy}")  # fmt: skip
     if version == 0:
@@ -159,8 +166,9 @@ class PolicyServer:
     `client()` calls it, recording the policy's version and name. `with PolicyServer(...) as served:`."""
 
     def __init__(self, policy: Policy, config: RLConfig, logs: Path, key_file: str | None = None,
-                 log_name: str = "policy"):  # fmt: skip
+                 log_name: str = "policy", switches: bool = False):  # fmt: skip
         self.policy, self.config, self.logs, self.key_file, self.log_name = policy, config, logs, key_file, log_name
+        self.switches = switches  # other versions of the run will be served after this one (`switch`)
         self.server = None
 
     @property
@@ -171,6 +179,7 @@ class PolicyServer:
         from orchestrate.loop.config_checks import gpu_slices
         from orchestrate.serving.auth import read_api_key
         from orchestrate.serving.launch import policy_servers, remote_servers
+        from orchestrate.serving.models import untied_copy
         from orchestrate.serving.processes import parse_cpus
         from orchestrate.serving.vllm_server import adapter_name
 
@@ -179,9 +188,12 @@ class PolicyServer:
             self.server = remote_servers([p.url], role="policy", api_key=read_api_key(self.key_file))[0]
             return self
         gpus = [gpu_slices(s.gpus, 1, s.tensor_parallel_size * s.data_parallel_size)[0]] if s.gpus else None
-        (self.server,) = policy_servers(p.model, s, self.logs, gpus=gpus, cpus=parse_cpus(s.cpus) if s.cpus else None,
+        # a server whose weights will be reloaded serves an untied folder from the start (untied_copy says why)
+        lora = self.config.train.lora.rank if p.adapter or self.switches else 0
+        model = untied_copy(p.model) if self.switches and not lora else p.model
+        (self.server,) = policy_servers(model, s, self.logs, gpus=gpus, cpus=parse_cpus(s.cpus) if s.cpus else None,
                                         seed=self.config.run.seed, reloads=False, log_name=self.log_name,
-                                        lora_rank=self.config.train.lora.rank if p.adapter else 0)  # fmt: skip
+                                        lora_rank=lora)  # fmt: skip
         self.server.start()
         try:
             if p.adapter is not None:
@@ -190,6 +202,23 @@ class PolicyServer:
             self.server.stop()
             raise
         return self
+
+    def switch(self, policy: Policy) -> None:
+        """Serve another version of the same run on the running server (started with `switches`): its weights
+        reloaded from disk (an untied copy where the folder ties its head), or, for a LoRA run, its adapter
+        loaded beside the others (version 0: the base model, no adapter)."""
+        from orchestrate.serving.models import untied_copy
+        from orchestrate.serving.vllm_server import adapter_name
+
+        if not self.switches or self.policy.url:
+            raise RuntimeError("PolicyServer.switch: a server started with switches=True, not one by URL")
+        if policy.adapter is not None:
+            self.server.load_adapter(
+                adapter_name(self.server.served_model_name, policy.version), policy.adapter.resolve()
+            )
+        elif not self.config.train.lora.rank:
+            self.server.reload_weights(untied_copy(policy.model), verify=False)  # the prefix cache reset with it
+        self.policy = policy
 
     def stop(self) -> None:
         if self.server is not None:
