@@ -158,7 +158,11 @@ def newest_checkpoint(run_dir: Path, points, measure=measure_checkpoint) -> tupl
     if not iteration:
         raise SystemExit(f"{run_dir}: no checkpoint on disk to teach with")
     success = next((s for _, s, i in points if i == iteration), None)
-    how = "the run's evaluation"
+    how = (
+        "orchestrate.eval --versions, after the run"
+        if (run_dir / CURVE / "curve.json").is_file()
+        else "the run's evaluation"
+    )
     if success is None:
         success, how = measure(run_dir, iteration), f"orchestrate.eval --version {iteration}"
     return RunDir(run_dir).checkpoint(iteration), success, iteration, how
@@ -185,9 +189,7 @@ def main() -> int:
     if args.offline_eval < 0:
         parser.error(f"--offline-eval {args.offline_eval}: expected K >= 1, or 0 (off)")
     k = args.offline_eval
-    offline = (
-        ["--eval.every", "0", "--train.save_weights_every", str(k), "--run.keep_checkpoints", "1000"] if k else []
-    )
+    offline = ["--eval.every", "0", "--train.save_weights_every", str(k), "--run.keep_checkpoints", "1000"] if k else []
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
     grpo, student = root / f"{args.preset}-grpo", root / f"{args.preset}-distill{args.tag}"

@@ -5,6 +5,7 @@
     uv run -m orchestrate.eval smollm2 --env.id math:gsm8k --tasks 0:200
     uv run -m orchestrate.eval http://127.0.0.1:8000 --key-file KEY --config runs/embedded/config.json
     uv run -m orchestrate.eval --compare runs/embedded@0 runs/embedded --n 4 --temperature 1.0
+    uv run -m orchestrate.eval runs/embedded --versions all --step 5    # a learning curve, one server
 
 TARGET is a run directory (its newest checkpoint with weights on disk; `--version N` or RUN@N for version N,
 0 the initial model), a model folder (a checkpoint RUN/checkpoints/N is version N of its run), a model by
@@ -21,6 +22,10 @@ estimator), maj@k where the environment reports comparable answers, each with a 
 RUN/evals/LABEL for a run, else runs/evals/NAME-LABEL): tapes/eval_VVVVVV.jsonl (browse, replay and fork
 them), eval.json (settings, figures, per task), summary.md, pass_at_k.png, config.json, logs/. Finished
 tasks are appended as they end: the same command after a kill plays only the rest.
+
+`--versions all|N,A-B [--step K]` evaluates versions of one run in turn on one server (each next version's
+weights reloaded into it, a LoRA run's adapter loaded), each into OUT/vN, and writes their curve against the
+minute each version came in the run (curve.json, curve.md, curve.png).
 
 `--compare A B` evaluates A then B on the same tasks and seeds (OUT/a, OUT/b, resumable each) and reports
 the paired difference B - A of each figure with its 95% interval and the tasks that flipped (compare.json,

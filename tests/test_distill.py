@@ -405,3 +405,15 @@ def test_the_teacher_note_names_a_tempered_rollout_or_tree():
     assert "--tree.temperature 1.5" in teacher_temperature_note(note(tree__width="2", tree__temperature="1.5"))
     no_teacher = resolve("countdown", {"rollouts.temperature": "0.7"})
     assert teacher_temperature_note(no_teacher) is None
+
+
+def test_generation_ahead_of_training_on_shared_cores_is_noted():
+    from orchestrate.loop.config import resolve
+    from orchestrate.loop.preflight import shared_cores_note
+
+    assert shared_cores_note(resolve("embedded", {}), count=0) is None  # synchronous
+    note = shared_cores_note(resolve("embedded", {"run.async_level": "1"}), count=0)
+    assert "--run.async_level 1" in note and "--server.cpus" in note
+    split = resolve("embedded", {"run.async_level": "1", "server.cpus": "0", "trainer.cpus": "1"})
+    assert shared_cores_note(split, count=0) is None
+    assert shared_cores_note(resolve("embedded", {"run.async_level": "1"}), count=2) is None  # on GPUs: no CPU cores to share

@@ -324,6 +324,7 @@ def test_versions_of_a_run_play_on_one_server_switched_in_turn_and_make_a_curve(
         assert point["pass@1"] == json.loads((out / f"v{v}" / "eval.json").read_text())["pass@1"]
     assert "| 4 | 6.5 | 5.5 |" in (out / "curve.md").read_text() and (out / "curve.png").stat().st_size > 0
     assert "curve of 3 versions" in stdout
+    assert "went in memory" not in stdout  # version 2 is asked for: version 4 being newer is no news
     # again: every version is whole, nothing is played and no server starts
     calls = scripted["calls"]
     assert run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", capsys=capsys)[0] == 0

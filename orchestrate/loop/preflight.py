@@ -212,6 +212,19 @@ def teacher_temperature_note(config) -> str | None:
             "reverse KL's estimate)")  # fmt: skip
 
 
+def shared_cores_note(config, count: int | None = None) -> str | None:
+    """The note for generation ahead of training (async_level) on CPU, where the servers and the learner compute
+    on the same cores (config_checks.apart; `count`: the GPUs, as there); none otherwise."""
+    from orchestrate.loop.config_checks import apart, visible_gpus
+
+    gpus = len(visible_gpus()) if count is None else count
+    if not config.run.async_level or gpus or apart(config, count):
+        return None
+    return (f"note: --run.async_level {config.run.async_level}: the policy servers and the learner share these "
+            "CPU cores, where generating beside training slows both more than it hides; give each its own cores "
+            "with --server.cpus and --trainer.cpus (docs/async.md#placement)")  # fmt: skip
+
+
 def preflight(config) -> None:
     """Check task data, then models, of an RLConfig: PreflightError names the first problem."""
     if config.env.id in ("math:gsm8k", "qa"):
@@ -237,9 +250,9 @@ def preflight(config) -> None:
     teacher = None
     if config.teacher.model and not config.teacher.url:
         teacher = check_teacher(config.teacher.model, policy, config.model.policy)
-    note = teacher_temperature_note(config)
-    if note:
-        print(note, file=sys.stderr)
+    for note in (teacher_temperature_note(config), shared_cores_note(config)):
+        if note:
+            print(note, file=sys.stderr)
     if config.train.lora.target_modules:
         check_lora_targets(policy, config.train.lora.target_modules)
     check_memory(config, policy, teacher=teacher)

@@ -126,8 +126,13 @@ def run_policy(run: RunDir, config: RLConfig, version: int | None = None, option
     if not servable:
         raise SetupError(f"{option}: no checkpoint of {run.root} has its weights on disk (version {published[-1]}'s "
                          "went to the servers in memory; a clean stop writes them); pass --model MODEL")  # fmt: skip
-    version = version if version is not None else servable[-1]
-    newer = f"; version {published[-1]} is newer, its weights went in memory" if published[-1] > version else ""
+    asked, version = version, version if version is not None else servable[-1]
+    # the newest servable version was taken: say so when a newer one exists whose weights went in memory
+    newer = (
+        f"; version {published[-1]} is newer, its weights went in memory"
+        if asked is None and published[-1] > version
+        else ""
+    )
     if lora:
         return Policy(resolve_model(config.model.policy), version, config.model.policy, run.adapter(version),
                       note=f"version {version} ({run.adapter(version)}{newer})")  # fmt: skip
