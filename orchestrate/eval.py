@@ -241,7 +241,7 @@ def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir)
     """--versions (all, or N,M and ranges A-B, B included) among the versions `on_disk` (0 always is), then
     --step's multiples and the newest chosen; a version named alone that is not on disk is refused."""
     available = sorted({0, *on_disk})
-    have = f"versions with weights on disk: {', '.join(map(str, available))}"
+    have = f"versions with weights on disk: {spans(available)}"
     if text.strip() == "all":
         chosen = available
     else:
@@ -264,6 +264,17 @@ def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir)
     if not chosen:
         raise EvalError(f"--versions {text}: none of {run.root}'s versions is in it; {have}")
     return chosen
+
+
+def spans(numbers: list[int]) -> str:
+    """Sorted numbers with their consecutive runs written A-B: 0-5, 8, 10-12."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def folders_of(s: Settings) -> list[Path]:

@@ -416,4 +416,6 @@ def test_generation_ahead_of_training_on_shared_cores_is_noted():
     assert "--run.async_level 1" in note and "--server.cpus" in note
     split = resolve("embedded", {"run.async_level": "1", "server.cpus": "0", "trainer.cpus": "1"})
     assert shared_cores_note(split, count=0) is None
-    assert shared_cores_note(resolve("embedded", {"run.async_level": "1"}), count=2) is None  # on GPUs: no CPU cores to share
+    assert (
+        shared_cores_note(resolve("embedded", {"run.async_level": "1"}), count=2) is None
+    )  # on GPUs: no CPU cores to share

@@ -31,6 +31,9 @@ class StandIn:
     def load_adapter(self, name, path, inplace=True):
         self.switched.append(("adapter", name))
 
+    def unload_adapter(self, name):
+        self.switched.append(("unloaded", name))
+
     def stop(self):
         pass
 
@@ -343,7 +346,7 @@ def test_versions_lists_ranges_and_step(tmp_path, scripted, capsys):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--versions", "1"], ["--versions", "no version 1 on disk", "0, 2, 4"]),
+        (["--versions", "1"], ["--versions", "no version 1 on disk", "disk: 0, 2, 4"]),
         (["--versions", "5-3"], ["--versions", "empty"]),
         (["--versions", "x"], ["--versions", "'x'"]),
         (["--versions", "7-9"], ["--versions", "none"]),
@@ -362,6 +365,10 @@ def test_bad_versions_are_one_line_exit_2(tmp_path, scripted, capsys, args, word
     assert code == 2 and "without @N" in err
 
 
+def test_versions_on_disk_are_named_in_spans():
+    assert eval_command.spans([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8" and eval_command.spans([0]) == "0"
+
+
 def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
     from orchestrate.loop.config import resolve
     from orchestrate.loop.setup import Policy, PolicyServer
@@ -370,7 +377,10 @@ def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
     served = PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path, switches=True)
     served.server = StandIn()
     served.switch(Policy(Path("base"), 3, "m", adapter=tmp_path / "a3"))
+    served.switch(Policy(Path("base"), 5, "m", adapter=tmp_path / "a5"))
     served.switch(Policy(Path("base"), 0, "m"))  # the base model: no adapter to load, no weights to reload
-    assert served.server.switched == [("adapter", "policy-v3")] and served.policy.version == 0
+    assert served.server.switched == [("adapter", "policy-v3"), ("adapter", "policy-v5"), ("unloaded", "policy-v3"),
+                                      ("unloaded", "policy-v5")]  # fmt: skip
+    assert served.policy.version == 0
     with pytest.raises(RuntimeError):
         PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path).switch(Policy(Path("base"), 1, "m"))

@@ -211,18 +211,19 @@ class PolicyServer:
     def switch(self, policy: Policy) -> None:
         """Serve another version of the same run on the running server (started with `switches`): its weights
         reloaded from disk (an untied copy where the folder ties its head), or, for a LoRA run, its adapter
-        loaded beside the others (version 0: the base model, no adapter)."""
+        loaded in place of the one served before (version 0: the base model, no adapter)."""
         from orchestrate.serving.models import untied_copy
         from orchestrate.serving.vllm_server import adapter_name
 
         if not self.switches or self.policy.url:
             raise RuntimeError("PolicyServer.switch: a server started with switches=True, not one by URL")
+        name = self.server.served_model_name
         if policy.adapter is not None:
-            self.server.load_adapter(
-                adapter_name(self.server.served_model_name, policy.version), policy.adapter.resolve()
-            )
+            self.server.load_adapter(adapter_name(name, policy.version), policy.adapter.resolve())
         elif not self.config.train.lora.rank:
             self.server.reload_weights(untied_copy(policy.model), verify=False)  # the prefix cache reset with it
+        if self.policy.adapter is not None:  # the adapter served before is not needed again
+            self.server.unload_adapter(adapter_name(name, self.policy.version))
         self.policy = policy
 
     def stop(self) -> None:
