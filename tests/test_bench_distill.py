@@ -75,3 +75,15 @@ def test_the_plot_labels_read_the_runs_resolved_configs(tmp_path):
     rl.save_config({"tree": {"width": 3}, "train": {"algorithm": "grpo", "estimator": "tree"}})
     assert setting(student.root) == "lr 2e-05, 16 tasks x 2, batch + teacher x 1"
     assert rl_setting(rl.root) == "GRPO, tree, trees of width 3"
+
+
+def test_held_out_reads_the_curve_a_run_was_evaluated_into_afterwards(tmp_path):
+    from bench_distill import CURVE
+
+    curve = tmp_path / CURVE / "curve.json"
+    curve.parent.mkdir(parents=True)
+    points = [{"version": 0, "minutes": 0.0, "training_minutes": 0.0, "pass@1": {"value": 0.3, "ci95": [0.2, 0.4]}},
+              {"version": 2, "minutes": 1.5, "training_minutes": 1.2, "pass@1": {"value": 0.5, "ci95": [0.4, 0.6]}}]  # fmt: skip
+    curve.write_text(json.dumps({"run": str(tmp_path), "points": points}))
+    assert held_out(tmp_path) == [(0.0, 0.3, 0), (1.5, 0.5, 2)]
+    assert held_out(tmp_path, evaluations=False) == [(0.0, 0.3, 0), (1.2, 0.5, 2)]

@@ -190,3 +190,16 @@ def test_a_lora_run_resumes_by_url_and_merges(servers, tiny_model_dir, tmp_path,
         str(adapter / "adapter_model.safetensors"))  # fmt: skip
     assert ours.keys() == theirs.keys() and max(t.abs().max() for k, t in theirs.items() if ".lora_B." in k) > 5e-3
     assert max((ours[k].float() - theirs[k].float()).abs().max().item() for k in ours) < 1e-3
+
+    # every version evaluated on one server started for it: version 0 the base model, then each version's
+    # adapter loaded in place of the last (orchestrate.eval --versions)
+    from orchestrate import eval as eval_command
+
+    curve = tmp_path / "curve"
+    args = [str(run), "--versions", "all", "--tasks", "2", "--max-tokens", "8", "--out", str(curve), "--no-progress"]
+    assert eval_command.main(args) == 0
+    for v in (0, 1, 2):
+        calls = [c for t in read_tapes(curve / f"v{v}" / "tapes" / f"eval_{v:06d}.jsonl") for c in t.llm_calls]
+        assert calls and all(c.policy_version == v for c in calls)
+        assert all(c.model.endswith(f" + adapter policy-v{v}") if v else "adapter" not in c.model for c in calls)
+    assert [p["version"] for p in json.loads((curve / "curve.json").read_text())["points"]] == [0, 1, 2]
