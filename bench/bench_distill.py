@@ -58,7 +58,7 @@ def held_out(
     if curve.is_file():
         key = "minutes" if evaluations else "training_minutes"
         points = json.loads(curve.read_text())["points"]
-        return [(p[key], p["pass@1"]["value"], p["version"]) for p in points]
+        return [(p[key], p["pass@1"]["value"], p["version"]) for p in points if p[key] is not None]
     points, evaluating, measured = [], 0.0, measured or {}
     for r in read_metrics(run_dir / "metrics.jsonl"):
         evaluating += r.get("time_eval") or 0.0
@@ -77,8 +77,11 @@ def evaluate_versions(run_dir: Path, step: int) -> None:
     cmd = [sys.executable, "-m", "orchestrate.eval", str(run_dir), "--versions", "all", "--step", str(step),
            "--out", str(run_dir / CURVE), "--no-progress"]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
-    with open(run_dir.with_suffix(".eval.log"), "w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+    log_path = run_dir.with_suffix(".eval.log")
+    with open(log_path, "w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"the evaluation of {run_dir} failed ({log_path}); the same command with --reuse-grpo "
+                             "plays only what is left of GRPO's")  # fmt: skip
 
 
 STUDENT_DEFAULTS = {"--train.estimator": "zero", "--rollouts.temperature": "1.0", "--eval.every": "2"}
@@ -203,7 +206,7 @@ def main() -> int:
         if not args.reuse_grpo:
             keep = ["--run.keep_checkpoints", "1000"] if args.teacher == "best" and not k else []
             run(args.preset, grpo, args.grpo_minutes, offline + keep)
-        if k:  # again after a failure: what was evaluated is kept, only the rest is played
+        if k:  # with --reuse-grpo after a failure: what was evaluated is kept, only the rest is played
             evaluate_versions(grpo, k)
     teacher_curve = held_out(grpo)
     source_file = root / f"{args.preset}-teacher.json"  # the teacher chosen, kept for --report-only and --reuse-grpo
@@ -211,7 +214,8 @@ def main() -> int:
         source = json.loads(source_file.read_text())
     else:
         if args.teacher == "best":
-            path, success, iteration, how = *best_checkpoint(grpo, teacher_curve), "the run's evaluation"
+            how = "orchestrate.eval --versions, after the run" if k else "the run's evaluation"
+            path, success, iteration = best_checkpoint(grpo, teacher_curve)
         else:
             path, success, iteration, how = newest_checkpoint(grpo, teacher_curve)
         source = {"path": str(path), "success": success, "iteration": iteration, "measured_by": how}

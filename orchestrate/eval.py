@@ -362,8 +362,13 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
             run_config = _run_config(run)
         except SetupError as exc:
             raise EvalError(str(exc)) from None
+        if (config.train.lora.rank > 0) != (run_config.train.lora.rank > 0):
+            raise EvalError(f"{'--preset' if args.preset else '--config'}: its train.lora.rank "
+                            f"{config.train.lora.rank} differs from {run.root}'s "
+                            f"({run_config.train.lora.rank}): a LoRA run's versions are adapters, another's whole "
+                            "weights; leave --config and --preset out")  # fmt: skip
         versions = parse_versions(args.versions, servable_versions(run, run_config), args.step, run)
-        texts, runs = [f"{texts[0]}@{v}" for v in versions], [(run, v) for v in versions]
+        texts, runs = [f"{run.root.resolve()}@{v}" for v in versions], [(run, v) for v in versions]
     for text, (run, version) in zip(texts, runs):
         try:
             if text in urls:
@@ -374,6 +379,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
                 policy = given_policy(text, option="target")
         except SetupError as exc:
             raise EvalError(str(exc)) from None
+        if policy.adapter is not None and not config.train.lora.rank:
+            raise EvalError(f"{'--preset' if args.preset else '--config'}: {text} is a LoRA run's version (an "
+                            "adapter), but train.lora.rank is 0 in "
+                            f"{source}; leave --config and --preset out")  # fmt: skip
         targets.append(Target(text, policy, run))
     settings = Settings(targets, config, source, seeds, args.n, temperature, max_tokens,
                         ks, Path(), args.key_file, args.max_concurrency or config.rollouts.max_concurrency,

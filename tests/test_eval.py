@@ -302,6 +302,8 @@ def swept_run(tmp_path):
     records = [{"iteration": 0, "elapsed_s": 60.0, "time_eval": 30.0}, {"iteration": 1, "elapsed_s": 120.0},
                {"iteration": 2, "elapsed_s": 240.0, "time_eval": 30.0},
                {"iteration": 3, "elapsed_s": 90.0}, {"iteration": 4, "elapsed_s": 150.0}]  # fmt: skip
+    for r in records:  # the first command started at 1000 s, the resumed one at 5000 s
+        r["wall_time"] = r["elapsed_s"] + (1000.0 if r["iteration"] <= 2 else 5000.0)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run
 
@@ -319,9 +321,9 @@ def test_versions_of_a_run_play_on_one_server_switched_in_turn_and_make_a_curve(
         assert len(tapes) == 3 and {c.policy_version for t in tapes for c in t.llm_calls} == {v}
     curve = json.loads((out / "curve.json").read_text())
     assert [p["version"] for p in curve["points"]] == [0, 2, 4]
-    # when each version came: iteration N's record; the resumed command's clock goes on from 240 s; the
-    # run's own evaluations (30 s at iterations 0 and 2) left out of the training minutes
-    assert [p["minutes"] for p in curve["points"]] == [0.0, 4.0, 6.5]
+    # when each version came: iteration N's record less its own evaluation (version 2: 240 - 30 s); the resumed
+    # command's clock goes on from 240 s; the run's evaluations before a version left out of its training minutes
+    assert [p["minutes"] for p in curve["points"]] == [0.0, 3.5, 6.5]
     assert [p["training_minutes"] for p in curve["points"]] == [0.0, 3.0, 5.5]
     for point, v in zip(curve["points"], (0, 2, 4)):  # each point is that version's own eval.json figure
         assert point["pass@1"] == json.loads((out / f"v{v}" / "eval.json").read_text())["pass@1"]
@@ -337,9 +339,9 @@ def test_versions_of_a_run_play_on_one_server_switched_in_turn_and_make_a_curve(
 def test_versions_lists_ranges_and_step(tmp_path, scripted, capsys):
     run = swept_run(tmp_path)
     out = tmp_path / "curve"
-    code, _, err = run_eval(run, "--versions", "0,2-9", "--step", 4, "--tasks", 2, "--out", out, "--no-progress",
+    code, _, err = run_eval(run, "--versions", "0,2-9", "--step", 3, "--tasks", 2, "--out", out, "--no-progress",
                             capsys=capsys)  # fmt: skip
-    assert code == 0, err
+    assert code == 0, err  # 0 and 2-9 on disk: 0, 2, 4; multiples of 3: 0; and the last chosen, 4
     assert [p["version"] for p in json.loads((out / "curve.json").read_text())["points"]] == [0, 4]
 
 
@@ -365,6 +367,17 @@ def test_bad_versions_are_one_line_exit_2(tmp_path, scripted, capsys, args, word
     assert code == 2 and "without @N" in err
 
 
+def test_versions_with_a_config_that_is_not_lora_like_the_run_are_refused(tmp_path, scripted, capsys):
+    from orchestrate.loop.config import resolve
+
+    run = swept_run(tmp_path)  # whole weights
+    lora = tmp_path / "lora.json"
+    lora.write_text(json.dumps(resolve("embedded", {"train.lora.rank": "8"}).model_dump(mode="json")))
+    code, _, err = run_eval(run, "--versions", "all", "--config", lora, "--tasks", 2, capsys=capsys)
+    assert code == 2 and "--config: its train.lora.rank 8 differs" in err and len(err.strip().splitlines()) == 1
+    assert scripted["policies"] == [] and not (run / "evals").exists()
+
+
 def test_versions_on_disk_are_named_in_spans():
     assert eval_command.spans([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8" and eval_command.spans([0]) == "0"
 
@@ -384,3 +397,17 @@ def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
     assert served.policy.version == 0
     with pytest.raises(RuntimeError):
         PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path).switch(Policy(Path("base"), 1, "m"))
+
+
+def test_the_version_clock_knows_a_resume_by_its_start_even_when_elapsed_s_goes_on():
+    """A command killed 68 s in and resumed: the resumed command's first record (75 s, its own clock) is later
+    than the killed one's last; the commands' starts (wall_time - elapsed_s) tell them apart."""
+    from orchestrate.loop.metrics import version_clock
+
+    records = [{"iteration": 1, "elapsed_s": 68.0, "wall_time": 1068.0},
+               {"iteration": 2, "elapsed_s": 75.0, "wall_time": 2075.0},
+               {"iteration": 3, "elapsed_s": 100.0, "wall_time": 2100.0}]  # fmt: skip
+    assert version_clock(records) == {0: (0.0, 0.0), 1: (68.0, 68.0), 2: (143.0, 143.0), 3: (168.0, 168.0)}
+    # records without wall_time (older runs): elapsed_s going back is the only sign
+    old = [{k: v for k, v in r.items() if k != "wall_time"} for r in records]
+    assert version_clock(old)[3] == (100.0, 100.0)

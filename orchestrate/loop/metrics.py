@@ -87,21 +87,26 @@ def append_metrics(path: str | os.PathLike, record: dict[str, Any]) -> None:
 
 
 def version_clock(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
-    """When each version of a run came, from its metrics: version N is served from the end of iteration N
-    (its record's elapsed_s; version 0 from the start) -> (seconds of the run's commands so far, the same less
-    the held-out evaluations' seconds so far: the time training took). A resumed run's clock goes on from
-    where the killed command's last record left it."""
-    clock, offset, last, evaluating = {0: (0.0, 0.0)}, 0.0, 0.0, 0.0
+    """When each version of a run came, from its metrics: version N is served from the end of iteration N (its
+    record's elapsed_s, less the evaluation of version N recorded with it; version 0 from the start) ->
+    (seconds of the run's commands so far, the same less the held-out evaluations' seconds before it: the time
+    training took). A resumed run's clock goes on from where the killed command's last record left it; a new
+    command is known by its start (wall_time - elapsed_s), else by elapsed_s going back. Evaluations that
+    overlapped training (eval.overlap, async_level) are left out of the training seconds whole."""
+    clock, offset, last, evaluating, command = {0: (0.0, 0.0)}, 0.0, 0.0, 0.0, None
     for r in records:
         if "elapsed_s" not in r or "iteration" not in r:
             continue
-        if r["elapsed_s"] < last:  # a new command (a resume): its clock starts again
+        started = r["wall_time"] - r["elapsed_s"] if "wall_time" in r else None
+        new = abs(started - command) > 1.0 if started is not None and command is not None else r["elapsed_s"] < last
+        if new:  # a resumed run's next command: its elapsed_s starts again
             offset += last
-        last = r["elapsed_s"]
-        evaluating += r.get("time_eval") or 0.0
-        seconds = offset + last
+        command, last = started, r["elapsed_s"]
+        own = r.get("time_eval") or 0.0
+        seconds = offset + last - own
         if r["iteration"] > 0:  # iteration 0's record is the initial evaluation: version 0 was there before it
             clock[int(r["iteration"])] = (seconds, seconds - evaluating)
+        evaluating += own
     return clock
 
 

@@ -220,7 +220,7 @@ class PolicyServer:
         name = self.server.served_model_name
         if policy.adapter is not None:
             self.server.load_adapter(adapter_name(name, policy.version), policy.adapter.resolve())
-        elif not self.config.train.lora.rank:
+        elif policy.model != self.policy.model:  # another folder of weights (a LoRA run's base never changes)
             self.server.reload_weights(untied_copy(policy.model), verify=False)  # the prefix cache reset with it
         if self.policy.adapter is not None:  # the adapter served before is not needed again
             self.server.unload_adapter(adapter_name(name, self.policy.version))
