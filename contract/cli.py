@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -158,6 +159,13 @@ def nest(values: dict[str, Any], tree: dict[str, Any] | None = None) -> dict[str
 
 
 # -- strictness ---------------------------------------------------------------------------------
+
+
+def parse_span(text: str) -> tuple[int, int] | None:
+    """N or A-B (whole numbers, B included) as (low, high), N as (N, N); None when it is neither. An empty range
+    (high < low) is the caller's to refuse, in its option's words."""
+    m = re.match(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", text)
+    return (int(m.group(1)), int(m.group(2) or m.group(1))) if m else None
 
 
 def refuse_repeated(argv: list[str], aliases: dict[str, str] | None = None) -> None:

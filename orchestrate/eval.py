@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.cli import StrictParser, add_options, given, refuse_repeated
+from contract.cli import StrictParser, add_options, given, parse_span, refuse_repeated
 from contract.durable import atomic_write_json, atomic_write_text
 from contract.rundir import RunDir
 from orchestrate.loop.config import (
@@ -234,9 +234,6 @@ def parse_ks(text: str | None, n: int) -> list[int]:
     return ks
 
 
-RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
-
-
 def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir) -> list[int]:
     """--versions (all, or N,M and ranges A-B, B included) among the versions `on_disk` (0 always is), then
     --step's multiples and the newest chosen; a version named alone that is not on disk is refused."""
@@ -247,13 +244,13 @@ def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir)
     else:
         chosen = []
         for item in text.split(","):
-            m = RANGE.match(item)
-            if not m:
+            span = parse_span(item)
+            if span is None:
                 raise EvalError(f"--versions: {item.strip()!r} is not a version N or a range A-B (or all)")
-            low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+            low, high = span
             if high < low:
                 raise EvalError(f"--versions: {item.strip()!r} is an empty range")
-            if m.group(2) is None and low not in available:
+            if "-" not in item and low not in available:
                 raise EvalError(f"--versions: {run.root} has no version {low} on disk; {have}")
             chosen += [v for v in available if low <= v <= high]
         chosen = sorted(set(chosen))

@@ -60,6 +60,7 @@ from contract.cli import (
     error_line,
     given,
     nest,
+    parse_span,
     parse_value,
     refuse_repeated,
 )
@@ -77,19 +78,16 @@ if TYPE_CHECKING:
 
 BY_URL = ("policy_urls", "reference_url", "api_key_file")  # server options of a run that offline does not inherit
 FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
-RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
-
-
 # -- inputs ---------------------------------------------------------------------
 
 
 def parse_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
-    m = RANGE.match(text)
-    if not m:
+    span = parse_span(text)
+    if span is None:
         raise ConfigError(f"--iterations: {text!r} is not N or A-B (e.g. 3 or 3-10)")
-    low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+    low, high = span
     if high < low:
         raise ConfigError(f"--iterations: {text!r} is an empty range")
     return low, high
