@@ -17,7 +17,8 @@
 --offline-eval K: neither run evaluates itself (`--eval.every 0`); each writes its weights every K iterations and
 keeps them, and after it `orchestrate.eval RUN --versions all --step K` evaluates those versions (and the
 newest) on one server, each placed at the minute its checkpoint came: both curves are then on the wall clock of
-runs that spent no time evaluating, at the same cadence.
+runs that spent no time evaluating, at the same cadence. Once a run's curve is written its checkpoints are deleted
+(all but the teacher): a 16-minute embedded run keeps 40 of 625 MB each until then.
 Both start from the command's start (servers, the first evaluation included). Two targets: the student reaches
 90% of the teacher's held-out success within a third of the minutes GRPO took to first reach the teacher's;
 and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's.
@@ -85,6 +86,17 @@ def evaluate_versions(run_dir: Path, step: int) -> None:
 
 
 STUDENT_DEFAULTS = {"--train.estimator": "zero", "--rollouts.temperature": "1.0", "--eval.every": "2"}
+
+
+def drop_evaluated(run_dir: Path, keep: Path | None = None) -> None:
+    """--offline-eval: once a run's curve is written, its checkpoints (625 MB each for the embedded model, one
+    per version kept) are deleted, all but `keep` (the teacher): the curve holds their figures."""
+    if not (run_dir / CURVE / "curve.json").is_file():
+        return
+    checkpoints = RunDir(run_dir).checkpoints
+    for folder in checkpoints.iterdir() if checkpoints.is_dir() else ():
+        if keep is None or folder.resolve() != keep.resolve():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def student_options(teacher_model: str, extra: list[str]) -> list[str]:
@@ -220,6 +232,8 @@ def main() -> int:
             path, success, iteration, how = newest_checkpoint(grpo, teacher_curve)
         source = {"path": str(path), "success": success, "iteration": iteration, "measured_by": how}
         source_file.write_text(json.dumps(source))
+        if k:
+            drop_evaluated(grpo, keep=Path(source["path"]))
     teacher_model, teacher = source["path"], source["success"]
     # a teacher measured after the run is a point of the run's curve too (GRPO had reached it by then); where
     # the run evaluated that checkpoint itself, held_out keeps the run's figure
@@ -229,6 +243,7 @@ def main() -> int:
         run(args.preset, student, args.distill_minutes, student_options(teacher_model, offline + extra))
         if k:
             evaluate_versions(student, k)
+            drop_evaluated(student)
     student_curve = held_out(student)
     # the same comparison with the evaluations' minutes left out (the student is evaluated more often)
     training = {"grpo": held_out(grpo, evaluations=False, measured=measured),

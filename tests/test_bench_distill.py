@@ -87,3 +87,22 @@ def test_held_out_reads_the_curve_a_run_was_evaluated_into_afterwards(tmp_path):
     curve.write_text(json.dumps({"run": str(tmp_path), "points": points}))
     assert held_out(tmp_path) == [(0.0, 0.3, 0), (1.5, 0.5, 2)]
     assert held_out(tmp_path, evaluations=False) == [(0.0, 0.3, 0), (1.2, 0.5, 2)]
+
+
+def test_a_runs_checkpoints_go_once_its_curve_is_written_but_the_teachers(tmp_path):
+    from bench_distill import CURVE, drop_evaluated
+
+    from contract.rundir import WEIGHTS_FILE, RunDir
+
+    run = RunDir(tmp_path)
+    for i in (1, 2, 3):
+        run.checkpoint(i).mkdir(parents=True)
+        (run.checkpoint(i) / WEIGHTS_FILE).write_text("{}")
+    drop_evaluated(tmp_path, keep=run.checkpoint(3))  # no curve yet: nothing is deleted
+    assert all(run.checkpoint(i).is_dir() for i in (1, 2, 3))
+    (tmp_path / CURVE).mkdir(parents=True)
+    (tmp_path / CURVE / "curve.json").write_text("{}")
+    drop_evaluated(tmp_path, keep=run.checkpoint(3))
+    assert [run.checkpoint(i).is_dir() for i in (1, 2, 3)] == [False, False, True]
+    drop_evaluated(tmp_path)
+    assert not run.checkpoint(3).exists()
