@@ -609,23 +609,49 @@ class OneServer:
             self.served.stop()
 
 
+def curve_settings(record: dict) -> dict:
+    """An evaluation's settings less what names its version: what every point of one curve shares."""
+    return {k: v for k, v in record["settings"].items() if k not in ("target", "model", "version")}
+
+
+def earlier_versions(out: Path, settings: dict, chosen: set[int]) -> dict[int, dict]:
+    """The records of versions evaluated into OUT/vN before, with the same settings, that this call did not
+    choose (a checkpoint deleted since, or a list that left them out): a curve's folder keeps its points."""
+    found = {}
+    for folder in out.glob("v*"):
+        version = folder.name[1:]
+        if not version.isdigit() or int(version) in chosen:
+            continue
+        record = _json(folder / "eval.json")
+        if record.get("settings") and curve_settings(record) == settings:
+            found[int(version)] = record
+    return found
+
+
 def write_curve(s: Settings, records: list[dict]) -> dict:
     """--versions: each version's figures against when its checkpoint came in the run (the run's metrics'
-    clock, with and without its own evaluations): OUT/curve.json, curve.md and curve.png."""
+    clock, with and without its own evaluations): OUT/curve.json, curve.md and curve.png. The versions
+    evaluated into OUT before with the same settings stay on the curve (earlier_versions)."""
     from orchestrate.loop.eval_report import curve_markdown, plot_curve
     from orchestrate.loop.metrics import read_metrics, version_clock
 
     run = s.targets[0].run
     clock = version_clock(read_metrics(run.metrics_path))
     names = ["mean_reward"] + [f"pass@{k}" for k in s.ks] + [f"maj@{k}" for k in s.ks if k > 1]
+    settings = curve_settings(records[0])
+    by_version = {t.policy.version: r for t, r in zip(s.targets, records)}
+    kept = earlier_versions(s.out, settings, set(by_version))
+    by_version.update(kept)
     points = []
-    for target, record in zip(s.targets, records):
-        seconds, training = clock.get(target.policy.version, (None, None))
-        points.append({"version": target.policy.version,
+    for version, record in sorted(by_version.items()):
+        seconds, training = clock.get(version, (None, None))
+        points.append({"version": version,
                        "minutes": None if seconds is None else round(seconds / 60, 3),
                        "training_minutes": None if training is None else round(training / 60, 3),
                        **{n: record[n] for n in names if record.get(n)}})  # fmt: skip
-    settings = {k: v for k, v in records[0]["settings"].items() if k not in ("target", "model", "version")}
+    if kept:
+        print(f"the curve keeps versions {spans(sorted(kept))} evaluated into {s.out} before (their weights are "
+              "no longer asked for or on disk)", flush=True)  # fmt: skip
     curve = {"run": str(run.root), "settings": settings, "points": points}
     atomic_write_json(s.out / "curve.json", curve)
     atomic_write_text(s.out / "curve.md", curve_markdown(curve))

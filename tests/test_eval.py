@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import zlib
 from pathlib import Path
 
@@ -334,6 +335,20 @@ def test_versions_of_a_run_play_on_one_server_switched_in_turn_and_make_a_curve(
     calls = scripted["calls"]
     assert run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", capsys=capsys)[0] == 0
     assert scripted["calls"] == calls and len(scripted["policies"]) == 1
+    # version 2's weights deleted since (a bench frees the disk once a curve is written): it stays on the curve
+    (run / "checkpoints" / "000002" / "config.json").unlink()
+    code, stdout, err = run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", "--out", out,
+                                 capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    again = json.loads((out / "curve.json").read_text())
+    assert again["points"] == curve["points"] and "keeps versions 2 evaluated" in stdout
+    # a version evaluated with other settings (2 tasks, not 3) is no point of this curve
+    code, _, err = run_eval(run, "--versions", "4", "--tasks", 2, "--no-progress", "--out", tmp_path / "two",
+                            capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    shutil.copytree(tmp_path / "two" / "v4", out / "v5")
+    assert run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", "--out", out, capsys=capsys)[0] == 0
+    assert [p["version"] for p in json.loads((out / "curve.json").read_text())["points"]] == [0, 2, 4]
 
 
 def test_versions_lists_ranges_and_step(tmp_path, scripted, capsys):
