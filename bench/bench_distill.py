@@ -258,6 +258,7 @@ def main() -> int:
     results = {"preset": args.preset, "teacher": args.teacher, "teacher_checkpoint": source,
                "teacher_success": teacher, "grpo_minutes_to_teacher": grpo_reached,
                "student_minutes_to_90pct": student_reached, "time_ratio": ratio, "student_options": extra,
+               "student_setting": setting(student),
                "offline_eval": k or None,
                "training_minutes": {"grpo_to_teacher": g, "student_to_90pct": s_, "time_ratio": training_ratio},
                "same_minutes": same, "grpo_at_same_minutes": rl_then[1], "student_at_same_minutes": student_then[1],

@@ -614,17 +614,20 @@ def curve_settings(record: dict) -> dict:
     return {k: v for k, v in record["settings"].items() if k not in ("target", "model", "version")}
 
 
-def earlier_versions(out: Path, settings: dict, chosen: set[int]) -> dict[int, dict]:
-    """The records of versions evaluated into OUT/vN before, with the same settings, that this call did not
-    choose (a checkpoint deleted since, or a list that left them out): a curve's folder keeps its points."""
+def earlier_versions(out: Path, settings: dict, chosen: set[int], run: RunDir, names: list[str]) -> dict[int, dict]:
+    """The records of `run`'s versions evaluated into OUT/vN before, with the same settings and every figure of
+    `names`, that this call did not choose (a checkpoint deleted since, or a list that left them out): a
+    curve's folder keeps its points. A folder whose record is of another version or run is no point."""
     found = {}
     for folder in out.glob("v*"):
-        version = folder.name[1:]
-        if not version.isdigit() or int(version) in chosen:
+        match = re.fullmatch(r"v(0|[1-9][0-9]*)", folder.name)
+        if match is None or not folder.is_dir() or int(match[1]) in chosen:
             continue
-        record = _json(folder / "eval.json")
-        if record.get("settings") and curve_settings(record) == settings:
-            found[int(version)] = record
+        version, record = int(match[1]), _json(folder / "eval.json")
+        saved = record.get("settings") or {}
+        if (saved.get("version") == version and saved.get("target") == f"{run.root.resolve()}@{version}"
+                and curve_settings(record) == settings and all(n in record for n in names)):  # fmt: skip
+            found[version] = record
     return found
 
 
@@ -640,7 +643,7 @@ def write_curve(s: Settings, records: list[dict]) -> dict:
     names = ["mean_reward"] + [f"pass@{k}" for k in s.ks] + [f"maj@{k}" for k in s.ks if k > 1]
     settings = curve_settings(records[0])
     by_version = {t.policy.version: r for t, r in zip(s.targets, records)}
-    kept = earlier_versions(s.out, settings, set(by_version))
+    kept = earlier_versions(s.out, settings, set(by_version), run, names)
     by_version.update(kept)
     points = []
     for version, record in sorted(by_version.items()):

@@ -347,6 +347,8 @@ def test_versions_of_a_run_play_on_one_server_switched_in_turn_and_make_a_curve(
                             capsys=capsys)  # fmt: skip
     assert code == 0, err
     shutil.copytree(tmp_path / "two" / "v4", out / "v5")
+    shutil.copytree(out / "v4", out / "v6")  # the same settings under another version's name: version 4's record
+    (out / "v\u00b2").mkdir()  # a name that is no version
     assert run_eval(run, "--versions", "all", "--tasks", 3, "--no-progress", "--out", out, capsys=capsys)[0] == 0
     assert [p["version"] for p in json.loads((out / "curve.json").read_text())["points"]] == [0, 2, 4]
 
