@@ -263,6 +263,12 @@ def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir)
     return chosen
 
 
+def version_target(run: RunDir, version: int) -> str:
+    """How --versions names one version of a run (RUN@N, the run's folder resolved): each version's target,
+    and what its OUT/vN record says it evaluated."""
+    return f"{run.root.resolve()}@{version}"
+
+
 def spans(numbers: list[int]) -> str:
     """Sorted numbers with their consecutive runs written A-B: 0-5, 8, 10-12."""
     runs: list[list[int]] = []
@@ -365,7 +371,7 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
                             f"({run_config.train.lora.rank}): a LoRA run's versions are adapters, another's whole "
                             "weights; leave --config and --preset out")  # fmt: skip
         versions = parse_versions(args.versions, servable_versions(run, run_config), args.step, run)
-        texts, runs = [f"{run.root.resolve()}@{v}" for v in versions], [(run, v) for v in versions]
+        texts, runs = [version_target(run, v) for v in versions], [(run, v) for v in versions]
     for text, (run, version) in zip(texts, runs):
         try:
             if text in urls:
@@ -625,7 +631,7 @@ def earlier_versions(out: Path, settings: dict, chosen: set[int], run: RunDir, n
             continue
         version, record = int(match[1]), _json(folder / "eval.json")
         saved = record.get("settings") or {}
-        if (saved.get("version") == version and saved.get("target") == f"{run.root.resolve()}@{version}"
+        if (saved.get("version") == version and saved.get("target") == version_target(run, version)
                 and curve_settings(record) == settings and all(n in record for n in names)):  # fmt: skip
             found[version] = record
     return found
