@@ -108,15 +108,18 @@ def student_options(teacher_model: str, extra: list[str]) -> list[str]:
 
 
 def setting(run_dir: Path) -> str:
-    """A student run's learning rate, episodes per iteration and (beside the teacher's) its reward's estimator,
-    read from its resolved config."""
+    """A student run's learning rate, episodes per iteration, (beside the teacher's) its reward's estimator and
+    the teacher's top-k term, read from its resolved config."""
     config = RunDir(run_dir).saved_config()
     rollouts = config["rollouts"]
-    signal = (
-        ""
-        if config["train"]["estimator"] == "zero"
-        else f", {config['train']['estimator']} + teacher x {config['teacher']['coef']:g}"
-    )
+    teacher, estimator = config["teacher"], config["train"]["estimator"]
+    terms = [f"teacher x {teacher['coef']:g}"] if teacher["coef"] else []
+    if teacher.get("topk"):  # the teacher's top-k term, beside the advantage term or alone (coef 0)
+        terms.append(f"top-{teacher['topk']} x {teacher['topk_coef']:g}")
+    if estimator != "zero":
+        signal = f", {estimator} + " + " + ".join(terms)
+    else:
+        signal = "" if terms == ["teacher x 1"] else ", " + " + ".join(terms)
     return f"lr {config['train']['lr']:g}, {rollouts['tasks_per_iteration']} tasks x {rollouts['attempts']}{signal}"
 
 

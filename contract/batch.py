@@ -118,6 +118,14 @@ class Sample(BaseModel):
         description="Log-prob of each completion token under the teacher at temperature 1 (on-policy "
         "distillation, teacher_coef); null without a teacher.",
     )
+    teacher_top_ids: list[list[int]] | None = Field(
+        default=None,
+        description="Per trained token, the teacher's k most likely tokens at its position, most likely "
+        "first (the teacher's top-k, teacher_topk_coef); null without them.",
+    )
+    teacher_top_logprobs: list[list[Finite]] | None = Field(
+        default=None, description="Their log-probs under the teacher at temperature 1, row by row."
+    )
     reward: Finite = Field(
         description="Reward of the whole completion (of a multi-turn sample: the sum of its turns')."
     )
@@ -178,6 +186,15 @@ class Sample(BaseModel):
             raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} values for {n} sampled tokens")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} values for {n} sampled tokens")
+        ids, lps = self.teacher_top_ids, self.teacher_top_logprobs
+        if (ids is None) != (lps is None):
+            raise ValueError("teacher_top_ids and teacher_top_logprobs come together")
+        if ids is not None:
+            if len(ids) != n or len(lps) != n:
+                raise ValueError(f"the teacher's top-k has {len(ids)} and {len(lps)} rows for {n} sampled tokens")
+            k = len(ids[0]) if ids else 0
+            if not k or any(len(row) != k for row in ids) or any(len(row) != k for row in lps):
+                raise ValueError(f"the teacher's top-k rows differ in length (the first has {k}); each holds k > 0")
         return self
 
     @property

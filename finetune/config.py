@@ -119,6 +119,15 @@ class _TrainOptions(BaseModel):
         "- behaviour log-prob), the negative of the reverse KL to the teacher on that token (needs "
         "teacher_logprobs in the batch); 0: none. The RL loop sets it from --teacher.coef.",
     )
+    teacher_topk_coef: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="On-policy distillation from the teacher's top-k: the loss gets teacher_topk_coef x the "
+        "cross-entropy from the teacher's k most likely tokens at each trained token's position (renormalised) "
+        "to the model's untempered distribution (needs teacher_top_ids in the batch); 0: none. The RL loop "
+        "sets it from --teacher.topk_coef when a top-k is asked for.",
+    )
     aggregation: Literal["token", "sequence"] = Field(
         "token",
         description="token: mean over all completion tokens of a step; sequence: mean over "

@@ -82,6 +82,9 @@ class Learner:
                 "kl_coef > 0 (or ppo.kl_in_reward > 0) but some samples have no ref_logprobs: score "
                 "them with the reference model, or set it to 0"
             )
+        if cfg.teacher_topk_coef and (missing := sum(s.teacher_top_ids is None for s in samples)):
+            raise ValueError(f"teacher_topk_coef > 0 but {missing} of {len(samples)} samples have no teacher "
+                             "top-k (teacher_top_ids): score them with --teacher.topk, or set it to 0")  # fmt: skip
         adv = batch_advantages(samples, cfg, self.critic, self.passes.sample_values)
         self.turn_records = adv.turn_records
         # Overlong filtering: samples with an output cut by the limit counted in the baseline, not trained on.

@@ -218,11 +218,36 @@ def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None
     return attention_mask
 
 
+def soft_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, raw_logp: Tensor, ids: Tensor,
+                  chunk: int = 1024) -> Tensor:  # fmt: skip
+    """Untempered log softmax(hidden @ W.T) at `ids` [n, k] (a teacher's top-k tokens at each position), from
+    the targets' untempered log-probs `raw_logp` [n] (with grad) and the logits of the k + 1 tokens alone:
+    log p(id) = logit(id) - logit(target) + raw_logp. The logits of the targets cancel from the gradient,
+    which is (onehot(id) - softmax) as a log softmax's; the vocabulary-wide logits are never made again.
+    Each chunk's gathered head rows are recomputed in backward (activation checkpointing), not kept; the
+    k + 1 logits are computed in fp32 (the targets' own, in the head's dtype, can differ from them by a
+    rounding step: the log-probs' values, not their gradient, carry that)."""
+    from torch.utils.checkpoint import checkpoint
+
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # k + 1 rows a token: cheap in fp32
+
+    def logits(h: Tensor, rows: Tensor) -> Tensor:  # [c, d] x [c, k + 1] -> [c, k + 1]
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.einsum("cd,ckd->ck", h.to(dtype), weight[rows].to(dtype))
+
+    both = torch.cat([targets[:, None], ids], dim=1)
+    parts = [checkpoint(logits, hidden[s : s + chunk], both[s : s + chunk], use_reentrant=False)
+             for s in range(0, hidden.shape[0], chunk)]  # fmt: skip
+    out = torch.cat(parts) if parts else hidden.new_zeros((0, both.shape[1]), dtype=torch.float32)
+    return out[:, 1:] - out[:, :1] + raw_logp[:, None]
+
+
 class PolicyOutput(NamedTuple):
     logp: Tensor  # [n] at each sequence's sampling temperature, with grad
     raw_logp: Tensor | None  # [n] at T = 1 (with grad) when asked, else None
     entropy: Tensor  # [n] of the tempered distribution; with grad only when the policy has entropy_grad
     values: Tensor | None  # [n] the value head's V before each token (with grad), when the policy has one
+    soft_logp: Tensor | None = None  # [n, k] at T = 1 (with grad) of the `soft_ids` asked for (a teacher's top-k)
 
 
 class PolicyLogProbs(nn.Module):
@@ -262,13 +287,23 @@ class PolicyLogProbs(nn.Module):
         return model_mask(self.lm, attention_mask)
 
     def forward(
-        self, input_ids, position_ids, rows, cols, targets, inv_temp, with_raw: bool = False, attention_mask=None
+        self,
+        input_ids,
+        position_ids,
+        rows,
+        cols,
+        targets,
+        inv_temp,
+        with_raw: bool = False,
+        attention_mask=None,
+        soft_ids=None,
     ):
-        """Per completion token: PolicyOutput(logp, raw_logp, entropy, values), each [n].
+        """Per completion token: PolicyOutput(logp, raw_logp, entropy, values, soft_logp), each [n].
 
         logp (with grad) is at each sequence's sampling temperature; raw_logp
         (with grad) at T = 1 when `with_raw`, else None; entropy has a grad only with `entropy_grad`;
-        values from the value head, else None.
+        values from the value head, else None; soft_logp [n, k] (with grad, T = 1) at `soft_ids` [n, k] when
+        given (a teacher's top-k tokens at each position), else None.
         `attention_mask`: a 4-D boolean mask (shared_prefix layout), else None.
         """
         mask = self._mask(attention_mask)
@@ -277,18 +312,22 @@ class PolicyLogProbs(nn.Module):
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
             )
             h = hidden.last_hidden_state[rows, cols]
+            weight = self.lm.get_output_embeddings().weight
             logp, raw_logp, entropy = head_logprobs(
                 h,
-                self.lm.get_output_embeddings().weight,
+                weight,
                 targets,
                 inv_temp,
                 self.chunk,
-                with_raw,
+                with_raw or soft_ids is not None,
                 self.entropy_grad,
                 self.compiled,
             )
+            soft_logp = None
+            if soft_ids is not None:
+                soft_logp = soft_logprobs(h, weight, targets, raw_logp, soft_ids, self.chunk)
             values = None if self.value_head is None else self.value_head(h.float()).squeeze(-1)
-            return PolicyOutput(logp, (raw_logp if with_raw else None), entropy, values)
+            return PolicyOutput(logp, (raw_logp if with_raw else None), entropy, values, soft_logp)
         # full: the model's own forward, logits only from the first predicting column on.
         first = int(cols.min())
         out = self.lm(
@@ -302,7 +341,9 @@ class PolicyLogProbs(nn.Module):
         raw = out.logits[rows, cols - first].float()
         logps = torch.log_softmax(raw * inv_temp[:, None], dim=-1)
         logp = logps.gather(1, targets[:, None]).squeeze(1)
-        raw_logp = torch.log_softmax(raw, dim=-1).gather(1, targets[:, None]).squeeze(1) if with_raw else None
+        raw_all = torch.log_softmax(raw, dim=-1) if with_raw or soft_ids is not None else None
+        raw_logp = raw_all.gather(1, targets[:, None]).squeeze(1) if with_raw else None
+        soft_logp = None if soft_ids is None else raw_all.gather(1, soft_ids)
         if self.entropy_grad:
             entropy = -(logps.exp() * logps).sum(-1)
         else:
@@ -311,7 +352,7 @@ class PolicyLogProbs(nn.Module):
         values = None
         if self.value_head is not None:
             values = self.value_head(out.hidden_states[-1][rows, cols].float()).squeeze(-1)
-        return PolicyOutput(logp, raw_logp, entropy, values)
+        return PolicyOutput(logp, raw_logp, entropy, values, soft_logp)
 
 
 def new_value_head(hidden_size: int) -> nn.Linear:

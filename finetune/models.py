@@ -46,6 +46,7 @@ class Models:
     lora_config: object | None  # peft's LoraConfig, with LoRA
     pad_id: int
     step: int = 0  # optimizer steps taken so far, over the whole run
+    vocab_size: int | None = None  # the policy's output rows (a teacher's top-k id beyond them is left out)
 
     def trained(self) -> list[torch.nn.Module]:
         """The prepared models in accelerate's order (the policy, a separate critic's value model)."""
@@ -94,7 +95,8 @@ def build_models(model_dir: Path, config: TrainConfig, acc: Accelerator) -> Mode
         value_model = _value_model(model_dir, config, compiled)
         value_optimizer = _adamw([{"params": list(value_model.parameters()), "base_lr": critic.lr}], critic.lr, config)
         model, optimizer, value_model, value_optimizer = acc.prepare(policy, optimizer, value_model, value_optimizer)
-    return Models(acc, model, optimizer, value_model, value_optimizer, critic, lora_config, pad_id)
+    return Models(acc, model, optimizer, value_model, value_optimizer, critic, lora_config, pad_id,
+                  vocab_size=lm.config.vocab_size)  # fmt: skip
 
 
 def _language_model(model_dir: Path, config: TrainConfig, cuda: bool):

@@ -62,8 +62,9 @@ class Passes:
                 stack.enter_context(self.models.accelerator.no_sync(model))
         return stack
 
-    def policy(self, mb: MicroBatch, inv_temp: torch.Tensor, raw: bool):
-        """The policy on one micro-batch: log-probs of its targets at inv_temp (and untempered ones if raw)."""
+    def policy(self, mb: MicroBatch, inv_temp: torch.Tensor, raw: bool, soft_ids: torch.Tensor | None = None):
+        """The policy on one micro-batch: log-probs of its targets at inv_temp (and untempered ones if raw; at
+        `soft_ids` [n, k], a teacher's top-k tokens of each target's position, untempered, when given)."""
         dev = self.models.accelerator.device
         return self.models.model(
             mb.input_ids.to(dev),
@@ -74,6 +75,7 @@ class Passes:
             inv_temp.to(dev),
             raw,
             None if mb.attention_mask is None else mb.attention_mask.to(dev),
+            None if soft_ids is None else soft_ids.to(dev),
         )
 
     def values(self, mb: MicroBatch) -> torch.Tensor:

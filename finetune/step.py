@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,30 @@ from finetune.losses import LossInputs, tis_weights, token_weights
 from finetune.models import Models
 from finetune.passes import Passes
 from finetune.tally import StepTally, advantage_metrics, loss_metrics, loss_terms
+
+
+class TeacherTopK(NamedTuple):
+    """A micro-batch's targets from the teacher's top-k, per trained token (rows padded to the widest k)."""
+
+    ids: torch.Tensor  # [n, k] token ids
+    q: torch.Tensor  # [n, k] the teacher's probabilities renormalised over its top k (0 in padding)
+    neg_entropy: torch.Tensor  # [n] sum q log q: the KL to q is the cross-entropy to it plus this
+
+
+def teacher_top(seqs: list[Sample], vocab: int | None = None) -> TeacherTopK:
+    """The teacher's top-k of `seqs`' trained tokens, in the micro-batch's order, as targets: q = its
+    probabilities renormalised over the k tokens (softmax of their log-probs). A token id the student's head
+    does not have (`vocab`: its rows; a teacher whose head is padded further) is left out of q."""
+    ids = [row for s in seqs for row in s.teacher_top_ids]
+    lps = [row for s in seqs for row in s.teacher_top_logprobs]
+    k = max(map(len, ids))
+    id_t = torch.tensor([row + [row[0]] * (k - len(row)) for row in ids], dtype=torch.long)
+    lp_t = torch.tensor([row + [-math.inf] * (k - len(row)) for row in lps], dtype=torch.float32)
+    if vocab is not None and (outside := id_t >= vocab).any():
+        id_t, lp_t = id_t.masked_fill(outside, 0), lp_t.masked_fill(outside, -math.inf)
+    q = torch.softmax(lp_t, dim=-1).nan_to_num(0.0)  # a row left wholly out: no target
+    log_q = torch.log_softmax(lp_t, dim=-1)
+    return TeacherTopK(id_t, q, torch.where(q > 0, q * log_q, torch.zeros_like(q)).sum(-1))
 
 
 class OptimizerStep:
@@ -122,8 +147,9 @@ class OptimizerStep:
         inv_temp = torch.tensor([1.0 / s.temperature for s in seqs for _ in range(s.n_trained)])
         # The reference is scored at T = 1: the KL takes untempered log-probs.
         tempered = bool((inv_temp != 1).any())
+        top = teacher_top(seqs, self.models.vocab_size) if cfg.teacher_topk_coef else None
         with self.passes.no_sync(sync):
-            out = self.passes.policy(mb, inv_temp, ref is not None and tempered)
+            out = self.passes.policy(mb, inv_temp, ref is not None and tempered, None if top is None else top.ids)
             x = LossInputs(
                 logp=out.logp,
                 behaviour_logp=behaviour.to(dev),
@@ -141,6 +167,11 @@ class OptimizerStep:
                 old_values, returns = critic.rows(rows)
                 x.old_values, x.returns = old_values.to(dev), returns.to(dev)
             result = cfg.loss_spec.fn(x, cfg.loss_options)
+            if top is not None:  # the teacher's top-k: cross-entropy to it, token by token, aggregated as the loss
+                xent = -(top.q.to(dev) * out.soft_logp).sum(-1)
+                w = weights.to(dev)
+                result.loss = result.loss + cfg.teacher_topk_coef * (w * xent).sum()
+                result.terms["teacher_topk_kl"] = (w * (xent.detach() + top.neg_entropy.to(dev))).sum()
             # Gradients are averaged over processes; the weights already
             # divide by the step's totals, so undo the average.
             acc.backward(result.loss * acc.num_processes)

@@ -103,6 +103,14 @@ class LLMCall(OpenTapeModel):
     teacher_logprobs: list[float] | None = Field(
         None, description="log-prob of each output token under the teacher (--teacher.model), once annotated"
     )
+    teacher_top_ids: list[list[int]] | None = Field(
+        None,
+        description="per output token, the teacher's k most likely next tokens there, most likely first "
+        "(--teacher.topk), once annotated",
+    )
+    teacher_top_logprobs: list[list[float]] | None = Field(
+        None, description="their log-probs under the teacher, row by row as teacher_top_ids"
+    )
     finish_reason: str | None = Field(None, description="'stop', 'length' (cut by max_tokens), ...")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     created: float = Field(default_factory=time.time)

@@ -75,6 +75,10 @@ def test_the_plot_labels_read_the_runs_resolved_configs(tmp_path):
     rl.save_config({"tree": {"width": 3}, "train": {"algorithm": "grpo", "estimator": "tree"}})
     assert setting(student.root) == "lr 2e-05, 16 tasks x 2, batch + teacher x 1"
     assert rl_setting(rl.root) == "GRPO, tree, trees of width 3"
+    student.save_config({"rollouts": {"tasks_per_iteration": 16, "attempts": 2},
+                         "teacher": {"coef": 0.0, "topk": 20, "topk_coef": 1.0},
+                         "train": {"lr": 2e-5, "estimator": "zero"}})  # fmt: skip
+    assert setting(student.root) == "lr 2e-05, 16 tasks x 2, top-20 x 1"
 
 
 def test_held_out_reads_the_curve_a_run_was_evaluated_into_afterwards(tmp_path):

@@ -61,7 +61,7 @@ def test_colocated_servers_start_one_after_the_other_and_sleep_while_the_learner
     async def no_client(role):
         yield None
 
-    async def scored(tapes, client, progress, field):
+    async def scored(tapes, client, progress, field, top=0):
         calls.append(("reference pass",))
 
     monkeypatch.setattr(group, "client", no_client)

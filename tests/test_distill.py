@@ -150,7 +150,7 @@ def test_the_teacher_pass_fills_teacher_logprobs_and_leaves_the_reference_alone(
     [
         ({"teacher.model": "smollm2", "teacher.coef": "nan"}, ["--teacher.coef", "finite"]),
         ({"teacher.model": "smollm2", "teacher.coef": "inf"}, ["--teacher.coef", "finite"]),
-        ({"teacher.model": "smollm2", "teacher.coef": "0"}, ["--teacher.coef", "greater than 0"]),
+        ({"teacher.model": "smollm2", "teacher.coef": "-1"}, ["--teacher.coef", "greater than or equal to 0"]),
         ({"train.estimator": "zero"}, ["--train.estimator zero", "--teacher.model"]),
         ({"train.teacher_coef": "1"}, ["--train.teacher_coef", "--teacher.coef"]),
         ({"teacher.model": "http://node7:8000/v1"}, ["--teacher.model", "not a server URL"]),
@@ -267,7 +267,7 @@ def test_the_teacher_scores_in_the_reference_pass_on_its_own_server_the_policy_a
     async def client(role):
         yield role
 
-    async def scored(tapes, client, progress, field):
+    async def scored(tapes, client, progress, field, top=0):
         calls.append((client, field))
 
     monkeypatch.setattr(group, "client", client)

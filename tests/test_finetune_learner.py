@@ -75,7 +75,7 @@ def test_micro_batched_logprobs_equal_one_sequence_at_a_time(tiny, impl, layout)
     got, got_raw = {}, {}
     for mb in micro_batches(prompts, completions, 24, layout):
         inv_temp = torch.tensor([1 / temps[i] for i in mb.indices for _ in completions[i]])
-        logp, raw_logp, entropy, _ = policy(
+        logp, raw_logp, entropy, *_ = policy(
             mb.input_ids,
             mb.position_ids,
             mb.rows,

@@ -130,6 +130,12 @@ def inside(root: Path, path: Path) -> bool:
         return False
 
 
+# an LLM call's fields shown token by token (`tokens`), not as the call's own
+SHOWN_APART = {"output_token_ids", "logprobs", "ref_logprobs", "teacher_logprobs", "teacher_top_ids",
+               "teacher_top_logprobs"}  # fmt: skip
+SHOWN_TOP = 3  # of the teacher's top-k at a token, the most likely shown in its tooltip
+
+
 @dataclass
 class IndexedFile:
     path: Path
@@ -335,6 +341,9 @@ class RunIndex:
             teacher = call.teacher_logprobs
             if teacher is not None and len(teacher) != len(call.output_token_ids):
                 teacher = None
+            top_ids, top_lps = call.teacher_top_ids, call.teacher_top_logprobs
+            if top_ids is None or top_lps is None or not len(top_ids) == len(top_lps) == len(call.output_token_ids):
+                top_ids = top_lps = None
             tokens = []
             for i, (tid, text) in enumerate(zip(call.output_token_ids, texts)):
                 lp = call.logprobs[i] if i < len(call.logprobs) else None
@@ -344,10 +353,13 @@ class RunIndex:
                     entry["kl"] = k3(lp, ref[i])
                 if teacher is not None:
                     entry["teacher_logprob"] = teacher[i]
+                if top_ids is not None:  # the teacher's most likely tokens there (--teacher.topk), the first few
+                    shown = top_ids[i][:SHOWN_TOP]
+                    entry["teacher_top"] = [[self.token_texts([t])[0], lp] for t, lp in zip(shown, top_lps[i])]
                 tokens.append(entry)
             calls.append(
                 {
-                    **call.model_dump(exclude={"output_token_ids", "logprobs", "ref_logprobs", "teacher_logprobs"}),
+                    **call.model_dump(exclude=SHOWN_APART),
                     "tokens": tokens,
                     "has_ref": ref is not None,
                     "n_prompt_tokens": len(call.prompt_token_ids),

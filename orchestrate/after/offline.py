@@ -447,7 +447,8 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     kept = [t for t in tapes if keep(t)]
     if not kept:
         raise ConfigError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
-    group_only = "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not train.teacher_coef
+    teacher = train.teacher_coef or train.teacher_topk_coef
+    group_only = "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not teacher
     if group_only and not groups_with_signal(kept):  # the reward's advantage is all there is, and it is 0
         raise ConfigError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
@@ -469,23 +470,32 @@ def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | N
 
 def check_teacher_logprobs(tapes: list[Tape], train) -> list[Tape]:
     """With --train.teacher_coef (distillation from the tapes), every sampled call has the teacher's log-probs
-    (recorded by a run with --teacher.model); ConfigError otherwise. The tapes a run left out of its batches
-    (dynamic sampling's dropped groups: the teacher never scored them) are left out here too, said in a line."""
-
-    def unscored(tape: Tape) -> int:
-        return sum(1 for c in tape.llm_calls if c.output_token_ids and c.teacher_logprobs is None)
-
-    if not train.teacher_coef:
+    (recorded by a run with --teacher.model), and with --train.teacher_topk_coef its top-k (--teacher.topk);
+    ConfigError otherwise. The tapes a run left out of its batches (dynamic sampling's dropped groups: the
+    teacher never scored them) are left out here too, said in a line."""
+    wanted = [(option, field, what) for option, field, what, coef in (
+        ("--train.teacher_coef", "teacher_logprobs", "teacher log-probs (a run with --teacher.model records them)",
+         train.teacher_coef),
+        ("--train.teacher_topk_coef", "teacher_top_ids", "teacher top-k (a run with --teacher.topk records it)",
+         train.teacher_topk_coef),
+    ) if coef]  # fmt: skip
+    if not wanted:
         return tapes
+
+    def unscored(tape: Tape, field: str) -> int:
+        return sum(1 for c in tape.llm_calls if c.output_token_ids and getattr(c, field) is None)
+
     from orchestrate.loop.dynamic_sampling import dropped
 
-    kept = [t for t in tapes if not (dropped(t) and unscored(t))]
+    option = wanted[0][0]
+    kept = [t for t in tapes if not (dropped(t) and any(unscored(t, field) for _, field, _ in wanted))]
     if len(kept) < len(tapes):
-        print(f"--train.teacher_coef: {len(tapes) - len(kept)} tapes left out: dropped from their run's batches by "
+        print(f"{option}: {len(tapes) - len(kept)} tapes left out: dropped from their run's batches by "
               "dynamic sampling, never scored by the teacher", file=sys.stderr)  # fmt: skip
-    if missing := sum(unscored(t) for t in kept):
-        raise ConfigError(f"--train.teacher_coef: {missing} LLM calls have no teacher log-probs (a run with "
-                          "--teacher.model records them); train on such tapes, or set it to 0")  # fmt: skip
+    for option, field, what in wanted:
+        if missing := sum(unscored(t, field) for t in kept):
+            raise ConfigError(f"{option}: {missing} LLM calls have no {what}; train on such tapes, or set it "
+                              "to 0")  # fmt: skip
     return kept
 
 

@@ -362,10 +362,22 @@ class TeacherSection(BaseModel):
     )
     coef: float = Field(
         1.0,
-        gt=0,
+        ge=0,
         allow_inf_nan=False,
         description="weight of the teacher's term: each sampled token's advantage gets coef x (teacher log-prob - "
-        "behaviour log-prob), added to the reward's advantage (--train.estimator zero: pure distillation)",
+        "behaviour log-prob), added to the reward's advantage (--train.estimator zero: pure distillation); "
+        "0 only with a top-k term (the top-k alone)",
+    )
+    topk: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="the teacher also gives its k most likely tokens at each sampled token's position (vLLM's "
+        "prompt log-probs, at most 20), and the loss gets topk_coef x the cross-entropy from them (renormalised) "
+        "to the student: a denser signal than the sampled token's alone; 0: none",
+    )
+    topk_coef: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="weight of the top-k term in the loss (with topk)"
     )
 
     @field_validator("model")
@@ -441,6 +453,11 @@ class RLConfig(BaseModel):
     def teacher_coef(self) -> float:
         """The learner's train.teacher_coef: --teacher.coef with a teacher, else 0."""
         return self.teacher.coef if self.teacher.model else 0.0
+
+    @property
+    def teacher_topk_coef(self) -> float:
+        """The learner's train.teacher_topk_coef: --teacher.topk_coef with a teacher and --teacher.topk, else 0."""
+        return self.teacher.topk_coef if self.teacher.model and self.teacher.topk else 0.0
 
 
 # -- command line ---------------------------------------------------------------

@@ -400,7 +400,8 @@ def check_program(config) -> None:
 
 def check_distillation(config) -> None:
     """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; the
-    learner's teacher_coef given here (the loop sets it from --teacher.coef)."""
+    learner's teacher_coef or teacher_topk_coef given here (the loop sets them from --teacher.*); a top-k with
+    no teacher; a teacher with no term (coef 0 without a top-k)."""
     t = config.train
     if t.estimator == "zero" and not config.teacher.model:
         raise ConfigError("--train.estimator zero: pure distillation (no reward advantage) needs a teacher; give "
@@ -408,6 +409,15 @@ def check_distillation(config) -> None:
     if t.teacher_coef:
         raise ConfigError("--train.teacher_coef: the loop sets it from --teacher.coef when --teacher.model is "
                           "given; give those instead")  # fmt: skip
+    if t.teacher_topk_coef:
+        raise ConfigError("--train.teacher_topk_coef: the loop sets it from --teacher.topk_coef when "
+                          "--teacher.model and --teacher.topk are given; give those instead")  # fmt: skip
+    teacher = config.teacher
+    if teacher.topk and not teacher.model:
+        raise ConfigError(f"--teacher.topk {teacher.topk}: the teacher's top-k needs a teacher; give --teacher.model")
+    if teacher.model and not teacher.coef and not teacher.topk:
+        raise ConfigError("--teacher.coef 0: the teacher then gives no signal; give a coefficient > 0, or "
+                          "--teacher.topk K for its top-k term alone")  # fmt: skip
 
 
 def check_config(config) -> None:

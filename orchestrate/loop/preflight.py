@@ -204,7 +204,7 @@ def teacher_temperature_note(config) -> str | None:
     with tree.temperature); none otherwise."""
     tempered = [(f"--{k}", t) for k, t in (("rollouts.temperature", config.rollouts.temperature),
                                             ("tree.temperature", config.tree.temperature)) if t not in (None, 1.0)]  # fmt: skip
-    if not (config.teacher.model and tempered):
+    if not (config.teacher.model and config.teacher.coef and tempered):  # the top-k term alone is untempered
         return None
     option, t = tempered[0]
     return (f"note: --teacher.model at {option} {t}: the teacher scores untempered, the sampled log-probs are "

@@ -9,8 +9,8 @@ not extend the previous prompt + output (an agent that re-rendered or cut its
 history), the episode is cut there into samples that share an `episode_id`.
 
 Each turn carries its own reward; the learner turns them into returns and
-advantages. The teacher's log-probs (on-policy distillation) are carried when
-every call of the sample has them. Tapes flagged with an infrastructure error
+advantages. The teacher's log-probs (on-policy distillation), and its top-k
+(--teacher.topk), are carried when every call of the sample has them. Tapes flagged with an infrastructure error
 are left out.
 """
 
@@ -51,6 +51,11 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             )
         if call.teacher_logprobs is not None and len(call.teacher_logprobs) != len(call.output_token_ids):
             raise SampleError(f"tape {tape.metadata.id} call {call.id}: teacher log-probs misaligned with its output")
+        top = call.teacher_top_ids, call.teacher_top_logprobs
+        if (top[0] is None) != (top[1] is None) or any(
+            t is not None and len(t) != len(call.output_token_ids) for t in top
+        ):
+            raise SampleError(f"tape {tape.metadata.id} call {call.id}: the teacher's top-k misaligned with its output")
         if not 1 <= call.turn <= max(1, len(rewards)):
             raise SampleError(
                 f"tape {tape.metadata.id} call {call.id}: turn {call.turn} outside the episode's {len(rewards)} turns"
@@ -67,6 +72,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         prompt = segment[0].prompt_token_ids
         completion: list[int] = []
         turns, behaviour, ref, teacher = [], [], [], []
+        top_ids, top_logprobs = [], []
         for call in segment:
             completion += call.prompt_token_ids[len(prompt) + len(completion) :]  # the environment's tokens
             if call.id not in replayed:  # a replayed call's output is context here, as the environment's
@@ -80,6 +86,11 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
                     teacher += call.teacher_logprobs
                 else:
                     teacher = None
+                if top_ids is not None and call.teacher_top_ids is not None:
+                    top_ids += call.teacher_top_ids
+                    top_logprobs += call.teacher_top_logprobs
+                else:
+                    top_ids = top_logprobs = None
             completion += call.output_token_ids
         # where the version of the sampled tokens changes (a later turn's newer call, or new weights under a call)
         oldest = min(call.policy_version for call in own)
@@ -92,6 +103,8 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             "behaviour_logprobs": behaviour,
             "ref_logprobs": ref if require_ref else None,
             "teacher_logprobs": teacher,
+            "teacher_top_ids": top_ids,
+            "teacher_top_logprobs": top_logprobs,
             "reward": sum(t["reward"] for t in turns),
             "group_id": tape.metadata.group_id,
             "episode_id": tape.metadata.id,

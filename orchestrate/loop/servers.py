@@ -315,7 +315,7 @@ class Servers:
     def score_reference(self, tapes: list[Tape]) -> None:
         """Reference log-probs on every LLM call of `tapes` when a KL term needs them (from the reference server,
         or a LoRA run's from the policy servers' base model), and the teacher's with --teacher.model (from its
-        server); on a GPU the policy servers sleep while a server of its own scores."""
+        server; with --teacher.topk its top-k too); on a GPU the policy servers sleep while a server of its own scores."""
         passes = []  # (role, the LLMCall field it fills)
         if self.reference is not None or self.config.train.needs_reference:
             passes.append(("reference" if self.reference is not None else "base", "ref_logprobs"))
@@ -323,8 +323,9 @@ class Servers:
             passes.append(("teacher", "teacher_logprobs"))
 
         async def score(role: str, field: str):
+            top = self.config.teacher.topk if role == "teacher" else 0
             async with self.client(role) as client:
-                await annotate_reference(tapes, client, progress=self.progress, field=field)
+                await annotate_reference(tapes, client, progress=self.progress, field=field, top=top)
 
         apart = [(role, field) for role, field in passes if role != "base"]
         for role, field in passes:

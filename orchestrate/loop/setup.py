@@ -335,7 +335,13 @@ class RunSetup:
         c = self.config
         servers = Servers.for_run(c, self.run, self.policy_dir, self.reference_dir, self.tokenizer,
                                   progress=self.progress, teacher_dir=self.teacher_dir)  # fmt: skip
-        train = c.train.model_copy(update={"colocated": servers.colocated, "teacher_coef": c.teacher_coef})
+        train = c.train.model_copy(
+            update={
+                "colocated": servers.colocated,
+                "teacher_coef": c.teacher_coef,
+                "teacher_topk_coef": c.teacher_topk_coef,
+            }
+        )
         if c.run.async_level and c.train.max_lag is None:  # it trains nothing more than K versions old
             train = train.model_copy(update={"max_lag": c.run.async_level})
         trainer = TrainerProcess(self.run, self.policy_dir, train, c.trainer)

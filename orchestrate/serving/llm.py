@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -26,7 +26,7 @@ from orchestrate.serving.pool import Endpoint, LLMError, NoServerLeft, RequestRe
 from orchestrate.serving.swaps import Flight, WeightGate
 from tapes.tape import LLMCall, SamplingParams
 
-__all__ = ["Endpoint", "LLMError", "NoServerLeft", "RequestRejected", "VLLMClient"]
+__all__ = ["Endpoint", "LLMError", "NoServerLeft", "RequestRejected", "Scores", "VLLMClient"]
 
 
 def _token_id(token: str) -> int:
@@ -191,20 +191,47 @@ class VLLMClient:
         returned entry is for the token that was sent: a missing or misaligned
         log-prob is an error, never a zero.
         """
+        return (await self._score(token_ids, n_prompt, 0)).logprobs
+
+    async def score_top(self, token_ids: list[int], n_prompt: int, k: int) -> Scores:
+        """`score`, and at each scored position the model's k most likely tokens with their log-probs, most
+        likely first (a teacher's top-k, --teacher.topk). Fewer than k at a position is an error."""
+        if k < 1:
+            raise ValueError(f"k={k}: score_top needs k >= 1 (score() gives the sampled tokens' alone)")
+        return await self._score(token_ids, n_prompt, k)
+
+    async def _score(self, token_ids: list[int], n_prompt: int, k: int) -> Scores:
         if not 0 < n_prompt <= len(token_ids):
             raise ValueError(f"n_prompt={n_prompt} for {len(token_ids)} tokens")
         body = await self.pool.post(
-            {"prompt": token_ids, "max_tokens": 0, "echo": True, "temperature": 1.0, "prompt_logprobs": 0}
+            {"prompt": token_ids, "max_tokens": 0, "echo": True, "temperature": 1.0, "prompt_logprobs": k}
         )
         entries = body["choices"][0].get("prompt_logprobs")
         if entries is None or len(entries) != len(token_ids):
             got = None if entries is None else len(entries)
             raise LLMError(f"reference scoring: expected {len(token_ids)} prompt log-probs, got {got}")
-        out = []
+        out, top_ids, top_logprobs = [], [], []
         for position in range(n_prompt, len(token_ids)):
             entry = entries[position] or {}
             found = entry.get(str(token_ids[position]))
             if found is None:
                 raise LLMError(f"reference scoring: no log-prob for token {token_ids[position]} at {position}")
             out.append(float(found["logprob"]))
-        return out
+            if k:
+                # vLLM gives the sent token (whatever its rank) and the k most likely, each with its rank
+                top = sorted((v["rank"], int(t), float(v["logprob"])) for t, v in entry.items()
+                             if v.get("rank") is not None and v["rank"] <= k)  # fmt: skip
+                if len(top) != k:
+                    raise LLMError(f"reference scoring: {len(top)} of the top {k} log-probs at {position}")
+                top_ids.append([t for _, t, _ in top])
+                top_logprobs.append([lp for _, _, lp in top])
+        return Scores(out, top_ids if k else None, top_logprobs if k else None)
+
+
+class Scores(NamedTuple):
+    """What scoring gives for the scored positions: the sent tokens' log-probs and, when asked (top-k), each
+    position's k most likely token ids and their log-probs, most likely first (else None)."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
