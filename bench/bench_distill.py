@@ -99,10 +99,21 @@ def drop_evaluated(run_dir: Path, keep: Path | None = None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+# options that change the held-out evaluation itself: the run seed draws a generated environment's test
+# problems (the embedded preset's arithmetic: agents/envs/math.py), so a student with another would be measured
+# on other tasks than GRPO's curve and the teacher's success
+HELD_OUT = ("--run.seed", "--env.", "--eval.tasks", "--eval.temperature", "--eval.max_tokens", "--preset")
+
+
 def student_options(teacher_model: str, extra: list[str]) -> list[str]:
     """The distillation run's options: the teacher, the student's defaults (each replaced by the same option
-    in `extra`: the loop takes an option once), then `extra`."""
+    in `extra`: the loop takes an option once), then `extra`. ValueError for an option that would change the
+    held-out tasks or their scoring (HELD_OUT): the curves would not compare."""
     given = {o.split("=")[0] for o in extra if o.startswith("--")}
+    if changed := sorted(o for o in given if o.startswith(HELD_OUT)):
+        raise ValueError(f"--student-options {changed[0]}: changes the held-out evaluation (the run seed draws a "
+                         "generated environment's test problems), so the student's curve would not compare with "
+                         "GRPO's; leave it out")  # fmt: skip
     kept = [x for option, value in STUDENT_DEFAULTS.items() if option not in given for x in (option, value)]
     return ["--teacher.model", teacher_model, *kept, *extra]
 
@@ -206,6 +217,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.offline_eval < 0:
         parser.error(f"--offline-eval {args.offline_eval}: expected K >= 1, or 0 (off)")
+    try:  # before anything is written
+        student_options("", shlex.split(args.student_options))
+    except ValueError as exc:
+        parser.error(str(exc))
     k = args.offline_eval
     offline = ["--eval.every", "0", "--train.save_weights_every", str(k), "--run.keep_checkpoints", "1000"] if k else []
     root = Path(args.out_dir)

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from bench_distill import first_reaching, held_out, student_options  # noqa: E402
@@ -35,6 +37,12 @@ def test_student_options_replace_a_default_given_again():
     assert options.count("--train.estimator") == 1
     assert options[options.index("--train.estimator") + 1] == "batch"
     assert "--rollouts.temperature" in options and options[-2:] == ["--teacher.coef", "1"]
+
+
+@pytest.mark.parametrize("option", ["--run.seed", "--run.seed=1", "--env.options", "--eval.tasks"])
+def test_student_options_that_change_the_held_out_tasks_are_refused(option):
+    with pytest.raises(ValueError, match=f"^--student-options {option.split('=')[0]}: changes the held-out"):
+        student_options("T", [option, "1"] if "=" not in option else [option])
 
 
 def test_the_newest_checkpoint_is_measured_when_the_run_did_not_evaluate_it(tmp_path):
