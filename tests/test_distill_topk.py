@@ -338,3 +338,39 @@ def test_a_real_server_gives_the_top_k_of_each_position(reference_server, tokeni
         if sent in row_ids:
             assert row_lps[row_ids.index(sent)] == pytest.approx(lp, abs=1e-4)
     assert sum(sent in row for sent, row in zip(ids[1:], top.top_ids)) >= len(ids) // 3  # a real model's text
+
+
+@pytest.mark.vllm
+def test_a_run_distils_from_the_teachers_top_k_end_to_end(tiny_model_dir, tiny_policy_server, tmp_path):
+    """The whole path on real parts: the run's own teacher server (the tiny model's folder) scores the top 3 of
+    every sampled token in the reference pass, the tapes and the batch carry them, the accelerate-launched
+    trainer trains on them alone (--teacher.coef 0) and reports the KL to them."""
+    import subprocess
+    import sys
+
+    from contract.batch import read_batch
+    from orchestrate.loop.metrics import read_metrics
+    from tapes.store import read_tapes
+    from tests.conftest import lend
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--iterations", "1",
+           "--model.policy", str(tiny_model_dir), "--teacher.model", str(tiny_model_dir),
+           "--teacher.topk", "3", "--teacher.coef", "0", "--train.estimator", "zero",
+           "--rollouts.temperature", "1.0", "--rollouts.tasks_per_iteration", "2", "--rollouts.attempts", "2",
+           "--rollouts.max_tokens", "8", "--eval.every", "0", "--server.max_model_len", "512",
+           "--server.kv_cache_gib", "1", "--train.token_budget", "1024",
+           *lend([tiny_policy_server], tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    tapes = list(read_tapes(run / "tapes" / "iter_000001.jsonl"))
+    calls = [c for t in tapes for c in t.llm_calls if c.output_token_ids]
+    assert len(tapes) == 4 and calls
+    for call in calls:
+        assert len(call.teacher_top_ids) == len(call.teacher_top_logprobs) == len(call.output_token_ids)
+        assert all(len(row) == 3 and row == sorted(row, reverse=True) for row in call.teacher_top_logprobs)
+    samples = read_batch(run / "batches" / "000001.jsonl")
+    assert all(s.teacher_top_ids is not None and len(s.teacher_top_ids) == s.n_trained for s in samples)
+    (record,) = read_metrics(run / "metrics.jsonl")
+    assert 0 < record["train_teacher_topk_kl"] < math.inf and "train_teacher_kl" not in record
+    assert (run / "checkpoints" / "000001" / "config.json").is_file()
