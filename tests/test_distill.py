@@ -157,6 +157,11 @@ def test_the_teacher_pass_fills_teacher_logprobs_and_leaves_the_reference_alone(
     ],
 )
 def test_bad_distillation_options_are_refused_in_one_line(overrides, words):
+    config_refused(overrides, words)
+
+
+def config_refused(overrides: dict, words: list[str]) -> None:
+    """The embedded preset with `overrides` is refused in one line that holds every one of `words`."""
     with pytest.raises(ConfigError) as exc:
         resolve("embedded", overrides)
     line = str(exc.value)
