@@ -4,6 +4,7 @@ and a user's `module:Class`. All run in seconds, offline (importing reasoning-gy
 takes a few seconds once)."""
 
 import json
+import math
 import random
 import time
 from fractions import Fraction
@@ -372,6 +373,39 @@ def test_range_feedback_says_where_the_number_still_is():
     target = env.reset(seed)[1]["target"]
     steps = play(env, [f"\\boxed{{{target - 1}}}", f"\\boxed{{{target + 1}}}"])
     assert steps[1][0].endswith(f"The number can only be {target}. 4 guesses left.")
+
+
+def test_narrowing_reward_pays_the_bits_each_guess_rules_out():
+    env = guess_env(low=1, high=16, max_turns=6, reward_narrowing=0.5)
+    env.reset(0)
+    env.target = 11
+    steps = play(env, ["\\boxed{8}", "\\boxed{12}", "\\boxed{9}", "\\boxed{13}", "\\boxed{11}"])
+    # 16 -> 8 candidates (1 bit of 4), 8 -> 3 (9..11), 3 -> 2 (9 rules out one), 13 is already ruled out (0),
+    # and the right guess leaves 1 of 2; the won game collects 0.5 in all, besides reward_correct
+    bits = [1, math.log2(8 / 3), math.log2(3 / 2), 0, 1]
+    assert [s[1] for s in steps] == pytest.approx([0.5 * b / 4 for b in bits[:4]] + [1.0 + 0.5 * bits[4] / 4])
+    assert sum(s[1] for s in steps) == pytest.approx(1.5)
+    # a lost game collects the share of the range it ruled out; a scan by one earns less than bisection
+    env.reset(0)
+    env.target = 16
+    lost = play(env, [f"\\boxed{{{g}}}" for g in (1, 2, 3, 4, 5, 6)])
+    assert lost[-1][2] and sum(s[1] for s in lost) == pytest.approx(0.5 * math.log2(16 / 10) / 4)
+    env.reset(0)
+    env.target = 16
+    halving = play(env, [f"\\boxed{{{g}}}" for g in (8, 12, 14, 15)])
+    assert sum(s[1] for s in halving[:3]) == pytest.approx(0.5 * 3 / 4)
+    assert sum(s[1] for s in halving[:3]) > sum(s[1] for s in lost)
+    # off by default: the rewards stay GEM's
+    plain = guess_env(low=1, high=16, max_turns=6)
+    plain.reset(0)
+    plain.target = 11
+    assert [s[1] for s in play(plain, ["\\boxed{8}", "\\boxed{11}"])] == [0.0, 1.0]
+
+
+def test_narrowing_reward_is_checked():
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(EnvError, match="reward_narrowing"):
+            guess_env(reward_narrowing=bad)
 
 
 def test_range_feedback_last_guess_says_no_range():

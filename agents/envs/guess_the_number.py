@@ -13,6 +13,13 @@ looks like a success), and the game is lost, not truncated: it is the rule
 of the game, not a limit outside it. A guess outside the range counts as a
 guess and is answered like any other.
 
+`reward_narrowing` C (off by default) adds partial credit for informative
+guesses: each guess earns C x log2(size before / size after) / log2(size of the
+whole range) for the candidates it rules out (a right guess leaves one), so a
+won game collects C in all whatever its path, a lost one less, and with a
+discount the guesses that halve the range early earn most: bisection maximises
+it. A guess outside the range still open rules nothing out and earns 0.
+
 The number is drawn from (run seed, split, episode seed) for train episodes;
 the held-out episodes 0 .. n-1 (n = high - low + 1, the `test_size`) take
 every number once, in an order set by the run seed.
@@ -20,6 +27,7 @@ every number once, in an order set by the run seed.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any, Literal
@@ -49,6 +57,14 @@ class GuessOptions(BaseModel):
         True,
         description="an unreadable guess ends the game (GEM's rule); "
         "otherwise it uses up one guess and the game goes on",
+    )
+    reward_narrowing: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="per guess, this x the bits of the range it rules out / the bits of the whole range "
+        "(log2(before / after) / log2(high - low + 1)): a won game collects it in all, a lost one the share "
+        "of the range its guesses ruled out; 0: off",
     )
     feedback: Literal["direction", "range"] = Field(
         "direction",
@@ -112,9 +128,12 @@ class GuessTheNumberEnv:
             if o.invalid_ends_episode or left <= 0:
                 return f"{told} The game is over: the number was {target}.", o.reward_invalid, True, False, info
             return f"{told} It counts as a guess.{self._hint()} {_guesses(left)}.", o.reward_invalid, False, False, info
+        before = self.known
         if guess == target:
             info.update(success=True, reason="correct")
-            return f"Correct! The number is {target}.", o.reward_correct, True, False, info
+            self.known = (target, target)
+            reward = o.reward_correct + self._narrowing(before)
+            return f"Correct! The number is {target}.", reward, True, False, info
         if not o.low <= guess <= o.high:
             info["reason"] = "out of range"
             told = f"Your guess {guess} is outside the range {o.low} to {o.high}; it still counts as a guess."
@@ -129,10 +148,19 @@ class GuessTheNumberEnv:
                         else f"Your guess {guess} is too high: the number is lower than {guess}.")  # fmt: skip
             lo, hi = self.known
             self.known = (max(lo, guess + 1), hi) if guess < target else (lo, min(hi, guess - 1))
+        reward = self._narrowing(before)
         if left <= 0:
             info["reason"] += "; out of guesses"
-            return f"{told} You are out of guesses: the number was {target}.", 0.0, True, False, info
-        return f"{told}{self._hint()} {_guesses(left)}.", 0.0, False, False, info
+            return f"{told} You are out of guesses: the number was {target}.", reward, True, False, info
+        return f"{told}{self._hint()} {_guesses(left)}.", reward, False, False, info
+
+    def _narrowing(self, before: tuple[int, int]) -> float:
+        """The narrowing reward of the guess that took the known range from `before` to `self.known`."""
+        o = self.options
+        if not o.reward_narrowing:
+            return 0.0
+        size = lambda r: r[1] - r[0] + 1  # noqa: E731
+        return o.reward_narrowing * math.log2(size(before) / size(self.known)) / math.log2(o.high - o.low + 1)
 
     def _hint(self) -> str:
         """With feedback "range": the range the answers so far leave, as one sentence after a space."""
