@@ -566,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, ConfigError) as exc:
         parser.exit(2, f"error: {str(exc).splitlines()[0]}\n")
     from orchestrate.loop.run_lock import RunDirInUse
+    from orchestrate.loop.setup import interrupting_signals
     from orchestrate.serving.llm import LLMError
     from orchestrate.serving.vllm_server import ServerError
 
@@ -573,9 +574,13 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     one = OneServer(s, s.out / "logs") if s.sweep else None
     try:
-        for target, folder in zip(s.targets, folders):
-            records.append(evaluate(s, target, folder, progress=not args.no_progress, serve=one))
-            print(f"{target.text}: {headline(records[-1], s.ks)}  ({folder / 'summary.md'})", flush=True)
+        with interrupting_signals():
+            for target, folder in zip(s.targets, folders):
+                records.append(evaluate(s, target, folder, progress=not args.no_progress, serve=one))
+                print(f"{target.text}: {headline(records[-1], s.ks)}  ({folder / 'summary.md'})", flush=True)
+    except KeyboardInterrupt:
+        print("\nInterrupted. What finished is kept; run the same command again to play the rest.", file=sys.stderr)
+        return 130
     except RunDirInUse as exc:
         print(f"error: --out: {exc}", file=sys.stderr)
         return 2

@@ -3,9 +3,12 @@ and on a real server: the loop's held-out figure is eval's on the same checkpoin
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 import shutil
+import signal
 import zlib
 from pathlib import Path
 
@@ -126,6 +129,35 @@ def test_a_killed_evaluation_resumes_without_playing_finished_tasks(tmp_path, sc
     tapes = list(read_tapes(path))
     assert len(tapes) == 10 and sorted(t.context["env"]["seed"] for t in tapes) == sorted([0, 1, 2, 3, 4] * 2)
     assert json.loads((out / "eval.json").read_text())["settings"] == first["settings"]
+
+
+def test_ctrl_c_ends_an_evaluation_at_once_and_the_same_command_plays_the_rest(tmp_path, scripted, capsys, monkeypatch):
+    """Ctrl-C after three tasks, where the play swallows a cancel (asyncio.run turns a SIGINT into one, and a
+    run went on after it): the evaluation ends at once with 130 and one line, the three are kept, and the same
+    command plays the other two."""
+    import orchestrate.loop.evaluation as evaluation
+
+    play_tasks = evaluation.play_tasks
+
+    async def interrupted(agent, spec, seeds, *args, **kwargs):
+        await play_tasks(agent, spec, seeds[:3], *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(2)
+        except asyncio.CancelledError:
+            pass  # swallowed
+        await play_tasks(agent, spec, seeds[3:], *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "play_tasks", interrupted)
+    out = tmp_path / "ev"
+    args = ("smollm2", "--tasks", "0:5", "--n", 1, "--out", out, "--no-progress")
+    code, _, err = run_eval(*args, capsys=capsys)
+    assert code == 130 and "Interrupted. What finished is kept" in err and scripted["calls"] == 3
+    assert not (out / "eval.json").exists() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(evaluation, "play_tasks", play_tasks)
+    code, stdout, err = run_eval(*args, capsys=capsys)
+    assert code == 0, err
+    assert "3 done before, 2 to play" in stdout and scripted["calls"] == 5
 
 
 def test_greedy_twice_gives_the_same_numbers(tmp_path, scripted, capsys):

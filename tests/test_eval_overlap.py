@@ -5,6 +5,10 @@ to record when it played."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import pytest
 
 from contract.rundir import RunDir
@@ -12,6 +16,7 @@ from orchestrate.loop import iteration as loop_module
 from orchestrate.loop.config import resolve
 from orchestrate.loop.config_checks import ConfigError, check_colocation, overlap_eval
 from orchestrate.loop.metrics import read_metrics
+from orchestrate.loop.setup import interrupting_signals
 from tests.test_time_limit import completed, fake_loop  # noqa: F401 (the fixture)
 
 
@@ -91,6 +96,34 @@ def test_a_kill_while_an_evaluation_waits_loses_nothing(tmp_path, folder_model, 
     assert [(e[0], e[1]) for e in evaluations] == [(0, 0), (2, 2), (4, 4)]
     assert completed(run) == 4
     assert [m["iteration"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_in_the_rollouts_ends_the_run_even_where_the_cancel_is_swallowed(
+    tmp_path, folder_model, evaluations, monkeypatch, sig
+):
+    """Ctrl-C or SIGTERM in iteration 2's rollouts, inside a call that swallows a cancel (as httpcore's shielded
+    close does; asyncio.run turns a SIGINT into a cancel of its task, and the run went on): the run ends at
+    once, as a kill does (130, iteration 1 complete), and the handlers from before are back after."""
+    from orchestrate import rl
+
+    monkeypatch.setattr(loop_module, "interrupting_signals", interrupting_signals)
+    rollouts = loop_module.Loop._rollouts
+
+    async def interrupted_at_2(self, spec, seeds, attempts, iteration, *args, **kwargs):
+        if iteration == 2:
+            os.kill(os.getpid(), sig)
+            try:
+                await asyncio.sleep(2)
+            except asyncio.CancelledError:
+                pass  # swallowed
+        return await rollouts(self, spec, seeds, attempts, iteration, *args, **kwargs)
+
+    monkeypatch.setattr(loop_module.Loop, "_rollouts", interrupted_at_2)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert rl.main(command(tmp_path / "run", folder_model)) == 130
+    assert completed(tmp_path / "run") == 1
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_auto_overlaps_only_where_the_servers_and_the_learner_compute_apart():

@@ -5,6 +5,7 @@ the loop's clock (it moves the command's start back by 60 s). No vLLM."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -75,7 +76,7 @@ def fake_loop(monkeypatch):
 
     monkeypatch.setattr(loop_module.Loop, "_start", start)
     monkeypatch.setattr(loop_module.Loop, "_rollouts", rollouts)
-    monkeypatch.setattr(loop_module, "_exit_on_sigterm", lambda: None)
+    monkeypatch.setattr(loop_module, "interrupting_signals", contextlib.nullcontext)
     monkeypatch.setattr(report_module, "plot_metrics", lambda records, path: None)  # matplotlib: seconds
     return trainers
 

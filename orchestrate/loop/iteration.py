@@ -31,7 +31,6 @@ loop inside each of them, with the test hook orchestrate.loop.phase.kill_hook.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from contextlib import ExitStack
 
@@ -48,7 +47,7 @@ from orchestrate.loop.report import Reporter, Timer, busy_fractions
 from orchestrate.loop.rollouts import EnvClock, run_rollouts
 from orchestrate.loop.samples import save_tapes, write_samples
 from orchestrate.loop.servers import Servers
-from orchestrate.loop.setup import RunSetup
+from orchestrate.loop.setup import RunSetup, interrupting_signals
 from orchestrate.loop.trainer import TrainerProcess
 from orchestrate.loop.trees import diverged, run_tree_rollouts, tree_metrics
 from tapes.store import read_tapes
@@ -285,7 +284,7 @@ class Loop:
         self.started = time.time()
 
         with ExitStack() as stack:
-            _exit_on_sigterm()
+            stack.enter_context(interrupting_signals())
             self.reporter.open()
             stack.callback(self.reporter.close)
             self._enter(state.completed_iteration, "starting")
@@ -318,12 +317,3 @@ class Loop:
                   f"{c.run.iterations}, {self.elapsed_s() / 60:.1f} minutes after the start; the same command "
                   f"resumes it.", flush=True)  # fmt: skip
         return 0
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so children are stopped by the ExitStack."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import ExitStack
+import signal
+import threading
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -356,3 +358,28 @@ class RunSetup:
         stack.callback(servers.close)
         servers.resume()
         return servers, trainer
+
+
+@contextmanager
+def interrupting_signals():
+    """Ctrl-C (SIGINT) and SIGTERM raise KeyboardInterrupt at once, wherever a command is (the loop, an
+    evaluation), so that its exits stop the children and it ends with its resume line; the handlers from before
+    are restored after.
+
+    Left to itself, asyncio.run turns a SIGINT into a cancel of its task, and a cancel can be swallowed inside
+    an LLM call: a Ctrl-C in a real run's rollouts was lost and the run went on. With a handler of our own,
+    asyncio.run leaves SIGINT alone."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, previous in before.items():
+            if previous is not None:  # None: set outside Python, cannot be put back
+                signal.signal(sig, previous)
