@@ -3,6 +3,8 @@ start on CPU), so tests that need one share a session-wide server."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from orchestrate.serving.models import resolve_model
@@ -236,3 +238,12 @@ def rl_cli(capsys):
         return code, (err[-1] if err else "")
 
     return run
+
+
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT as a terminal's Ctrl-C finds it (Python's default handler), also where the suite runs with SIGINT
+    ignored (a background job); restored after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

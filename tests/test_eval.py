@@ -131,7 +131,9 @@ def test_a_killed_evaluation_resumes_without_playing_finished_tasks(tmp_path, sc
     assert json.loads((out / "eval.json").read_text())["settings"] == first["settings"]
 
 
-def test_ctrl_c_ends_an_evaluation_at_once_and_the_same_command_plays_the_rest(tmp_path, scripted, capsys, monkeypatch):
+def test_ctrl_c_ends_an_evaluation_at_once_and_the_same_command_plays_the_rest(
+    tmp_path, scripted, capsys, monkeypatch, terminal_sigint
+):
     """Ctrl-C after three tasks, where the play swallows a cancel (asyncio.run turns a SIGINT into one, and a
     run went on after it): the evaluation ends at once with 130 and one line, the three are kept, and the same
     command plays the other two."""
@@ -153,7 +155,9 @@ def test_ctrl_c_ends_an_evaluation_at_once_and_the_same_command_plays_the_rest(t
     args = ("smollm2", "--tasks", "0:5", "--n", 1, "--out", out, "--no-progress")
     code, _, err = run_eval(*args, capsys=capsys)
     assert code == 130 and "Interrupted. What finished is kept" in err and scripted["calls"] == 3
-    assert not (out / "eval.json").exists() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (
+        not (out / "eval.json").exists() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )  # as before
     monkeypatch.setattr(evaluation, "play_tasks", play_tasks)
     code, stdout, err = run_eval(*args, capsys=capsys)
     assert code == 0, err

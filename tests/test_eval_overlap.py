@@ -100,7 +100,7 @@ def test_a_kill_while_an_evaluation_waits_loses_nothing(tmp_path, folder_model, 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_ctrl_c_in_the_rollouts_ends_the_run_even_where_the_cancel_is_swallowed(
-    tmp_path, folder_model, evaluations, monkeypatch, sig
+    tmp_path, folder_model, evaluations, monkeypatch, sig, terminal_sigint
 ):
     """Ctrl-C or SIGTERM in iteration 2's rollouts, inside a call that swallows a cancel (as httpcore's shielded
     close does; asyncio.run turns a SIGINT into a cancel of its task, and the run went on): the run ends at
@@ -124,6 +124,20 @@ def test_ctrl_c_in_the_rollouts_ends_the_run_even_where_the_cancel_is_swallowed(
     assert rl.main(command(tmp_path / "run", folder_model)) == 130
     assert completed(tmp_path / "run") == 1
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_sigint_ignored_from_the_start_stays_ignored():
+    """Under nohup or a shell's `&` SIGINT is ignored from the start: the loop leaves it so (SIGTERM still ends
+    it), and puts both back after."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        term = signal.getsignal(signal.SIGTERM)
+        with interrupting_signals():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (term, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is term
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_auto_overlaps_only_where_the_servers_and_the_learner_compute_apart():

@@ -368,7 +368,7 @@ def interrupting_signals():
 
     Left to itself, asyncio.run turns a SIGINT into a cancel of its task, and a cancel can be swallowed inside
     an LLM call: a Ctrl-C in a real run's rollouts was lost and the run went on. With a handler of our own,
-    asyncio.run leaves SIGINT alone."""
+    asyncio.run leaves SIGINT alone. A SIGINT ignored from the start (nohup, a shell's `&`) stays ignored."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -376,7 +376,8 @@ def interrupting_signals():
     def handler(signum, frame):
         raise KeyboardInterrupt
 
-    before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+    before = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
