@@ -3,9 +3,7 @@ and on a real server: the loop's held-out figure is eval's on the same checkpoin
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
 import shutil
 import signal
@@ -138,16 +136,13 @@ def test_ctrl_c_ends_an_evaluation_at_once_and_the_same_command_plays_the_rest(
     run went on after it): the evaluation ends at once with 130 and one line, the three are kept, and the same
     command plays the other two."""
     import orchestrate.loop.evaluation as evaluation
+    from tests.test_eval_overlap import interrupt_where_a_cancel_is_swallowed
 
     play_tasks = evaluation.play_tasks
 
     async def interrupted(agent, spec, seeds, *args, **kwargs):
         await play_tasks(agent, spec, seeds[:3], *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)
-        try:
-            await asyncio.sleep(2)
-        except asyncio.CancelledError:
-            pass  # swallowed
+        await interrupt_where_a_cancel_is_swallowed()
         await play_tasks(agent, spec, seeds[3:], *args, **kwargs)
 
     monkeypatch.setattr(evaluation, "play_tasks", interrupted)

@@ -98,6 +98,15 @@ def test_a_kill_while_an_evaluation_waits_loses_nothing(tmp_path, folder_model, 
     assert [m["iteration"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
 
 
+async def interrupt_where_a_cancel_is_swallowed(sig=signal.SIGINT):
+    """Send `sig` to this process, then wait in code that swallows a cancel (as a call did in a real run)."""
+    os.kill(os.getpid(), sig)
+    try:
+        await asyncio.sleep(2)
+    except asyncio.CancelledError:
+        pass  # swallowed
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_ctrl_c_in_the_rollouts_ends_the_run_even_where_the_cancel_is_swallowed(
     tmp_path, folder_model, evaluations, monkeypatch, sig, terminal_sigint
@@ -112,11 +121,7 @@ def test_ctrl_c_in_the_rollouts_ends_the_run_even_where_the_cancel_is_swallowed(
 
     async def interrupted_at_2(self, spec, seeds, attempts, iteration, *args, **kwargs):
         if iteration == 2:
-            os.kill(os.getpid(), sig)
-            try:
-                await asyncio.sleep(2)
-            except asyncio.CancelledError:
-                pass  # swallowed
+            await interrupt_where_a_cancel_is_swallowed(sig)
         return await rollouts(self, spec, seeds, attempts, iteration, *args, **kwargs)
 
     monkeypatch.setattr(loop_module.Loop, "_rollouts", interrupted_at_2)
