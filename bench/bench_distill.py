@@ -295,6 +295,7 @@ def main() -> int:
     print(f"  at {same:.1f} min: GRPO {100 * rl_then[1]:.1f}% (iteration {rl_then[2]}), the student "
           f"{100 * student_then[1]:.1f}% (iteration {student_then[2]})")  # fmt: skip
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"distill_{args.preset}{args.tag}.json").write_text(json.dumps(results, indent=1))
     import matplotlib
 
