@@ -131,9 +131,9 @@ def test_ctrl_c_in_the_rollouts_ends_the_run_even_where_the_cancel_is_swallowed(
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
-def test_a_sigint_ignored_from_the_start_stays_ignored():
+def test_a_sigint_ignored_from_the_start_stays_ignored(capsys, terminal_sigint):
     """Under nohup or a shell's `&` SIGINT is ignored from the start: the loop leaves it so (SIGTERM still ends
-    it), and puts both back after."""
+    it), says so with its process id, and puts both back after."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         term = signal.getsignal(signal.SIGTERM)
@@ -141,8 +141,15 @@ def test_a_sigint_ignored_from_the_start_stays_ignored():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) not in (term, signal.SIG_IGN)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is term
+        assert (
+            f"SIGINT is ignored in this process (started with nohup or in the background): stop it with SIGTERM (kill {os.getpid()})"
+            in capsys.readouterr().out
+        )
     finally:
         signal.signal(signal.SIGINT, before)
+    with interrupting_signals():  # a terminal's SIGINT (the fixture's): nothing to say
+        pass
+    assert "SIGINT is ignored" not in capsys.readouterr().out
 
 
 def test_auto_overlaps_only_where_the_servers_and_the_learner_compute_apart():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 from contextlib import ExitStack, contextmanager
@@ -368,7 +369,8 @@ def interrupting_signals():
 
     Left to itself, asyncio.run turns a SIGINT into a cancel of its task, and a cancel can be swallowed inside
     an LLM call: a Ctrl-C in a real run's rollouts was lost and the run went on. With a handler of our own,
-    asyncio.run leaves SIGINT alone. A SIGINT ignored from the start (nohup, a shell's `&`) stays ignored."""
+    asyncio.run leaves SIGINT alone. A SIGINT ignored from the start (nohup, a shell's `&`) stays ignored, and a
+    note says so with the command's process id for SIGTERM."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -376,7 +378,14 @@ def interrupting_signals():
     def handler(signum, frame):
         raise KeyboardInterrupt
 
-    signals = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:  # a `kill -INT` would do nothing, silently: say what stops it
+        print(
+            f"note: SIGINT is ignored in this process (started with nohup or in the background): stop it with "
+            f"SIGTERM (kill {os.getpid()}); what finished is kept.",
+            flush=True,
+        )
+    signals = [signal.SIGTERM] + ([] if ignored else [signal.SIGINT])
     before = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
