@@ -21,7 +21,9 @@ runs that spent no time evaluating, at the same cadence. Once a run's curve is w
 (all but the teacher): a 16-minute embedded run keeps 40 of 625 MB each until then.
 Both start from the command's start (servers, the first evaluation included). Two targets: the student reaches
 90% of the teacher's held-out success within a third of the minutes GRPO took to first reach the teacher's;
-and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's.
+and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's. Up
+to those minutes the curves are compared as step functions: the minutes the student is ahead, level and behind,
+and each curve's mean success over them.
 Prints the table, writes OUT/distill_PRESET.json and OUT/distill_PRESET.png.
 """
 
@@ -151,6 +153,23 @@ def at(points, minutes: float) -> tuple[float, float, int] | None:
     return ([p for p in points if p[0] <= minutes + 1e-9] or [None])[-1]
 
 
+def compare_curves(student, rl, until: float) -> dict:
+    """The two curves as step functions (each evaluation's success holds until the run's next one) from the
+    command's start to `until`: the minutes the student is ahead of RL, level with it, behind it, and each
+    curve's mean success over that span (its area over the minutes). Before a run's first evaluation its
+    curve is its first point (both start from the untrained model)."""
+    times = sorted({0.0, until} | {m for m, _, _ in (*student, *rl) if m < until})
+    value = lambda points, t: (at(points, t) or points[0])[1]  # noqa: E731
+    spans = {"ahead": 0.0, "level": 0.0, "behind": 0.0}
+    area = {"student": 0.0, "rl": 0.0}
+    for t0, t1 in zip(times, times[1:]):
+        s, r = value(student, t0), value(rl, t0)
+        spans["ahead" if s > r + 1e-9 else "behind" if r > s + 1e-9 else "level"] += t1 - t0
+        area["student"] += s * (t1 - t0)
+        area["rl"] += r * (t1 - t0)
+    return {"until": until, "minutes": spans, "mean_success": {k: v / until for k, v in area.items()}}
+
+
 def best_checkpoint(run_dir: Path, points) -> tuple[Path, float, int]:
     """The checkpoint (weights served at that evaluation) with the best held-out success after training
     started, the earliest of equals; every other checkpoint of the run is deleted."""
@@ -273,6 +292,7 @@ def main() -> int:
     ratio = student_reached / grpo_reached if student_reached is not None and grpo_reached else None
     same = min(teacher_curve[-1][0], student_curve[-1][0])  # the shorter run's last evaluation
     rl_then, student_then = at(teacher_curve, same), at(student_curve, same)
+    curves = compare_curves(student_curve, teacher_curve, same)
     results = {"preset": args.preset, "teacher": args.teacher, "teacher_checkpoint": source,
                "teacher_success": teacher, "grpo_minutes_to_teacher": grpo_reached,
                "student_minutes_to_90pct": student_reached, "time_ratio": ratio, "student_options": extra,
@@ -280,6 +300,7 @@ def main() -> int:
                "offline_eval": k or None,
                "training_minutes": {"grpo_to_teacher": g, "student_to_90pct": s_, "time_ratio": training_ratio},
                "same_minutes": same, "grpo_at_same_minutes": rl_then[1], "student_at_same_minutes": student_then[1],
+               "curves_to_same_minutes": curves,
                "grpo": teacher_curve, "distill": student_curve}  # fmt: skip
     print(f"{args.preset}: teacher (GRPO's {args.teacher} checkpoint, iteration {source['iteration']}) "
           f"{100 * teacher:.1f}% held-out, first reached at {grpo_reached:.1f} min")  # fmt: skip
@@ -294,6 +315,10 @@ def main() -> int:
               f"at {s_:.1f} min: {training_ratio:.2f} of GRPO's time")  # fmt: skip
     print(f"  at {same:.1f} min: GRPO {100 * rl_then[1]:.1f}% (iteration {rl_then[2]}), the student "
           f"{100 * student_then[1]:.1f}% (iteration {student_then[2]})")  # fmt: skip
+    spans, mean = curves["minutes"], curves["mean_success"]
+    print(f"  to {same:.1f} min the student was ahead of GRPO for {spans['ahead']:.1f} min, level for "
+          f"{spans['level']:.1f}, behind for {spans['behind']:.1f}; mean held-out success over them: the student "
+          f"{100 * mean['student']:.1f}%, GRPO {100 * mean['rl']:.1f}%")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"distill_{args.preset}{args.tag}.json").write_text(json.dumps(results, indent=1))

@@ -29,6 +29,21 @@ def test_held_out_leaves_the_evaluations_minutes_out(tmp_path):
     assert held_out(tmp_path, measured={2: 0.9}) == held_out(tmp_path)  # the run's own evaluation stands
 
 
+def test_compare_curves_as_step_functions():
+    from bench_distill import compare_curves
+
+    # RL: 25% from the start, 60% from minute 9; the student: 25%, 10% from 3, 60% from 6, 40% from 12
+    rl = [(1.0, 0.25, 0), (9.0, 0.6, 9)]
+    student = [(0.5, 0.25, 0), (3.0, 0.1, 2), (6.0, 0.6, 4), (12.0, 0.4, 8)]
+    out = compare_curves(student, rl, 15.0)
+    # ahead 6-9 (3 min), behind 3-6 and 12-15 (6 min), level 0-3 and 9-12 (6 min)
+    assert out["minutes"] == pytest.approx({"ahead": 3.0, "level": 6.0, "behind": 6.0})
+    assert out["mean_success"]["rl"] == pytest.approx((9 * 0.25 + 6 * 0.6) / 15)
+    assert out["mean_success"]["student"] == pytest.approx((3 * 0.25 + 3 * 0.1 + 6 * 0.6 + 3 * 0.4) / 15)
+    # an evaluation after `until` does not count
+    assert compare_curves(student, rl + [(20.0, 0.0, 12)], 15.0) == out
+
+
 def test_student_options_replace_a_default_given_again():
     assert student_options("T", []) == [
         "--teacher.model", "T", "--train.estimator", "zero", "--rollouts.temperature", "1.0", "--eval.every", "2",
