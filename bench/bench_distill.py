@@ -272,6 +272,12 @@ def main() -> int:
         if k:
             drop_evaluated(grpo, keep=Path(source["path"]))
     teacher_model, teacher = source["path"], source["success"]
+    untrained = next((s for _, s, i in teacher_curve if i == 0), None)
+    if not args.report_only and untrained is not None and teacher <= untrained + 1e-9:
+        print(f"{args.preset}: GRPO's {args.teacher} checkpoint (iteration {source['iteration']}, {100 * teacher:.1f}% "
+              f"held-out) is no better than the untrained model ({100 * untrained:.1f}%): nothing to distill, no "
+              f"student started; GRPO's run stays in {grpo}", file=sys.stderr)  # fmt: skip
+        return 1
     # a teacher measured after the run is a point of the run's curve too (GRPO had reached it by then); where
     # the run evaluated that checkpoint itself, held_out keeps the run's figure
     measured = {source["iteration"]: teacher}

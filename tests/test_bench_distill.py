@@ -133,3 +133,23 @@ def test_a_runs_checkpoints_go_once_its_curve_is_written_but_the_teachers(tmp_pa
     assert [run.checkpoint(i).is_dir() for i in (1, 2, 3)] == [False, False, True]
     drop_evaluated(tmp_path)
     assert not run.checkpoint(3).exists()
+
+
+def test_a_teacher_no_better_than_the_untrained_model_starts_no_student(tmp_path, monkeypatch, capsys):
+    import bench_distill
+
+    grpo = tmp_path / "game-grpo"
+    grpo.mkdir()
+    rows = [
+        {"iteration": i, "eval_success_rate": 0.25, "elapsed_s": 60.0 * (i + 1), "time_eval": 5.0} for i in (0, 3, 6)
+    ]
+    (grpo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "game-teacher.json").write_text(json.dumps({"path": str(grpo), "success": 0.25, "iteration": 3}))
+    started = []
+    monkeypatch.setattr(bench_distill, "run", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(
+        sys, "argv", ["bench_distill.py", "--preset", "game", "--reuse-grpo", "--out-dir", str(tmp_path)]
+    )
+    assert bench_distill.main() == 1
+    assert started == [] and not (tmp_path / "game-distill").exists()
+    assert "no better than the untrained model (25.0%): nothing to distill" in capsys.readouterr().err
