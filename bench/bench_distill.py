@@ -23,7 +23,8 @@ Both start from the command's start (servers, the first evaluation included). Tw
 90% of the teacher's held-out success within a third of the minutes GRPO took to first reach the teacher's;
 and, at the same minutes from the start (the shorter run's), the student's held-out success beats GRPO's. Up
 to those minutes the curves are compared as step functions: the minutes the student is ahead, level and behind,
-and each curve's mean success over them.
+and each curve's mean success over them. A teacher no better than the untrained model's held-out success (a GRPO
+run that did not learn) starts no student: one line, exit 1, the GRPO run kept.
 Prints the table, writes OUT/distill_PRESET.json and OUT/distill_PRESET.png.
 """
 
