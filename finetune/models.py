@@ -64,6 +64,7 @@ def build_models(model_dir: Path, config: TrainConfig, acc: Accelerator) -> Mode
             "fixed gradient accumulation cannot express. Use FSDP (finetune/accelerate/multi_gpu_fsdp.yaml)."
         )
     lm, lora_config = _language_model(model_dir, config, acc.device.type == "cuda")
+    head_rows = int(lm.get_output_embeddings().weight.shape[0])
     # auto: on a GPU, not under FSDP (compiled layers inside FSDP's wrapping have not run here)
     compiled = config.compile == "on" or (
         config.compile == "auto" and acc.device.type == "cuda" and acc.distributed_type != DistributedType.FSDP
@@ -95,8 +96,9 @@ def build_models(model_dir: Path, config: TrainConfig, acc: Accelerator) -> Mode
         value_model = _value_model(model_dir, config, compiled)
         value_optimizer = _adamw([{"params": list(value_model.parameters()), "base_lr": critic.lr}], critic.lr, config)
         model, optimizer, value_model, value_optimizer = acc.prepare(policy, optimizer, value_model, value_optimizer)
+    # the head's rows, not config.vocab_size: a top-k id between the two would index past the head
     return Models(acc, model, optimizer, value_model, value_optimizer, critic, lora_config, pad_id,
-                  vocab_size=lm.config.vocab_size)  # fmt: skip
+                  vocab_size=head_rows)  # fmt: skip
 
 
 def _language_model(model_dir: Path, config: TrainConfig, cuda: bool):

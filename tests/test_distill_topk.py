@@ -122,6 +122,31 @@ def test_the_learner_moves_the_student_toward_the_teachers_top_k(tmp_path):
     assert "teacher_kl" not in first  # the advantage term is off
 
 
+def test_top_k_ids_are_bounded_by_the_heads_rows_not_the_configs_vocabulary(tmp_path, monkeypatch):
+    """A model whose config names more tokens than its head has rows (padded vocabularies): the learner bounds
+    the teacher's ids by the head, so an id between the two is left out of q instead of indexing past the head."""
+    from finetune import models
+    from finetune.learner import Learner
+    from finetune.tiny_model import make_tiny_model
+
+    real = models._language_model
+
+    def config_says_more(*args, **kwargs):
+        lm, lora = real(*args, **kwargs)
+        lm.config.vocab_size += 7
+        return lm, lora
+
+    monkeypatch.setattr(models, "_language_model", config_says_more)
+    learner = Learner(make_tiny_model(tmp_path / "tiny"), TrainConfig(estimator="zero", teacher_topk_coef=1.0))
+    rows = learner.models.model.lm.get_output_embeddings().weight.shape[0]
+    assert learner.models.vocab_size == rows
+    batch = top_samples(learner)
+    first = batch[0].teacher_top_ids
+    batch[0] = batch[0].model_copy(update={"teacher_top_ids": [first[0][:2] + [rows + 3]] + first[1:]})
+    (stats,) = learner.train_batch(batch)  # the id past the head is left out; the rest train
+    assert math.isfinite(stats["teacher_topk_kl"])
+
+
 def test_the_learner_refuses_samples_without_the_top_k(tmp_path):
     from finetune.learner import Learner
     from finetune.tiny_model import make_tiny_model
