@@ -14,6 +14,7 @@ from contract.batch import Sample
 from finetune.estimators import turn_advantages
 from orchestrate.loop.config import TreeSection, resolve
 from orchestrate.loop.config_checks import ConfigError
+from orchestrate.loop.dynamic_sampling import dropped, mark_dropped
 from orchestrate.loop.forks import DIVERGED, fork_once
 from orchestrate.loop.samples import tapes_to_samples
 from orchestrate.loop.trees import choose_points, eligible_points, generated_tokens, grow_tree, tree_metrics
@@ -212,6 +213,10 @@ def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokeniz
     assert fork.metadata.dropped == DIVERGED and "prompt differs" in fork.metadata.error
     assert tree_metrics([tape, fork])["tree_forks_dropped"] == 1
     assert tapes_to_samples([fork], require_ref=False) == []
+    for t in (tape, fork):  # its group then left out by dynamic sampling: the fork is still counted as dropped
+        mark_dropped(t)
+    assert fork.metadata.dropped == DIVERGED and dropped(tape)
+    assert tree_metrics([tape, fork]) == {"tree_forks": 0, "tree_forks_dropped": 1, "tree_depth_max": 0}
 
 
 # -- a fork's samples ---------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ def dropped(tape: Tape) -> bool:
 
 
 def mark_dropped(tape: Tape) -> None:
-    tape.metadata.dropped = DROPPED_BY
+    """Left out by dynamic sampling; a tape already left out (a fork that did not come back) keeps its reason."""
+    if tape.metadata.dropped is None:
+        tape.metadata.dropped = DROPPED_BY
 
 
 def groups_of(tapes: list[Tape]) -> dict[str, list[Tape]]:
