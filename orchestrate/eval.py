@@ -326,6 +326,8 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     runs = []
     for text in texts:
         run, version = (None, None) if text in urls else target_run(text)
+        if version is not None and args.version is not None:
+            raise EvalError(f"--version {args.version}: {text} names version {version} already; give one of the two")
         if version is None and args.version is not None:
             if run is None:
                 raise EvalError(f"--version: {text} is not a run directory")
@@ -546,7 +548,8 @@ def headline(record: dict, ks: list[int]) -> str:
         if not f:
             return ""
         lo, hi = f["ci95"]
-        return f"{name} {f['value']:.3f} [{lo:.3f}, {hi:.3f}]"
+        over = f" ({f['tasks']} tasks)" if f.get("tasks", record["tasks"]) < record["tasks"] else ""
+        return f"{name} {f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over}"
 
     names = ["mean_reward"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1]
     return "  ".join(x for x in map(figure, names) if x)

@@ -179,6 +179,8 @@ def test_a_run_is_evaluated_at_its_version_and_two_are_compared_on_the_same_task
     assert scripted["policies"][-1].version == 0 and (run / "evals").is_dir()  # no checkpoint yet: the initial model
     code, _, err = run_eval(run, "--version", 3, "--tasks", 3, capsys=capsys)
     assert code == 2 and "--version 3" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_eval(f"{run}@0", "--version", 2, "--tasks", 3, capsys=capsys)  # two versions named
+    assert code == 2 and "--version 2" in err and "names version 0" in err and len(err.strip().splitlines()) == 1
 
     out = tmp_path / "cmp"
     code, stdout, err = run_eval("--compare", "smollm2", f"{run}@0", "--tasks", 4, "--n", 2, "--temperature", 1.0,

@@ -38,6 +38,28 @@ def test_maj_at_k_by_hand_with_a_tie():
     assert maj_at_k(["1", None], [True, False], 1) is None
 
 
+def test_a_sample_without_an_answer_casts_no_vote():
+    answers, right = ["", "", "7"], [False, False, True]
+    assert maj_at_k(answers, right, 1) == pytest.approx(1 / 3)
+    # pairs: ("", "") no vote: 0; ("", "7") twice: "7" alone votes, right -> (0 + 1 + 1) / 3
+    assert maj_at_k(answers, right, 2) == pytest.approx(2 / 3)
+    assert maj_at_k(answers, right, 3) == 1.0  # two blanks do not outvote one answer
+
+
+def test_a_figure_is_over_the_tasks_that_have_it():
+    """One task lost a sample to the infrastructure: pass@4 is over the other task alone (and says so), the
+    figures with k up to its 3 samples over both."""
+    full = TaskResult("t0", [1.0, 0.0, 0.0, 0.0], [True, False, False, False], ["5", "6", "6", "4"])
+    short = TaskResult("t1", [0.0, 0.0, 1.0], [False, False, True], ["1", "2", "3"], errors=1)
+    s = summarize([full, short], [1, 2, 4])
+    assert s["pass@4"]["value"] == 1.0 and s["pass@4"]["tasks"] == 1
+    assert s["pass@2"]["value"] == pytest.approx((0.5 + 2 / 3) / 2) and s["pass@2"]["tasks"] == 2
+    assert s["maj@4"]["tasks"] == 1 and s["mean_reward"]["tasks"] == 2
+    assert "(1 tasks)" in markdown(s, "short")
+    c = compare([full, short], [full, short], [1, 4])
+    assert c["pass@4"]["tasks"] == 1 and c["pass@1"]["tasks"] == 2
+
+
 def test_ks():
     assert ks_for(1) == [1] and ks_for(8) == [1, 2, 4, 8] and ks_for(6) == [1, 2, 4, 6]
 
@@ -85,6 +107,10 @@ def test_paired_comparison_is_tighter_than_two_intervals_and_names_flips():
     assert (c["better"], c["worse"], c["same"]) == (4, 0, 0)
     with pytest.raises(ValueError, match="different tasks"):
         compare(a, b[:3], [1])
+    lost = b[:3] + [TaskResult("t3", [], [], errors=4)]  # every sample of t3 failed on B's side
+    c = compare(a, lost, [1])
+    assert c["tasks"] == 3 and c["tasks_unpaired"] == 1 and c["pass@1"]["diff"] == pytest.approx(0.25)
+    assert "1 left out" in markdown(summarize(lost, [1]), "lost", compare=c)
 
 
 def test_the_summary_and_plot_are_written(tmp_path):
@@ -112,6 +138,11 @@ def test_task_results_from_tapes_a_truncated_sample_votes_for_no_answer_and_fail
     assert r.rewards == [1.0, -1.0, 0.0]
     (plain,) = task_results([tape(None, True, 1.0)])  # an environment that reports no answers: no votes
     assert plain.answers == [None]
+    # answers compare across the evaluation: a task none of whose samples parsed an answer still has maj@k (0)
+    other = tape(None, False, 0.0)
+    other.metadata.task_id = "u"
+    r, u = task_results([tape("7", True, 1.0), other, other.model_copy(deep=True)])
+    assert u.answers == ["", ""] and maj_at_k(u.answers, u.successes, 2) == 0.0
 
 
 def test_a_rates_interval_stays_within_0_and_1():

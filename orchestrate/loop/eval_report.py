@@ -12,11 +12,13 @@ from orchestrate.loop.metrics import save_figure
 ROWS = 50  # tasks listed in a summary; the rest are in eval.json
 
 
-def _cell(f: dict | None) -> str:
+def _cell(f: dict | None, tasks: int | None = None) -> str:
+    """A figure with its interval, and over how many tasks when fewer than the evaluation's `tasks`."""
     if not f:
         return "-"
     lo, hi = f["ci95"]
-    return f"{f['value']:.3f} [{lo:.3f}, {hi:.3f}]"
+    over = f" ({f['tasks']} tasks)" if tasks is not None and f.get("tasks", tasks) < tasks else ""
+    return f"{f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over}"
 
 
 def _names(summary: dict) -> list[str]:
@@ -35,17 +37,23 @@ def markdown(summary: dict, title: str, compare: dict | None = None) -> str:
             f = compare.get(name)
             if f:
                 lo, hi = f["ci95"]
-                lines.append(f"| {name} | {f['a']:.3f} | {f['b']:.3f} | {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+                over = f" ({f['tasks']} tasks)" if f.get("tasks", compare["tasks"]) < compare["tasks"] else ""
+                lines.append(
+                    f"| {name} | {f['a']:.3f} | {f['b']:.3f} | {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]{over} |"
+                )
         flipped = compare["flipped"]
+        unpaired = compare.get("tasks_unpaired", 0)
         lines += ["", f"Tasks: {compare['better']} better, {compare['worse']} worse, {compare['same']} the same "
-                  "(success rate).", ""]  # fmt: skip
+                  "(success rate)" + (f"; {unpaired} left out (every sample failed on a side)" if unpaired else "")
+                  + ".", ""]  # fmt: skip
         for side, what in (("b_only", "solved by B only"), ("a_only", "solved by A only")):
             ids = flipped[side]
             shown = ", ".join(ids[:ROWS]) + (f" ... ({len(ids) - ROWS} more)" if len(ids) > ROWS else "")
             lines.append(f"- {what} ({len(ids)}): {shown or 'none'}")
         lines += ["", "## B", ""]
     lines += ["| figure | value [95%] |", "|---|---|"]
-    lines += [f"| {name} | {_cell(summary.get(name))} |" for name in _names(summary) if summary.get(name)]
+    lines += [f"| {name} | {_cell(summary.get(name), summary['tasks'])} |" for name in _names(summary)
+              if summary.get(name)]  # fmt: skip
     rows = summary["per_task"]
     ks = [k for k in summary.get("ks", []) if k > 1]
     head = ["task", "n", "successes", "mean reward"] + [f"pass@{k}" for k in ks]

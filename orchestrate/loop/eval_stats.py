@@ -5,9 +5,11 @@ intervals, and the paired comparison of two policies on the same tasks.
   chance that k drawn without replacement hold at least one success, 1 - C(n - c, k) / C(n, k).
 - maj@k is the expected success of a majority vote over k samples drawn without replacement: the answer
   given most often wins; a tie between answers is settled by a fair draw among them (so a tie between a
-  right and a wrong answer counts 1/2). Exact over every k-subset when there are at most MAJ_EXACT of
+  right and a wrong answer counts 1/2); a sample with no answer ("": truncated, unparsable) casts no vote,
+  and k of them alone lose. Exact over every k-subset when there are at most MAJ_EXACT of
   them, else the mean of MAJ_DRAWS seeded draws.
-- Intervals: each figure is a mean over tasks of a per-task value; its 95% interval is the mean plus or
+- Intervals: each figure is a mean over tasks of a per-task value (over the tasks that have one: a task
+  with fewer than k samples that ran has no pass@k and is counted out of pass@k alone); its 95% interval is the mean plus or
   minus 1.96 standard errors of those values (sample standard deviation / sqrt(tasks)), as lm-eval-harness
   and verifiers report: the tasks are the sample; a rate's interval is cut to [0, 1] (a difference of rates
   to [-1, 1]). One task: no spread to measure, the interval is the value.
@@ -26,6 +28,7 @@ from itertools import combinations
 Z95 = 1.96
 MAJ_EXACT = 5000  # k-subsets enumerated for maj@k; beyond, a seeded sample of MAJ_DRAWS of them
 MAJ_DRAWS = 2000
+NO_ANSWER = ""  # a sample's answer when the environment reports answers but parsed none from it
 
 
 @dataclass
@@ -54,8 +57,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _vote(answers: tuple, right: dict) -> float:
-    """A majority vote's success: the most frequent answers share the win."""
-    counts = Counter(answers)
+    """A majority vote's success: the most frequent answers share the win; no answer ("") is no vote."""
+    counts = Counter(a for a in answers if a != NO_ANSWER)
+    if not counts:
+        return 0.0
     top = max(counts.values())
     winners = [a for a, c in counts.items() if c == top]
     return sum(right[a] for a in winners) / len(winners)
@@ -112,10 +117,11 @@ def per_task(r: TaskResult, ks: list[int]) -> dict:
 
 
 def _figure(rows: list[dict], name: str) -> dict | None:
-    values = [row[name] for row in rows]
-    if not values or any(v is None for v in values):
+    """A figure over the tasks that have it, with how many those are (None: no task has it)."""
+    values = [row[name] for row in rows if row[name] is not None]
+    if not values:
         return None
-    return interval(values, None if name == "mean_reward" else (0.0, 1.0))
+    return {**interval(values, None if name == "mean_reward" else (0.0, 1.0)), "tasks": len(values)}
 
 
 def summarize(tasks: list[TaskResult], ks: list[int]) -> dict:
@@ -146,23 +152,28 @@ def summarize(tasks: list[TaskResult], ks: list[int]) -> dict:
 def compare(a: list[TaskResult], b: list[TaskResult], ks: list[int]) -> dict:
     """B against A on the same tasks: per figure {a, b, diff (B - A), se, ci95} from the paired per-task
     differences; the tasks solved (any success) by one only; how many tasks' success rate rose, fell, held.
-    ValueError when the two do not hold the same tasks."""
+    Tasks whose samples all failed on either side are left out (counted: tasks_unpaired); a figure pairs the
+    tasks that have it on both sides. ValueError when the two were not played on the same tasks."""
+    if {r.task_id for r in a} != {r.task_id for r in b}:
+        only_a, only_b = (
+            {r.task_id for r in a} - {r.task_id for r in b},
+            {r.task_id for r in b} - {r.task_id for r in a},
+        )
+        raise ValueError(f"the two evaluations hold different tasks: {len(only_a)} only in A, {len(only_b)} only in B")
     by_a, by_b = {r.task_id: r for r in a if r.n}, {r.task_id: r for r in b if r.n}
-    if set(by_a) != set(by_b):
-        raise ValueError(f"the two evaluations hold different tasks: {len(set(by_a) - set(by_b))} only in A, "
-                         f"{len(set(by_b) - set(by_a))} only in B")  # fmt: skip
-    ids = sorted(by_a)
+    ids = sorted(set(by_a) & set(by_b))
     rows_a = {i: per_task(by_a[i], ks) for i in ids}
     rows_b = {i: per_task(by_b[i], ks) for i in ids}
-    out: dict = {"tasks": len(ids), "ks": ks}
+    out: dict = {"tasks": len(ids), "tasks_unpaired": len({r.task_id for r in a}) - len(ids), "ks": ks}
     for name in ["mean_reward"] + [f"pass@{k}" for k in ks]:
-        if any(rows_a[i][name] is None or rows_b[i][name] is None for i in ids) or not ids:
+        both = [i for i in ids if rows_a[i][name] is not None and rows_b[i][name] is not None]
+        if not both:
             out[name] = None
             continue
-        diffs = interval([rows_b[i][name] - rows_a[i][name] for i in ids], None if name == "mean_reward" else (-1, 1))
-        out[name] = {"a": sum(rows_a[i][name] for i in ids) / len(ids),
-                     "b": sum(rows_b[i][name] for i in ids) / len(ids),
-                     "diff": diffs["value"], "se": diffs["se"], "ci95": diffs["ci95"]}  # fmt: skip
+        diffs = interval([rows_b[i][name] - rows_a[i][name] for i in both], None if name == "mean_reward" else (-1, 1))
+        out[name] = {"a": sum(rows_a[i][name] for i in both) / len(both),
+                     "b": sum(rows_b[i][name] for i in both) / len(both),
+                     "diff": diffs["value"], "se": diffs["se"], "ci95": diffs["ci95"], "tasks": len(both)}  # fmt: skip
     rate = {i: (sum(by_a[i].successes) / by_a[i].n, sum(by_b[i].successes) / by_b[i].n) for i in ids}
     out["flipped"] = {"b_only": [i for i in ids if rate[i][0] == 0 < rate[i][1]],
                       "a_only": [i for i in ids if rate[i][1] == 0 < rate[i][0]]}  # fmt: skip

@@ -22,7 +22,7 @@ from agents.env_spec import EnvSpec
 from agents.envs import capabilities
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
-from orchestrate.loop.eval_stats import TaskResult, ks_for, summarize
+from orchestrate.loop.eval_stats import NO_ANSWER, TaskResult, ks_for, summarize
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.rollouts import EnvClock, group_id, new_tape, play
@@ -100,18 +100,19 @@ def task_results(tapes: list[Tape]) -> list[TaskResult]:
     by_task: dict[str, list[Tape]] = {}
     for tape in tapes:
         by_task.setdefault(tape.metadata.task_id or tape.metadata.id, []).append(tape)
+    infos = {id(t): final_info(t) for t in tapes if not t.metadata.error}
+    # an environment that reports answers (on any task): a sample without one (truncated, unparsable) answered
+    # nothing, NO_ANSWER, which casts no vote
+    comparable = any("answer" in info for info in infos.values())
     results = []
     for task_id, group in by_task.items():
         ok = [t for t in group if not t.metadata.error]
-        infos = [final_info(t) for t in ok]
-        # an environment that reports answers: a sample without one (truncated, unparsable) voted for none
-        comparable = any("answer" in info for info in infos)
         results.append(TaskResult(
             task_id=task_id,
             rewards=[float(t.metadata.reward or 0.0) for t in ok],
             successes=[bool(t.metadata.success) if t.metadata.success is not None else (t.metadata.reward or 0) > 0
                        for t in ok],
-            answers=[str(info.get("answer", "")) if comparable else None for info in infos],
+            answers=[str(infos[id(t)].get("answer", NO_ANSWER)) if comparable else None for t in ok],
             errors=len(group) - len(ok),
         ))  # fmt: skip
     return results
