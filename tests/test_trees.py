@@ -195,7 +195,7 @@ def test_branch_points_turn_and_entropy():
     assert eligible_points(failed) == []
 
 
-def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokenizer):
+def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokenizer, tmp_path, capsys):
     tape = asyncio.run(
         grow_tree(
             game_agent(tokenizer),
@@ -213,6 +213,17 @@ def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokeniz
     assert fork.metadata.dropped == DIVERGED and "prompt differs" in fork.metadata.error
     assert tree_metrics([tape, fork])["tree_forks_dropped"] == 1
     assert tapes_to_samples([fork], require_ref=False) == []
+    # the replay command skips it (its record is the failure), and says so; the root replays identical
+    from argparse import Namespace
+
+    from orchestrate.after.replay import _replay_files
+    from orchestrate.loop.samples import save_tapes
+
+    path = tmp_path / "iter_000001.jsonl"
+    save_tapes(path, [tape, fork])
+    assert _replay_files([path], {path: game_agent(tokenizer)}, Namespace(index=None, quiet=False), None) == 0
+    out = capsys.readouterr().out
+    assert "tape 2 skipped" in out and "1 tapes replayed: 1 identical, 0 differ; 1 diverged forks skipped" in out
     for t in (tape, fork):  # its group then left out by dynamic sampling: the fork is still counted as dropped
         mark_dropped(t)
     assert fork.metadata.dropped == DIVERGED and dropped(tape)
@@ -259,6 +270,12 @@ def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(
     assert [c.sampling.temperature for c in fork.llm_calls] == [0.7] * k + [1.5] * (len(fork.llm_calls) - k)
     (root_sample,), (fork_sample,) = tapes_to_samples([root], False), tapes_to_samples([fork], False)
     assert root_sample["temperature"] == 0.7 and fork_sample["temperature"] == 1.5
+    # replayed, the fork asks its own calls at its temperature and its parent's as recorded: identical
+    from orchestrate.after.replay import replay_tape
+
+    for tape in (root, fork):
+        _, diff = asyncio.run(replay_tape(tape, game_agent(tokenizer)))
+        assert diff.identical, diff.report()
     # the loop passes no sampling (the agent's is the run's): the forks keep the parent's max_tokens and top_p
     agent = game_agent(tokenizer)
     tapes = asyncio.run(grow_tree(agent, GAME, 0, 1, tree_llm(tokenizer, 4), tree, iteration=1, policy_version=1))

@@ -49,8 +49,11 @@ async def replay_tape(tape: Tape, agent: Agent) -> tuple[Tape, TapeDiff]:
         ),
         context=tape.context,
     )  # fmt: skip
-    llm = ReplayLLM(tape, strict=False)
-    sampling = tape.llm_calls[0].sampling if tape.llm_calls else None  # the run's sampling (rollout or eval)
+    # a fork's first branch_at calls are its parent's, at the parent's sampling; its own at the fork's
+    inherited = min(tape.metadata.branch_at or 0, max(0, len(tape.llm_calls) - 1))
+    llm = ReplayLLM(tape, strict=False, inherited=inherited)
+    # the run's sampling (rollout, eval or the fork's)
+    sampling = tape.llm_calls[inherited].sampling if tape.llm_calls else None
     notes = []
     env = None
     try:
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replay_files(paths: list[Path], agents: dict[Path, Agent], args, parser) -> int:
-    total = differ = 0
+    from orchestrate.loop.trees import diverged
+
+    total = differ = skipped = 0
     for path in paths:
         agent = agents[path]
         try:
@@ -130,6 +135,12 @@ def _replay_files(paths: list[Path], agents: dict[Path, Agent], args, parser) ->
             else:
                 tapes = read_tapes(path)
             for number, tape in enumerate(tapes, start=args.index + 1 if args.index is not None else 1):
+                if diverged(tape):  # a fork that never came back to its branch point: its record is the failure
+                    skipped += 1
+                    if not args.quiet:
+                        print(f"{path.name}: tape {number} skipped: a fork that did not come back to its branch "
+                              f"point ({tape.metadata.error})")  # fmt: skip
+                    continue
                 try:
                     _, diff = asyncio.run(replay_tape(tape, agent))
                 except Exception as exc:  # a tape without what replay needs (task, answer, calls)
@@ -143,10 +154,11 @@ def _replay_files(paths: list[Path], agents: dict[Path, Agent], args, parser) ->
         except TapeFileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    if total == 0:
+    if total == 0 and not skipped:
         print(f"error: {', '.join(map(str, paths))}: no tapes to replay (empty file?)", file=sys.stderr)
         return 2
-    print(f"{total} tapes replayed: {total - differ} identical, {differ} differ")
+    forks = f"; {skipped} diverged forks skipped (never trained)" if skipped else ""
+    print(f"{total} tapes replayed: {total - differ} identical, {differ} differ{forks}")
     return 1 if differ else 0
 
 

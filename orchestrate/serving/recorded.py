@@ -22,13 +22,15 @@ class ReplayLLM:
     in `mismatches` (call number, what differs), so a replay can go on and
     report every step that changed; a different sampling setting is only
     noted. Either way, asking for more calls than the tape recorded is an
-    LLMError.
+    LLMError. The first `inherited` calls (a fork's, replayed from its
+    parent) keep the parent's sampling: theirs is not compared.
     """
 
-    def __init__(self, tape: Tape, strict: bool = True):
+    def __init__(self, tape: Tape, strict: bool = True, inherited: int = 0):
         self.calls = list(tape.llm_calls)
         self.position = 0
         self.strict = strict
+        self.inherited = inherited
         self.mismatches: list[tuple[int, str]] = []
 
     async def complete_ids(
@@ -50,7 +52,7 @@ class ReplayLLM:
             if self.strict:
                 raise LLMError("replay: " + problem)
             self.mismatches.append((self.position, problem))
-        if call.sampling != sampling:  # noted, never fatal: the recorded answer is what it is
+        if call.sampling != sampling and self.position > self.inherited:  # noted, never fatal
             self.mismatches.append(
                 (
                     self.position,
