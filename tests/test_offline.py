@@ -172,3 +172,33 @@ def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic(
         score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(algorithm="grpo"), progress=False)
     kept = score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(algorithm="ppo"), progress=False)
     assert kept == tapes
+
+
+def test_tapes_that_give_no_sample_are_refused_before_anything_starts_and_failed_ones_need_no_scores():
+    """No tape trainable (every one failed, or none at all): refused as bad input, not a traceback after the
+    trainer started. A failed tape (a fork that did not come back) was never scored by the reference or the
+    teacher, and is never trained: its missing log-probs refuse nothing."""
+    from finetune.config import TrainConfig
+    from orchestrate.after.offline import check_reference, check_teacher_logprobs, check_trainable
+    from orchestrate.loop.config import ConfigError
+    from tests.test_tapes import make_tape
+
+    failed = [make_tape(i) for i in range(2)]
+    for tape in failed:
+        tape.metadata.error = "fork at call 2: the prompt differs"
+        for call in tape.llm_calls:
+            call.ref_logprobs = None
+    with pytest.raises(ConfigError, match="--tapes: no episode of 2 can be trained on; the first's: .*prompt differs"):
+        check_trainable(failed, False)
+    with pytest.raises(ConfigError, match="no tapes"):
+        check_trainable([], False)
+    good = [make_tape(5)]
+    for call in good[0].llm_calls:
+        call.teacher_logprobs = [-0.1] * len(call.output_token_ids)
+    check_trainable(good + failed, True)
+    assert check_reference(good + failed, TrainConfig(kl_coef=0.1), None) is True  # the good tape has them
+    assert check_teacher_logprobs(good + failed, TrainConfig(teacher_coef=1.0)) == good + failed
+    with pytest.raises(ConfigError, match="--train.kl_coef: 1 LLM calls"):
+        check_reference([make_tape(6).model_copy(update={"llm_calls": [c.model_copy(update={"ref_logprobs": None})
+                                                                       for c in make_tape(6).llm_calls]})],
+                        TrainConfig(kl_coef=0.1), None)  # fmt: skip

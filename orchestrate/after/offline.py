@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                  progress=not args.no_progress)  # fmt: skip
         require_ref = check_reference(tapes, given.train, given.reference)
         tapes = check_teacher_logprobs(tapes, given.train)
+        check_trainable(tapes, require_ref and given.reference is None)
         run = open_out(given.out)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
@@ -457,9 +458,23 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
     return kept
 
 
+def check_trainable(tapes: list[Tape], require_ref: bool) -> None:
+    """ConfigError, before anything is written or started, when no tape gives a sample or one is malformed (the
+    reference's log-probs checked when they are not to be added)."""
+    from orchestrate.loop.samples import SampleError, no_samples, tapes_to_samples
+
+    try:
+        if not tapes_to_samples(tapes, require_ref):
+            raise no_samples(tapes)
+    except SampleError as exc:
+        raise ConfigError(f"--tapes: {exc}") from None
+
+
 def check_reference(tapes: list[Tape], train, reference: Path | RemoteServer | None) -> bool:
     """Whether training needs reference log-probs; ConfigError when the tapes lack them and none will be added."""
-    missing = sum(1 for t in tapes for c in t.llm_calls if c.output_token_ids and c.ref_logprobs is None)
+    # a tape that failed (a fork that did not come back included) is never scored nor trained
+    missing = sum(1 for t in tapes if not t.metadata.error for c in t.llm_calls
+                  if c.output_token_ids and c.ref_logprobs is None)  # fmt: skip
     if train.needs_reference and missing and reference is None:
         what = "--train.kl_coef" if train.kl_coef > 0 else "--train.ppo.kl_in_reward"
         raise ConfigError(f"{what}: {missing} LLM calls have no reference log-probs; pass --reference MODEL "
@@ -482,8 +497,9 @@ def check_teacher_logprobs(tapes: list[Tape], train) -> list[Tape]:
     if not wanted:
         return tapes
 
-    def unscored(tape: Tape, field: str) -> int:
-        return sum(1 for c in tape.llm_calls if c.output_token_ids and getattr(c, field) is None)
+    def unscored(tape: Tape, field: str) -> int:  # a failed tape (a diverged fork) is never scored nor trained
+        return 0 if tape.metadata.error else sum(1 for c in tape.llm_calls if c.output_token_ids and
+                                                 getattr(c, field) is None)  # fmt: skip
 
     from orchestrate.loop.dynamic_sampling import dropped
 

@@ -138,12 +138,19 @@ def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
 
     samples = tapes_to_samples(tapes, require_ref)
     if not samples:
-        causes = [untrainable(t) for t in tapes]
-        others = len(set(causes)) - 1
-        more = f" (and {others} other cause{'s' * (others > 1)}: see the tapes)" if others else ""
-        first = f"the first's: {causes[0]}" if len(tapes) > 1 else causes[0]
-        raise SampleError(f"no episode of {len(tapes)} can be trained on; {first}{more}")
+        raise no_samples(tapes)
     return write_batch(path, samples)
+
+
+def no_samples(tapes: list[Tape]) -> SampleError:
+    """Why none of `tapes` gives a sample, in one line."""
+    if not tapes:
+        return SampleError("no episode to train on (no tapes)")
+    causes = [untrainable(t) for t in tapes]
+    others = len(set(causes)) - 1
+    more = f" (and {others} other cause{'s' * (others > 1)}: see the tapes)" if others else ""
+    first = f"the first's: {causes[0]}" if len(tapes) > 1 else causes[0]
+    return SampleError(f"no episode of {len(tapes)} can be trained on; {first}{more}")
 
 
 def untrainable(tape: Tape) -> str:
