@@ -238,7 +238,7 @@ def test_a_forks_sample_trains_its_own_turns_and_names_its_branch(tokenizer):
                                   TreeSection(width=2), iteration=1, policy_version=1))  # fmt: skip
     root, fork = tapes
     k = fork.metadata.branch_at
-    (root_sample,), (fork_sample,) = tapes_to_samples([root], False), tapes_to_samples([fork], False)
+    root_sample, fork_sample = tapes_to_samples([root, fork], False)
     fork_sample = Sample.model_validate(fork_sample)
     assert fork_sample.branch.parent_id == root.metadata.id and fork_sample.branch.turn == k
     assert fork_sample.branch.prefix_rewards == [0.0] * k
@@ -254,6 +254,13 @@ def test_a_forks_sample_trains_its_own_turns_and_names_its_branch(tokenizer):
                                    [s.episode_id for s in samples], [s.group_id for s in samples], "group",
                                    branches=[s.branch for s in samples])  # fmt: skip
     assert returns[1] == [1.0] and adv[1][0] > 0 > adv[0][0]
+    # without its parent in the batch (an offline filter kept the winning fork alone) the fork is trained whole:
+    # its replayed turns too, as the episode it is, with no branch to share
+    (alone,) = tapes_to_samples([fork], False)
+    alone = Sample.model_validate(alone)
+    assert alone.branch is None and [t.index for t in alone.turns] == list(range(k + 1))
+    assert alone.behaviour_logprobs == [x for c in fork.llm_calls for x in c.logprobs]
+    assert alone.completion_ids == fork_sample.completion_ids and alone.prompt_ids == fork_sample.prompt_ids
 
 
 def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(tokenizer):
@@ -268,8 +275,12 @@ def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(
     assert {c.sampling.temperature for c in root.llm_calls} == {0.7}
     # the replayed calls are the parent's (sampled at 0.7); the fork's own at the tree's temperature
     assert [c.sampling.temperature for c in fork.llm_calls] == [0.7] * k + [1.5] * (len(fork.llm_calls) - k)
-    (root_sample,), (fork_sample,) = tapes_to_samples([root], False), tapes_to_samples([fork], False)
+    root_sample, fork_sample = tapes_to_samples([root, fork], False)
     assert root_sample["temperature"] == 0.7 and fork_sample["temperature"] == 1.5
+    (alone,) = tapes_to_samples([fork], False)  # without its parent: its own calls alone, at their temperature
+    assert alone["temperature"] == 1.5 and [t["index"] for t in alone["turns"]] == [
+        t["index"] for t in fork_sample["turns"]
+    ]
     # replayed, the fork asks its own calls at its temperature and its parent's as recorded: identical
     from orchestrate.after.replay import replay_tape
 
@@ -352,7 +363,7 @@ def test_an_agent_programs_episodes_branch_after_its_tool_call(tokenizer, progra
     assert fork.metadata.parent_id == root.metadata.id and fork.metadata.branch_at == 1
     assert fork.metadata.error is None and fork.metadata.reward == 1.0
     assert fork.llm_calls[0].id == root.llm_calls[0].id and fork.llm_calls[1].extends_previous is True
-    (sample,) = tapes_to_samples([fork], require_ref=False)
+    _, sample = tapes_to_samples([root, fork], require_ref=False)
     assert sample["branch"]["turn"] == 1 and [t["index"] for t in sample["turns"]] == [1]
 
 
@@ -379,5 +390,5 @@ def test_under_new_weights_a_forks_own_calls_carry_the_version_that_sampled_them
     for fork in forks:
         k = fork.metadata.branch_at
         assert [c.policy_version for c in fork.llm_calls] == [1] * k + [2]
-        (sample,) = tapes_to_samples([fork], require_ref=False)
+        _, sample = tapes_to_samples([root, fork], require_ref=False)
         assert sample["policy_version"] == 2 and sample["version_changes"] is None

@@ -29,7 +29,9 @@ class SampleError(ValueError):
     pass
 
 
-def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
+def tape_samples(tape: Tape, require_ref: bool, whole: bool = False) -> list[dict]:
+    """The samples of one tape. A fork's replayed calls are its parent's to train, unless `whole` (its parent
+    is not in the batch: the fork is trained as the episode it is, replayed turns included)."""
     if tape.metadata.error:
         return []  # an infrastructure failure is not a zero reward: not trained on
     if tape.metadata.reward is None:
@@ -38,7 +40,8 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
         raise SampleError(f"tape {tape.metadata.id} has no reward: score it before making samples")
     rewards = turn_rewards(tape)
     calls = [c for c in tape.llm_calls if c.output_token_ids]
-    replayed = {c.id for c in tape.llm_calls[: tape.metadata.branch_at or 0]}  # a fork's: its parent's to train
+    # a fork's: its parent's to train
+    replayed = set() if whole else {c.id for c in tape.llm_calls[: tape.metadata.branch_at or 0]}
     for call in calls:
         if len(call.logprobs) != len(call.output_token_ids):
             raise SampleError(f"tape {tape.metadata.id} call {call.id}: log-probs do not match the output tokens")
@@ -62,7 +65,7 @@ def tape_samples(tape: Tape, require_ref: bool) -> list[dict]:
             )
     if not rewards:  # a tape that counts no agent turn (metadata.turns 0: not played by the agent): its reward, once
         rewards = [float(tape.metadata.reward)]
-    branch = fork_branch(tape, rewards)
+    branch = None if whole else fork_branch(tape, rewards)
     segments = call_chains(calls)
     samples = []
     for k, segment in enumerate(segments):
@@ -129,7 +132,16 @@ def fork_branch(tape: Tape, rewards: list[float]) -> dict | None:
 
 
 def tapes_to_samples(tapes: list[Tape], require_ref: bool) -> list[dict]:
-    return [sample for tape in tapes for sample in tape_samples(tape, require_ref)]
+    """The batch's samples; a fork whose parent is not among `tapes` (left out by an offline filter, or forked
+    by hand) is trained whole, when its calls were sampled at one temperature (a sample has one; a fork at
+    --tree.temperature trains its own calls alone)."""
+    present = {t.metadata.id for t in tapes}
+
+    def whole(tape: Tape) -> bool:
+        temperatures = {c.sampling.temperature for c in tape.llm_calls if c.output_token_ids}
+        return tape.metadata.parent_id not in present | {None} and len(temperatures) == 1
+
+    return [sample for tape in tapes for sample in tape_samples(tape, require_ref, whole=whole(tape))]
 
 
 def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:
