@@ -172,6 +172,11 @@ def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic(
         score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(algorithm="grpo"), progress=False)
     kept = score_and_filter(tapes, None, lambda t: True, "all", TrainConfig(algorithm="ppo"), progress=False)
     assert kept == tapes
+    # a failed attempt's reward is not a return: a group whose other attempts are equal has no signal
+    failed = make_tape(9)
+    failed.metadata.reward, failed.metadata.error = 0.0, "the sandbox died"
+    with pytest.raises(ConfigError, match="every group"):
+        score_and_filter(tapes + [failed], None, lambda t: True, "all", TrainConfig(algorithm="grpo"), progress=False)
 
 
 def test_tapes_that_give_no_sample_are_refused_before_anything_starts_and_failed_ones_need_no_scores():

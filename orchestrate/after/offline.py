@@ -178,12 +178,12 @@ def reference_name(reference: Path | RemoteServer) -> str:
     return str(reference) if isinstance(reference, Path) else reference.url
 
 
-def groups_with_signal(tapes: list[Tape]) -> int:
-    """Groups whose rewards differ: the only ones the learner's group advantages train on."""
-    rewards: dict[str, set[float]] = {}
-    for tape in tapes:
-        rewards.setdefault(tape.metadata.group_id or tape.metadata.id, set()).add(tape.metadata.reward)
-    return sum(len(values) > 1 for values in rewards.values())
+def groups_with_signal(tapes: list[Tape], train) -> int:
+    """Groups whose returns differ as the learner computes them (its groups, its trained episodes, shaped and
+    discounted rewards): the only ones its group advantages train on."""
+    from orchestrate.loop.dynamic_sampling import groups_of, has_signal
+
+    return sum(has_signal(members, train) for members in groups_of(tapes).values())
 
 
 # -- command line -----------------------------------------------------------------
@@ -450,7 +450,7 @@ def score_and_filter(tapes: list[Tape], reward_fn, keep, filter_text: str, train
         raise ConfigError(f"--filter: no tape of {len(tapes)} passes {filter_text!r}")
     teacher = train.teacher_coef or train.teacher_topk_coef
     group_only = "group" in ESTIMATORS[train.estimator].needs and not train.loss_spec.critic and not teacher
-    if group_only and not groups_with_signal(kept):  # the reward's advantage is all there is, and it is 0
+    if group_only and not groups_with_signal(kept, train):  # the reward's advantage is all there is, and it is 0
         raise ConfigError(f"--filter: every group of the {len(kept)} kept tapes has equal rewards, so every "
                            "advantage is 0 and training would change nothing; keep the other attempts too "
                            "(e.g. --filter all), re-score (--rescore / --reward), or train on the rewards themselves "
@@ -561,7 +561,7 @@ def train_once(
             write_samples(run.batch(1), tapes, require_ref=require_ref)
         except SampleError as exc:
             raise ConfigError(f"--tapes: {exc}") from None
-        print(f"{summary} ({groups_with_signal(tapes)} groups with differing rewards); training "
+        print(f"{summary} ({groups_with_signal(tapes, trainer.train)} groups with differing returns); training "
               f"{trainer.model_dir.name} ...", flush=True)  # fmt: skip
         if not trainer.started:
             trainer.start()
