@@ -385,6 +385,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         except SetupError as exc:
             raise EvalError(str(exc)) from None
         if policy.adapter is not None and not config.train.lora.rank:
+            if args.compare and not (args.preset or args.config):  # the config is A's run's
+                raise EvalError(f"--compare: {text} is a LoRA run's version (an adapter) and {texts[0]} is not: "
+                                "both are served with the first's config; merge the adapter first (uv run -m "
+                                "orchestrate.after.merge RUN --out DIR) and compare DIR")  # fmt: skip
             raise EvalError(f"{'--preset' if args.preset else '--config'}: {text} is a LoRA run's version (an "
                             "adapter), but train.lora.rank is 0 in "
                             f"{source}; leave --config and --preset out")  # fmt: skip

@@ -428,6 +428,26 @@ def test_versions_with_a_config_that_is_not_lora_like_the_run_are_refused(tmp_pa
     assert scripted["policies"] == [] and not (run / "evals").exists()
 
 
+def test_comparing_a_lora_runs_version_with_a_whole_weights_run_names_the_merge(tmp_path, scripted, capsys):
+    """--compare serves both sides with A's config: B a LoRA run's adapter and A not is refused, naming
+    --compare and the way out (not --config, which was not given)."""
+    from contract.rundir import ADAPTER_CONFIG, RunDir
+    from orchestrate.loop.config import resolve
+
+    whole = swept_run(tmp_path)
+    lora = tmp_path / "lora"
+    adapter = RunDir(lora).adapter(2)
+    adapter.mkdir(parents=True)
+    (adapter / ADAPTER_CONFIG).write_text("{}")
+    (adapter.parent / "learner.json").write_text("{}")
+    (lora / "config.json").write_text(json.dumps(resolve("embedded", {"train.lora.rank": "8"}).model_dump(mode="json")))
+    code, _, err = run_eval("--compare", f"{whole}@2", f"{lora}@2", "--tasks", 2, capsys=capsys)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert line.startswith("error: --compare:") and "orchestrate.after.merge" in line and "--config" not in line
+    assert scripted["policies"] == []
+
+
 def test_versions_on_disk_are_named_in_spans():
     assert eval_command.spans([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8" and eval_command.spans([0]) == "0"
 
