@@ -74,7 +74,7 @@ def test_offline_training_raises_the_rewarded_completions(tiny_run, run_without_
                  "--train.lr", "1e-3", "--train.epochs", "2", "--no-progress"])  # fmt: skip
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err
-    assert "16 tapes read, 16 kept" in printed.out and "4 groups with differing rewards" in printed.out
+    assert "16 tapes read, 16 kept" in printed.out and "4 groups with differing returns" in printed.out
 
     checkpoint = out / "checkpoints" / "000001"
     assert (checkpoint / "config.json").is_file() and (checkpoint / "model.safetensors").is_file()
