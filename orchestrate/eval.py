@@ -547,13 +547,14 @@ def _tokenizer(policy: Policy, config: RLConfig):
 
 
 def headline(record: dict, ks: list[int]) -> str:
+    from orchestrate.loop.eval_report import over_tasks
+
     def figure(name: str) -> str:
         f = record.get(name)
         if not f:
             return ""
         lo, hi = f["ci95"]
-        over = f" ({f['tasks']} tasks)" if f.get("tasks", record["tasks"]) < record["tasks"] else ""
-        return f"{name} {f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over}"
+        return f"{name} {f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over_tasks(f, record['tasks'])}"
 
     names = ["mean_reward"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1]
     return "  ".join(x for x in map(figure, names) if x)

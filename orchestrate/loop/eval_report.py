@@ -12,13 +12,17 @@ from orchestrate.loop.metrics import save_figure
 ROWS = 50  # tasks listed in a summary; the rest are in eval.json
 
 
+def over_tasks(f: dict, tasks: int | None) -> str:
+    """ " (N tasks)" when a figure is over fewer tasks than the evaluation's `tasks`, else ""."""
+    return f" ({f['tasks']} tasks)" if tasks is not None and f.get("tasks", tasks) < tasks else ""
+
+
 def _cell(f: dict | None, tasks: int | None = None) -> str:
     """A figure with its interval, and over how many tasks when fewer than the evaluation's `tasks`."""
     if not f:
         return "-"
     lo, hi = f["ci95"]
-    over = f" ({f['tasks']} tasks)" if tasks is not None and f.get("tasks", tasks) < tasks else ""
-    return f"{f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over}"
+    return f"{f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over_tasks(f, tasks)}"
 
 
 def _names(summary: dict) -> list[str]:
@@ -37,10 +41,8 @@ def markdown(summary: dict, title: str, compare: dict | None = None) -> str:
             f = compare.get(name)
             if f:
                 lo, hi = f["ci95"]
-                over = f" ({f['tasks']} tasks)" if f.get("tasks", compare["tasks"]) < compare["tasks"] else ""
-                lines.append(
-                    f"| {name} | {f['a']:.3f} | {f['b']:.3f} | {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]{over} |"
-                )
+                lines.append(f"| {name} | {f['a']:.3f} | {f['b']:.3f} | {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                             f"{over_tasks(f, compare['tasks'])} |")  # fmt: skip
         flipped = compare["flipped"]
         unpaired = compare.get("tasks_unpaired", 0)
         lines += ["", f"Tasks: {compare['better']} better, {compare['worse']} worse, {compare['same']} the same "

@@ -154,17 +154,15 @@ def compare(a: list[TaskResult], b: list[TaskResult], ks: list[int]) -> dict:
     differences; the tasks solved (any success) by one only; how many tasks' success rate rose, fell, held.
     Tasks whose samples all failed on either side are left out (counted: tasks_unpaired); a figure pairs the
     tasks that have it on both sides. ValueError when the two were not played on the same tasks."""
-    if {r.task_id for r in a} != {r.task_id for r in b}:
-        only_a, only_b = (
-            {r.task_id for r in a} - {r.task_id for r in b},
-            {r.task_id for r in b} - {r.task_id for r in a},
-        )
-        raise ValueError(f"the two evaluations hold different tasks: {len(only_a)} only in A, {len(only_b)} only in B")
+    played_a, played_b = {r.task_id for r in a}, {r.task_id for r in b}
+    if played_a != played_b:
+        raise ValueError(f"the two evaluations hold different tasks: {len(played_a - played_b)} only in A, "
+                         f"{len(played_b - played_a)} only in B")  # fmt: skip
     by_a, by_b = {r.task_id: r for r in a if r.n}, {r.task_id: r for r in b if r.n}
     ids = sorted(set(by_a) & set(by_b))
     rows_a = {i: per_task(by_a[i], ks) for i in ids}
     rows_b = {i: per_task(by_b[i], ks) for i in ids}
-    out: dict = {"tasks": len(ids), "tasks_unpaired": len({r.task_id for r in a}) - len(ids), "ks": ks}
+    out: dict = {"tasks": len(ids), "tasks_unpaired": len(played_a) - len(ids), "ks": ks}
     for name in ["mean_reward"] + [f"pass@{k}" for k in ks]:
         both = [i for i in ids if rows_a[i][name] is not None and rows_b[i][name] is not None]
         if not both:
