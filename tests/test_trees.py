@@ -157,7 +157,7 @@ def test_a_tree_branches_each_root_and_its_forks_restore_the_game(tokenizer):
     # the same root's two forks branch at the same point; the points are the same on the same tapes
     assert len({f.metadata.branch_at for f in forks if f.metadata.parent_id == roots[0].metadata.id}) == 1
     metrics = tree_metrics(tapes)
-    assert metrics == {"tree_forks": 4, "tree_forks_dropped": 0, "tree_depth_max": 1}
+    assert metrics == {"tree_forks": 4, "tree_forks_dropped": 0, "tree_depth_max": 1, "tree_roots_unforked": 0}
 
 
 def test_depth_two_branches_the_branches_and_the_budget_stops_them(tokenizer):
@@ -176,6 +176,8 @@ def test_depth_two_branches_the_branches_and_the_budget_stops_them(tokenizer):
     budget = TreeSection(width=4, token_budget=generated_tokens(root))
     alone = asyncio.run(grow_tree(agent, GAME, 0, 1, llm, budget, iteration=1, policy_version=1))
     assert len(alone) == 1
+    assert tree_metrics(alone)["tree_roots_unforked"] == 1  # the budget's doing, counted
+    assert tree_metrics(tapes)["tree_roots_unforked"] == 0
 
 
 def test_branch_points_turn_and_entropy():
@@ -227,7 +229,12 @@ def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokeniz
     for t in (tape, fork):  # its group then left out by dynamic sampling: the fork is still counted as dropped
         mark_dropped(t)
     assert fork.metadata.dropped == DIVERGED and dropped(tape)
-    assert tree_metrics([tape, fork]) == {"tree_forks": 0, "tree_forks_dropped": 1, "tree_depth_max": 0}
+    assert tree_metrics([tape, fork]) == {
+        "tree_forks": 0,
+        "tree_forks_dropped": 1,
+        "tree_depth_max": 0,
+        "tree_roots_unforked": 0,
+    }
 
 
 # -- a fork's samples ---------------------------------------------------------------------------------

@@ -186,9 +186,13 @@ def diverged(tape: Tape) -> bool:
 
 def tree_metrics(tapes: list[Tape]) -> dict[str, float]:
     """An iteration's tree figures, from its saved tapes: tree_forks (forks played and kept), tree_forks_dropped
-    (forks that did not come back to their branch point), tree_depth_max (levels of the deepest branch)."""
+    (forks that did not come back to their branch point), tree_depth_max (levels of the deepest branch),
+    tree_roots_unforked (roots with a call to branch at that no fork branched from: every such root is forked
+    unless tree.token_budget was spent first, by the roots alone when a whole task has none)."""
     forks = [t for t in tapes if t.metadata.parent_id is not None and not diverged(t)]
     by_id = {t.metadata.id: t for t in tapes}
+    parents = {t.metadata.parent_id for t in tapes if t.metadata.parent_id is not None}
+    roots = [t for t in tapes if t.metadata.parent_id is None]
 
     def depth(tape: Tape) -> int:
         d = 0
@@ -200,4 +204,5 @@ def tree_metrics(tapes: list[Tape]) -> dict[str, float]:
         "tree_forks": len(forks),
         "tree_forks_dropped": sum(diverged(t) for t in tapes),
         "tree_depth_max": max((depth(t) for t in forks), default=0),
+        "tree_roots_unforked": sum(bool(eligible_points(t)) and t.metadata.id not in parents for t in roots),
     }
