@@ -207,3 +207,36 @@ def test_tapes_that_give_no_sample_are_refused_before_anything_starts_and_failed
         check_reference([make_tape(6).model_copy(update={"llm_calls": [c.model_copy(update={"ref_logprobs": None})
                                                                        for c in make_tape(6).llm_calls]})],
                         TrainConfig(kl_coef=0.1), None)  # fmt: skip
+
+
+def test_the_metrics_line_is_written_before_the_trainer_is_stopped(tmp_path):
+    """Stopping the trainer can take seconds (it writes its state); a command stopped then keeps its metrics
+    line and its checkpoint line, recorded as soon as the checkpoint is published."""
+    from contract.rundir import RunDir
+    from finetune.config import TrainConfig
+    from orchestrate.after.offline import train_once
+    from tests.test_tapes import make_tape
+
+    events = []
+
+    class Trainer:  # the TrainerProcess calls train_once makes
+        run, train, started = RunDir(tmp_path / "out"), TrainConfig(kl_coef=0.0), False
+        model_dir = tmp_path / "model"
+
+        def start(self):
+            events.append("start")
+            self.started = True
+
+        def wait_for_checkpoint(self, index, progress, desc):
+            events.append("checkpoint")
+            return self.run.checkpoint(index)
+
+        def stop(self):
+            events.append("stop")
+
+    Trainer.run.create()
+    tapes = [make_tape(i) for i in range(2)]
+    tapes[0].metadata.reward = 0.0
+    out = train_once(Trainer(), tapes, False, None, None, "2 tapes", progress=False,
+                     record=lambda checkpoint: events.append(f"record {checkpoint.name}"))  # fmt: skip
+    assert out.name == "000001" and events == ["start", "checkpoint", "record 000001", "stop"]

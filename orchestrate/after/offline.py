@@ -397,16 +397,16 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = TrainerProcess(run, given.model_dir, given.train, given.launch)
     try:
-        checkpoint = train_once(trainer, tapes, require_ref, given.reference, given.server,
-                                f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
-                                progress=not args.no_progress)  # fmt: skip
+        train_once(trainer, tapes, require_ref, given.reference, given.server,
+                   f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
+                   progress=not args.no_progress,
+                   record=lambda ckpt: record_metrics(run, trainer, tapes, read_count, start, ckpt))  # fmt: skip
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     except TrainerError as exc:
         cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
         print(f"error: {cause}\nFix the cause, then run the same command again (nothing was trained).", file=sys.stderr)
         return 1
-    record_metrics(run, trainer, tapes, read_count, start, checkpoint)
     return 0
 
 
@@ -543,9 +543,12 @@ def train_once(
     server,
     summary: str,
     progress: bool,
+    record: Callable[[Path], None] = lambda checkpoint: None,
 ) -> Path:
-    """Annotate (with --reference or --server.reference_url), write the tapes and their samples as iteration 1, train, and return the
-    checkpoint. The trainer loads its model while the reference server starts and scores."""
+    """Annotate (with --reference or --server.reference_url), write the tapes and their samples as iteration 1, train,
+    `record` the metrics line (and print the checkpoint) as soon as it is published, before the trainer is stopped
+    (which can take seconds: a command stopped then keeps its line), and return the checkpoint. The trainer loads its model while
+    the reference server starts and scores."""
     from orchestrate.loop.samples import SampleError, write_samples
 
     run = trainer.run
@@ -565,7 +568,9 @@ def train_once(
               f"{trainer.model_dir.name} ...", flush=True)  # fmt: skip
         if not trainer.started:
             trainer.start()
-        return trainer.wait_for_checkpoint(1, progress=progress, desc="train")
+        checkpoint = trainer.wait_for_checkpoint(1, progress=progress, desc="train")
+        record(checkpoint)
+        return checkpoint
     finally:
         trainer.stop()
 
