@@ -227,7 +227,8 @@ class _TrainOptions(BaseModel):
         "auto",
         description="fused: log-probs from the hidden states in chunks, logits never held whole "
         "(less memory); full: the model's own forward with logits at completion positions. auto: fused, "
-        "except under FSDP / DeepSpeed ZeRO-3 where the head's weight is sharded.",
+        "except under FSDP / DeepSpeed ZeRO-3 where the head's weight is sharded. A model whose forward "
+        "scales or caps its logits (Granite, Cohere, Gemma 2: checked on a few tokens at start) takes full.",
     )
     logit_chunk_tokens: int = Field(1024, ge=1, description="fused: completion tokens per chunk of logits.")
     seed: int = Field(0, description="Seed of the mini-batch shuffling (with the batch number).")

@@ -200,6 +200,27 @@ def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     return len(layers)
 
 
+def head_is_plain(lm: nn.Module, tokens: int = 8) -> bool:
+    """Whether `lm`'s logits are its last hidden state times its output embedding, which is all the fused head
+    computes: checked on a few tokens, since some models change them in their own forward (Granite divides by
+    `logits_scaling`, Cohere multiplies by `logit_scale`, Gemma 2 caps them) and the fused log-probs would then not
+    be the sampler's. Run in eval mode (no dropout), without gradients."""
+    head = lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(lm.config, "final_logit_softcapping", None):
+        return False
+    ids = torch.arange(min(tokens, head.weight.shape[0]), device=head.weight.device)[None]
+    was_training = lm.training
+    lm.eval()
+    try:
+        with torch.no_grad():
+            full = lm(input_ids=ids, use_cache=False).logits[0].float()
+            hidden = lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
+            fused = (hidden @ head.weight.T).float()
+    finally:
+        lm.train(was_training)
+    return bool(torch.allclose(full, fused, rtol=1e-3, atol=1e-3 * float(full.abs().max()) + 1e-5))
+
+
 def model_mask(model: nn.Module, attention_mask: Tensor | None) -> Tensor | None:
     """A micro-batch's 4-D boolean mask in the form `model`'s attention implementation takes."""
     if attention_mask is None:
@@ -277,7 +298,7 @@ class PolicyLogProbs(nn.Module):
         if impl == "fused" and getattr(head, "bias", None) is not None:
             impl = "full"  # the fused head has no bias term
         if impl == "fused" and getattr(lm.config, "final_logit_softcapping", None):
-            impl = "full"
+            impl = "full"  # (a scale in the model's forward: build_models asks head_is_plain first)
         self.impl = impl
         self.chunk = chunk
         # FSDP's transformer auto-wrap looks for the layer classes here.

@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType
 
 from finetune.config import TrainConfig
 from finetune.critic import Critic
-from finetune.logprobs import PolicyLogProbs, ValueModel, compile_layers
+from finetune.logprobs import PolicyLogProbs, ValueModel, compile_layers, head_is_plain
 from finetune.lora import load_adapter_weights, with_lora
 
 
@@ -65,15 +65,19 @@ def build_models(model_dir: Path, config: TrainConfig, acc: Accelerator) -> Mode
         )
     lm, lora_config = _language_model(model_dir, config, acc.device.type == "cuda")
     head_rows = int(lm.get_output_embeddings().weight.shape[0])
+    impl = config.logprob_impl
+    if impl == "auto":
+        impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
+    if impl == "fused" and not head_is_plain(lm):  # before compiling: a forward here would compile the layers
+        print(f"logprob_impl full: {type(lm).__name__} changes its logits in its forward (scaled or capped), "
+              "which the fused head would not", flush=True)  # fmt: skip
+        impl = "full"
     # auto: on a GPU, not under FSDP (compiled layers inside FSDP's wrapping have not run here)
     compiled = config.compile == "on" or (
         config.compile == "auto" and acc.device.type == "cuda" and acc.distributed_type != DistributedType.FSDP
     )
     if compiled:
         compile_layers(lm)
-    impl = config.logprob_impl
-    if impl == "auto":
-        impl = "full" if acc.distributed_type == DistributedType.FSDP else "fused"
     pad_id = lm.config.pad_token_id if isinstance(lm.config.pad_token_id, int) else 0
     spec = config.loss_spec
     # a loss with a critic (PPO's, finetune.critic) takes its advantages from it, not from an estimator

@@ -309,6 +309,30 @@ def test_progress_counts_completion_tokens_up_to_the_total(tiny):
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
 
 
+def test_a_model_that_scales_its_logits_is_scored_by_its_own_forward(tiny, tmp_path):
+    """Granite divides its logits by logits_scaling in its forward; the fused head (hidden state x embedding)
+    would give other log-probs than the sampler's, so the learner takes the model's forward for it."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from finetune.logprobs import head_is_plain
+
+    config = GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, logits_scaling=8.0)  # fmt: skip
+    torch.manual_seed(0)
+    GraniteForCausalLM(config).save_pretrained(tmp_path / "granite")
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "granite", dtype=torch.float32)
+    assert not head_is_plain(lm) and lm.training is False  # from_pretrained gives eval mode; kept
+    assert head_is_plain(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32))
+    learner = Learner(tmp_path / "granite", TrainConfig(lr=1e-3))
+    assert learner.accelerator.unwrap_model(learner.model).impl == "full"
+    sample = group([[5, 6, 7]], [1.0])[0].model_copy(update={"prompt_ids": [1, 2, 3]})
+    (got,) = learner.logprobs([sample])
+    with torch.no_grad():
+        logits = lm(input_ids=torch.tensor([[1, 2, 3, 5, 6, 7]])).logits[0, 2:5]
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor([[5], [6], [7]])).squeeze(1)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=0)
+
+
 def test_kl_at_temperature_compares_untempered_logprobs_with_the_reference(tiny):
     # Sampled at T = 0.7, reference scored at T = 1 with the same weights: the KL is 0, not
     # the gap between the tempered and untempered distributions.
