@@ -52,9 +52,14 @@ def is_cut(sample: Sample) -> bool:
 
 
 def batch_advantages(
-    samples: list[Sample], cfg: TrainConfig, critic: Critic | None, values: Callable[[list[Sample]], list]
+    samples: list[Sample],
+    cfg: TrainConfig,
+    critic: Critic | None,
+    values: Callable[[list[Sample]], list],
+    untempered: Callable[[list[Sample]], list] | None = None,
 ) -> BatchAdvantages:
-    """The batch's advantages from the estimator, or from `critic` on the `values` it gives the samples now."""
+    """The batch's advantages from the estimator, or from `critic` on the `values` it gives the samples now (and,
+    when its KL-in-reward needs them, the policy's `untempered` log-probs)."""
     shaped = [[cfg.shaped_reward(t.reward, t.length, t.max_tokens) for t in sample.all_turns] for sample in samples]
     returns, turn_adv = turn_advantages(
         [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
@@ -67,7 +72,8 @@ def batch_advantages(
     critic_batch = None
     stats: dict[str, float | None] = {}
     if critic is not None:
-        critic_batch = critic.batch(samples, values(samples))
+        at_1 = untempered(samples) if untempered is not None and critic.needs_untempered(samples) else None
+        critic_batch = critic.batch(samples, values(samples), at_1)
         advantages, stats = critic_batch.advantages, critic_batch.stats
         turn_adv, turn_values = critic_batch.per_turn(samples)
     else:

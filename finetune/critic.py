@@ -128,25 +128,34 @@ class Critic:
     def value_loss(self, values: Tensor, old_values: Tensor, returns: Tensor) -> tuple[Tensor, Tensor]:
         return value_loss(values, old_values, returns, self.options.value_clip)
 
-    def rewards(self, sample: Sample) -> Tensor:
+    def rewards(self, sample: Sample, untempered: Tensor | None = None) -> Tensor:
         """The reward after each trained token: a turn's (shaped) reward at its last token, minus
-        kl_in_reward x (behaviour - reference log-prob) at every token when asked."""
+        kl_in_reward x (policy - reference log-prob) at every token when asked. Both log-probs at T = 1 (the
+        reference is scored untempered): the behaviour's, or for a sample drawn at another temperature
+        `untempered`, the policy's at T = 1 (its tempered log-probs would put a penalty on the temperature
+        itself, even where policy and reference are one model)."""
         r = torch.zeros(sample.n_trained, dtype=torch.float64)
         offset = 0
         for t in sample.all_turns:
             offset += t.length
             r[offset - 1] += self.shaped_reward(t.reward, t.length, t.max_tokens)
         if self.options.kl_in_reward:
-            r -= self.options.kl_in_reward * (
-                torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
-                - torch.tensor(sample.ref_logprobs, dtype=torch.float64)
-            )
+            if sample.temperature != 1.0 and untempered is None:
+                raise ValueError("kl_in_reward: a sample drawn at temperature != 1 needs the policy's untempered "
+                                 "log-probs")  # fmt: skip
+            policy = (torch.tensor(sample.behaviour_logprobs) if sample.temperature == 1.0 else untempered).double()
+            r -= self.options.kl_in_reward * (policy - torch.tensor(sample.ref_logprobs, dtype=torch.float64))
         return r
 
-    def batch(self, samples: list[Sample], values: list[Tensor]) -> CriticBatch:
+    def needs_untempered(self, samples: list[Sample]) -> bool:
+        """Whether `rewards` needs the policy's untempered log-probs of some of these samples."""
+        return bool(self.options.kl_in_reward) and any(s.temperature != 1.0 for s in samples)
+
+    def batch(self, samples: list[Sample], values: list[Tensor], untempered: list[Tensor] | None = None) -> CriticBatch:
         """Token-level GAE over each episode (its samples' turns in order) on `values` (the critic's, per
-        sample, before any update), whitened over the batch if asked."""
-        rewards = [self.rewards(s) for s in samples]
+        sample, before any update), whitened over the batch if asked; `untempered`: the policy's log-probs at
+        T = 1 of each sample (kl_in_reward at another temperature, `needs_untempered`)."""
+        rewards = [self.rewards(s, None if untempered is None else untempered[i]) for i, s in enumerate(samples)]
         episodes: dict[str, list[int]] = {}
         for i, sample in enumerate(samples):
             episodes.setdefault(sample.episode_id or f"#{i}", []).append(i)

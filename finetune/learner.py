@@ -85,7 +85,7 @@ class Learner:
         if cfg.teacher_topk_coef and (missing := sum(s.teacher_top_ids is None for s in samples)):
             raise ValueError(f"teacher_topk_coef > 0 but {missing} of {len(samples)} samples have no teacher "
                              "top-k (teacher_top_ids): score them with --teacher.topk, or set it to 0")  # fmt: skip
-        adv = batch_advantages(samples, cfg, self.critic, self.passes.sample_values)
+        adv = batch_advantages(samples, cfg, self.critic, self.passes.sample_values, self.untempered_logprobs)
         self.turn_records = adv.turn_records
         # Overlong filtering: samples with an output cut by the limit counted in the baseline, not trained on.
         trained = [i for i, s in enumerate(samples) if not (cfg.overlong_filter and is_cut(s))]
@@ -131,11 +131,16 @@ class Learner:
         """Current log-probs of each sample's completion tokens (at its temperature), no update."""
         return self.passes.logprobs(samples)
 
+    def untempered_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Current log-probs of each sample's completion tokens at T = 1, whatever it was sampled at (no update)."""
+        return self.passes.logprobs([s.model_copy(update={"temperature": 1.0}) for s in samples])
+
     def critic_batch(self, samples: list[Sample]) -> CriticBatch:
         """The critic's advantages, old values and returns of `samples` as they are now (no update)."""
         if self.critic is None:
             raise ValueError(f"loss {self.config.loss} has no critic")
-        return self.critic.batch(samples, self.passes.sample_values(samples))
+        at_1 = self.untempered_logprobs(samples) if self.critic.needs_untempered(samples) else None
+        return self.critic.batch(samples, self.passes.sample_values(samples), at_1)
 
     def critic_step(self, samples: list[Sample], critic: CriticBatch) -> dict:
         """One optimizer step of the separate value model alone (finetune.step.OptimizerStep.critic_step)."""

@@ -209,6 +209,27 @@ def test_ppo_on_multi_turn_episodes_puts_each_turns_reward_at_its_last_token(tin
     assert advantages[0].tolist() == pytest.approx([2, 2, 2, 2, 2]) and returns[0].tolist() == pytest.approx([2] * 5)
 
 
+def test_kl_in_reward_at_a_temperature_compares_untempered_logprobs(tiny):
+    """Sampled at T = 0.7 and scored by a reference that is the policy itself (at T = 1, as vLLM scores it):
+    the KL penalty in the reward is 0, not the gap between the tempered and untempered log-probs (which
+    penalised the temperature itself, and rewarded unlikely tokens)."""
+    from finetune.learner import Learner
+
+    cfg = TrainConfig(algorithm="ppo", token_budget=256, ppo={"whiten_advantages": False, "critic": "head",
+                                                             "kl_in_reward": 0.5})  # fmt: skip
+    learner = Learner(tiny, cfg)
+    sample = Sample(prompt_ids=[1, 2, 3], completion_ids=[4, 5, 6, 7], behaviour_logprobs=[0.0] * 4, reward=0.0,
+                    group_id="g", episode_id="e", temperature=0.7)  # fmt: skip
+    tempered = learner.logprobs([sample])[0].tolist()
+    untempered = learner.untempered_logprobs([sample])[0].tolist()
+    assert max(abs(a - b) for a, b in zip(tempered, untempered)) > 0.05
+    sample = sample.model_copy(update={"behaviour_logprobs": tempered, "ref_logprobs": untempered})
+    critic = learner.critic_batch([sample])
+    assert critic.returns[0].tolist() == pytest.approx([0.0] * 4, abs=1e-5)  # no reward, no KL: lambda 1
+    with pytest.raises(ValueError, match="untempered"):
+        learner.critic.rewards(sample)
+
+
 def test_ppo_trains_with_its_critic_whatever_estimator_its_config_names(tiny):
     """PPO's config names an estimator like every algorithm's (finetune.algorithms), but the critic's GAE
     takes the estimator's place: another estimator trains the same step, with the same advantages."""
