@@ -5,8 +5,11 @@ sampled at turn t, then the tokens that close the assistant's turn and add the
 new user message, rendered through the chat template as a *delta*:
 
 - the delta is the chat template's text for a fixed dummy conversation with
-  the new message minus the same conversation without it (so system-prompt
-  injection, role headers and separators are the template's own);
+  the new message, after the dummy assistant turn's content and its end as
+  the conversation without the message renders them (so system-prompt
+  injection, role headers and separators are the template's own; a template
+  that renders a last assistant turn otherwise before its content, as Qwen3's
+  empty think block, still gives one);
 - the end of an assistant turn ("<|im_end|>\\n" for ChatML) is taken from the
   template too. When the output stopped on an end-of-turn special token, vLLM
   sampled that token already and only the rest ("\\n") is appended; after a
@@ -76,12 +79,18 @@ class ChatTokens:
         dummy = [self._dummy[0], assistant]
         base = self._template(dummy, add_generation_prompt=False, **template)
         full = self._template([*dummy, *messages], add_generation_prompt=True, **template)
-        if not full.startswith(base):
+        # What follows the assistant's content (its tool calls, the end of its turn) must render the same once
+        # messages follow it. What precedes the content may not (Qwen3 writes an empty think block into an
+        # assistant turn only while it is the last message) and is never rendered again: the sampled ids stand
+        # for it.
+        at_base, at_full = base.find(_MARK), full.find(_MARK)
+        tail = base[at_base + len(_MARK) :]
+        if at_base < 0 or at_full < 0 or not full[at_full + len(_MARK) :].startswith(tail):
             raise ValueError(
-                "the chat template renders earlier turns differently once a message is added; "
+                "the chat template renders an assistant turn's end differently once a message is added; "
                 "a token-exact delta cannot be taken from it"
             )
-        return full[len(base) :]
+        return full[at_full + len(_MARK) + len(tail) :]
 
     def close_turn(self, output_ids: list[int]) -> str:
         """What closes an assistant turn after its sampled `output_ids`: the template's end of turn, less the

@@ -128,6 +128,30 @@ def test_stop_string_gets_the_whole_end_of_turn(tokenizer):
     assert stopped == tokenizer.eos_token + sampled_eos  # "<|im_end|>" appended only when not sampled
 
 
+# An assistant turn that is the last message gets an empty think block, as Qwen3's template writes it (once a
+# user message follows, the turn is rendered without it): the template is not a prefix of itself.
+THINK_WHEN_LAST = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_the_last_assistant_turn_otherwise_still_gives_a_delta(embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)  # its own copy: the template is changed
+    tokenizer.chat_template = THINK_WHEN_LAST
+    chat = ChatTokens(tokenizer)
+    assert chat.turn_end == "<|im_end|>\n"
+    assert chat.user_delta("too low") == "<|im_start|>user\ntoo low<|im_end|>\n<|im_start|>assistant\n"
+    # what follows an assistant's content must still render the same: a template that changes it is refused
+    tokenizer.chat_template = THINK_WHEN_LAST.replace("<|im_end|>\n{% endfor", "{% if loop.last %}!{% endif %}"
+                                                      "<|im_end|>\n{% endfor")  # fmt: skip
+    with pytest.raises(ValueError, match="renders an assistant turn's end differently"):
+        ChatTokens(tokenizer).user_delta("too low")
+
+
 def test_output_cut_by_max_tokens_ends_the_episode_truncated(tokenizer):
     tape, env, _ = play(tokenizer, [("x", 0.0, False)] * 3, ["a long answer", "b"], finish="length")
     assert env.actions == []  # the environment is not asked about a cut output
