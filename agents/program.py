@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,8 +110,9 @@ class ProgramTask:
         """Give the latest call's turn a reward (per-turn rewards; they add up to the episode's)."""
         if self._reward is None:
             raise RuntimeError("this episode takes no rewards")
+        value = finite_reward(value, "task.reward")
         self.stepped = True
-        self._reward(float(value))
+        self._reward(value)
 
     async def step(self, action: str) -> StepResult:
         """Send `action` to the environment; its answer and reward go on the tape."""
@@ -132,6 +134,18 @@ class ProgramTask:
 
             raise SandboxInfraError(f"the sandbox could not run the code: {result.infra_error}")
         return result.observation(max_chars).rstrip("\n")
+
+
+def finite_reward(value: Any, source: str) -> float:
+    """`value` as a reward: a real number (a numpy scalar too), finite; else ValueError or TypeError naming
+    `source` (a NaN would spoil its group's statistics, an infinity every advantage of the batch)."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{source}: got a {type(value).__name__}; expected a number")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{source}: {float(value)} is not a finite number")
+    return float(value)
 
 
 def played_by_program(tape) -> bool:

@@ -569,3 +569,139 @@ def test_a_failure_inside_the_openai_client_is_located_at_the_programs_own_line(
     assert tape.metadata.error.startswith("the program raised NotFoundError"), tape.metadata.error
     assert tape.metadata.error.endswith(f"({os.path.realpath(__file__)}:{line})"), tape.metadata.error
     assert "_base_client.py" not in tape.metadata.error
+
+
+def test_rewards_must_be_finite_numbers_and_an_episode_without_a_call_is_a_failure(tokenizer, agent_for):
+    import numpy as np
+
+    user = [{"role": "user", "content": "A"}]
+
+    def returning(value):
+        async def program(task, client):
+            await client.chat.completions.create(model=task.model, messages=user)
+            return value
+
+        return program
+
+    tape = play(agent_for(returning(float("nan"))), ScriptedLLM(tokenizer, ["x"]))
+    assert tape.metadata.error == "ValueError: the program's return: nan is not a finite number"
+    assert tape_samples(tape, require_ref=False) == []
+    tape = play(agent_for(returning(np.float32(0.5))), ScriptedLLM(tokenizer, ["x"]))  # a numpy scalar is a number
+    assert tape.metadata.error is None and tape.metadata.reward == 0.5
+
+    async def gives_inf(task, client):
+        await client.chat.completions.create(model=task.model, messages=user)
+        task.reward(float("inf"))
+
+    tape = play(agent_for(gives_inf), ScriptedLLM(tokenizer, ["x"]))
+    assert "the program raised ValueError: task.reward: inf is not a finite number" in tape.metadata.error
+
+    async def no_call(task, client):  # e.g. a client of its own, pointed elsewhere
+        return 1.0
+
+    tape = play(agent_for(no_call), ScriptedLLM(tokenizer, []))
+    assert tape.metadata.error.startswith("the program made no call through the gateway") and not tape.llm_calls
+
+
+def test_an_answer_returned_after_the_programs_own_steps_ended_the_episode_is_not_sent_again(tokenizer, agent_for):
+    a, b, product = answer_of()
+
+    async def steps_then_returns(task, client):
+        reply = await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+        await task.step(reply.choices[0].message.content)  # the environment's one turn: its episode ends
+        return reply.choices[0].message.content
+
+    tape = play(agent_for(steps_then_returns), ScriptedLLM(tokenizer, [f"\\boxed{{{product}}}"]))
+    assert tape.metadata.error is None and tape.metadata.reward == 1.0
+
+
+def test_stop_strings_tool_choice_late_calls_and_template_errors_as_an_openai_client_expects(tokenizer, agent_for):
+    import openai
+
+    a, b, product = answer_of()
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
+    user = [{"role": "user", "content": "A"}]
+    seen = {}
+
+    async def program(task, client):
+        reply = await client.chat.completions.create(model=task.model, messages=user, stop=["Observation:"])
+        seen["content"] = reply.choices[0].message.content  # the stop string left out, as OpenAI does
+        text = await client.completions.create(model=task.model, prompt="Say:", stop=["END"])
+        seen["text"] = text.choices[0].text
+        for choice in ("required", {"type": "function", "function": {"name": "python"}}):
+            reply = await client.chat.completions.create(model=task.model, messages=user, tools=tools,
+                                                         tool_choice=choice)  # fmt: skip
+            seen.setdefault("calls", []).append(reply.choices[0].message.tool_calls[0].function.name)
+        try:
+            await client.chat.completions.create(model=task.model, messages=user, tools=tools,
+                                                 tool_choice={"type": "function", "function": {"name": "nope"}})  # fmt: skip
+        except openai.BadRequestError as exc:
+            seen["named"] = exc.message
+        return 1.0
+
+    llm = ScriptedLLM(tokenizer, ["I will act.\nObservation:", "hello END", tool_reply(a, b), tool_reply(a, b)])
+    tape = play(agent_for(program), llm)
+    assert seen["content"] == "I will act.\n" and seen["text"] == "hello "
+    assert tape.llm_calls[0].output_text.endswith("Observation:")  # the tape keeps what was sampled
+    assert seen["calls"] == ["python", "python"] and "names function 'nope'" in seen["named"]
+
+    # a template that refuses a message (as Gemma's refuses a system role): a 400 the program reads, not a 500
+    from transformers import AutoTokenizer
+
+    strict = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system "
+                            "role') }}{% endif %}{{ m.content }}{% endfor %}")  # fmt: skip
+
+    async def with_system(task, client):
+        try:
+            await client.chat.completions.create(model=task.model, messages=[{"role": "system", "content": "S"}])
+        except openai.APIStatusError as exc:
+            seen["template"] = (exc.status_code, exc.message, exc.response.headers.get("x-should-retry"))
+        return 1.0
+
+    agent = ProgramAgent(with_system, SAMPLING, strict, max_context=1024)
+    try:
+        play(agent, ScriptedLLM(strict, []))
+    finally:
+        agent.close()
+    status, message, retry = seen["template"]
+    assert status == 400 and "no system role" in message and retry == "false"
+
+
+def test_a_call_in_flight_when_its_episode_ends_is_refused_and_not_recorded(tokenizer, agent_for):
+    """A program past its time limit whose call was still being answered: the call's reply comes after the
+    tape was written, and is neither recorded nor returned as a success."""
+    import threading
+
+    answered = threading.Event()
+    outcome = {}
+
+    class SlowLLM(ScriptedLLM):
+        async def complete_ids(self, prompt_ids, sampling, **kw):
+            await asyncio.sleep(0.6)
+            return await super().complete_ids(prompt_ids, sampling, **kw)
+
+    async def program(task, client):
+        def call():  # from a thread the time limit does not cancel, as a program's blocking client would
+            r = httpx.post(task.base_url + "/chat/completions", headers=auth(task.api_key), timeout=10,
+                           json={"model": task.model, "messages": [{"role": "user", "content": "A"}]})  # fmt: skip
+            outcome["status"] = r.status_code
+            answered.set()
+
+        threading.Thread(target=call, daemon=True).start()
+        await asyncio.sleep(30)
+
+    agent = agent_for(program, time_limit_s=0.3)
+    llm = SlowLLM(tokenizer, ["x"])
+
+    async def episode_then_wait():
+        tape = await agent.run_episode(arithmetic(), 3, llm, Tape())
+        for _ in range(50):  # the episode's loop goes on (as the run's does) while the late call finishes
+            if answered.is_set():
+                break
+            await asyncio.sleep(0.1)
+        return tape
+
+    tape = asyncio.run(episode_then_wait())
+    assert "time limit" in tape.metadata.error and outcome["status"] == 409
+    assert tape.llm_calls == [] and not any(type(s).__name__ == "AgentMessage" for s in tape.steps)

@@ -7,8 +7,10 @@ recorded calls), the program runs with a client bound to it (in a thread of its 
 a program that blocks its thread stalls no other episode and is still bounded by its time limit), and the
 reward is settled (agents.program):
 
-- the program's return: a number is the reward; a string, or (None) the last reply's text, is sent to the
-  environment as the answer, unless the program stepped the environment itself;
+- the program's return: a number (finite) is the reward; a string, or (None) the last reply's text, is sent to
+  the environment as the answer, unless the program stepped the environment itself (a string: unless those steps
+  ended its episode);
+- a program that made no call through the gateway leaves the episode with `metadata.error`: nothing to train;
 - a program that raises, runs past `program.time_limit_s`, or made a request the gateway refused (its first
   fault) leaves the episode with `metadata.error` (where it raised: the program's own line, `program_frame`):
   an infrastructure failure, left out of training, never a zero reward. A failure of the servers themselves (LLMError) stops the run, as it does for the built-in agent.
@@ -29,7 +31,7 @@ from agents.agent import Agent, summarize
 from agents.chat import ChatTokens
 from agents.envs import capabilities
 from agents.envs.base import jsonable
-from agents.program import Program, ProgramTask, StepResult, load_program, load_reward
+from agents.program import Program, ProgramTask, StepResult, finite_reward, load_program, load_reward
 from agents.tool_format import ToolFormat
 from orchestrate.gateway.server import Gateway
 from tapes.tape import EnvObservation, SamplingParams, Tape
@@ -157,9 +159,12 @@ class ProgramAgent(Agent):
             raise session.server_error  # the servers failed: the run stops, as with the built-in agent
         if tape.metadata.error is None and session.error is not None:
             tape.metadata.error = session.error
+        if tape.metadata.error is None and session.calls == 0:
+            tape.metadata.error = ("the program made no call through the gateway: nothing to train on (its calls "
+                                   "go through the `client` it is given, or an OpenAI client at task.base_url)")  # fmt: skip
         if tape.metadata.error is None:
             try:
-                await self._settle(result, session, step, task.stepped)
+                await self._settle(result, session, step, task.stepped, ended)
             except Exception as exc:  # noqa: BLE001 - the environment failed: as a rollout keeps it
                 tape.metadata.error = f"{type(exc).__name__}: {exc}"
         summarize(tape)
@@ -172,22 +177,21 @@ class ProgramAgent(Agent):
         record.metadata.agent, record.metadata.node = self.name, "program"
         session.tape.append(record)
 
-    async def _settle(self, result: Any, session, step, stepped: bool) -> None:
-        """The episode's reward from what the program returned (agents.program)."""
-        if isinstance(result, bool) or not (result is None or isinstance(result, (int, float, str))):
-            raise TypeError(f"the program returned a {type(result).__name__}; expected a number, a string or None")
-        if isinstance(result, (int, float)):
-            self._give(session, result, end=True)
-        elif isinstance(result, str):
-            await step(result)
+    async def _settle(self, result: Any, session, step, stepped: bool, ended: bool) -> None:
+        """The episode's reward from what the program returned (agents.program): a string after the program's
+        own steps ended the environment's episode is not sent (the rewards they gave stand)."""
+        if isinstance(result, str):
+            if not (stepped and ended):
+                await step(result)
+        elif result is not None:
+            self._give(session, finite_reward(result, "the program's return"), end=True)
         elif stepped:
             return
         elif self.reward is not None:
             value = self.reward(session.tape)
             value = await value if inspect.isawaitable(value) else value
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"the reward function returned a {type(value).__name__}; expected a number")
-            self._give(session, value, reason="the reward function's", end=True)
+            self._give(session, finite_reward(value, "the reward function"), reason="the reward function's",
+                       end=True)  # fmt: skip
         else:
             await step(session.last_reply)
 

@@ -1,6 +1,6 @@
 """The gateway: an OpenAI-compatible API with a base URL per episode, in front of the policy servers.
 
-    http://127.0.0.1:PORT/episodes/EPISODE/v1/chat/completions   (tools, tool_choice auto/none)
+    http://127.0.0.1:PORT/episodes/EPISODE/v1/chat/completions   (tools, tool_choice)
                                              /v1/completions
                                              /v1/models
 
@@ -33,9 +33,12 @@ PREFIX = "/episodes"
 
 
 def _json(status: int, body: dict[str, Any]):
+    """A JSON response; an error but 503 (the servers failed) tells an OpenAI client not to retry it (the
+    `openai` client retries 409 and 5xx by default): asked again, the same request fails the same way."""
     from starlette.responses import Response
 
-    return Response(dumps(body), status_code=status, media_type="application/json")
+    headers = {"x-should-retry": "false"} if status >= 400 and status != 503 else None
+    return Response(dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
 class Gateway:

@@ -26,6 +26,8 @@ import json
 import time
 from typing import Any
 
+from jinja2 import TemplateError
+
 from agents.chat import ChatTokens
 from agents.tool_format import ToolFormat, ToolFormatError, check_tools, same_calls, written
 from tapes.tape import (
@@ -64,6 +66,25 @@ def _text(content: Any, where: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise GatewayError(400, f"{where}: content must be a string or a list of text parts")
+
+
+def offered_tools(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools a reply's calls are parsed against, by `tool_choice`: none of them ("none"); all of them
+    ("auto", absent, or "required"); the one a {"type": "function", "function": {"name": ...}} names. A forced
+    call is not enforced while sampling (no guided decoding): the model is offered the tools, and a reply
+    without a call comes back as text, the model's own doing, trained on like any other."""
+    if choice in (None, "auto", "required"):
+        return tools
+    if choice == "none":
+        return []
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str):
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise GatewayError(400, f"tool_choice: names function {name!r}, which is not in tools")
+        return named
+    raise GatewayError(400, "tool_choice: expected 'auto', 'none', 'required' or "
+                            '{"type": "function", "function": {"name": ...}}')  # fmt: skip
 
 
 def normalise(messages: Any) -> list[dict[str, Any]]:
@@ -156,6 +177,15 @@ class EpisodeSession:
             raise GatewayError(404, f"model {model!r} is not served here; this gateway serves {self.model_name!r}",
                                "not_found_error")  # fmt: skip
 
+    @staticmethod
+    def _asked_stops(body: dict[str, Any]) -> list[str]:
+        """The stop strings a request asks for."""
+        asked = body.get("stop") or []
+        asked = [asked] if isinstance(asked, str) else asked
+        if not isinstance(asked, list) or not all(isinstance(s, str) for s in asked):
+            raise GatewayError(400, "stop: expected a string or a list of strings")
+        return asked
+
     def _sampling(self, body: dict[str, Any], stop: list[str]) -> SamplingParams:
         """The run's sampling (its temperature and top_p are the behaviour policy the learner corrects for);
         a request may ask for fewer new tokens and add stop strings."""
@@ -166,10 +196,7 @@ class EpisodeSession:
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise GatewayError(400, "max_tokens: expected a positive integer")
-        asked = body.get("stop") or []
-        asked = [asked] if isinstance(asked, str) else asked
-        if not isinstance(asked, list) or not all(isinstance(s, str) for s in asked):
-            raise GatewayError(400, "stop: expected a string or a list of strings")
+        asked = self._asked_stops(body)
         max_tokens = min(limit or self.sampling.max_tokens, self.sampling.max_tokens)
         stops = [*self.sampling.stop, *(s for s in [*asked, *stop] if s not in self.sampling.stop)]
         return self.sampling.model_copy(update={"max_tokens": max_tokens, "stop": list(dict.fromkeys(stops))})
@@ -187,12 +214,27 @@ class EpisodeSession:
         from orchestrate.serving.llm import LLMError, RequestRejected
 
         try:
-            return await self.llm.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+            call = await self.llm.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
         except RequestRejected as exc:
             raise GatewayError(400, f"the server refused the request: {exc}") from None
         except LLMError as exc:
             self.server_error = exc
             raise GatewayError(503, f"the policy servers failed: {exc}", "server_error") from None
+        if self.closed:  # the episode ended (its time limit) while this call was in flight: its tape is written
+            raise GatewayError(409, f"episode {self.id} ended while this call was in flight; its reply is not "
+                                    "recorded", "episode_ended")  # fmt: skip
+        return call
+
+    @staticmethod
+    def _without_stop(call: LLMCall, asked: list[str]) -> str:
+        """The call's text less the stop string the request asked for that ended it (the OpenAI API leaves it
+        out; the tape keeps the sampled ids, the stop string's among them)."""
+        text = call.output_text
+        if call.finish_reason == "stop":
+            for stop in asked:
+                if stop and text.endswith(stop):
+                    return text[: -len(stop)]
+        return text
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/chat/completions."""
@@ -202,9 +244,7 @@ class EpisodeSession:
             tools = check_tools(body.get("tools"))
         except ToolFormatError as exc:
             raise GatewayError(400, str(exc)) from None
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise GatewayError(400, "tool_choice: 'auto' and 'none' are served (a forced call is not)")
-        offered = [] if body.get("tool_choice") == "none" else tools
+        offered = offered_tools(body.get("tool_choice"), tools)
         sampling = self._sampling(body, self.tools.stop(offered))
         extends = (
             self._ids is not None
@@ -228,11 +268,11 @@ class EpisodeSession:
                 prompt_text, prompt_ids = self.tokens.first_prompt(
                     self.tools.prepare(messages, tools), **self.tools.template_kwargs(tools)
                 )
-        except (ValueError, TypeError, KeyError) as exc:  # the template refused these messages
+        except (ValueError, TypeError, KeyError, TemplateError) as exc:  # the template refused these messages
             raise GatewayError(400, f"messages: the chat template cannot render them ({exc})") from None
         sampling = self._fit(prompt_ids, sampling)
         call = await self._complete(prompt_ids, sampling, messages, prompt_text)
-        content, calls = self.tools.parse(call.output_text, offered)
+        content, calls = self.tools.parse(self._without_stop(call, self._asked_stops(body)), offered)
         for i, c in enumerate(calls):  # ids of ours, the same in a replay (the parser's are random)
             c["id"] = f"call_{self.calls + 1}_{i}"
         self._record(call, new, calls, extends)
@@ -269,8 +309,8 @@ class EpisodeSession:
         self._record(call, [], [], extends)
         self._history, self._tools, self._last_call = [], [], call
         self._ids = call.prompt_token_ids + call.output_token_ids
-        self.last_reply = call.output_text
-        return self._response("text_completion", call, {"index": 0, "text": call.output_text,
+        self.last_reply = text = self._without_stop(call, self._asked_stops(body))
+        return self._response("text_completion", call, {"index": 0, "text": text,
                                                         "finish_reason": call.finish_reason or "stop", "logprobs": None})  # fmt: skip
 
     # -- the tape ----------------------------------------------------------------
