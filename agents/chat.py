@@ -28,6 +28,9 @@ from functools import cached_property
 from typing import Any
 
 _MARK = "ZQXJ7"  # a dummy assistant text that no template contains
+# The date a template writes into its prompts (Llama 3's "Today Date:" is today's unless given): fixed, so that an
+# episode's prompts do not depend on the day it is played, replayed or forked. Llama 3's own default.
+TEMPLATE_DATE = "26 Jul 2024"
 
 
 class ChatTokens:
@@ -37,6 +40,7 @@ class ChatTokens:
         self.tokenizer = tokenizer
 
     def _template(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **template: Any) -> str:
+        template.setdefault("date_string", TEMPLATE_DATE)
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template
         )

@@ -705,3 +705,41 @@ def test_a_call_in_flight_when_its_episode_ends_is_refused_and_not_recorded(toke
     tape = asyncio.run(episode_then_wait())
     assert "time limit" in tape.metadata.error and outcome["status"] == 409
     assert tape.llm_calls == [] and not any(type(s).__name__ == "AgentMessage" for s in tape.steps)
+
+
+def test_a_program_whose_calls_ask_for_fewer_tokens_replays_identical(tokenizer, agent_for):
+    """The first call asks for 8 tokens, the second for the run's: a replay plays it at the run's sampling (the
+    largest its calls had), not at the first call's narrowed one, and finds nothing that differs."""
+    from orchestrate.after.replay import replay_tape
+    from orchestrate.loop.rollouts import new_tape
+
+    async def short_then_long(task, client):
+        messages = [{"role": "user", "content": "A"}]
+        reply = await client.chat.completions.create(model=task.model, messages=messages, max_tokens=8)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "more"}]  # fmt: skip
+        await client.chat.completions.create(model=task.model, messages=messages)
+        return 1.0
+
+    spec = EnvSpec("math:arithmetic", {"digits": 3, "operands": 2, "operations": ["*"]}, "train", 0)
+    tape = new_tape(spec, 3, iteration=1, group_id="g", policy_version=0)
+    agent = agent_for(short_then_long)
+    asyncio.run(agent.run_episode(spec.make(), 3, ScriptedLLM(tokenizer, ["x", "y"]), tape))
+    assert [c.sampling.max_tokens for c in tape.llm_calls] == [8, 64]
+    _, diff = asyncio.run(replay_tape(tape, agent))
+    assert not diff.notes and diff.identical, diff.notes
+
+
+def test_a_template_that_writes_todays_date_renders_the_same_on_any_day(tokenizer):
+    """Llama 3's template writes "Today Date:" from strftime_now unless given a date: an episode's prompts would
+    change with the day it is replayed or forked on. The date is fixed (agents.chat.TEMPLATE_DATE)."""
+    from transformers import AutoTokenizer
+
+    from agents.chat import TEMPLATE_DATE, ChatTokens
+
+    dated = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    dated.chat_template = ("{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}"
+                           "{% endif %}Today Date: {{ date_string }}\n{% for m in messages %}{{ m.content }}\n"
+                           "{% endfor %}")  # fmt: skip
+    text, _ = ChatTokens(dated).first_prompt([{"role": "user", "content": "A"}])
+    assert text == f"Today Date: {TEMPLATE_DATE}\nA\n"

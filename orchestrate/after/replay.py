@@ -28,7 +28,9 @@ from pathlib import Path
 
 from agents.agent import Agent, summarize
 from agents.env_spec import EnvSpec
+from agents.program import played_by_program
 from contract.rundir import tape_file_config
+from orchestrate.loop.forks import fork_sampling
 from orchestrate.loop.setup import agent_from_run_config
 from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ReplayLLM
@@ -52,8 +54,11 @@ async def replay_tape(tape: Tape, agent: Agent) -> tuple[Tape, TapeDiff]:
     # a fork's first branch_at calls are its parent's, at the parent's sampling; its own at the fork's
     inherited = min(tape.metadata.branch_at or 0, max(0, len(tape.llm_calls) - 1))
     llm = ReplayLLM(tape, strict=False, inherited=inherited)
-    # the run's sampling (rollout, eval or the fork's)
+    # the run's sampling (rollout, eval or the fork's); a program's calls may each ask for fewer tokens and their
+    # own stops, so its run's is the largest max_tokens its own calls had, as a fork of it takes (fork_sampling)
     sampling = tape.llm_calls[inherited].sampling if tape.llm_calls else None
+    if sampling is not None and played_by_program(tape):
+        sampling = fork_sampling(tape.model_copy(update={"llm_calls": tape.llm_calls[inherited:]}), sampling)
     notes = []
     env = None
     try:
