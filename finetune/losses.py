@@ -42,18 +42,30 @@ Aggregation = Literal["token", "sequence"]
 
 
 def grpo_token_loss(
-    logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, clip_eps_low: float, clip_eps_high: float
+    logp: Tensor,
+    behaviour_logp: Tensor,
+    advantages: Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO-clip policy loss per token: -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A).
+    """PPO-clip policy loss per token: -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A); with `dual_clip` c
+    (dual-clip PPO, arXiv:1912.09729), a token with A < 0 loses at most -c * A: a ratio far above 1 (a stale or
+    mismatched sample) no longer gives an unbounded loss and gradient.
 
-    Returns (loss, ratio, clipped): `clipped` marks tokens where the clipped
-    term is the smaller one, i.e. where the token gives no gradient.
+    Returns (loss, ratio, clipped): `clipped` marks tokens where a clipped
+    term is the one taken, i.e. where the token gives no gradient.
     """
     ratio = torch.exp(logp - behaviour_logp)
     unclipped = ratio * advantages
     clipped_obj = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages
     clipped = clipped_obj < unclipped
-    return -torch.minimum(unclipped, clipped_obj), ratio.detach(), clipped
+    loss = -torch.minimum(unclipped, clipped_obj)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss, clipped = torch.where(dual, bound, loss), clipped | dual
+    return loss, ratio.detach(), clipped
 
 
 def reinforce_token_loss(logp: Tensor, advantages: Tensor) -> Tensor:
@@ -225,13 +237,21 @@ def policy_outputs(
 class ClipConfig(LossConfig):
     clip_eps_low: float = Field(0.2, ge=0, lt=1, description="lower clip of the importance ratio: >= 1 - clip_eps_low")
     clip_eps_high: float = Field(0.2, ge=0, description="upper clip: ratio <= 1 + clip_eps_high (DAPO uses 0.28)")
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="dual-clip PPO (arXiv:1912.09729): a token with a negative advantage A loses at most "
+        "-dual_clip x A, however far its ratio is above 1 (stale samples under async, a sampler/trainer "
+        "mismatch); verl's clip_ratio_c, 3. None: off",
+    )
 
 
 @register_loss("grpo", ClipConfig, paper="arXiv:2402.03300; clip-higher and token mean: arXiv:2503.14476 (DAPO)")
 def grpo_loss(x: LossInputs, c: ClipConfig) -> LossOutputs:
     """PPO-clip policy term against the behaviour log-probs, advantages from returns (group / batch / none
     baseline), plus kl_coef x k3 to the reference."""
-    pg, ratio, clipped = grpo_token_loss(x.logp, x.behaviour_logp, x.advantages, c.clip_eps_low, c.clip_eps_high)
+    pg, ratio, clipped = grpo_token_loss(x.logp, x.behaviour_logp, x.advantages, c.clip_eps_low, c.clip_eps_high,
+                                         c.dual_clip)  # fmt: skip
     return policy_outputs(x, pg, ratio, clipped)
 
 
@@ -289,7 +309,8 @@ def ppo_loss(x: LossInputs, c: PPOConfig) -> LossOutputs:
     loss, plus kl_coef x k3 to the reference."""
     if x.values is None or x.old_values is None or x.returns is None:
         raise ValueError("ppo needs the critic's values, old values and returns")
-    pg, ratio, clipped = grpo_token_loss(x.logp, x.behaviour_logp, x.advantages, c.clip_eps_low, c.clip_eps_high)
+    pg, ratio, clipped = grpo_token_loss(x.logp, x.behaviour_logp, x.advantages, c.clip_eps_low, c.clip_eps_high,
+                                         c.dual_clip)  # fmt: skip
     vl, v_clipped = value_loss(x.values, x.old_values, x.returns, c.value_clip)
     v_sum = (x.weights * vl).sum()
     out = policy_outputs(x, pg, ratio, clipped, extra=c.vf_coef * v_sum, terms={"value_loss": v_sum.detach()})

@@ -141,6 +141,20 @@ def test_grpo_clip_by_hand():
         assert grad[t].item() == pytest.approx(want, abs=1e-4)
 
 
+def test_dual_clip_bounds_a_negative_advantage_by_hand():
+    # A = -1 and -2 at ratios 5 and 1.5; A = +1 at ratio 5. With c = 3: the first loses min(5, 3) = 3, no
+    # gradient; the second 1.5 x 2 = 3 < 6, unchanged; a positive advantage is the upper clip's (1.2 x -1)
+    logp = torch.log(torch.tensor([5.0, 1.5, 5.0], dtype=torch.float64)).requires_grad_()
+    behaviour = torch.zeros(3, dtype=torch.float64)
+    adv = torch.tensor([-1.0, -2.0, 1.0], dtype=torch.float64)
+    loss, _, clipped = grpo_token_loss(logp, behaviour, adv, 0.2, 0.2, dual_clip=3.0)
+    assert loss.tolist() == pytest.approx([3.0, 3.0, -1.2]) and clipped.tolist() == [True, False, True]
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    assert grad.tolist() == pytest.approx([0.0, 3.0, 0.0])  # d(-ratio x A)/d logp = -ratio x A = 3 for the second
+    plain, _, _ = grpo_token_loss(logp, behaviour, adv, 0.2, 0.2)
+    assert plain.tolist() == pytest.approx([5.0, 3.0, -1.2])  # without it: 5, unbounded in the ratio
+
+
 def test_grpo_aggregations_by_hand():
     logp, behaviour, _, adv = tensors()
     token_w = token_weights(LENGTHS, "token").double()
