@@ -204,12 +204,14 @@ def test_the_programs_faults_get_readable_http_errors_and_stay_on_the_tape(token
                 await client.chat.completions.create(**kwargs)
             except openai.APIStatusError as exc:
                 seen[name] = (exc.status_code, exc.message)
+                seen[name + " code"] = exc.code
         return 1.0
 
     tape = play(agent_for(faulty), ScriptedLLM(tokenizer, []))
     assert seen["model"][0] == 404 and "'gpt-4o' is not served" in seen["model"][1]
     assert seen["tools"][0] == 400 and "tools[0].function.name" in seen["tools"][1]
     assert seen["context"][0] == 400 and "the model's context is 1024" in seen["context"][1]
+    assert seen["context code"] == "context_length_exceeded" and seen["tools code"] is None  # OpenAI's shape
     assert seen["stream"][0] == 400
     assert tape.metadata.error.startswith("gateway: HTTP 404: model 'gpt-4o'")  # the first fault
     assert tape_samples(tape, require_ref=False) == []

@@ -44,12 +44,14 @@ from tapes.tape import (
 class GatewayError(Exception):
     """An HTTP error for the program: status, OpenAI error type, message."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.code = status, kind, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "code": self.status}}
+        """OpenAI's error shape: a type, and a string code where there is one (`context_length_exceeded`, which
+        frameworks read to shorten their history)."""
+        return {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}}
 
 
 def _text(content: Any, where: str) -> str:
@@ -207,7 +209,7 @@ class EpisodeSession:
         room = self.max_context - len(prompt_ids)
         if room < 1:
             raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                    f"{self.max_context} (prompt + new tokens)", "context_length_exceeded")  # fmt: skip
+                                    f"{self.max_context} (prompt + new tokens)", code="context_length_exceeded")  # fmt: skip
         return sampling if sampling.max_tokens <= room else sampling.model_copy(update={"max_tokens": room})
 
     async def _complete(self, prompt_ids, sampling, messages, prompt_text) -> LLMCall:
