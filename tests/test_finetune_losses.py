@@ -321,7 +321,7 @@ def test_the_documented_new_loss_trains_and_reports_its_own_terms(tmp_path):
     term (`drift`, the weighted squared log-ratio to the sampler) reaches the step records, the step line and
     the iteration's metrics (averaged over the steps), with no list of names to keep."""
     code = new_loss_example()
-    assert '@register_loss("mine", MyOptions)' in code and '"drift"' in code
+    assert '@register_loss("mine", MyOptions, paper=' in code and '"drift"' in code
     out = subprocess.run([sys.executable, "-c", NEW_LOSS_RUN, str(tmp_path), code],
                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
