@@ -745,3 +745,20 @@ def test_a_template_that_writes_todays_date_renders_the_same_on_any_day(tokenize
                            "{% endfor %}")  # fmt: skip
     text, _ = ChatTokens(dated).first_prompt([{"role": "user", "content": "A"}])
     assert text == f"Today Date: {TEMPLATE_DATE}\nA\n"
+
+
+def test_fields_a_client_sends_as_null_are_unset(tokenizer, agent_for):
+    """Some clients send every field, null where unset: n null is one choice, and a null
+    max_completion_tokens leaves max_tokens in effect."""
+
+    async def nulls(task, client):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=agent.gateway.asgi)) as http:
+            reply = await http.post(task.base_url + "/chat/completions", headers=auth(task.api_key), json={
+                "model": task.model, "messages": [{"role": "user", "content": "A"}], "n": None,
+                "max_completion_tokens": None, "max_tokens": 4, "stop": None})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        return 1.0
+
+    agent = agent_for(nulls)
+    tape = play(agent, ScriptedLLM(tokenizer, ["x"]))
+    assert tape.metadata.error is None and tape.llm_calls[0].sampling.max_tokens == 4

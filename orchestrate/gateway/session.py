@@ -191,11 +191,12 @@ class EpisodeSession:
     def _sampling(self, body: dict[str, Any], stop: list[str]) -> SamplingParams:
         """The run's sampling (its temperature and top_p are the behaviour policy the learner corrects for);
         a request may ask for fewer new tokens and add stop strings."""
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):  # a client may send null for what it leaves unset
             raise GatewayError(400, "n: one choice per request is served")
         if body.get("stream"):
             raise GatewayError(400, "stream: streamed responses are not served; send stream=false")
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        limit = body.get("max_completion_tokens")
+        limit = body.get("max_tokens") if limit is None else limit
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise GatewayError(400, "max_tokens: expected a positive integer")
         asked = self._asked_stops(body)
