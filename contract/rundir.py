@@ -171,6 +171,23 @@ class RunDir:
             folder.mkdir(parents=True, exist_ok=True)
         fsync_dir(self.root)  # the new folders survive a power loss with the files about to go in them
 
+    def foreign(self) -> list[str]:
+        """What a folder that holds no run (no config.json) has that a run directory does not name: a folder
+        of someone's files (a project, a home folder) is not adopted as a run directory."""
+        if not self.root.is_dir() or self.config_path.exists():
+            return []
+        ours = {p.name for p in vars(self).values() if isinstance(p, Path) and p.parent == self.root}
+        return sorted(p.name for p in self.root.iterdir() if p.name not in ours)
+
+    def played_nothing(self) -> bool:
+        """A run that stopped before it played or trained anything (its servers or trainer failed to start): no
+        tapes, no checkpoint, no metrics line. Its settings may change: nothing was made with them."""
+        return not (
+            any(self.tapes.glob("*.jsonl"))
+            or self.published()
+            or (self.metrics_path.is_file() and self.metrics_path.stat().st_size)
+        )
+
     def iteration_tapes(self, iteration: int) -> Path:
         return self.tapes / f"iter_{iteration:06d}.jsonl"
 

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     state = run_dir.load_state()
-    if run_dir.saved_config() is not None:
+    if run_dir.saved_config() is not None and run_dir.played_nothing():
+        print(f"Starting {run_dir.root} again: it played nothing before it stopped.")
+    elif run_dir.saved_config() is not None:
         print(f"Resuming {run_dir.root} after iteration {state.completed_iteration}.")
         # records state.json does not count yet are redone, and written once then; a torn tail goes
         repair_metrics(run_dir.metrics_path, state.completed_iteration, state.evaluated)
@@ -105,11 +107,19 @@ def with_defaults(saved: dict) -> dict:
 
 
 def _check_resume(run_dir: RunDir, current: dict) -> None:
-    """A saved run may be resumed with the same settings only (RESUMABLE aside); its state must be readable."""
+    """A saved run may be resumed with the same settings only (RESUMABLE aside), unless it played nothing yet
+    (a bad option that only its servers refused); its state must be readable. A folder of other files is not
+    taken for a run directory."""
+    if foreign := run_dir.foreign():
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise _Refused(f"--run-dir: {run_dir.root} holds files of its own ({shown}) and no run (no config.json); "
+                       "pass a new or empty directory")  # fmt: skip
     saved = run_dir.saved_config()
     if saved is not None:
         saved = with_defaults(with_program_section(saved))  # a run of before the program section: moved
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
+        if changed and run_dir.played_nothing():
+            return  # started, failed before its first episode: it starts again with these settings
         if changed:
             raise _Refused(f"{run_dir.root} was started with other settings ({', '.join('--' + c for c in changed)}); "
                            "resume it with the same options, or pass a new --run-dir")  # fmt: skip

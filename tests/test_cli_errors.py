@@ -59,6 +59,30 @@ def test_a_refused_resume_changes_nothing(tmp_path, rl_cli, folder_model):
     assert snapshot(run_dir) == before
 
 
+def test_a_folder_of_other_files_is_not_taken_for_a_run_directory(tmp_path, rl_cli, folder_model):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "notes.txt").write_text("mine")
+    before = snapshot(project)
+    code, line = rl_cli(["--run-dir", str(project), "--model.policy", str(folder_model)])
+    assert code == 2 and "--run-dir" in line and "notes.txt, src" in line and "no run" in line, line
+    assert snapshot(project) == before and sorted(p.name for p in project.iterdir()) == ["notes.txt", "src"]
+
+
+def test_a_run_that_played_nothing_starts_again_with_other_settings(tmp_path, rl_cli, folder_model):
+    """A run whose servers refused an option (the run directory written, no episode played) is not held to
+    that option: the next command may change it. One that played is (the refusal names the option)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "tapes").mkdir(parents=True)
+    (run_dir / "logs").mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"run": {"seed": 7}}))
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "gone")])
+    assert code == 2 and "--model.policy" in line, line  # past the settings check, to the model's
+    (run_dir / "tapes" / "iter_000001.jsonl").write_text("")
+    code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "gone")])
+    assert code == 2 and "was started with other settings" in line and "--run" in line, line
+
+
 # -- the run directory itself ---------------------------------------------------------------------
 
 
