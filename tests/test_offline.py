@@ -159,6 +159,17 @@ def test_bad_input_is_refused_naming_the_option(tiny_run, tmp_path, capsys, args
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
+def test_an_out_that_holds_the_tapes_it_reads_is_refused(tiny_run, capsys):
+    """OUT/tapes/iter_000001.jsonl and OUT/config.json would overwrite the run's own."""
+    before = {p: p.read_bytes() for p in sorted(tiny_run.rglob("*.json*")) if p.is_file()}
+    for out in (tiny_run, tiny_run.parent):
+        with pytest.raises(SystemExit) as exc:
+            main(["--tapes", str(tiny_run), "--out", str(out), "--no-progress"])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and err.startswith("error: --out:") and "holds the tapes it would read" in err
+    assert {p: p.read_bytes() for p in sorted(tiny_run.rglob("*.json*")) if p.is_file()} == before
+
+
 def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic():
     """A kept set whose groups all have equal rewards trains nothing under a group baseline (refused), while
     PPO's critic still gives its advantages (kept): the refusal reads the loss, as config_checks does."""

@@ -282,6 +282,10 @@ def resolve(args: argparse.Namespace) -> Inputs:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {out} is a file")
+    for f in files:  # writing there would overwrite the tapes read (OUT/tapes/iter_000001.jsonl) and the config
+        run = f.resolve().parent.parent
+        if out.resolve() in (run, *run.parents) or out.resolve() in f.resolve().parents:
+            raise ConfigError(f"--out: {out} holds the tapes it would read ({f}); pass a new directory")
     if RunDir(out).newest_checkpoint():
         raise ConfigError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
     run_config = {}
