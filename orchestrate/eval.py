@@ -280,6 +280,11 @@ def spans(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+# what an evaluation's folder holds (and a comparison's or a curve's, around its evaluations' folders)
+EVAL_FILES = {"config.json", "eval.json", "summary.md", "pass_at_k.png", "logs", "tapes", "curve.json", "curve.md",
+              "curve.png", "compare.json", "compare.md", "compare.png"}  # fmt: skip
+
+
 def folders_of(s: Settings) -> list[Path]:
     """Where each target's evaluation goes: OUT; OUT/a and OUT/b (--compare); OUT/vN (--versions)."""
     if s.sweep:
@@ -399,7 +404,20 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     settings.out = Path(args.out) if args.out else default_out(settings)
     if settings.out.exists() and not settings.out.is_dir():
         raise EvalError(f"--out: {settings.out} is a file")
-    for folder, target in zip(folders_of(settings), targets):
+    folders = folders_of(settings)
+    # an evaluation's files (config.json, tapes/) go into each folder: one that holds anything else (a run's
+    # state and checkpoints, a model's weights, someone's files) is not written over
+    for folder in dict.fromkeys([*folders, settings.out]):
+        if folder.is_dir():
+            top = folder == settings.out not in folders  # a comparison's or curve's: its evaluations' folders
+            others = sorted(p.name for p in folder.iterdir()
+                            if not (p.name in EVAL_FILES or p in folders or (top and p.is_dir())))  # fmt: skip
+            if (folder / "tapes").is_dir():
+                others += [f"tapes/{p.name}" for p in (folder / "tapes").iterdir() if not p.name.startswith("eval_")]
+            if others:
+                raise EvalError(f"--out: {folder} holds files an evaluation does not write ({', '.join(others[:3])}); "
+                                "pass a new or empty folder")  # fmt: skip
+    for folder, target in zip(folders, targets):
         saved = _json(folder / "eval.json").get("settings")
         if saved is not None and saved != settings.record(target):
             raise EvalError(f"--out: {folder} holds an evaluation with other settings; pass a new --out")

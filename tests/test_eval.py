@@ -481,3 +481,17 @@ def test_the_version_clock_knows_a_resume_by_its_start_even_when_elapsed_s_goes_
     # records without wall_time (older runs): elapsed_s going back is the only sign
     old = [{k: v for k, v in r.items() if k != "wall_time"} for r in records]
     assert version_clock(old)[3] == (100.0, 100.0)
+
+
+def test_an_out_that_holds_a_run_or_a_model_is_not_written_over(tmp_path, scripted, capsys, folder_model):
+    run = tmp_path / "run"
+    (run / "tapes").mkdir(parents=True)
+    (run / "tapes" / "iter_000001.jsonl").write_text("")
+    (run / "state.json").write_text("{}")
+    for out, named in ((run, "state.json"), (folder_model, "model.safetensors")):
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        code, _, err = run_eval("smollm2", "--tasks", 2, "--out", out, "--no-progress", capsys=capsys)
+        line = err.strip().splitlines()[-1]
+        assert code == 2 and line.startswith("error: --out:") and named in line, line
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert scripted["policies"] == []
