@@ -231,7 +231,7 @@ class _TrainOptions(BaseModel):
         "scales or caps its logits (Granite, Cohere, Gemma 2: checked on a few tokens at start) takes full.",
     )
     logit_chunk_tokens: int = Field(1024, ge=1, description="fused: completion tokens per chunk of logits.")
-    seed: int = Field(0, description="Seed of the mini-batch shuffling (with the batch number).")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the mini-batch shuffling (with the batch number).")
     colocated: bool = Field(
         False,
         description="The learner's GPUs are time-shared with vLLM servers that sleep while it trains: it gives "

@@ -133,6 +133,7 @@ def test_the_learner_config_is_a_section_and_a_resume_with_other_settings_is_ref
     current = config.model_dump(mode="json")
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
+    run_dir.metrics_path.write_text('{"iteration": 1}\n')  # it played: held to its settings
     run_dir.config_path.write_text(json.dumps(current))
     rl._check_resume(run_dir, current)  # the same settings: not refused
     saved = json.loads(json.dumps(current))
@@ -159,6 +160,7 @@ def test_a_run_saved_with_the_programs_options_under_agent_loads_and_resumes(tmp
     assert loaded == config and loaded.program.gateway_port == 8123 and loaded.program.tool_parser == "hermes"
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
+    run_dir.metrics_path.write_text('{"iteration": 1}\n')  # it played: held to its settings
     run_dir.config_path.write_text(json.dumps(old))
     rl._check_resume(run_dir, current)  # not refused
     old["agent"]["time_limit_s"] = 7
@@ -192,3 +194,19 @@ def test_another_algorithm_on_a_saved_config_sets_its_own_settings():
         "reinforce", "none", 0.2, 0, 3e-4)  # fmt: skip
     changed = TrainConfig.model_validate({**own_choices(TrainConfig().model_dump(mode="json")), "algorithm": "dr_grpo"})
     assert changed.normalize_std is False and changed.estimator == "group"
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"server.dtype": "nosuch"}, ["server.dtype", "'bfloat16'"]),  # was refused by vLLM after the run started
+        ({"run.seed": str(2**64)}, ["run.seed", "4294967295"]),  # numpy's seeds are 32-bit
+        ({"train.seed": "-1"}, ["train.seed", "0"]),
+    ],
+)
+def test_values_only_the_servers_or_numpy_refused_are_refused_before_anything_starts(overrides, words):
+    from orchestrate.loop.config import ConfigError, resolve
+
+    with pytest.raises((ConfigError, ValueError)) as exc:
+        resolve("embedded", overrides)
+    assert all(w in str(exc.value) for w in words), str(exc.value)

@@ -284,6 +284,8 @@ def test_a_bad_top_k_is_refused_by_the_batch_format(change, words):
     "overrides, words",
     [
         ({"teacher.topk": "4"}, ["--teacher.topk 4", "--teacher.model"]),
+        ({"teacher.coef": "0.5"}, ["--teacher.coef 0.5", "no teacher", "--teacher.model"]),  # was ignored
+        ({"teacher.topk_coef": "2"}, ["--teacher.topk_coef 2.0", "no teacher"]),
         ({"teacher.model": "smollm2", "teacher.topk": "21"}, ["--teacher.topk", "20"]),
         ({"teacher.model": "smollm2", "teacher.topk": "-1"}, ["--teacher.topk", "0"]),
         ({"teacher.model": "smollm2", "teacher.topk": "4", "teacher.topk_coef": "0"}, ["--teacher.topk_coef"]),

@@ -402,7 +402,7 @@ class RunSection(BaseModel):
         "(metrics' elapsed_s): the iteration in progress finishes, the run ends (at least one iteration per "
         "command) and the same command resumes it with a new budget; none: no limit",
     )
-    seed: int = Field(0, description="seeds task order and sampling")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds task order and sampling")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept on disk")
     async_level: int = Field(
         0,

@@ -65,7 +65,9 @@ class ServerError(RuntimeError):
 class ServerConfig(BaseModel):
     """How vLLM servers are started. `None` means: pick the default for this device."""
 
-    dtype: str | None = Field(None, description="model dtype; default float32 on CPU, bfloat16 on GPU")
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = Field(
+        None, description="model dtype (vLLM's --dtype); default float32 on CPU, bfloat16 on GPU"
+    )
     max_model_len: int = Field(2048, gt=0, description="longest prompt + completion, in tokens")
     kv_cache_gib: int = Field(1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(
