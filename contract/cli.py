@@ -42,10 +42,15 @@ class OptionError(ValueError):
 
 
 class StrictParser(argparse.ArgumentParser):
-    """An ArgumentParser that never takes an abbreviation for a longer option."""
+    """An ArgumentParser that never takes an abbreviation for a longer option, and says what is wrong in one
+    line (argparse prints its whole usage first: 5 to 80 lines before the error)."""
 
     def __init__(self, **kwargs):
-        super().__init__(allow_abbrev=False, **kwargs)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(**kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
 
 
 # -- config model -> options ------------------------------------------------------------------

@@ -29,6 +29,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from contract.cli import OptionError, refuse_repeated
 from orchestrate.loop.config import RLConfig, parse_args
 from orchestrate.loop.config_checks import gpu_slices
 from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
@@ -68,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key-file", default=None)
     parser.add_argument("--print", action="store_true", dest="print_only")
     parser.add_argument("-h", "--help", action="store_true")
-    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        refuse_repeated(argv)
+    except OptionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ours, rest = parser.parse_known_args(argv)
     if ours.help:
         print(__doc__.strip())
         print("\nOptions: --role policy|reference|teacher, --host H (default 0.0.0.0), --port P (default 8000), "
@@ -81,10 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
     saved = run_dir / "config.json"
     if saved.is_file():  # a run that exists: its own settings, placed on this machine's cores/GPUs as given here
-        import json
+        from orchestrate.loop.setup import SetupError, read_run_config
 
         placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
-        config = RLConfig.model_validate(json.loads(saved.read_text()))
+        try:
+            config = read_run_config(saved, option="--run-dir")
+        except SetupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         config.server = config.server.model_copy(update=placement)
     from orchestrate.loop.preflight import PreflightError, check_model, check_teacher, check_vllm
     from orchestrate.serving.models import resolve_model

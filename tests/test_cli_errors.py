@@ -282,3 +282,30 @@ def test_a_vllm_outside_the_range_is_refused_before_the_run_directory(tmp_path, 
     code, line = rl_cli(["--run-dir", str(run_dir)])
     assert code == 2 and f"{low}" in line and f"{high}" in line and (version or "not installed") in line, line
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("module", ["orchestrate.eval", "orchestrate.after.offline", "orchestrate.after.show",
+                                    "orchestrate.after.replay", "orchestrate.after.fork", "orchestrate.after.merge",
+                                    "orchestrate.after.browse"])  # fmt: skip
+def test_an_unknown_option_is_one_line_not_the_whole_usage(module, capsys):
+    out = in_process(module, "x", "--no-such-option", "1", capsys=capsys)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("error: ") and "--help lists the options" in out.stderr
+
+
+def test_merge_and_serve_refuse_unreadable_configs_in_one_line(tmp_path, capsys):
+    garbage, listed, run = tmp_path / "garbage", tmp_path / "listed", tmp_path / "run"
+    for folder, name, text in ((garbage, "adapter_config.json", "{oops"), (listed, "adapter_config.json", "[1]"),
+                               (run, "config.json", "not json")):  # fmt: skip
+        folder.mkdir()
+        (folder / name).write_text(text)
+        out = in_process("orchestrate.after.merge", folder, "--out", tmp_path / f"out-{folder.name}", capsys=capsys)
+        one_line_error(out, str(folder / name))
+    one_line_error(in_process("orchestrate.serve", "--run-dir", run, "--print", capsys=capsys), "not a run config")
+    one_line_error(in_process("orchestrate.serve", "--port", 1, "--port", 2, "--print", capsys=capsys), "given twice")
+
+
+def test_browse_refuses_a_tokenizer_that_is_not_there(tmp_path, capsys):
+    (tmp_path / "run" / "tapes").mkdir(parents=True)
+    out = in_process("orchestrate.after.browse", tmp_path / "run", "--tokenizer", tmp_path / "none", capsys=capsys)
+    one_line_error(out, "--tokenizer", "no tokenizer")

@@ -435,6 +435,8 @@ def test_bad_input_is_one_line_and_starts_nothing(tmp_path, tokenizer, scripted_
         ([path, "--index", 0, "--at", 0, "--temperature", -1], ["--temperature -1"]),
         ([path, "--index", 0, "--at", 0, "--temperature", "nan"], ["--temperature nan"]),
         ([path, "--index", 0, "--at", 0, "--max-tokens", 0], ["--max-tokens 0"]),
+        ([path, "--index", 0, "--at", 0, "--n", 100000000], ["--n 100000000", "at most 1024"]),  # started a server
+        ([path, "--index", 0, "--at", 0, "--max-tokens", 10**7], ["--max-tokens 10000000", "max_model_len"]),
         ([path, "--index", 0, "--at", 0, "--model", "smollm2", "--url", "http://127.0.0.1:9"], ["--url", "once"]),
         ([path, "--index", 0, "--at", 0, "--key-file", path], ["--key-file", "--url"]),
         ([path, "--index", 0, "--at", 0, "--model", tmp_path / "no-model"], ["--model", "no-model"]),

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from contract.cli import StrictParser
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns, tree_rows
@@ -554,7 +555,7 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="orchestrate.after.browse", allow_abbrev=False, description="Browse a run's tapes in a web page."
     )
     parser.add_argument("run_dir", help="run directory (holds tapes/, metrics.jsonl, config.json)")
@@ -568,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.run_dir)
     if not RunDir(root).tapes.is_dir():
         parser.error(f"run_dir {root}: no tapes/ folder here; pass a run directory (e.g. runs/embedded)")
+    if args.tokenizer and load_tokenizer(Path(args.tokenizer)) is None:
+        parser.error(f"--tokenizer {args.tokenizer}: no tokenizer there (tokenizer.json or tokenizer_config.json)")
     try:
         server = serve(root, args.host, args.port, args.tokenizer)
     except OSError as exc:

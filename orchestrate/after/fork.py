@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.env_spec import EnvSpec
+from contract.cli import StrictParser
 from contract.rundir import FORKS_DIR, RunDir, tape_file_config
 from orchestrate.loop.forks import fork_sampling, fork_tape
 from orchestrate.loop.setup import (
@@ -88,7 +89,7 @@ def default_out(path: Path, tape: Tape, at: int) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orchestrate.after.fork", allow_abbrev=False,
+    parser = StrictParser(prog="orchestrate.after.fork", allow_abbrev=False,
                                      description=__doc__.splitlines()[0].split(": ")[0])  # fmt: skip
     parser.add_argument("file", help="a tape file (JSON lines), e.g. RUN/tapes/iter_000003.jsonl")
     parser.add_argument("--index", type=int, required=True, help="the tape of the file to fork (from 0)")
@@ -165,6 +166,11 @@ def resolve(args: argparse.Namespace) -> Inputs:
         raise ForkError(f"--out: {out} exists; tape files are written once, pass a new name")
     if out.resolve() == path.resolve():
         raise ForkError(f"--out: {out} is the tape file itself")
+    if args.n > MAX_FORKS:
+        raise ForkError(f"--n {args.n}: at most {MAX_FORKS} continuations of one tape in one command")
+    if args.max_tokens is not None and args.max_tokens >= config.server.max_model_len:
+        raise ForkError(f"--max-tokens {args.max_tokens}: does not fit the run's --server.max_model_len "
+                        f"{config.server.max_model_len} (prompt + completion)")  # fmt: skip
     if args.url:
         policy = remote_policy(args.url, args.key_file)
     elif args.model:
@@ -172,6 +178,9 @@ def resolve(args: argparse.Namespace) -> Inputs:
     else:
         policy = run_policy(RunDir(config_path.parent), config)
     return Inputs(path, tape, args.at, args.n, config, config_path, out, policy, args.key_file)
+
+
+MAX_FORKS = 1024  # continuations of one tape in one command (eval's samples per task have the same bound)
 
 
 def main(argv: list[str] | None = None) -> int:

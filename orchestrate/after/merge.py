@@ -14,15 +14,27 @@ written: the run, the version, that the adapter fits the base (its layers and th
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
+from contract.cli import StrictParser
+
 
 class MergeError(ValueError):
     """Bad input: one line, exit 2."""
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from `path`, or MergeError saying what it is instead."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        raise MergeError(f"{path}: not readable JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise MergeError(f"{path}: holds a {type(value).__name__}, not a JSON object")
+    return value
 
 
 def adapter_and_base(source: Path, version: int | None, model: str | None) -> tuple[Path, Path, str]:
@@ -37,7 +49,7 @@ def adapter_and_base(source: Path, version: int | None, model: str | None) -> tu
         if version is not None:
             raise MergeError(f"--version: {source} is an adapter folder, not a run; leave --version out")
         adapter = source
-        base = model or json.loads((source / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        base = model or read_json_object(source / ADAPTER_CONFIG).get("base_model_name_or_path")
         if not base:
             raise MergeError(f"{source}/{ADAPTER_CONFIG} names no base model; give --model")
         what = str(source)
@@ -46,8 +58,10 @@ def adapter_and_base(source: Path, version: int | None, model: str | None) -> tu
         if not run.config_path.is_file():
             raise MergeError(f"{source} is neither a run directory (no config.json) nor an adapter folder "
                              "(no adapter_config.json)")  # fmt: skip
-        config = json.loads(run.config_path.read_text())
-        if not config.get("train", {}).get("lora", {}).get("rank"):
+        config = read_json_object(run.config_path)
+        if not isinstance(config.get("train"), dict) or not isinstance(config.get("model"), dict):
+            raise MergeError(f"{run.config_path}: not a run's config (no train and model sections)")
+        if not (config["train"].get("lora") or {}).get("rank"):
             raise MergeError(f"{source} is not a LoRA run: its checkpoints hold whole model folders already "
                              "(checkpoints/N/ with config.json), no adapter to merge")  # fmt: skip
         with_adapter = [i for i in run.published() if run.has_adapter(i)]
@@ -92,7 +106,7 @@ def merge(adapter: Path, base: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="orchestrate.after.merge", allow_abbrev=False,
+    parser = StrictParser(prog="orchestrate.after.merge", allow_abbrev=False,
                                      description="Fold a LoRA run's adapter into its base model: one model folder.")  # fmt: skip
     parser.add_argument("source", help="a LoRA run directory, or an adapter folder (adapter_config.json)")
     parser.add_argument("--out", required=True, help="the model folder to write (new, or an empty folder)")

@@ -20,7 +20,6 @@ the run built it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from contextlib import ExitStack
@@ -29,6 +28,7 @@ from pathlib import Path
 from agents.agent import Agent, summarize
 from agents.env_spec import EnvSpec
 from agents.program import played_by_program
+from contract.cli import StrictParser
 from contract.rundir import tape_file_config
 from orchestrate.loop.forks import fork_sampling
 from orchestrate.loop.setup import agent_from_run_config
@@ -92,7 +92,7 @@ async def replay_tape(tape: Tape, agent: Agent) -> tuple[Tape, TapeDiff]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="orchestrate.after.replay", allow_abbrev=False, description=__doc__.splitlines()[0].split(": ")[0]
     )
     parser.add_argument("files", nargs="+", help="tape files (JSON lines), e.g. RUN/tapes/iter_000001.jsonl")

@@ -15,12 +15,12 @@ Colours are used when the output is a terminal (`--no-color` turns them off).
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 from agents.tool_format import written
+from contract.cli import StrictParser
 from contract.kl import k3
 from contract.rundir import RunDir, advantages_file, read_advantages
 from orchestrate.after.episode_view import TAPE_FILE, episode_view, load_tokenizer, trained_turns, tree_rows
@@ -288,7 +288,7 @@ def trained_turns_of(path: Path, tape: Tape) -> tuple[list[dict] | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = StrictParser(
         prog="orchestrate.after.show", allow_abbrev=False, description="Print one tape of a tape file."
     )
     parser.add_argument("file", help="a tape file (JSON lines, e.g. RUN/tapes/iter_000001.jsonl)")

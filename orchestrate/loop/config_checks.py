@@ -413,7 +413,10 @@ def check_distillation(config) -> None:
         raise ConfigError("--train.teacher_topk_coef: the loop sets it from --teacher.topk_coef when "
                           "--teacher.model and --teacher.topk are given; give those instead")  # fmt: skip
     teacher = config.teacher
-    if not teacher.model and (given := sorted(teacher.model_fields_set - {"model"})):
+    fields = type(teacher).model_fields
+    if not teacher.model and (
+        given := [n for n in fields if n != "model" and getattr(teacher, n) != fields[n].default]
+    ):
         raise ConfigError(f"--teacher.{given[0]} {getattr(teacher, given[0])}: an option of distillation, which "
                           "has no teacher here; give --teacher.model, or leave it out")  # fmt: skip
     if teacher.topk and not teacher.model:
