@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     state = run_dir.load_state()
+    if run_dir.saved_config() is not None and state.completed_iteration >= config.run.iterations:
+        lock.release()  # nothing to do: its config (and its iteration count) stays as it is
+        print(f"{run_dir.root}: {state.completed_iteration} iterations are done, --iterations "
+              f"{config.run.iterations} asks for no more (raise it to go on).")  # fmt: skip
+        return 0
     if run_dir.saved_config() is not None and run_dir.played_nothing():
         print(f"Starting {run_dir.root} again: it played nothing before it stopped.")
     elif run_dir.saved_config() is not None:

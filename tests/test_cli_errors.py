@@ -309,3 +309,20 @@ def test_browse_refuses_a_tokenizer_that_is_not_there(tmp_path, capsys):
     (tmp_path / "run" / "tapes").mkdir(parents=True)
     out = in_process("orchestrate.after.browse", tmp_path / "run", "--tokenizer", tmp_path / "none", capsys=capsys)
     one_line_error(out, "--tokenizer", "no tokenizer")
+
+
+def test_a_finished_run_asked_for_fewer_iterations_changes_nothing(tmp_path, folder_model, capsys):
+    from orchestrate.loop.config import parse_args
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _, config = parse_args(["--run-dir", str(run_dir), "--model.policy", str(folder_model), "--iterations", "30"])
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    (run_dir / "state.json").write_text('{"completed_iteration": 30, "evaluated": [0]}')
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 30}\n')
+    before = snapshot(run_dir)
+    from orchestrate import rl
+
+    code = rl.main(["--run-dir", str(run_dir), "--model.policy", str(folder_model), "--iterations", "5"])
+    assert code == 0 and "30 iterations are done, --iterations 5 asks for no more" in capsys.readouterr().out
+    assert snapshot(run_dir) == before  # its config still says 30 (it said 5, and "Resuming", before)

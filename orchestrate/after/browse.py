@@ -32,9 +32,11 @@ dropped show that they were not trained on.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import re
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -573,7 +575,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokenizer {args.tokenizer}: no tokenizer there (tokenizer.json or tokenizer_config.json)")
     try:
         server = serve(root, args.host, args.port, args.tokenizer)
+    except socket.gaierror as exc:  # the address, not the port
+        parser.error(f"--host {args.host}: not an address this machine has ({exc.strerror})")
     except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            parser.error(f"--host {args.host}: not an address of this machine ({exc.strerror})")
         parser.error(f"--port {args.port}: cannot listen ({exc.strerror}); pick another, or 0 for any free port")
     host, port = server.server_address[:2]
     if not is_loopback(args.host):
