@@ -202,6 +202,7 @@ def test_another_algorithm_on_a_saved_config_sets_its_own_settings():
         ({"server.dtype": "nosuch"}, ["server.dtype", "'bfloat16'"]),  # was refused by vLLM after the run started
         ({"run.seed": str(2**64)}, ["run.seed", "4294967295"]),  # numpy's seeds are 32-bit
         ({"train.seed": "-1"}, ["train.seed", "0"]),
+        ({"train.colocated": "true"}, ["--train.colocated", "--server.colocate"]),  # was silently overridden
     ],
 )
 def test_values_only_the_servers_or_numpy_refused_are_refused_before_anything_starts(overrides, words):

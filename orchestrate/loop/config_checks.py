@@ -244,6 +244,9 @@ def check_colocation(config, count: int | None = None) -> None:
     from orchestrate.serving.processes import format_cpus
 
     s, t = config.server, config.trainer
+    if config.train.colocated:
+        raise ConfigError("--train.colocated: the loop sets it when the servers and the learner share GPUs "
+                          "(--server.colocate); give that instead")  # fmt: skip
     if not colocated(config, count):
         return
     why = "--server.colocate on" if s.colocate == "on" else "the servers and the learner share GPUs"
