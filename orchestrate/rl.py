@@ -111,6 +111,21 @@ def with_defaults(saved: dict) -> dict:
         return saved
 
 
+def _check_is_run_config(run_dir: RunDir, saved: dict) -> None:
+    """A config.json that is not a run's (a model folder's, anything else's) is not resumed, nor written over."""
+    from pydantic import ValidationError
+
+    from orchestrate.loop.config import RLConfig
+
+    try:
+        RLConfig.model_validate(saved)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise _Refused(f"--run-dir: {run_dir.config_path} is not a run's config ({where}: {first['msg']}); pass a "
+                       "new --run-dir") from None  # fmt: skip
+
+
 def _check_resume(run_dir: RunDir, current: dict) -> None:
     """A saved run may be resumed with the same settings only (RESUMABLE aside), unless it played nothing yet
     (a bad option that only its servers refused); its state must be readable. A folder of other files is not
@@ -121,6 +136,7 @@ def _check_resume(run_dir: RunDir, current: dict) -> None:
                        "pass a new or empty directory")  # fmt: skip
     saved = run_dir.saved_config()
     if saved is not None:
+        _check_is_run_config(run_dir, with_program_section(saved))
         saved = with_defaults(with_program_section(saved))  # a run of before the program section: moved
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
         if changed and run_dir.played_nothing():

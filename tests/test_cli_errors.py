@@ -326,3 +326,11 @@ def test_a_finished_run_asked_for_fewer_iterations_changes_nothing(tmp_path, fol
     code = rl.main(["--run-dir", str(run_dir), "--model.policy", str(folder_model), "--iterations", "5"])
     assert code == 0 and "30 iterations are done, --iterations 5 asks for no more" in capsys.readouterr().out
     assert snapshot(run_dir) == before  # its config still says 30 (it said 5, and "Resuming", before)
+
+
+def test_a_model_folder_given_as_run_directory_is_refused_and_untouched(tmp_path, rl_cli, folder_model):
+    """Its config.json is a model's: neither resumed nor (the folder having played nothing) written over."""
+    before = snapshot(folder_model)
+    code, line = rl_cli(["--run-dir", folder_model, "--model.policy", folder_model])
+    assert code == 2 and "--run-dir" in line and "is not a run's config" in line, line
+    assert snapshot(folder_model) == before

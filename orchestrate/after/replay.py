@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         for config_path in dict.fromkeys(configs.values()):
             try:
                 agents[config_path] = stack.enter_context(agent_from_run_config(config_path))
-            except Exception as exc:
-                parser.error(f"--config {config_path}: not a run config ({exc})")
+            except Exception as exc:  # noqa: BLE001 - any way it is not one: its first line
+                parser.error(f"--config {config_path}: not a run config ({str(exc).splitlines()[0]})")
         return _replay_files(paths, {path: agents[configs[path]] for path in paths}, args, parser)
 
 
