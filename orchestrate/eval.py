@@ -179,6 +179,8 @@ def target_run(text: str) -> tuple[RunDir | None, int | None]:
         return RunDir(path), int(m.group(2)) if m else None
     if m:
         raise EvalError(f"target {text}: {path} is not a run directory (RUN@N names version N of a run)")
+    if "@" in text and is_run(Path(text.rsplit("@", 1)[0])):
+        raise EvalError(f"target {text}: {text.rsplit('@', 1)[1]!r} is not a version (RUN@N: N a checkpoint number)")
     if path.is_dir() and checkpoint_number(path) and is_run(path.parent.parent):
         return RunDir(path.parent.parent), checkpoint_number(path)  # version N of its run (LoRA: its adapter)
     return None, None

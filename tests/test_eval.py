@@ -415,6 +415,8 @@ def test_bad_versions_are_one_line_exit_2(tmp_path, scripted, capsys, args, word
     assert not (run / "evals").exists() and scripted["policies"] == []
     code, _, err = run_eval(f"{run}@2", "--versions", "all", capsys=capsys)
     assert code == 2 and "without @N" in err
+    code, _, err = run_eval(f"{run}@abc", capsys=capsys)  # was "no such model"
+    assert code == 2 and "'abc' is not a version" in err
 
 
 def test_versions_with_a_config_that_is_not_lora_like_the_run_are_refused(tmp_path, scripted, capsys):
