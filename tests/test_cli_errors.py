@@ -176,6 +176,12 @@ def bad_run(tmp_path):
 def test_show_on_binary_and_non_utf8(bad_run, capsys):
     for name in ("iter_000001.jsonl", "iter_000002.jsonl"):
         one_line_error(in_process("orchestrate.after.show", bad_run / "tapes" / name, capsys=capsys), name, "UTF-8")
+    # a folder, an empty file, a JSON line that is no episode's tape: each said as it is
+    one_line_error(in_process("orchestrate.after.show", bad_run, capsys=capsys), "a folder", "iter_000001.jsonl")
+    one_line_error(in_process("orchestrate.after.show", bad_run / "tapes" / "iter_000004.jsonl", capsys=capsys),
+                   "holds no tapes")  # fmt: skip
+    one_line_error(in_process("orchestrate.after.show", bad_run / "tapes" / "iter_000003.jsonl", capsys=capsys),
+                   "iter_000003.jsonl:1", "not a tape of an episode")  # fmt: skip
 
 
 def test_replay_on_binary_missing_fields_and_empty(bad_run, capsys):

@@ -299,13 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-color", action="store_true", help="no terminal colours")
     args = parser.parse_args(argv)
     path = Path(args.file)
+    if path.is_dir():
+        parser.error(f"file {path}: a folder; pass a tape file (e.g. {path / 'tapes' / 'iter_000001.jsonl'})")
     if not path.is_file():
         parser.error(f"file {path}: no such file")
     offsets = line_offsets(path)
+    if not offsets:
+        parser.error(f"file {path}: holds no tapes (an empty file)")
     if not 0 <= args.index < len(offsets):
         parser.error(f"--index {args.index}: {path} holds {len(offsets)} tapes (0..{len(offsets) - 1})")
     try:
         tape = read_tape_at(path, offsets[args.index], args.index + 1)
+        if not tape.steps and not tape.llm_calls and not tape.metadata.error:
+            raise TapeFileError(f"{path}:{args.index + 1}: not a tape of an episode (no steps, LLM calls or error)")
         learned, note = trained_turns_of(path, tape)
     except TapeFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
