@@ -83,7 +83,9 @@ class ChatTokens:
         dummy = [self._dummy[0], assistant]
         base = self._template(dummy, add_generation_prompt=False, **template)
         full = self._template([*dummy, *messages], add_generation_prompt=True, **template)
-        # What follows the assistant's content (its tool calls, the end of its turn) must render the same once
+        if full.startswith(base):  # the conversation renders the same with the messages added
+            return full[len(base) :]
+        # Else what follows the assistant's content (its tool calls, the end of its turn) must render the same once
         # messages follow it. What precedes the content may not (Qwen3 writes an empty think block into an
         # assistant turn only while it is the last message) and is never rendered again: the sampled ids stand
         # for it.

@@ -172,12 +172,15 @@ class RunDir:
         fsync_dir(self.root)  # the new folders survive a power loss with the files about to go in them
 
     def foreign(self) -> list[str]:
-        """What a folder that holds no run (no config.json) has that a run directory does not name: a folder
-        of someone's files (a project, a home folder) is not adopted as a run directory."""
+        """What marks a folder that holds no run (no config.json) as someone else's: folders a run directory does
+        not name, and a model's weights (a project, a home folder, a model folder are not adopted as a run
+        directory). Loose files are not: a log the shell opened there before the run started (`> RUN/train.log`)
+        is left beside the run's own files, which have other names."""
         if not self.root.is_dir() or self.config_path.exists():
             return []
         ours = {p.name for p in vars(self).values() if isinstance(p, Path) and p.parent == self.root}
-        return sorted(p.name for p in self.root.iterdir() if p.name not in ours)
+        return sorted(p.name for p in self.root.iterdir() if p.name not in ours and (
+            p.is_dir() or p.suffix in (".safetensors", ".bin", ".gguf", ".pt")))  # fmt: skip
 
     def played_nothing(self) -> bool:
         """A run that stopped before it played or trained anything (its servers or trainer failed to start): no

@@ -208,6 +208,8 @@ def head_is_plain(lm: nn.Module, tokens: int = 8) -> bool:
     head = lm.get_output_embeddings()
     if getattr(head, "bias", None) is not None or getattr(lm.config, "final_logit_softcapping", None):
         return False
+    if head.weight.is_meta:  # not loaded here (FSDP's rank-0 loading): nothing to compute with, taken as plain
+        return True
     ids = torch.arange(min(tokens, head.weight.shape[0]), device=head.weight.device)[None]
     was_training = lm.training
     lm.eval()

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from contract.cli import StrictParser, add_options, given, parse_span, refuse_repeated
 from contract.durable import atomic_write_json, atomic_write_text
-from contract.rundir import RunDir
+from contract.rundir import FORKS_DIR, RunDir
 from orchestrate.loop.config import (
     ConfigError,
     EnvSection,
@@ -415,7 +415,8 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
             others = sorted(p.name for p in folder.iterdir()
                             if not (p.name in EVAL_FILES or p in folders or (top and p.is_dir())))  # fmt: skip
             if (folder / "tapes").is_dir():
-                others += [f"tapes/{p.name}" for p in (folder / "tapes").iterdir() if not p.name.startswith("eval_")]
+                others += [f"tapes/{p.name}" for p in (folder / "tapes").iterdir()
+                           if not (p.name.startswith("eval_") or p.name == FORKS_DIR)]  # fmt: skip
             if others:
                 raise EvalError(f"--out: {folder} holds files an evaluation does not write ({', '.join(others[:3])}); "
                                 "pass a new or empty folder")  # fmt: skip

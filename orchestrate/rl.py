@@ -105,25 +105,36 @@ def with_defaults(saved: dict) -> dict:
     options that moved are where they are now, so neither counts as a change of settings."""
     from orchestrate.loop.config import RLConfig
 
+    saved = _without_ignored(saved)
     try:
         return RLConfig.model_validate(saved).model_dump(mode="json")
     except ValueError:  # not valid any more: compared as written, its differences named
         return saved
 
 
-def _check_is_run_config(run_dir: RunDir, saved: dict) -> None:
-    """A config.json that is not a run's (a model folder's, anything else's) is not resumed, nor written over."""
-    from pydantic import ValidationError
+def _without_ignored(saved: dict) -> dict:
+    """Options a run's config could hold that an earlier version ignored and this one refuses (train.colocated,
+    which the loop sets; teacher options without a teacher): taken out, so the run resumes as it ran."""
+    saved = dict(saved)
+    if isinstance(train := saved.get("train"), dict) and train.get("colocated"):
+        saved["train"] = {**train, "colocated": False}
+    if isinstance(teacher := saved.get("teacher"), dict) and not teacher.get("model"):
+        saved["teacher"] = {}
+    return saved
 
+
+def _check_is_run_config(run_dir: RunDir, saved: dict) -> None:
+    """A config.json that is not a run's (a model folder's, anything else's: none of a run config's sections, or
+    one that is not a section) is not resumed, nor written over. One of an earlier version is a run's: its
+    differences are named by the resume check."""
     from orchestrate.loop.config import RLConfig
 
-    try:
-        RLConfig.model_validate(saved)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise _Refused(f"--run-dir: {run_dir.config_path} is not a run's config ({where}: {first['msg']}); pass a "
-                       "new --run-dir") from None  # fmt: skip
+    sections = set(RLConfig.model_fields)
+    known = [key for key in saved if key in sections]
+    wrong = [key for key in known if not isinstance(saved[key], dict)]
+    if not known or wrong:
+        why = f"{wrong[0]} is a {type(saved[wrong[0]]).__name__}" if wrong else "none of a run config's sections"
+        raise _Refused(f"--run-dir: {run_dir.config_path} is not a run's config ({why}); pass a new --run-dir")
 
 
 def _check_resume(run_dir: RunDir, current: dict) -> None:

@@ -65,8 +65,14 @@ def test_a_folder_of_other_files_is_not_taken_for_a_run_directory(tmp_path, rl_c
     (project / "notes.txt").write_text("mine")
     before = snapshot(project)
     code, line = rl_cli(["--run-dir", str(project), "--model.policy", str(folder_model)])
-    assert code == 2 and "--run-dir" in line and "notes.txt, src" in line and "no run" in line, line
+    assert code == 2 and "--run-dir" in line and "(src)" in line and "no run" in line, line
     assert snapshot(project) == before and sorted(p.name for p in project.iterdir()) == ["notes.txt", "src"]
+    # a loose file is not a mark of someone's folder: the log a shell opened before the run (`> RUN/train.log`)
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    (logged / "train.log").write_text("")
+    code, line = rl_cli(["--run-dir", logged, "--model.policy", tmp_path / "gone"])
+    assert code == 2 and "--model.policy" in line, line  # past the run directory's check, to the model's
 
 
 def test_a_run_that_played_nothing_starts_again_with_other_settings(tmp_path, rl_cli, folder_model):

@@ -211,3 +211,21 @@ def test_values_only_the_servers_or_numpy_refused_are_refused_before_anything_st
     with pytest.raises((ConfigError, ValueError)) as exc:
         resolve("embedded", overrides)
     assert all(w in str(exc.value) for w in words), str(exc.value)
+
+
+def test_a_run_saved_with_options_an_earlier_version_ignored_resumes(tmp_path):
+    """train.colocated (the loop sets it) and teacher options without a teacher were taken and ignored; they are
+    refused now, and a run saved with them resumes as it ran, without them."""
+    from contract.rundir import RunDir
+    from orchestrate import rl
+    from orchestrate.loop.config import resolve
+
+    current = resolve("embedded", {}).model_dump(mode="json")
+    saved = json.loads(json.dumps(current))
+    saved["train"]["colocated"] = True
+    saved["teacher"]["coef"] = 0.5
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    run_dir.metrics_path.write_text('{"iteration": 1}\n')
+    run_dir.config_path.write_text(json.dumps(saved))
+    rl._check_resume(run_dir, current)  # not refused

@@ -150,6 +150,16 @@ def test_a_template_that_renders_the_last_assistant_turn_otherwise_still_gives_a
                                                       "<|im_end|>\n{% endfor")  # fmt: skip
     with pytest.raises(ValueError, match="renders an assistant turn's end differently"):
         ChatTokens(tokenizer).user_delta("too low")
+    # a template that writes an assistant turn with tool calls as its calls alone, without its content (Llama 3.1,
+    # Mistral): the conversation renders the same with the tool's result added, and that is the delta
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}<call>"
+        "{{ m.tool_calls[0].function.name }}</call>{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    calls = [{"id": "c1", "type": "function", "function": {"name": "python", "arguments": "{}"}}]
+    delta = ChatTokens(tokenizer).messages_delta([{"role": "tool", "content": "42"}], calls)
+    assert delta == "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_output_cut_by_max_tokens_ends_the_episode_truncated(tokenizer):

@@ -119,6 +119,7 @@ def test_a_killed_evaluation_resumes_without_playing_finished_tasks(tmp_path, sc
     # as a kill leaves it: three tasks whole, one sample of the fourth, and a torn line
     path.write_text("".join(lines[:7]) + lines[7][:50])
     (out / "eval.json").unlink()
+    (out / "tapes" / "forks").mkdir()  # orchestrate.after.fork's of its tapes: the folder is still the evaluation's
     calls = scripted["calls"]
     code, stdout, err = run_eval(*args, capsys=capsys)
     assert code == 0, err

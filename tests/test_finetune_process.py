@@ -160,7 +160,7 @@ def test_bad_value_is_refused_in_one_line(tmp_path, args, option):
     )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert option in last and last.startswith("finetune.train: error:")
+    assert option in last and last.startswith("error: ")
     assert not (tmp_path / "run").exists()  # refused before doing anything
 
 

@@ -168,6 +168,12 @@ def test_an_out_that_holds_the_tapes_it_reads_is_refused(tiny_run, capsys):
         err = capsys.readouterr().err.strip()
         assert exc.value.code == 2 and err.startswith("error: --out:") and "holds the tapes it would read" in err
     assert {p: p.read_bytes() for p in sorted(tiny_run.rglob("*.json*")) if p.is_file()} == before
+    other = tiny_run.parent / "other-run"  # another run, killed before its first checkpoint
+    (other / "tapes").mkdir(parents=True, exist_ok=True)
+    (other / "config.json").write_text((tiny_run / "config.json").read_text())
+    with pytest.raises(SystemExit) as exc:
+        main(["--tapes", str(tiny_run), "--out", str(other), "--no-progress"])
+    assert exc.value.code == 2 and "holds another run" in capsys.readouterr().err
 
 
 def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic():

@@ -222,6 +222,12 @@ def scratch_copy(into: Path) -> dict[str, bytes]:
     return contents
 
 
+def files_of(root: Path) -> dict[str, bytes]:
+    """{path: content} of the copy's files as they are now."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()
+            and "__pycache__" not in p.parts and ".pytest_cache" not in p.parts}  # fmt: skip
+
+
 def changed(root: Path, before: dict[str, bytes]) -> set[str]:
     now = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
            and ".pytest_cache" not in p.parts}  # fmt: skip
@@ -234,13 +240,12 @@ def test_each_recipe_touches_only_its_files_and_the_suite_stays_green_with_all_o
     each), each is in effect, and the tests their rows name pass with all five in (one run of the fast tests: a
     run per recipe cost five starts of the same test files)."""
     root = tmp_path / "repo"
-    before = scratch_copy(root)
-    allowed_so_far: set[str] = set()
+    scratch_copy(root)
     for recipe, (edits, allowed, _tests, _check) in RECIPES.items():
+        before = files_of(root)  # with the recipes before it in: this one's own changes are compared
         for edit in edits:
             edit(root)
-        allowed_so_far |= allowed
-        assert changed(root, before) == allowed_so_far, f"the {recipe} recipe touched other files"
+        assert changed(root, before) == allowed, f"the {recipe} recipe touched other files"
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
     checks = "; ".join(check for *_, check in RECIPES.values())
     where = subprocess.run([sys.executable, "-c", f"import orchestrate, agents; print(orchestrate.__file__); {checks}"],

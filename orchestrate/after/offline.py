@@ -288,6 +288,15 @@ def resolve(args: argparse.Namespace) -> Inputs:
             raise ConfigError(f"--out: {out} holds the tapes it would read ({f}); pass a new directory")
     if RunDir(out).newest_checkpoint():
         raise ConfigError(f"--out: {out} already holds a trained checkpoint; pass a new directory")
+    saved = RunDir(out).config_path
+    if saved.is_file():  # a failed offline command's folder is its own to try again; another run's is not
+        try:
+            ours = "tapes" in json.loads(saved.read_text())
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            raise ConfigError(f"--out: {out} holds another run (its config.json is not an offline command's); pass "
+                              "a new directory")  # fmt: skip
     run_config = {}
     runs = {f.resolve().parent.parent for f in files}  # RUN/tapes/iter_N.jsonl -> RUN
     if len(runs) == 1 and (config_path := RunDir(runs.pop()).config_path).is_file():

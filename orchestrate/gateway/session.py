@@ -228,12 +228,12 @@ class EpisodeSession:
                                     "recorded", "episode_ended")  # fmt: skip
         return call
 
-    @staticmethod
-    def _without_stop(call: LLMCall, asked: list[str]) -> str:
+    def _without_stop(self, call: LLMCall, asked: list[str]) -> str:
         """The call's text less the stop string the request asked for that ended it (the OpenAI API leaves it
-        out; the tape keeps the sampled ids, the stop string's among them)."""
-        text = call.output_text
-        if call.finish_reason == "stop":
+        out; the tape keeps the sampled ids, the stop string's among them). A turn ended by its end-of-turn token
+        ended on no stop string, whatever its text ends with."""
+        text, ids = call.output_text, call.output_token_ids
+        if call.finish_reason == "stop" and not (ids and ids[-1] in set(self.tokens.tokenizer.all_special_ids)):
             for stop in asked:
                 if stop and text.endswith(stop):
                     return text[: -len(stop)]

@@ -204,5 +204,8 @@ def tree_metrics(tapes: list[Tape]) -> dict[str, float]:
         "tree_forks": len(forks),
         "tree_forks_dropped": sum(diverged(t) for t in tapes),
         "tree_depth_max": max((depth(t) for t in forks), default=0),
-        "tree_roots_unforked": sum(bool(eligible_points(t)) and t.metadata.id not in parents for t in roots),
+        # a root dynamic sampling left out later is counted as it was played (eligible_points reads the drop)
+        "tree_roots_unforked": sum(
+            len(t.llm_calls) > 1 and not t.metadata.error and t.metadata.id not in parents for t in roots
+        ),  # fmt: skip
     }
