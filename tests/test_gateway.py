@@ -762,3 +762,46 @@ def test_fields_a_client_sends_as_null_are_unset(tokenizer, agent_for):
     agent = agent_for(nulls)
     tape = play(agent, ScriptedLLM(tokenizer, ["x"]))
     assert tape.metadata.error is None and tape.llm_calls[0].sampling.max_tokens == 4
+
+
+def test_the_sampled_tokens_log_probs_are_served_when_asked_and_alternatives_refused(tokenizer, agent_for):
+    import openai
+
+    seen = {}
+
+    async def program(task, client):
+        user = [{"role": "user", "content": "A"}]
+        reply = await client.chat.completions.create(model=task.model, messages=user, logprobs=True)
+        seen["chat"] = [(t.token, t.logprob) for t in reply.choices[0].logprobs.content]
+        plain = await client.chat.completions.create(model=task.model, messages=user)
+        seen["plain"] = plain.choices[0].logprobs
+        text = await client.completions.create(model=task.model, prompt="Say:", logprobs=0)
+        seen["text"] = (text.choices[0].logprobs.tokens, text.choices[0].logprobs.token_logprobs)
+        try:
+            await client.chat.completions.create(model=task.model, messages=user, logprobs=True, top_logprobs=2)
+        except openai.BadRequestError as exc:
+            seen["top"] = exc.message
+        return 1.0
+
+    agent = agent_for(program)
+    tape = play(agent, ScriptedLLM(tokenizer, ["hello there", "again", "words"]))
+    first, third = tape.llm_calls[0], tape.llm_calls[2]
+    assert [lp for _, lp in seen["chat"]] == first.logprobs and "".join(t for t, _ in seen["chat"]).startswith(
+        "hello there")  # fmt: skip
+    assert seen["plain"] is None and seen["text"][1] == third.logprobs and "".join(seen["text"][0]).startswith("words")
+    assert "top_logprobs" in seen["top"]
+
+
+def test_the_ended_episodes_the_gateway_remembers_are_bounded(tokenizer, monkeypatch):
+    from orchestrate.gateway import server
+
+    monkeypatch.setattr(server, "CLOSED_KEPT", 3)
+    gateway = server.Gateway()
+    try:
+        for _ in range(5):
+            session = gateway.open(tape=Tape(), llm=None, chat=None, tool_format=None, sampling=SAMPLING,
+                                   model_name=MODEL_NAME, max_context=None, loop=None)  # fmt: skip
+            gateway.close(session)
+        assert len(gateway._closed) == 3 and session.id in gateway._closed
+    finally:
+        gateway.stop()

@@ -24,12 +24,14 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from functools import cached_property
 from typing import Any
 
 from orchestrate.gateway.session import EpisodeSession, GatewayError, dumps
 
 PREFIX = "/episodes"
+CLOSED_KEPT = 100_000  # ended episodes whose late calls get "ended" (409) rather than "no such episode" (404)
 
 
 def _json(status: int, body: dict[str, Any]):
@@ -48,7 +50,9 @@ class Gateway:
         self.host, self.key = host, key or secrets.token_urlsafe(24)
         self._digest = hashlib.sha256(self.key.encode()).digest()
         self.sessions: dict[str, EpisodeSession] = {}
-        self._closed: set[str] = set()  # episodes that ended here
+        # episodes that ended here, the latest CLOSED_KEPT (a late call is told its episode ended, not that it is
+        # unknown): bounded, for a run of millions of episodes
+        self._closed: OrderedDict[str, None] = OrderedDict()
         self._sock = socket.create_server((host, port))
         self.port = self._sock.getsockname()[1]
         self._server = None
@@ -108,7 +112,9 @@ class Gateway:
 
     def close(self, session: EpisodeSession) -> None:
         session.closed = True
-        self._closed.add(session.id)
+        self._closed[session.id] = None
+        while len(self._closed) > CLOSED_KEPT:
+            self._closed.popitem(last=False)
         self.sessions.pop(session.id, None)
 
     # -- HTTP ----------------------------------------------------------------------

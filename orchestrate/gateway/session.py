@@ -195,6 +195,11 @@ class EpisodeSession:
             raise GatewayError(400, "n: one choice per request is served")
         if body.get("stream"):
             raise GatewayError(400, "stream: streamed responses are not served; send stream=false")
+        top = body.get("top_logprobs")
+        legacy = body.get("logprobs")  # /v1/completions: the number of alternatives beside the sampled token
+        if top or (isinstance(legacy, int) and not isinstance(legacy, bool) and legacy > 0):
+            raise GatewayError(400, "top_logprobs: alternatives are not served; the sampled tokens' log-probs are "
+                                    "(logprobs true, or 0 on /v1/completions)")  # fmt: skip
         limit = body.get("max_completion_tokens")
         limit = body.get("max_tokens") if limit is None else limit
         if limit is not None and (not isinstance(limit, int) or limit < 1):
@@ -286,8 +291,9 @@ class EpisodeSession:
         self._ids = call.prompt_token_ids + call.output_token_ids
         self.last_reply = content or ""
         finish = "tool_calls" if calls else call.finish_reason or "stop"
+        logprobs = self._chat_logprobs(call) if body.get("logprobs") else None
         return self._response("chat.completion", call, {"index": 0, "message": {**reply, "content": content},
-                                                        "finish_reason": finish, "logprobs": None})  # fmt: skip
+                                                        "finish_reason": finish, "logprobs": logprobs})  # fmt: skip
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/completions: a prompt as text or token ids, continued as sent."""
@@ -313,8 +319,9 @@ class EpisodeSession:
         self._history, self._tools, self._last_call = [], [], call
         self._ids = call.prompt_token_ids + call.output_token_ids
         self.last_reply = text = self._without_stop(call, self._asked_stops(body))
+        logprobs = self._completion_logprobs(call) if body.get("logprobs") is not None else None
         return self._response("text_completion", call, {"index": 0, "text": text,
-                                                        "finish_reason": call.finish_reason or "stop", "logprobs": None})  # fmt: skip
+                                                        "finish_reason": call.finish_reason or "stop", "logprobs": logprobs})  # fmt: skip
 
     # -- the tape ----------------------------------------------------------------
 
@@ -354,6 +361,22 @@ class EpisodeSession:
         for action in actions:
             action.metadata.agent, action.metadata.node = tape.metadata.author or "", "llm"
             tape.append(action, llm_call=call)
+
+    def _tokens(self, call: LLMCall) -> list[str]:
+        return [self.tokens.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_token_ids]
+
+    def _chat_logprobs(self, call: LLMCall) -> dict[str, Any]:
+        """The sampled tokens' log-probs (those the learner's ratio starts from) in the chat API's shape; no top
+        alternatives (`top_logprobs` is refused)."""
+        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                            for tok, lp in zip(self._tokens(call), call.logprobs)]}  # fmt: skip
+
+    def _completion_logprobs(self, call: LLMCall) -> dict[str, Any]:
+        tokens, offsets, at = self._tokens(call), [], 0
+        for tok in tokens:
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": tokens, "token_logprobs": list(call.logprobs), "top_logprobs": None, "text_offset": offsets}
 
     def _response(self, kind: str, call: LLMCall, choice: dict[str, Any]) -> dict[str, Any]:
         prompt, output = len(call.prompt_token_ids), len(call.output_token_ids)
