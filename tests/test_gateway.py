@@ -805,3 +805,24 @@ def test_the_ended_episodes_the_gateway_remembers_are_bounded(tokenizer, monkeyp
         assert len(gateway._closed) == 3 and session.id in gateway._closed
     finally:
         gateway.stop()
+
+
+def test_replay_and_fork_take_any_free_port_not_the_runs(tmp_path):
+    """A run with --program.gateway_port P holds P while it runs: a replay or fork of its tapes beside it binds
+    another port (it failed with 'address in use')."""
+    import socket
+
+    from orchestrate.loop.config import RLConfig
+    from orchestrate.loop.setup import agent_from_run_config
+
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    config = RLConfig.model_validate({"env": {"id": "math:arithmetic"},
+                                      "agent": {"program": "agents.programs.openai_tools:play"},
+                                      "program": {"gateway_port": port}})  # fmt: skip
+    (tmp_path / "config.json").write_text(config.model_dump_json())
+    try:
+        with agent_from_run_config(tmp_path / "config.json") as agent:
+            assert agent.gateway.port not in (0, port)
+    finally:
+        held.close()
