@@ -193,6 +193,7 @@ def test_changed_options_on_resume_are_refused(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"rollouts": {"attempts": 99}}))
+    (run / "metrics.jsonl").write_text('{"iteration": 1}\n')  # it played (one that played nothing starts again)
     out = subprocess.run(command(tiny_model_dir, run), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--rollouts.attempts" in out.stderr
 
