@@ -63,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()  # refused in-process (tests, benches): the directory is free again
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    state = run_dir.load_state()
-    if run_dir.saved_config() is not None and state.completed_iteration >= config.run.iterations:
+    state, resumed = run_dir.load_state(), run_dir.saved_config() is not None
+    if resumed and state.completed_iteration >= config.run.iterations:
         lock.release()  # nothing to do: its config (and its iteration count) stays as it is
         print(f"{run_dir.root}: {state.completed_iteration} iterations are done, --iterations "
               f"{config.run.iterations} asks for no more (raise it to go on).")  # fmt: skip
         return 0
-    if run_dir.saved_config() is not None and run_dir.played_nothing():
+    if resumed and run_dir.played_nothing():
         print(f"Starting {run_dir.root} again: it played nothing before it stopped.")
-    elif run_dir.saved_config() is not None:
+    elif resumed:
         print(f"Resuming {run_dir.root} after iteration {state.completed_iteration}.")
         # records state.json does not count yet are redone, and written once then; a torn tail goes
         repair_metrics(run_dir.metrics_path, state.completed_iteration, state.evaluated)

@@ -422,8 +422,6 @@ def check_distillation(config) -> None:
     ):
         raise ConfigError(f"--teacher.{given[0]} {getattr(teacher, given[0])}: an option of distillation, which "
                           "has no teacher here; give --teacher.model, or leave it out")  # fmt: skip
-    if teacher.topk and not teacher.model:
-        raise ConfigError(f"--teacher.topk {teacher.topk}: the teacher's top-k needs a teacher; give --teacher.model")
     if teacher.model and not teacher.coef and not teacher.topk:
         raise ConfigError("--teacher.coef 0: the teacher then gives no signal; give a coefficient > 0, or "
                           "--teacher.topk K for its top-k term alone")  # fmt: skip

@@ -76,7 +76,7 @@ def read_run_config(path: Path, option: str = "--config") -> RLConfig:
 def agent_from_run_config(config_path: Path) -> Agent:
     """The run's agent, for the tools that play its tapes again (replay, fork): a program's gateway on any free
     port, not the run's --program.gateway_port, which the run itself may be holding."""
-    config = RLConfig.model_validate(json.loads(config_path.read_text()))
+    config = read_run_config(config_path)
     config.program = config.program.model_copy(update={"gateway_port": 0})
     return build_agent(config, load_tokenizer(config))
 
