@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orchestrate.serving import vllm_server
-from orchestrate.serving.vllm_plugin.worker_ext import OutputLengths, runner_kind
+from orchestrate.serving.vllm_plugin.worker_ext import WorkerExtension, runner_kind
 from orchestrate.serving.vllm_server import VLLMServer
 
 
@@ -49,7 +49,7 @@ def v2_runner():
 
 @pytest.mark.parametrize("runner, kind", [(v1_runner, "V1"), (v2_runner, "V2")])
 def test_output_lengths_are_read_from_either_model_runner_and_the_worker_says_which(runner, kind, caplog):
-    class Worker(OutputLengths):  # vLLM mixes the extension into its worker class, which holds the runner
+    class Worker(WorkerExtension):  # vLLM mixes the extension into its worker class, which holds the runner
         def __init__(self):
             self.model_runner = runner()
 

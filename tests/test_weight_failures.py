@@ -118,8 +118,13 @@ class Server:
     """A policy server's routes as the orchestrator's end drives them; its log-probs move with each load
     unless `takes` is False (a group that delivers bytes the model does not take)."""
 
-    def __init__(self, takes=True, fails=""):
+    def __init__(self, takes=True, fails="", routes=("/shutdown_weight_transfer_engine",)):
         self.base_url, self.takes, self.fails, self.calls, self.logprobs = "http://s", takes, fails, [], [-1.0]
+        self.routes = routes  # vLLM's optional routes this server has (0.26-0.31: no shutdown route)
+
+    from orchestrate.serving.vllm_server import VLLMServer
+
+    drop_weight_group = VLLMServer.drop_weight_group  # the orchestrator's own, on these routes
 
     def probe_logprobs(self):
         self.calls.append("probe")
@@ -128,7 +133,9 @@ class Server:
     def _post(self, route, json=None, timeout=None):
         from orchestrate.serving.vllm_server import ServerError
 
-        self.calls.append(route)
+        self.calls.append(route if route != "/collective_rpc" else f"{route} {json['method']}")
+        if route == "/shutdown_weight_transfer_engine" and route not in self.routes:
+            raise ServerError(f"policy {route}: HTTP 404: Not Found")
         if route == "/update_weights":
             if self.fails:
                 raise ServerError(self.fails)
@@ -192,6 +199,41 @@ def test_the_first_failure_is_signalled_on_the_groups_store():
         and b"no room" in t.store.get(wt.ABORT)
         and "/shutdown_weight_transfer_engine" in failing.calls
     )
+
+
+def test_a_server_without_vllms_shutdown_route_drops_its_group_through_the_worker_extension():
+    """vLLM 0.26-0.31 have no /shutdown_weight_transfer_engine (404): the orchestrator asks the worker
+    extension's drop_weight_group instead (before, the 404 was taken for a dead server and the servers kept
+    their ends: on gloo the learner's broadcast then waited out its timeout); the worker's engine is shut."""
+    from orchestrate.serving.vllm_plugin.worker_ext import WorkerExtension
+    from orchestrate.serving.vllm_server import ServerError
+
+    old = Server(fails="HTTP 500: no room for the staging", routes=())
+    t = transport([old])
+    t._transfer(7, {}, probe=False)
+    assert old.calls[-2:] == ["/shutdown_weight_transfer_engine", "/collective_rpc drop_weight_group"]
+
+    class Failing(Server):  # another error than a missing route is the caller's to handle, not a fallback
+        def _post(self, route, json=None, timeout=None):
+            self.calls.append(route)
+            raise ServerError(f"policy {route}: HTTP 500: boom")
+
+    with pytest.raises(ServerError, match="HTTP 500"):
+        Failing().drop_weight_group()
+
+    class Engine:
+        shut = False
+
+        def shutdown(self):
+            self.shut = True
+
+    class Worker(WorkerExtension):  # vLLM mixes the extension into its worker, which holds the engine
+        weight_transfer_engine = Engine()
+
+    worker = Worker()
+    assert worker.drop_weight_group() is True and worker.weight_transfer_engine.shut
+    Worker.weight_transfer_engine = None  # a server started without --weight-transfer-config
+    assert Worker().drop_weight_group() is False
 
 
 def test_the_servers_nccl_group_is_built_in_vllms_unpinned_env():

@@ -31,7 +31,7 @@ from contract.weight_paths import DEFAULT, options, options_help, select
 from orchestrate.serving.auth import KEY_ENV, LORA_ENV, MIDDLEWARE, forbidden_server_arg
 from orchestrate.serving.processes import format_cpus, spawn, stop
 
-WORKER_EXTENSION = "orchestrate.serving.vllm_plugin.worker_ext.OutputLengths"
+WORKER_EXTENSION = "orchestrate.serving.vllm_plugin.worker_ext.WorkerExtension"
 
 # The ranks vLLM can reserve for adapters (--max-lora-rank; vllm/config/lora.py MaxLoRARanks, checked by a test).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -233,7 +233,8 @@ class VLLMServer:
             "--disable-uvicorn-access-log",
             # sampled-token log-probs of the distribution actually sampled (logits / T), as the trainer computes them
             "--logprobs-mode", "processed_logprobs",
-            # how many tokens each request has sampled, asked while paused for an in-flight weight swap
+            # how many tokens each request has sampled (asked while paused for an in-flight weight swap), and
+            # the weight-transfer group dropped on a vLLM without a route for it
             "--worker-extension-cls", WORKER_EXTENSION,
         ]  # fmt: skip
         if eager:
@@ -439,6 +440,17 @@ class VLLMServer:
 
     def unload_adapter(self, name: str) -> None:
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def drop_weight_group(self, timeout: float = 30) -> None:
+        """Drop the server's end of its weight-transfer group: vLLM's `/shutdown_weight_transfer_engine` (0.32),
+        else, where that route is missing (0.26-0.31: HTTP 404), our worker extension's method through
+        `/collective_rpc` (orchestrate.serving.vllm_plugin.worker_ext). ServerError if neither answers."""
+        try:
+            self._post("/shutdown_weight_transfer_engine", timeout=timeout)
+        except ServerError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            self._post("/collective_rpc", {"method": "drop_weight_group"}, timeout=timeout)
 
     # -- new weights under calls in flight (--run.in_flight_swaps) ----------------------
 

@@ -122,7 +122,7 @@ class CollectiveTransport(DiskTransport):
         signal_abort(self.store_host, self.store.port, why)
         for server in self.servers:
             try:
-                server._post("/shutdown_weight_transfer_engine", timeout=30)
+                server.drop_weight_group()
             except ServerError:
                 pass  # a dead server has no group to drop
 

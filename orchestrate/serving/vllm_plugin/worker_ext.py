@@ -1,5 +1,6 @@
-"""A method added to vLLM's workers (`--worker-extension-cls`), for new weights swapped in while calls are
-in flight (`--run.in_flight_swaps`, orchestrate.loop.servers).
+"""Methods added to vLLM's workers (`--worker-extension-cls`), asked through vLLM's `/collective_rpc` route:
+`output_lengths` for new weights swapped in while calls are in flight (`--run.in_flight_swaps`,
+orchestrate.loop.servers), `drop_weight_group` for a weight-transfer group dropped after a failure.
 
 With the engine paused between two steps (`POST /pause?mode=keep`), `output_lengths` says how many tokens
 each request has sampled so far: those came from the weights served until then, the rest of the call will
@@ -45,8 +46,8 @@ def v2_lengths(runner) -> dict[str, int]:
     return {rid: int(total[i] - prompt[i]) for rid, i in states.req_id_to_index.items()}
 
 
-class OutputLengths:
-    """Mixed into vLLM's worker class by `--worker-extension-cls orchestrate.serving.vllm_plugin.worker_ext.OutputLengths`."""
+class WorkerExtension:
+    """Mixed into vLLM's worker class by `--worker-extension-cls orchestrate.serving.vllm_plugin.worker_ext.WorkerExtension`."""
 
     def output_lengths(self) -> dict[str, int]:
         """Tokens sampled so far by each request the worker holds, by vLLM's internal request id."""
@@ -57,3 +58,14 @@ class OutputLengths:
                         kind, type(runner).__name__)  # fmt: skip
             self._runner_logged = True
         return v2_lengths(runner) if kind == "V2" else v1_lengths(runner)
+
+    def drop_weight_group(self) -> bool:
+        """Drop this worker's end of the weight-transfer group (its engine's `shutdown`), so that a broadcast
+        to it fails at once instead of waiting out its timeout. vLLM 0.32 has a route for it
+        (`/shutdown_weight_transfer_engine`); 0.26-0.31 have none, so the orchestrator asks this method there.
+        False: the worker has no weight-transfer engine (started without `--weight-transfer-config`)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            return False
+        engine.shutdown()
+        return True
