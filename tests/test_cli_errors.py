@@ -231,6 +231,8 @@ def test_browse_port_out_of_range(bad_run, port):
     (["--run.in_flight_swaps", "true"], ["--run.in_flight_swaps", "--run.async_level 1 or more"]),
     (["--run.in_flight_swaps", "true", "--run.async_level", "1", "--train.lora.rank", "4"],
      ["--run.in_flight_swaps", "LoRA run never pauses"]),
+    (["--run.in_flight_swaps", "true", "--run.async_level", "1", "--server.data_parallel_size", "2"],
+     ["--run.in_flight_swaps", "data_parallel_size 2", "first engine's result only"]),
     (["--train.tis_cap", "0"], ["--train.tis_cap"]),
     (["--train.tis_cap", "nan"], ["--train.tis_cap"]),
     (["--train.lora.rank", "-1"], ["--train.lora.rank"]),

@@ -478,6 +478,11 @@ def check_config(config) -> None:
     if config.train.overlong_buffer > r.max_tokens:
         raise ConfigError(f"--train.overlong_buffer: {config.train.overlong_buffer} tokens is more than --rollouts.max_tokens "
                           f"{r.max_tokens}, the limit it counts back from; lower it")  # fmt: skip
+    if config.run.in_flight_swaps and config.server.data_parallel_size > 1:
+        raise ConfigError("--run.in_flight_swaps: a server with --server.data_parallel_size "
+                          f"{config.server.data_parallel_size} answers vLLM's /collective_rpc with its first engine's "
+                          "result only, so the calls of its other engines would not record where their version "
+                          "changed; run one server per engine (--server.policy_servers) or leave the option out")  # fmt: skip
     check_gpus(config)
     check_colocation(config)
     check_same_machine(config)
