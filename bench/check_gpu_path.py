@@ -18,10 +18,12 @@ check_gpu_path.log and the ends of the servers' and loops' logs go to --out (or 
 a check failed. How to run it on a lent GPU machine: docs/set-up.md, "Checking a GPU machine".
 
 The checks, in order (--list prints them with their timeouts):
-  serve          a vLLM server (orchestrate.serving.vllm_server.VLLMServer) answers; on a GPU with CUDA graphs
+  serve          a vLLM server (orchestrate.serving.vllm_server.VLLMServer) answers and decodes greedily the same
+                 tokens twice; on a GPU with CUDA graphs
   disk_reload    a learner's checkpoint reloaded from disk changes the served log-probs, which match
                  transformers' for the same weights on the same device (BF16_BOUND on a GPU)
-  sleep_wake     sleep frees the weights' and the KV cache's GPU memory; wake serves the same log-probs
+  sleep_wake     sleep frees the weights' and the KV cache's GPU memory; wake serves the same log-probs and
+                 decodes the same tokens (DECODE_BOUND)
   colocated      the colocated weight path (shm: each version in /dev/shm) equals a disk reload
   loop_gsm8k_1b  three iterations of the loop (orchestrate.rl, --server.colocate on) at the gsm8k preset's 1B
                  shape, a short batch: each phase's time, peak GPU memory under PEAK_SHARE of the GPU
@@ -485,6 +487,30 @@ def in_memory_equals_disk(ctx: Context, mechanism_name: str) -> dict:
 # ---- the checks, in order ----------------------------------------------------------------------------------
 
 
+DECODE_TOKENS = 16  # tokens decoded greedily by decode_probe: decoding reads the KV cache, a prefill-only probe not
+# the same decode twice, each from an empty prefix cache: the same kernels on the same shapes give the same
+# log-probs, so this only leaves room for a kernel that does not reduce in a fixed order; a decode that reads a
+# discarded cache's state gives other tokens, or log-probs whole nats away
+DECODE_BOUND = 1e-2
+
+
+def decode_probe(server) -> tuple[list[str], list[float]]:
+    """The tokens and log-probs of DECODE_TOKENS tokens decoded greedily from the probe's prompt (EOS ignored):
+    unlike `probe_logprobs` (prompt log-probs: one prefill), each token reads what the steps before it wrote to
+    the KV cache, which a sleep (level 1) discards with the cache's memory. The prefix cache is emptied first, so
+    that every probe computes its prompt the same way (a cached prompt is read, not computed)."""
+    from orchestrate.serving.vllm_server import _PROBE_IDS
+
+    server.reset_prefix_cache()
+    body = server._post("/v1/completions", {
+        "model": server.served_model_name, "prompt": _PROBE_IDS, "max_tokens": DECODE_TOKENS, "temperature": 0.0,
+        "logprobs": 0, "ignore_eos": True,
+    }).json()  # fmt: skip
+    got = body["choices"][0]["logprobs"]
+    require(len(got["tokens"]) == DECODE_TOKENS, f"decoded {len(got['tokens'])} tokens, not {DECODE_TOKENS}")
+    return got["tokens"], got["token_logprobs"]
+
+
 @check("serve", 120)
 def check_serve(ctx: Context) -> dict:
     if ctx.cuda:  # what the GPU holds without the server: sleep_wake measures what a sleeping one keeps
@@ -495,11 +521,16 @@ def check_serve(ctx: Context) -> dict:
     require(server.answers(), "the server does not answer /health")
     lp = server.probe_logprobs()
     require(all(x <= 0 for x in lp), "log-probs above 0")
+    tokens, decoded = decode_probe(server)
+    require(all(x <= 0 for x in decoded), "decoded log-probs above 0")
+    again, decoded_again = decode_probe(server)
+    require(again == tokens and gap(decoded, decoded_again) <= DECODE_BOUND, "greedy decoding twice gave two answers")
     eager = "--enforce-eager" in server.command()
     figures = {
         "start_s": round(start_s, 1),
         "eager": eager,
         "dtype": server.command()[server.command().index("--dtype") + 1],
+        "decoded_tokens": len(tokens),
     }
     if ctx.cuda:
         log = server.log_path.read_text(errors="replace")
@@ -555,6 +586,7 @@ def check_sleep_wake(ctx: Context) -> dict:
     kv = kv_cache_gib(server.log_path.read_text(errors="replace"))
     require(kv is not None, "the server's log names no KV cache size")
     before = server.probe_logprobs()
+    tokens_before, decoded_before = decode_probe(server)
     torch.cuda.empty_cache()  # what this process's checks cached (transformers' log-probs) is not the server's
     awake = gpu_used_gib()
     t0 = time.perf_counter()
@@ -574,6 +606,12 @@ def check_sleep_wake(ctx: Context) -> dict:
     )
     worst = gap(before, after)
     require(worst <= EQUAL_BOUND, f"after wake: max |logp gap| {worst:.2e}")
+    # decoding after wake: 0.26 builds its block tables, attention buffers and graph manager in the KV cache's
+    # pool, which a level-1 sleep discards (0.32 keeps them in a pool of their own)
+    tokens_after, decoded_after = decode_probe(server)
+    require(tokens_after == tokens_before, f"after wake, greedy decoding gave other tokens: {tokens_after[:4]} ...")
+    decode_gap = gap(decoded_before, decoded_after)
+    require(decode_gap <= DECODE_BOUND, f"after wake: decoded tokens' max |logp gap| {decode_gap:.2e}")
     # what a sleeping server keeps (its CUDA context, graphs, pools; this process's small learner too), against
     # the memory plan's allowance (orchestrate.loop.memory_plan)
     idle = ctx.state.get("idle_gib")
@@ -581,7 +619,8 @@ def check_sleep_wake(ctx: Context) -> dict:
     return {"used_awake_gib": round(awake, 2), "used_asleep_gib": round(asleep, 2), "used_woken_gib": round(woken, 2),
             "sleeping_gib": sleeping, "plan_sleeping_gib": SLEEPING_GIB, "freed_gib": round(freed, 2),
             "weights_gib": round(weights_gib, 3), "kv_cache_gib": kv,
-            "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "max_gap_after_wake": worst}  # fmt: skip
+            "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "max_gap_after_wake": worst,
+            "decode_gap_after_wake": decode_gap}  # fmt: skip
 
 
 @check("gloo", 120)

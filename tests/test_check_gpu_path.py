@@ -239,21 +239,39 @@ def test_the_ends_of_the_logs_come_back(tmp_path, monkeypatch):
 class FakeServer:
     """What sleep_wake asks of a server, with the GPU's memory it holds asleep and awake."""
 
-    def __init__(self, folder, frees_gib):
+    served_model_name = "policy"
+
+    def __init__(self, folder, frees_gib, decodes_after_wake=None):
         self.model = str(folder)
         self.log_path = folder / "server.log"
         self.log_path.write_text("... Available KV cache memory: 2.0 GiB\n")
         (folder / "model.safetensors").write_bytes(b"\0" * 2**20)
         self.used, self.frees, self.asleep, self.stopped = 10.0, frees_gib, False, False
+        self.decoded = [("a", -0.5)] * gpu_check.DECODE_TOKENS  # greedy decoding's tokens and log-probs
+        self.decodes_after_wake, self.woken = decodes_after_wake, False
 
     def probe_logprobs(self):
         return [-1.0, -2.0]
+
+    def reset_prefix_cache(self):
+        pass
+
+    def _post(self, route, json=None, timeout=None):
+        assert route == "/v1/completions" and json["temperature"] == 0.0 and json["ignore_eos"]
+        decoded = self.decodes_after_wake if self.woken and self.decodes_after_wake else self.decoded
+        tokens, logprobs = zip(*decoded[: json["max_tokens"]])
+
+        class Response:
+            json = staticmethod(lambda: {"choices": [{"logprobs": {"tokens": list(tokens),
+                                                                   "token_logprobs": list(logprobs)}}]})  # fmt: skip
+
+        return Response()
 
     def sleep(self):
         self.asleep, self.used = True, self.used - self.frees
 
     def wake_up(self):
-        self.asleep, self.used = False, self.used + self.frees
+        self.asleep, self.used, self.woken = False, self.used + self.frees, True
 
     def get(self, route):
         class Response:
@@ -283,3 +301,23 @@ def test_sleep_must_free_the_weights_and_the_kv_cache(tmp_path, monkeypatch, fre
         assert target["sleeping_server_gib"] == 10.0 - frees - 6.0 and target["plan_sleeping_gib"] == SLEEPING_GIB
     else:
         assert result["status"] == "FAIL" and "sleep freed 1.00 GiB" in result["why"]
+
+
+@pytest.mark.parametrize("after, why", [
+    ([("b", -0.5)] + [("a", -0.5)] * 15, "after wake, greedy decoding gave other tokens"),
+    ([("a", -0.5)] * 15 + [("a", -3.0)], "after wake: decoded tokens' max |logp gap| 2.50e+00"),
+    ([("a", -0.5)] * 15 + [("a", -0.501)], None),  # within DECODE_BOUND
+])  # fmt: skip
+def test_after_wake_the_server_must_decode_what_it_decoded_before(tmp_path, monkeypatch, after, why):
+    """A level-1 sleep discards the KV cache's pool, which on vLLM 0.26 also holds the block tables and attention
+    buffers decoding reads: the prompt's log-probs (one prefill) would not show a decode gone wrong; greedy decoding
+    before and after does."""
+    server = FakeServer(tmp_path, 2.5, decodes_after_wake=after)
+    ctx = context(tmp_path, cuda=True)
+    ctx.state["disk_server"] = server
+    monkeypatch.setattr(gpu_check, "gpu_used_gib", lambda: server.used)
+    result = gpu_check.run_check(next(c for c in gpu_check.CHECKS if c.name == "sleep_wake"), ctx)
+    if why is None:
+        assert result["status"] == "PASS" and result["figures"]["decode_gap_after_wake"] == pytest.approx(0.001)
+    else:
+        assert result["status"] == "FAIL" and why in result["why"]
