@@ -531,6 +531,8 @@ def check_serve(ctx: Context) -> dict:
         "eager": eager,
         "dtype": server.command()[server.command().index("--dtype") + 1],
         "decoded_tokens": len(tokens),
+        # the runner vLLM chose (0.26: V2 for dense models where Triton runs, so on CUDA; V1 on CPU)
+        "model_runner": sorted(set(server._post("/collective_rpc", {"method": "model_runner_kind"}).json()["results"])),
     }
     if ctx.cuda:
         log = server.log_path.read_text(errors="replace")

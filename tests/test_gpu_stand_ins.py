@@ -59,6 +59,7 @@ def test_output_lengths_are_read_from_either_model_runner_and_the_worker_says_wh
         worker.output_lengths()
     said = [r.getMessage() for r in caplog.records if "model runner" in r.getMessage()]
     assert len(said) == 1 and f"vLLM's {kind} model runner" in said[0]  # once per worker
+    assert worker.model_runner_kind() == kind  # what the GPU check records
 
 
 def test_a_runner_with_neither_attribute_is_refused_by_name():

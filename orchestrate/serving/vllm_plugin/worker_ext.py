@@ -1,6 +1,7 @@
 """Methods added to vLLM's workers (`--worker-extension-cls`), asked through vLLM's `/collective_rpc` route:
 `output_lengths` for new weights swapped in while calls are in flight (`--run.in_flight_swaps`,
-orchestrate.loop.servers), `drop_weight_group` for a weight-transfer group dropped after a failure.
+orchestrate.loop.servers), `drop_weight_group` for a weight-transfer group dropped after a failure,
+`model_runner_kind` for the record (bench/check_gpu_path.py).
 
 With the engine paused between two steps (`POST /pause?mode=keep`), `output_lengths` says how many tokens
 each request has sampled so far: those came from the weights served until then, the rest of the call will
@@ -58,6 +59,10 @@ class WorkerExtension:
                         kind, type(runner).__name__)  # fmt: skip
             self._runner_logged = True
         return v2_lengths(runner) if kind == "V2" else v1_lengths(runner)
+
+    def model_runner_kind(self) -> str:
+        """'V1' or 'V2': the model runner vLLM chose for this worker (runner_kind), for the record."""
+        return runner_kind(self.model_runner)  # type: ignore[attr-defined]
 
     def drop_weight_group(self) -> bool:
         """Drop this worker's end of the weight-transfer group (its engine's `shutdown`), so that a broadcast
