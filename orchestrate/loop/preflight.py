@@ -366,12 +366,12 @@ def check_served_rank(server, option: str, rank: int) -> None:
 def check_loads_weights(server, option: str) -> None:
     """A policy server by URL of a run that trains every weight can load them: not one started with LoRA on a
     vLLM whose LoRA layers cannot (orchestrate.serving.vllm_server.LORA_RELOAD_FROM)."""
-    from orchestrate.serving.vllm_server import LORA_RELOAD_FROM, reloads_under_lora
+    from orchestrate.serving.vllm_server import LORA_RELOAD_FROM
 
-    if server.served_lora_rank() and not reloads_under_lora(version := server.vllm_version()):
-        raise PreflightError(f"{option}: {server.url} was started with LoRA on vLLM {version}, which cannot load new "
-                             f"weights into a server with LoRA (from {LORA_RELOAD_FROM} on); for a run that trains "
-                             "every weight start it without --train.lora.rank")  # fmt: skip
+    if not server.reloads_weights():
+        raise PreflightError(f"{option}: {server.url} was started with LoRA on vLLM {server.vllm_version()}, which "
+                             f"cannot load new weights into a server with LoRA (from {LORA_RELOAD_FROM} on); for a "
+                             "run that trains every weight start it without --train.lora.rank")  # fmt: skip
 
 
 def remote_server(option: str, url: str, role: str, key: str):

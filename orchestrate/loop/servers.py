@@ -24,7 +24,7 @@ from orchestrate.serving.auth import APIKeyMissing, read_api_key
 from orchestrate.serving.launch import policy_servers, reference_server, remote_servers
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.processes import parse_cpus
-from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name, reloads_under_lora
+from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 from orchestrate.serving.weights import Transport, close_group, transport_for
 from tapes.tape import Tape
 
@@ -148,9 +148,8 @@ class Servers:
         for server in self.policy:
             if isinstance(server, RemoteServer):
                 server.resume()  # an orchestrator killed during an in-flight swap may have left it paused
-                if server.served_lora_rank() and not reloads_under_lora(server.vllm_version()):
-                    continue
-                server.reload_weights(server.model_root(), verify=False)
+                if server.reloads_weights():
+                    server.reload_weights(server.model_root(), verify=False)
 
     def make_room(self) -> None:
         """Colocated: the policy servers sleep (weights and KV cache off the GPU) while the learner trains."""

@@ -554,6 +554,11 @@ class RemoteServer(VLLMServer):
         response = self.get("/version")
         return response.json().get("version") if response.status_code == 200 else None
 
+    def reloads_weights(self) -> bool:
+        """Whether new weights can be loaded into the server: not one with LoRA on a vLLM whose LoRA layers
+        cannot load them (LORA_RELOAD_FROM)."""
+        return not self.served_lora_rank() or reloads_under_lora(self.vllm_version())
+
     def served_lora_rank(self) -> int | None:
         """The --max-lora-rank the server was started with (0: no LoRA; None: it does not say, so it was not
         started with `uv run -m orchestrate.serve`)."""
