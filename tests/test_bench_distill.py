@@ -153,3 +153,32 @@ def test_a_teacher_no_better_than_the_untrained_model_starts_no_student(tmp_path
     assert bench_distill.main() == 1
     assert started == [] and not (tmp_path / "game-distill").exists()
     assert "no better than the untrained model (25.0%): nothing to distill" in capsys.readouterr().err
+
+
+def test_a_student_against_several_rl_runs(tmp_path):
+    """bench/distill_vs_rl_runs.py: the student's curve from a bench_distill JSON, RL curves from bench_distill
+    and bench_trees JSONs, each compared to the shorter curve's end; ahead / level / behind at the last evaluation
+    within the minutes asked, and the runs' mean there."""
+    from distill_vs_rl_runs import compare, read_curve
+
+    distill = tmp_path / "distill.json"
+    distill.write_text(json.dumps({"grpo": [[0.5, 0.25, 0], [9.0, 0.6, 9], [30.5, 0.6, 36]],
+                                   "distill": [[0.5, 0.25, 0], [11.0, 0.6, 10], [29.0, 0.6, 30]]}))  # fmt: skip
+    trees = tmp_path / "trees.json"
+    trees.write_text(json.dumps({"runs": {"chain": {"curve": [{"minutes": 0.5, "success": 0.25, "iteration": 0},
+                                                              {"minutes": 20.0, "success": 0.45, "iteration": 20}]}}}))  # fmt: skip
+    student = read_curve(str(distill), "distill")
+    runs = {"own": read_curve(str(distill), "grpo"), "chain": read_curve(f"{trees}:chain", "grpo")}
+    assert runs["chain"] == [(0.5, 0.25, 0), (20.0, 0.45, 20)]
+    with pytest.raises(ValueError, match="no arm 'tree'"):
+        read_curve(f"{trees}:tree", "grpo")
+    result = compare(student, runs, minutes=30.0)
+    assert result["student_last"] == (29.0, 0.6, 30)
+    assert result["runs"]["own"]["last"] == (9.0, 0.6, 9)  # 30.5 is past the 30 minutes
+    assert result["rl_mean_last"] == pytest.approx((0.6 + 0.45) / 2)
+    assert (result["student_ahead_of"], result["student_level_with"], result["student_behind"]) == (1, 1, 0)
+    own = result["runs"]["own"]["curves"]  # to 29.0 (the student's end): behind from 9 to 11, level after
+    assert own["until"] == 29.0
+    assert own["minutes"] == pytest.approx({"ahead": 0.0, "level": 27.0, "behind": 2.0})
+    chain = result["runs"]["chain"]["curves"]  # to 20.0 (the chain's end): ahead from 11
+    assert chain["minutes"] == pytest.approx({"ahead": 9.0, "level": 11.0, "behind": 0.0})
