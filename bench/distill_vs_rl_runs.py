@@ -42,6 +42,12 @@ def read_curve(spec: str, key: str) -> Curve:
     return [tuple(p) for p in data[key]]
 
 
+def default_label(spec: str) -> str:
+    """`bench/distill_game.json` -> `distill_game`, `bench/trees_game.json:chain` -> `trees_game:chain`."""
+    path, sep, arm = spec.partition(":")
+    return Path(path).stem + sep + arm
+
+
 def compare(student: Curve, runs: dict[str, Curve], minutes: float) -> dict:
     """The student against each run and against the runs' mean (each at its last evaluation within `minutes`)."""
     rows = {}
@@ -94,8 +100,7 @@ def main() -> int:
     for spec in [args.student, *args.rl]:
         if not Path(spec.partition(":")[0]).is_file():
             parser.error(f"{spec}: no such file")
-    labels = args.labels.split(",") if args.labels else [Path(s.partition(":")[0]).stem + s[len(s.partition(":")[0]):]
-                                                         for s in args.rl]  # fmt: skip
+    labels = args.labels.split(",") if args.labels else [default_label(s) for s in args.rl]
     if len(labels) != len(args.rl) or len(set(labels)) != len(labels):
         parser.error(f"--labels: {len(labels)} labels for {len(args.rl)} curves (one each, all different)")
     try:
