@@ -88,9 +88,10 @@ def launch(model: Path, run: Path, *extra: str, options: list[str] = OPTIONS) ->
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for(path: Path, proc: subprocess.Popen, run: Path, timeout: float = 240) -> None:
+def wait_for(path: Path, proc: subprocess.Popen, run: Path, timeout: float = 240, text: str | None = None) -> None:
+    """Until `path` exists (and holds `text`, when given)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not path.exists() or (text is not None and text not in path.read_text()):
         if proc.poll() is not None:
             pytest.fail(
                 f"learner exited ({proc.returncode}) before {path.name}:\n{(run / 'process.out').read_text()[-3000:]}"
@@ -263,6 +264,9 @@ def test_a_full_state_written_in_the_background_lands_whole_and_resumes(tiny, ba
     proc = launch(tiny, run, options=options)
     wait_for(run / "checkpoints" / "000002" / "trainer_state" / "progress.json", proc, run)
     wait_for(run / "checkpoints" / "000003", proc, run)
+    # the state lands (renamed into checkpoint 2) after batch 3 is published and is logged just after: a kill
+    # between the two would find it whole but not yet logged
+    wait_for(run / "trainer.log", proc, run, text="full trainer state of version 2 saved,")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     log = (run / "trainer.log").read_text()
