@@ -131,7 +131,14 @@ def add_options(
             default = f" (default: {default if isinstance(default, str) else json.dumps(default)})" if defaults else ""
             kwargs["help"] = (description + default).replace("%", "%%")
             kwargs["metavar"] = type_name(field.annotation)
+            if kwargs["metavar"].endswith("|none"):
+                kwargs["type"] = none_as_null  # the `none` its --help names
             group.add_argument(f"--{dotted}", **kwargs)
+
+
+def none_as_null(text: str) -> str:
+    """An optional option's value: `none` (as --help writes it, any case) is JSON's null, the rest as given."""
+    return "null" if text.strip().lower() == "none" else text
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:

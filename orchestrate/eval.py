@@ -99,10 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--step", type=int, help="with --versions: the versions that are multiples of STEP, and the newest"
     )
-    parser.add_argument("--config", help="the run config.json whose environment and agent to use")
-    parser.add_argument("--preset", help=f"with no run config: this preset's environment and agent ({', '.join(presets())}) [default: embedded]")  # fmt: skip
+    parser.add_argument("--config", help="the run config.json whose environment and agent to use [default: the target's run's]")  # fmt: skip
+    parser.add_argument("--preset", help=f"this preset's environment and agent ({', '.join(presets())}) [default: the target's run's config, else embedded]")  # fmt: skip
     parser.add_argument("--split", default="test", choices=("test", "train"), help="the split [default: test]")
-    parser.add_argument("--tasks", help="N (the first N) or A:B (tasks A to B-1) [default: eval.tasks, else all]")
+    parser.add_argument("--tasks", help="N (the first N) or A:B (tasks A to B-1) [default: eval.tasks, else all; 500 of a split without an end]")  # fmt: skip
     parser.add_argument("--n", type=int, default=1, help="samples per task [default: 1]")
     parser.add_argument("--temperature", type=float, help="[default: eval.temperature with --n 1, else rollouts.temperature]")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, help="new tokens per LLM call [default: eval.max_tokens]")

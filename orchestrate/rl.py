@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 
 from contract.rundir import RunDir, RunDirError
-from orchestrate.loop.config import config_differences, parse_args, with_program_section
+from orchestrate.loop.config import (
+    config_differences,
+    not_a_run_config,
+    parse_args,
+    teacher_url,
+    with_defaults,
+    with_program_section,
+)
 from orchestrate.loop.metrics import repair_metrics
 from orchestrate.loop.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
 from orchestrate.loop.run_lock import RunDirInUse, RunLock
@@ -18,7 +25,8 @@ from orchestrate.loop.run_lock import RunDirInUse, RunLock
 # Options that may change when a run is resumed: its length (iterations, and the time budget: a job under a
 # time limit resumes with a new one), where its metrics also go (wandb, tensorboard), how long to wait for
 # servers and the learner, and where they are: servers and trainer machines elsewhere may move (a run
-# started here may resume on trainer machines, --trainer.launch external).
+# started here may resume on trainer machines, --trainer.launch external). A teacher given by URL may move to
+# another URL too (`_check_resume`).
 RESUMABLE = {"run.iterations", "run.max_minutes", "run.wandb", "run.tensorboard", "trainer.timeout_s",
              "server.startup_timeout_s", "server.policy_urls", "server.reference_url", "server.api_key_file",
              "trainer.launch", "trainer.num_machines", "trainer.main_process_ip", "trainer.main_process_port",
@@ -100,40 +108,10 @@ class _Refused(ValueError):
     pass
 
 
-def with_defaults(saved: dict) -> dict:
-    """A saved config as this version reads it: options added since it was written take their defaults, and
-    options that moved are where they are now, so neither counts as a change of settings."""
-    from orchestrate.loop.config import RLConfig
-
-    saved = _without_ignored(saved)
-    try:
-        return RLConfig.model_validate(saved).model_dump(mode="json")
-    except ValueError:  # not valid any more: compared as written, its differences named
-        return saved
-
-
-def _without_ignored(saved: dict) -> dict:
-    """Options a run's config could hold that an earlier version ignored and this one refuses (train.colocated,
-    which the loop sets; teacher options without a teacher): taken out, so the run resumes as it ran."""
-    saved = dict(saved)
-    if isinstance(train := saved.get("train"), dict) and train.get("colocated"):
-        saved["train"] = {**train, "colocated": False}
-    if isinstance(teacher := saved.get("teacher"), dict) and not teacher.get("model"):
-        saved["teacher"] = {}
-    return saved
-
-
 def _check_is_run_config(run_dir: RunDir, saved: dict) -> None:
-    """A config.json that is not a run's (a model folder's, anything else's: none of a run config's sections, or
-    one that is not a section) is not resumed, nor written over. One of an earlier version is a run's: its
-    differences are named by the resume check."""
-    from orchestrate.loop.config import RLConfig
-
-    sections = set(RLConfig.model_fields)
-    known = [key for key in saved if key in sections]
-    wrong = [key for key in known if not isinstance(saved[key], dict)]
-    if not known or wrong:
-        why = f"{wrong[0]} is a {type(saved[wrong[0]]).__name__}" if wrong else "none of a run config's sections"
+    """A config.json that is not a run's (a model folder's, anything else's) is not resumed, nor written over.
+    One of an earlier version is a run's: its differences are named by the resume check."""
+    if why := not_a_run_config(saved):
         raise _Refused(f"--run-dir: {run_dir.config_path} is not a run's config ({why}); pass a new --run-dir")
 
 
@@ -150,6 +128,8 @@ def _check_resume(run_dir: RunDir, current: dict) -> None:
         _check_is_run_config(run_dir, with_program_section(saved))
         saved = with_defaults(with_program_section(saved))  # a run of before the program section: moved
         changed = [name for name in config_differences(saved, current) if name not in RESUMABLE]
+        if all(teacher_url((c.get("teacher") or {}).get("model")) for c in (saved, current)):
+            changed = [name for name in changed if name != "teacher.model"]  # its server moved, as servers may
         if changed and run_dir.played_nothing():
             return  # started, failed before its first episode: it starts again with these settings
         if changed:

@@ -86,7 +86,64 @@ def test_a_run_that_played_nothing_starts_again_with_other_settings(tmp_path, rl
     assert code == 2 and "--model.policy" in line, line  # past the settings check, to the model's
     (run_dir / "tapes" / "iter_000001.jsonl").write_text("")
     code, line = rl_cli(["--run-dir", str(run_dir), "--model.policy", str(tmp_path / "gone")])
-    assert code == 2 and "was started with other settings" in line and "--run" in line, line
+    assert code == 2 and "was started with other settings (--model.policy);" in line, line  # its seed is its own
+
+
+def test_a_run_resumes_with_its_own_settings_when_no_preset_is_named(tmp_path, folder_model, capsys):
+    """`--run-dir RUN` alone (the command Ctrl-C prints) resumes RUN with the settings it was started with,
+    whatever its preset and options: an option given changes one of them (one that may not change is the only
+    one named), and a preset named is the base again (its differences named)."""
+    from contract.rundir import RunDir
+    from orchestrate.loop.config import resolve
+
+    run = tmp_path / "run"
+    started = resolve("game", {"train.lr": "3e-6", "model.policy": str(folder_model)}).model_dump(mode="json")
+    RunDir(run).create()
+    RunDir(run).save_config(started)
+    (run / "tapes" / "iter_000001.jsonl").write_text("")  # it played: held to its settings
+    out = in_process("orchestrate.rl", "--run-dir", run, "--print-config", capsys=capsys)
+    assert out.returncode == 0 and json.loads(out.stdout) == started
+    out = in_process("orchestrate.rl", "--run-dir", run, "--iterations", 99, "--print-config", capsys=capsys)
+    assert json.loads(out.stdout) == {**started, "run": {**started["run"], "iterations": 99}}
+    line = one_line_error(in_process("orchestrate.rl", "--run-dir", run, "--train.lr", "1e-5", capsys=capsys))
+    assert "started with other settings (--train.lr);" in line, line
+    line = one_line_error(in_process("orchestrate.rl", "--run-dir", run, "--preset", "game", capsys=capsys))
+    assert "--model.policy" in line and "--train.lr" in line, line
+    assert RunDir(run).saved_config() == started  # nothing written by the refusals
+
+
+def test_a_teacher_given_by_url_may_move_on_resume_and_a_served_one_may_not(
+    tmp_path, folder_model, capsys, monkeypatch
+):
+    """As servers by URL may (`RESUMABLE`): the teacher's URL changes on resume (the run goes on to check the
+    server there), a URL in place of a teacher the run served does not (refused, naming the option)."""
+    from contract.rundir import RunDir
+    from orchestrate.loop.config import resolve
+
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    run = tmp_path / "run"
+    started = resolve("embedded", {"model.policy": str(folder_model), "teacher.model": "http://127.0.0.1:9"})
+    RunDir(run).create()
+    RunDir(run).save_config(started.model_dump(mode="json"))
+    (run / "tapes" / "iter_000001.jsonl").write_text("")
+    line = one_line_error(in_process("orchestrate.rl", "--run-dir", run, "--teacher.model", "http://127.0.0.1:7",
+                                     capsys=capsys))  # fmt: skip
+    assert "other settings" not in line and "http://127.0.0.1:7" in line, line  # past the settings check
+    line = one_line_error(in_process("orchestrate.rl", "--run-dir", run, "--teacher.model", folder_model,
+                                     capsys=capsys))  # fmt: skip
+    assert "started with other settings (--teacher.model)" in line, line
+
+
+def test_an_optional_option_takes_none_as_its_help_writes_it(capsys):
+    """--help writes an optional option's values as TYPE|none: `none` (any case) is no value, as JSON's null."""
+    from orchestrate.loop.config import parse_args
+
+    _, config = parse_args(["--run.max_minutes", "none", "--server.reference_url", "None", "--agent.system_prompt",
+                            "NONE", "--run-dir", "/nonexistent/run"])  # fmt: skip
+    assert config.run.max_minutes is None and config.server.reference_url is None
+    assert config.agent.system_prompt is None
+    line = one_line_error(in_process("orchestrate.rl", "--rollouts.temperature", "none", capsys=capsys))
+    assert line.startswith("error: --rollouts.temperature:"), line  # not optional: refused
 
 
 # -- the run directory itself ---------------------------------------------------------------------
@@ -317,6 +374,30 @@ def test_merge_and_serve_refuse_unreadable_configs_in_one_line(tmp_path, capsys)
         one_line_error(out, str(folder / name))
     one_line_error(in_process("orchestrate.serve", "--run-dir", run, "--print", capsys=capsys), "not a run config")
     one_line_error(in_process("orchestrate.serve", "--port", 1, "--port", 2, "--print", capsys=capsys), "given twice")
+
+
+def test_serve_takes_a_runs_settings_with_the_options_given_on_top(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """The teacher's server of a run that names its teacher by URL (as docs/config.md shows): the run's settings
+    (its context length), the teacher's model from the command line; with no model given, refused in one line;
+    a preset named for an existing run, refused in one line (its servers serve the run's own settings)."""
+    from contract.rundir import RunDir
+    from orchestrate.loop.config import resolve
+
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    run = tmp_path / "run"
+    started = resolve("embedded", {"model.policy": str(tiny_model_dir), "teacher.model": "http://node7:8000",
+                                   "server.max_model_len": "512"})  # fmt: skip
+    RunDir(run).create()
+    RunDir(run).save_config(started.model_dump(mode="json"))
+    out = in_process("orchestrate.serve", "--run-dir", run, "--role", "teacher", "--teacher.model", tiny_model_dir,
+                     "--print", capsys=capsys)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    command = out.stdout.strip().splitlines()[-1]
+    assert f"--model {tiny_model_dir} --served-model-name teacher" in command and "--max-model-len 512" in command
+    one_line_error(in_process("orchestrate.serve", "--run-dir", run, "--role", "teacher", "--print", capsys=capsys),
+                   "--role teacher", "--teacher.model MODEL")  # fmt: skip
+    one_line_error(in_process("orchestrate.serve", "--run-dir", run, "--preset", "embedded", "--print", capsys=capsys),
+                   "--preset", "leave --preset out")  # fmt: skip
 
 
 def test_browse_refuses_a_tokenizer_that_is_not_there(tmp_path, capsys):

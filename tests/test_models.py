@@ -45,8 +45,9 @@ def test_local_folder_and_bad_names(tmp_path):
 
 def test_hub_unreachable_says_what_to_do(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotAvailable, match="local-dir"):
+    with pytest.raises(ModelNotAvailable, match="local-dir") as refused:
         resolve_model("nobody-org/no-such-model-xyz")
+    assert "no such folder here" in str(refused.value)  # a mistyped folder "runs/exp1" reads as a hub id too
 
 
 def test_missing_package_says_what_to_do(monkeypatch):

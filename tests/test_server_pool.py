@@ -18,7 +18,7 @@ from orchestrate.loop.config_checks import check_colocation, check_gpus, colocat
 from orchestrate.loop.metrics import server_metrics
 from orchestrate.loop.preflight import PreflightError, check_remote_servers
 from orchestrate.serve import build_server
-from orchestrate.serving.auth import RequireAPIKey, folder_fingerprint, read_api_key
+from orchestrate.serving.auth import APIKeyMissing, RequireAPIKey, folder_fingerprint, read_api_key
 from orchestrate.serving.llm import NoServerLeft, VLLMClient
 from tapes.tape import SamplingParams
 
@@ -343,6 +343,9 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert read_api_key(None) == "from-env"
     (tmp_path / "key").write_text("from-file\n")
     assert read_api_key(str(tmp_path / "key")) == "from-file"
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(APIKeyMissing, match="--key-file: a server given by URL needs its API key"):
+        read_api_key(None, "--key-file")  # a server on this machine too: every server of ours requires one
 
 
 def test_the_serve_command_is_the_local_servers_line(tmp_path, folder_model):

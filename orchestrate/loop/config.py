@@ -383,12 +383,17 @@ class TeacherSection(BaseModel):
     @field_validator("model")
     @classmethod
     def _url_checked(cls, value: str | None) -> str | None:
-        return _check_url(value) if value and value.startswith(("http://", "https://")) else value
+        return _check_url(value) if teacher_url(value) else value
 
     @property
     def url(self) -> str | None:
         """The teacher's server URL when it is given by one, else None (a model to serve)."""
-        return self.model if self.model and self.model.startswith(("http://", "https://")) else None
+        return teacher_url(self.model)
+
+
+def teacher_url(model: Any) -> str | None:
+    """`--teacher.model` when it is a server's URL, else None (a model to serve, or no teacher)."""
+    return model if isinstance(model, str) and model.startswith(("http://", "https://")) else None
 
 
 class RunSection(BaseModel):
@@ -491,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Values are parsed as JSON where they can be (numbers, true/false, null, lists), else taken as text.",
     )
-    parser.add_argument("--preset", default="embedded", help=f"config preset, one of: {', '.join(presets())}")
+    parser.add_argument("--preset", default=None, help=f"config preset, one of: {', '.join(presets())} (default: "
+                        f"{DEFAULT_PRESET}; an existing run without it: the run's own settings)")  # fmt: skip
     parser.add_argument(
         "--run-dir", default=None, help="run directory; an existing one is resumed (default: runs/PRESET)"
     )
@@ -586,6 +592,61 @@ def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return rest, found
 
 
+DEFAULT_PRESET = "embedded"  # with no --preset and no run of its own to resume
+
+
+def not_a_run_config(data: Any) -> str | None:
+    """Why a config.json is not a run's (a model folder's, anything else's: none of a run config's sections, or
+    one that is not a section), else None. One of an earlier version is a run's."""
+    if not isinstance(data, dict):
+        return f"a {type(data).__name__}"
+    known = [key for key in data if key in RLConfig.model_fields]
+    wrong = [key for key in known if not isinstance(data[key], dict)]
+    if wrong:
+        return f"{wrong[0]} is a {type(data[wrong[0]]).__name__}"
+    return None if known else "none of a run config's sections"
+
+
+def with_defaults(saved: dict) -> dict:
+    """A saved config as this version reads it: options added since it was written take their defaults, and
+    options that moved are where they are now, so neither counts as a change of settings."""
+    saved = _without_ignored(saved)
+    try:
+        return RLConfig.model_validate(saved).model_dump(mode="json")
+    except ValueError:  # not valid any more: compared as written, its differences named
+        return saved
+
+
+def _without_ignored(saved: dict) -> dict:
+    """Options a run's config could hold that an earlier version ignored and this one refuses (train.colocated,
+    which the loop sets; teacher options without a teacher): taken out, so the run resumes as it ran."""
+    saved = dict(saved)
+    if isinstance(train := saved.get("train"), dict) and train.get("colocated"):
+        saved["train"] = {**train, "colocated": False}
+    if isinstance(teacher := saved.get("teacher"), dict) and not teacher.get("model"):
+        saved["teacher"] = {}
+    return saved
+
+
+def saved_run_base(run_dir: Path) -> dict[str, Any] | None:
+    """The settings an existing run resumes with when no --preset is given: its config.json as this version
+    reads it (`with_program_section`, `with_defaults`), so `--run-dir RUN` alone resumes RUN as it was started,
+    whatever its preset and options. None where there is no such file or it is not a run's config this version
+    reads: the preset is the base then, and the resume check names what is wrong."""
+    try:
+        data = json.loads((run_dir / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not_a_run_config(data):
+        return None
+    data = with_defaults(with_program_section(data))
+    try:
+        RLConfig.model_validate(data)
+    except ValueError:
+        return None
+    return data
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLConfig]:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -600,8 +661,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, RLCon
         overrides[f"env.options.{name}"] = value
     if args.iterations is not None:
         overrides["run.iterations"] = str(args.iterations)
+    # an existing run resumes from its own settings unless a preset is named: the options given change them
+    # (the resume check refuses those that may not change); a new run starts from the preset
+    args.preset_given, args.preset = args.preset is not None, args.preset or DEFAULT_PRESET
+    run_dir = Path(args.run_dir or Path("runs") / args.preset)
+    args.saved_base = None if args.preset_given else saved_run_base(run_dir)
     try:
-        config = resolve(args.preset, overrides)
+        if args.saved_base is not None:
+            config = resolve_from(args.saved_base, overrides, str(run_dir / "config.json"))
+        else:
+            config = resolve(args.preset, overrides)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     return args, config

@@ -41,7 +41,7 @@ class APIKeyMissing(ValueError):
 
 
 def read_api_key(key_file: str | None, option: str = "--server.api_key_file") -> str:
-    """The key of servers on other machines: the first line of `key_file`, else $VLLM_API_KEY."""
+    """The key of a server given by URL: the first line of `key_file`, else $VLLM_API_KEY."""
     if key_file:
         try:
             key = Path(key_file).expanduser().read_text(encoding="utf-8").strip()
@@ -52,7 +52,7 @@ def read_api_key(key_file: str | None, option: str = "--server.api_key_file") ->
         return key
     key = os.environ.get(KEY_ENV, "").strip()
     if not key:
-        raise APIKeyMissing(f"{option}: servers on other machines need their API key: put it in a file and pass "
+        raise APIKeyMissing(f"{option}: a server given by URL needs its API key: put it in a file and pass "
                         f"{option} FILE, or set ${KEY_ENV} (never on the command line)")  # fmt: skip
     return key
 

