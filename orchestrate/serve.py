@@ -14,8 +14,8 @@ the orchestrator starts itself (same model folder, dtype, context length,
 log-prob mode, dev routes for weight reloads, API-key middleware), so a
 server here behaves as a local one; it only listens on --host (default all
 addresses) and a fixed --port. The run's options come from DIR/config.json
-when the run exists, with the options given on top (--server.gpus, --teacher.model, ...),
-else from the same options as `orchestrate.rl` (--preset, --model.policy, --server.*). The run directory must be on a
+when the run exists (a --preset given is not used then), with the options given on top (--server.gpus,
+--teacher.model, ...), else from the same options as `orchestrate.rl` (--preset, --model.policy, --server.*). The run directory must be on a
 filesystem this machine shares with the orchestrator's, at the same path:
 new weights are reloaded from DIR/checkpoints/N by path. --print prints the
 command (its environment first, the key left out) instead of running it.
@@ -84,22 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < ours.port < 65536:
         print(f"error: --port: {ours.port} is not a port (1-65535)", file=sys.stderr)
         return 2
-    # the rl options (exits 2 naming a bad one); a run that exists: its own settings with the options given here
-    # on top (this machine's cores/GPUs, a teacher's model)
-    args, config = parse_args(rest)
+    # the rl options (exits 2 naming a bad one); a run that exists: its own settings, a preset named or not (the
+    # same job script starts a run's servers and resumes it), with the options given here on top (this
+    # machine's cores/GPUs, a teacher's model)
+    args, config = parse_args(rest, run_first=True)
     run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
     saved = run_dir / "config.json"
-    if saved.is_file() and args.saved_base is None:
+    if saved.is_file() and args.saved_base is None:  # not a run's config this version reads: why, in one line
         from orchestrate.loop.setup import SetupError, read_run_config
 
         try:
-            read_run_config(saved, option="--run-dir")  # not a run's config this version reads: why, in one line
+            read_run_config(saved, option="--run-dir")
         except SetupError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(f"error: --preset: {run_dir} exists and its servers serve its own settings ({saved}); leave --preset "
-              "out", file=sys.stderr)  # fmt: skip
-        return 2
     from orchestrate.loop.preflight import PreflightError, check_model, check_teacher, check_vllm
     from orchestrate.serving.models import resolve_model
 

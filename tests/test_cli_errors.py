@@ -378,8 +378,9 @@ def test_merge_and_serve_refuse_unreadable_configs_in_one_line(tmp_path, capsys)
 
 def test_serve_takes_a_runs_settings_with_the_options_given_on_top(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """The teacher's server of a run that names its teacher by URL (as docs/config.md shows): the run's settings
-    (its context length), the teacher's model from the command line; with no model given, refused in one line;
-    a preset named for an existing run, refused in one line (its servers serve the run's own settings)."""
+    (its context length), the teacher's model from the command line; with no model given, refused in one line.
+    A preset named for an existing run (one job script starts a run and resumes it) is not used: its servers
+    serve the run's own settings."""
     from contract.rundir import RunDir
     from orchestrate.loop.config import resolve
 
@@ -396,8 +397,9 @@ def test_serve_takes_a_runs_settings_with_the_options_given_on_top(tmp_path, tin
     assert f"--model {tiny_model_dir} --served-model-name teacher" in command and "--max-model-len 512" in command
     one_line_error(in_process("orchestrate.serve", "--run-dir", run, "--role", "teacher", "--print", capsys=capsys),
                    "--role teacher", "--teacher.model MODEL")  # fmt: skip
-    one_line_error(in_process("orchestrate.serve", "--run-dir", run, "--preset", "embedded", "--print", capsys=capsys),
-                   "--preset", "leave --preset out")  # fmt: skip
+    out = in_process("orchestrate.serve", "--run-dir", run, "--preset", "gsm8k", "--print", capsys=capsys)
+    assert out.returncode == 0 and "--served-model-name policy" in out.stdout, out.stderr
+    assert "--max-model-len 512" in out.stdout and "Llama" not in out.stdout  # the run's, not the preset's
 
 
 def test_browse_refuses_a_tokenizer_that_is_not_there(tmp_path, capsys):
