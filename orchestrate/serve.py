@@ -14,9 +14,10 @@ the orchestrator starts itself (same model folder, dtype, context length,
 log-prob mode, dev routes for weight reloads, API-key middleware), so a
 server here behaves as a local one; it only listens on --host (default all
 addresses) and a fixed --port. The run's options come from DIR/config.json
-when the run exists (a --preset given is not used then), with the options given on top (--server.gpus,
---teacher.model, ...), else from the same options as `orchestrate.rl` (--preset, --model.policy, --server.*). The run directory must be on a
-filesystem this machine shares with the orchestrator's, at the same path:
+when the run exists (a --preset given is not used then), with the options
+given on top (--server.gpus, --teacher.model, ...); else from the same
+options as `orchestrate.rl` (--preset, --model.policy, --server.*). The run
+directory must be on a filesystem this machine shares with the orchestrator's, at the same path:
 new weights are reloaded from DIR/checkpoints/N by path. --print prints the
 command (its environment first, the key left out) instead of running it.
 """
