@@ -316,6 +316,8 @@ class Bench:
 
     def command(self, local: bool = False) -> list[str]:
         by_url = self.servers.options() if self.servers and not local else []
+        if self.servers and local:  # a run started with servers by URL resumes with its own (left out: the run's)
+            by_url = ["--server.policy_urls", "[]", "--server.reference_url", "none"]
         return [
             sys.executable, "-m", "orchestrate.rl", "--run-dir", str(self.run),
             "--iterations", str(self.args.iterations), "--model.policy", str(self.model),

@@ -14,8 +14,9 @@ the orchestrator starts itself (same model folder, dtype, context length,
 log-prob mode, dev routes for weight reloads, API-key middleware), so a
 server here behaves as a local one; it only listens on --host (default all
 addresses) and a fixed --port. The run's options come from DIR/config.json
-when the run exists (a --preset given is not used then), with the options
-given on top (--server.gpus, --teacher.model, ...); else from the same
+when the run exists (a --preset given is not used then), placed on this
+machine as given here (--server.gpus, --server.reference_gpus, --server.cpus)
+and with the teacher given here (--teacher.model); else from the same
 options as `orchestrate.rl` (--preset, --model.policy, --server.*). The run
 directory must be on a filesystem this machine shares with the orchestrator's, at the same path:
 new weights are reloaded from DIR/checkpoints/N by path. --print prints the
@@ -30,7 +31,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from contract.cli import OptionError, refuse_repeated
+from contract.cli import OptionError, given, refuse_repeated
 from orchestrate.loop.config import RLConfig, parse_args
 from orchestrate.loop.config_checks import gpu_slices
 from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
@@ -85,20 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < ours.port < 65536:
         print(f"error: --port: {ours.port} is not a port (1-65535)", file=sys.stderr)
         return 2
-    # the rl options (exits 2 naming a bad one); a run that exists: its own settings, a preset named or not (the
-    # same job script starts a run's servers and resumes it), with the options given here on top (this
-    # machine's cores/GPUs, a teacher's model)
-    args, config = parse_args(rest, run_first=True)
+    args, config = parse_args(rest, resume=False)  # the rl options: exits 2 naming a bad one
     run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
     saved = run_dir / "config.json"
-    if saved.is_file() and args.saved_base is None:  # not a run's config this version reads: why, in one line
+    if saved.is_file():  # a run that exists: its own settings, a preset named or not (one job script starts a
+        # run's servers and, resubmitted, resumes it), placed on this machine's cores/GPUs as given here, and
+        # serving the teacher given here (a run that names its teacher by URL)
         from orchestrate.loop.setup import SetupError, read_run_config
 
+        placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
+        teacher = config.teacher.model if "teacher.model" in given(args) else None
         try:
-            read_run_config(saved, option="--run-dir")
+            config = read_run_config(saved, option="--run-dir")
         except SetupError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        config.server = config.server.model_copy(update=placement)
+        if teacher is not None:
+            config.teacher = config.teacher.model_copy(update={"model": teacher})
     from orchestrate.loop.preflight import PreflightError, check_model, check_teacher, check_vllm
     from orchestrate.serving.models import resolve_model
 

@@ -110,6 +110,11 @@ def test_a_run_resumes_with_its_own_settings_when_no_preset_is_named(tmp_path, f
     line = one_line_error(in_process("orchestrate.rl", "--run-dir", run, "--preset", "game", capsys=capsys))
     assert "--model.policy" in line and "--train.lr" in line, line
     assert RunDir(run).saved_config() == started  # nothing written by the refusals
+    # another algorithm sets its own loss, estimator and sampling: the preset is the base then, as when named
+    out = in_process("orchestrate.rl", "--run-dir", run, "--train.algorithm", "reinforce", "--print-config",
+                     capsys=capsys)  # fmt: skip
+    assert json.loads(out.stdout)["train"] == resolve("embedded", {"train.algorithm": "reinforce"}).train.model_dump(
+        mode="json")  # fmt: skip
 
 
 def test_a_teacher_given_by_url_may_move_on_resume_and_a_served_one_may_not(
@@ -400,6 +405,18 @@ def test_serve_takes_a_runs_settings_with_the_options_given_on_top(tmp_path, tin
     out = in_process("orchestrate.serve", "--run-dir", run, "--preset", "gsm8k", "--print", capsys=capsys)
     assert out.returncode == 0 and "--served-model-name policy" in out.stdout, out.stderr
     assert "--max-model-len 512" in out.stdout and "Llama" not in out.stdout  # the run's, not the preset's
+    # a run that uses its servers by URL (as the Slurm script of docs/multi-node.md starts it), pinned to other
+    # cores: its reference server placed on this machine's core as given here, not refused by the run's URLs
+    urls = {"server.policy_urls": "http://a:8000", "server.reference_url": "http://a:8001", "server.cpus": "1"}
+    RunDir(run).save_config(resolve("embedded", {"model.policy": str(tiny_model_dir), **urls}).model_dump(mode="json"))
+    out = in_process("orchestrate.serve", "--run-dir", run, "--role", "reference", "--server.cpus", "0", "--print",
+                     capsys=capsys)  # fmt: skip
+    assert out.returncode == 0 and "--served-model-name reference" in out.stdout, out.stderr
+    assert "VLLM_CPU_OMP_THREADS_BIND=0 " in out.stdout, out.stdout
+    monkeypatch.setattr("orchestrate.loop.config_checks.visible_gpus", lambda: ["0", "1"])  # as on a GPU node
+    out = in_process("orchestrate.serve", "--run-dir", run, "--role", "reference", "--server.reference_gpus", "1",
+                     "--print", capsys=capsys)  # fmt: skip
+    assert out.returncode == 0 and "--served-model-name reference" in out.stdout, out.stderr
 
 
 def test_browse_refuses_a_tokenizer_that_is_not_there(tmp_path, capsys):

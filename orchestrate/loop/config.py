@@ -647,9 +647,9 @@ def saved_run_base(run_dir: Path) -> dict[str, Any] | None:
     return data
 
 
-def parse_args(argv: list[str] | None = None, run_first: bool = False) -> tuple[argparse.Namespace, RLConfig]:
+def parse_args(argv: list[str] | None = None, resume: bool = True) -> tuple[argparse.Namespace, RLConfig]:
     """The rl options -> (arguments, config); exits 2 naming a bad option. The base is an existing run's saved
-    settings unless a preset is named (with `run_first`, even then: a server serves the run it is for)."""
+    settings unless a preset is named or another algorithm is given (or not `resume`: the preset's)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -667,7 +667,12 @@ def parse_args(argv: list[str] | None = None, run_first: bool = False) -> tuple[
     # (the resume check refuses those that may not change); a new run starts from the preset
     args.preset_given, args.preset = args.preset is not None, args.preset or DEFAULT_PRESET
     run_dir = Path(args.run_dir or Path("runs") / args.preset)
-    args.saved_base = None if args.preset_given and not run_first else saved_run_base(run_dir)
+    args.saved_base = None if args.preset_given or not resume else saved_run_base(run_dir)
+    if args.saved_base is not None and "train.algorithm" in overrides:
+        if parse_value(overrides["train.algorithm"]) != args.saved_base["train"]["algorithm"]:
+            args.saved_base = (
+                None  # another algorithm sets other defaults (its loss, estimator, sampling): the preset's
+            )
     try:
         if args.saved_base is not None:
             config = resolve_from(args.saved_base, overrides, str(run_dir / "config.json"))
