@@ -54,6 +54,7 @@ from contract.cli import StrictParser, add_options, given, parse_span, refuse_re
 from contract.durable import atomic_write_json, atomic_write_text
 from contract.rundir import FORKS_DIR, RunDir
 from orchestrate.loop.config import (
+    DEFAULT_PRESET,
     ConfigError,
     EnvSection,
     ProgramSection,
@@ -198,7 +199,7 @@ def resolve_config(args, overrides: dict[str, str], runs: list[RunDir | None]) -
         if "rollouts" not in data:
             raise EvalError(f"--config: {path} is not a run's config.json")
     else:
-        data, whole = load_preset(args.preset or "embedded"), f"preset {args.preset or 'embedded'!r}"
+        data, whole = load_preset(args.preset or DEFAULT_PRESET), f"preset {args.preset or DEFAULT_PRESET!r}"
     try:
         return resolve_from(data, overrides, whole), whole
     except ConfigError as exc:

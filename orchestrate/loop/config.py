@@ -639,12 +639,10 @@ def saved_run_base(run_dir: Path) -> dict[str, Any] | None:
         return None
     if not_a_run_config(data):
         return None
-    data = with_defaults(with_program_section(data))
-    try:
-        RLConfig.model_validate(data)
+    try:  # `with_defaults`, where the saved config is valid
+        return RLConfig.model_validate(_without_ignored(with_program_section(data))).model_dump(mode="json")
     except ValueError:
         return None
-    return data
 
 
 def parse_args(argv: list[str] | None = None, resume: bool = True) -> tuple[argparse.Namespace, RLConfig]:
@@ -665,17 +663,16 @@ def parse_args(argv: list[str] | None = None, resume: bool = True) -> tuple[argp
         overrides["run.iterations"] = str(args.iterations)
     # an existing run resumes from its own settings unless a preset is named: the options given change them
     # (the resume check refuses those that may not change); a new run starts from the preset
-    args.preset_given, args.preset = args.preset is not None, args.preset or DEFAULT_PRESET
+    preset_given, args.preset = args.preset is not None, args.preset or DEFAULT_PRESET
     run_dir = Path(args.run_dir or Path("runs") / args.preset)
-    args.saved_base = None if args.preset_given or not resume else saved_run_base(run_dir)
-    if args.saved_base is not None and "train.algorithm" in overrides:
-        if parse_value(overrides["train.algorithm"]) != args.saved_base["train"]["algorithm"]:
-            args.saved_base = (
-                None  # another algorithm sets other defaults (its loss, estimator, sampling): the preset's
-            )
+    base = None if preset_given or not resume else saved_run_base(run_dir)
+    if base is not None and "train.algorithm" in overrides:
+        # another algorithm sets other defaults (its loss, estimator, sampling): the preset's, as when named
+        if parse_value(overrides["train.algorithm"]) != base["train"]["algorithm"]:
+            base = None
     try:
-        if args.saved_base is not None:
-            config = resolve_from(args.saved_base, overrides, str(run_dir / "config.json"))
+        if base is not None:
+            config = resolve_from(base, overrides, str(run_dir / "config.json"))
         else:
             config = resolve(args.preset, overrides)
     except ConfigError as exc:
