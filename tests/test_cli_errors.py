@@ -9,6 +9,9 @@ import sys
 
 import pytest
 
+from contract.weight_paths import options as weight_options
+from tests.test_layering import commands
+
 
 def one_line_error(out: subprocess.CompletedProcess, *words: str) -> str:
     assert out.returncode == 2, (out.returncode, out.stdout[-1500:], out.stderr[-1500:])
@@ -309,7 +312,7 @@ def test_browse_port_out_of_range(bad_run, port):
     (["--train.lora.rank", "8", "--server.reference_url", "http://127.0.0.1:9", "--train.kl_coef", "0.01"],
      ["--server.reference_url", "scored on the policy servers"]),
     (["--server.weight_transfer", "nccl"], ["--server.weight_transfer", "no GPU"]),
-    (["--server.weight_transfer", "tcp"], ["--server.weight_transfer", "'disk', 'gloo', 'nccl' or 'shm'"]),
+    (["--server.weight_transfer", "tcp"], ["--server.weight_transfer", *(f"'{name}'" for name in weight_options())]),
 ])  # fmt: skip
 def test_placement_staleness_lora_and_weight_options_are_checked_before_anything_starts(
     tmp_path, rl_cli, tiny_model_dir, argv, words
@@ -360,9 +363,7 @@ def test_a_vllm_outside_the_range_is_refused_before_the_run_directory(tmp_path, 
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("module", ["orchestrate.eval", "orchestrate.after.offline", "orchestrate.after.show",
-                                    "orchestrate.after.replay", "orchestrate.after.fork", "orchestrate.after.merge",
-                                    "orchestrate.after.browse"])  # fmt: skip
+@pytest.mark.parametrize("module", sorted(commands()))  # every command, a new one too
 def test_an_unknown_option_is_one_line_not_the_whole_usage(module, capsys):
     out = in_process(module, "x", "--no-such-option", "1", capsys=capsys)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -92,7 +92,12 @@ def test_every_registered_algorithm_is_a_recipe_and_sets_what_its_paper_does():
         t, r = config["train"], config["rollouts"]
         train[name] = (t["loss"], t["estimator"], t["aggregation"], t["normalize_std"],
                        t["grpo"]["clip_eps_high"], t["overlong_buffer"], r["dynamic_sampling"])  # fmt: skip
-    assert train == {
+    from finetune.algorithms import ALGORITHMS
+
+    assert list(train) == list(ALGORITHMS)  # every registered one (one added since too), in its order
+    for name, a in ALGORITHMS.items():
+        assert train[name][:3] == (a.loss, a.estimator, a.aggregation), name
+    shipped = {  # what each paper sets, as the command line resolves it
         "grpo": ("grpo", "group", "token", True, 0.2, 0, False),
         "dr_grpo": ("grpo", "group", "token", False, 0.2, 0, False),
         "dapo": ("grpo", "group", "token", True, 0.28, 26, True),
@@ -102,6 +107,7 @@ def test_every_registered_algorithm_is_a_recipe_and_sets_what_its_paper_does():
         "reinforce": ("reinforce", "none", "token", True, 0.2, 0, False),
         "ppo": ("ppo", "group", "token", True, 0.2, 0, False),
     }
+    assert {name: train[name] for name in shipped} == shipped
 
 
 @pytest.fixture
