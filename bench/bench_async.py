@@ -1,7 +1,7 @@
 """Asynchronous pipeline: the embedded preset at async levels 0, 1 and 2, side by side, in one run.
 
     uv run python bench/bench_async.py [--iterations 10] [--levels 0,1,2] [--eval-every 5]
-                                       [--root /tmp/bench_async] [--plot bench/async_levels.png]
+                                       [--root /tmp/bench_async] [--plot bench/results/bench_async/async_levels.png]
 
 A level written with an `i` (`--levels 1,1i`) is that level with `--run.in_flight_swaps`: new weights enter
 the server under the calls in flight instead of after draining them; the table then compares the seconds
@@ -37,6 +37,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py, also when this file is loaded by its path
+
+from provenance import results_dir, write_sidecar  # noqa: E402
+
 GEN_PHASES = ("generate", "reward", "reference", "weight_sync", "eval")
 
 
@@ -50,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--root", type=Path, default=Path("/tmp/bench_async"), help="run directories (replaced)")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "async_levels.png")
+    parser.add_argument("--plot", type=Path, default=results_dir(__file__) / "async_levels.png")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the server and the trainer to cores")
     parser.add_argument(
         "--report-only", action="store_true", help="run nothing: report and plot the runs already under --root"
@@ -241,6 +245,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    write_sidecar(path)
     print(f"plot: {path}")
 
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_trees import run  # noqa: E402
+from provenance import results_dir, write_json  # noqa: E402
 
 from contract.rundir import RunDir  # noqa: E402
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
@@ -230,7 +231,7 @@ def main() -> int:
     parser.add_argument("--reuse-grpo", action="store_true",
                         help="use the GRPO run (and teacher) already in --out-dir; run the distillation only")  # fmt: skip
     parser.add_argument("--out-dir", default="/tmp/bench_distill", help="where the runs go")
-    parser.add_argument("--out", default="bench", help="where the JSON and the plot go")
+    parser.add_argument("--out", default=str(results_dir(__file__)), help="where the JSON and the plot go")
     parser.add_argument("--report-only", action="store_true", help="read the runs in --out-dir, start none")
     parser.add_argument("--offline-eval", type=int, default=0, metavar="K",
                         help="no evaluation in the runs: every K-th version evaluated after each run (0: off)")  # fmt: skip
@@ -328,7 +329,7 @@ def main() -> int:
           f"{100 * mean['student']:.1f}%, GRPO {100 * mean['rl']:.1f}%")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"distill_{args.preset}{args.tag}.json").write_text(json.dumps(results, indent=1))
+    write_json(out / f"distill_{args.preset}{args.tag}.json", results)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py, also when this file is loaded by its path
+
+from provenance import write_json  # noqa: E402
 
 
 def run(preset: str, iterations: int, every: int, overlap: str, root: Path, extra: list[str]) -> dict:
@@ -77,7 +80,7 @@ def main() -> None:
     if args.out:
         figures = {"date": time.strftime("%Y-%m-%d"), "preset": args.preset, "iterations": args.iterations,
                    "every": args.every, "options": extra, "runs": runs, "ratio": round(ratio, 3)}  # fmt: skip
-        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+        write_json(args.out, figures)
 
 
 if __name__ == "__main__":

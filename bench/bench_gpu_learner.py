@@ -34,16 +34,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance.py, also when loaded by its path
+
+from provenance import results_dir, write_json, write_sidecar  # noqa: E402
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16, SXM
 
@@ -187,7 +191,11 @@ def main() -> None:
         default=0,
         help="also profile one step on this many tasks' samples, per layout: where the GPU's time goes",
     )
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_learner.json")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(results_dir(__file__)),
+        help="folder for gpu_learner.json (default $OUT, else bench/results/bench_gpu_learner)",
+    )
     args = ap.parse_args()
 
     from contract.weight_wire import pack
@@ -264,7 +272,7 @@ def main() -> None:
 
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_learner.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_json(Path(args.out) / "gpu_learner.json", report)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -292,6 +300,7 @@ def profile_step(label: str, model_dir: Path, config, samples, out: str | None, 
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"profile_{label}.txt").write_text(line + "\n" + table)
+        write_sidecar(Path(out) / f"profile_{label}.txt")
     del learner
     if gpu:
         torch.cuda.empty_cache()

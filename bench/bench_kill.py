@@ -61,6 +61,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py, also when this file is loaded by its path
+
+from provenance import write_json  # noqa: E402
 
 from contract.durable import PARTIAL_SUFFIX, read_jsonl  # noqa: E402
 from contract.rundir import LOOP_PHASES, RunDir  # noqa: E402
@@ -634,16 +637,14 @@ def main() -> int:
     for f in finals:
         print(f"  - {f['run']} at its end: {f['problems']}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "table": rows,
-                    "events": bench.events,
-                    "finished_runs": bench.finished_runs,
-                },
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "table": rows,
+                "events": bench.events,
+                "finished_runs": bench.finished_runs,
+            },
         )
     ok = not bad and not missing
     print("RESULT:", "PASS" if ok else f"FAIL ({bad} problems, {missing} rows with a kill not resumed)")

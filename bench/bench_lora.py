@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import compare_algorithms as ca  # noqa: E402
 from proc_tree import children, cmdline, descendants, pss_gib  # noqa: E402
+from provenance import write_sidecar  # noqa: E402
 
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
@@ -70,6 +71,7 @@ class MemorySampler(threading.Thread):
     def __init__(self, out: Path):
         super().__init__(daemon=True)
         self.out, self.stop = out, threading.Event()
+        write_sidecar(out / "memory.json")  # the command whose arms these peaks are
         try:
             self.peaks = json.loads((out / "memory.json").read_text())
         except (OSError, ValueError):
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("\n" + text)
     (out / "costs.md").write_text(text + "\n")
+    write_sidecar(out / "costs.md")
     return code
 
 

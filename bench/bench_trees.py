@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import results_dir, write_json  # noqa: E402
 
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 from orchestrate.loop.trees import generated_tokens  # noqa: E402
@@ -181,7 +184,7 @@ def main() -> int:
     parser.add_argument("--preset", default="game")
     parser.add_argument("--minutes", type=float, default=25.0, help="each run's run.max_minutes")
     parser.add_argument("--out-dir", default="/tmp/bench_trees", help="where the runs go")
-    parser.add_argument("--out", default="bench", help="where the JSON and the plot go")
+    parser.add_argument("--out", default=str(results_dir(__file__)), help="where the JSON and the plot go")
     parser.add_argument("--report-only", action="store_true", help="read the runs in --out-dir, start none")
     parser.add_argument("--skip-learner", action="store_true", help="no shared-against-unshared learner step")
     parser.add_argument("--arms", default="chain,tree", help="which runs to make: chain, tree or both")
@@ -230,7 +233,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"trees_{args.preset}{args.tag}"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    write_json(out / f"{name}.json", results)
     plot(results, out / f"{name}.png", args.preset)
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return 0

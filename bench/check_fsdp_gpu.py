@@ -19,7 +19,6 @@ Prints one line per check (PASS or FAIL) and writes fsdp_check.json to --out (or
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -30,6 +29,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py, also when this file is loaded by its path
+
+from provenance import results_dir, write_json  # noqa: E402
 
 
 def batch(seed: int):
@@ -77,7 +79,11 @@ def main() -> int:
         "--accelerate-config", default="finetune/accelerate/multi_gpu_fsdp.yaml", help="relative to the repository"
     )
     ap.add_argument("--num-processes", type=int, default=max(1, torch.cuda.device_count()))
-    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(results_dir(__file__)),
+        help="folder for fsdp_check.json (default $OUT, else bench/results/check_fsdp_gpu)",
+    )
     args = ap.parse_args()
 
     from contract.batch import batch_file, write_batch
@@ -131,10 +137,10 @@ def main() -> int:
     ok = all(r["ok"] for r in results)
     print(f"RESULT: {'PASS' if ok else 'FAIL'} ({sum(r['ok'] for r in results)}/{len(results)} checks)", flush=True)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "fsdp_check.json").write_text(
-            json.dumps({"device": device, "config": args.accelerate_config, "processes": args.num_processes,
-                        "results": results}, indent=1) + "\n")  # fmt: skip
+        write_json(
+            Path(args.out) / "fsdp_check.json",
+            {"device": device, "config": args.accelerate_config, "processes": args.num_processes, "results": results},
+        )
     return 0 if ok else 1
 
 

@@ -57,6 +57,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project's root on the path
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py, also when this file is loaded by its path
+
+from provenance import provenance, results_dir  # noqa: E402
 
 BF16_BOUND = 0.1  # max |log-prob gap| vLLM vs transformers in bf16 on a GPU (different kernels, bf16 rounding)
 FP32_BOUND = 1e-3  # the same in fp32 on CPU
@@ -940,7 +943,11 @@ def device_name(cuda: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--cpu", action="store_true", help="run without CUDA (the checks that need it are SKIPped)")
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for check_gpu_path.json and its log")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(results_dir(__file__)),
+        help="folder for check_gpu_path.json and its log (default $OUT, else bench/results/check_gpu_path)",
+    )
     ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the checks and exit")
     ap.add_argument("--keep-work", action="store_true", help="keep the work folder (models, runs, logs)")
@@ -975,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
         log = open(out / "check_gpu_path.log", "w")
     ctx = Context(work=work, cuda=cuda, log=log)
     record = {"device": device_name(cuda), "dev_shm_gib": shm_gib(), "versions": versions(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "work": str(work), "budget_s": args.budget_s, "checks": {}}  # fmt: skip
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "work": str(work), "budget_s": args.budget_s, "provenance": provenance(argv if argv is None else [__file__, *argv]), "checks": {}}  # fmt: skip
     ctx.say(f"device: {record['device']}; " + ", ".join(f"{k} {v}" for k, v in record["versions"].items()))
     start = time.monotonic()
     try:

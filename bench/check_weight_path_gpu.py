@@ -18,27 +18,33 @@ Exit status 1 if a check failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 if __package__ in (None, ""):  # run as a script: the project's root on the path
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract import weight_wire as wt  # noqa: E402
 from contract.weight_paths import select  # noqa: E402
 from finetune.publish.collective import CollectivePublisher  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance.py, also when loaded by its path
+
+from provenance import results_dir, write_json  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=0.6, help="size of the version in GiB (bf16)")
-    ap.add_argument("--out", default=None, help="folder for check_weight_path.json")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(results_dir(__file__)),
+        help="folder for check_weight_path.json (default $OUT, else bench/results/check_weight_path_gpu)",
+    )
     args = ap.parse_args()
     if args.gib <= 0:
         ap.error("--gib must be positive")
@@ -127,8 +133,7 @@ def main() -> int:
     failed = [k for k, v in record["checks"].items() if not v["ok"]]
     print(f"{len(record['checks']) - len(failed)} of {len(record['checks'])} checks passed")
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "check_weight_path.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_json(Path(args.out) / "check_weight_path.json", record)
     return 1 if failed else 0
 
 

@@ -15,7 +15,7 @@ with its paper) is one real run of
 preset's held-out tasks (200; --eval-tasks to change), with --options (orchestrate.rl's, one string) added to
 every recipe: the same comparison under other settings (--options may not set what a recipe or this script
 sets; its marker OUT/RECIPE.done and the table name them). Its output goes to OUT/RECIPE.log. Every recipe's
-options are checked by the command line's own parser (`orchestrate.loop.config.parse_args`, what `--print-config`
+options are checked by the command line's own parser (`orchestrate.loop.command_line.parse_args`, what `--print-config`
 runs) before anything starts, and so is a run directory already in OUT: it must hold this recipe's run.
 
 The runs can be spread over several sessions (`--recipes grpo,ppo`): a run that ended (OUT/RECIPE.done) is
@@ -47,6 +47,9 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py, also when this file is loaded by its path
+
+from provenance import write_sidecar  # noqa: E402
 
 from contract.durable import atomic_write_text  # noqa: E402
 from finetune.algorithms import ALGORITHMS  # noqa: E402
@@ -162,7 +165,7 @@ def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes:
 def resolved(name: str, argv: list[str]) -> dict:
     """The recipe's config as `orchestrate.rl --print-config` resolves it (its own parser, in this process),
     or Refused with the parser's line."""
-    from orchestrate.loop.config import parse_args as rl_parse_args
+    from orchestrate.loop.command_line import parse_args as rl_parse_args
 
     err = io.StringIO()
     try:
@@ -179,7 +182,7 @@ def check_run_dir(name: str, run_dir: Path, config: dict) -> None:
     """A run directory already there must hold this recipe's run with these options (those a resume may
     change aside: orchestrate.rl's RESUMABLE, the time budget among them)."""
     from contract.rundir import RunDir, RunDirError
-    from orchestrate.loop.config import config_differences
+    from orchestrate.loop.resume import config_differences
     from orchestrate.rl import RESUMABLE
 
     try:
@@ -322,6 +325,7 @@ def report(out: Path, marks: list[float], plot_copy: Path | None, study: Study =
     ])  # fmt: skip
     atomic_write_text(out / "table.md", text)
     plot(rows, marks, png, common, study.name)
+    write_sidecar(out / "table.md")  # the report's (table and plot); each run's own is RECIPE.provenance.json
     if plot_copy is not None and plot_copy.resolve() != png.resolve():
         plot_copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(png, plot_copy)
@@ -398,6 +402,7 @@ def main(argv: list[str] | None = None, study: Study = STUDY) -> int:
         if left > 0 or not done_marker(args.out, name).is_file():  # (or it used its minutes, then we stopped)
             marker = {"minutes": args.minutes, **({"options": args.options} if args.options else {})}
             atomic_write_text(done_marker(args.out, name), json.dumps(marker) + "\n")
+            write_sidecar(done_marker(args.out, name))
         s = summary(read_metrics(run_dir / "metrics.jsonl"), [math.inf])  # the whole run
         evals, used = s["evals"], timeline(read_metrics(run_dir / "metrics.jsonl"))
         print(f"{name}: {'ran' if left > 0 else 'reused'}, {used[-1][0] if used else 0:.1f} min, "

@@ -1,6 +1,9 @@
 """Held-out success of several runs against wall-clock minutes, in one plot and one table.
 
-    uv run python bench/compare_runs.py RUN_A RUN_B ... --labels "GRPO,PPO" --out bench/ppo_vs_grpo.png
+    uv run python bench/compare_runs.py RUN_A RUN_B ... --labels "GRPO,PPO" --out bench/results/compare_runs/ppo_vs_grpo.png
+
+Without --out the plot is bench/results/compare_runs/A_vs_B.png, A and B the runs' folder names; beside it,
+STEM.provenance.json says when, from which commit, by which command and on which machine it was made.
 
 Reads each run's metrics.jsonl (the numbers the loop logged: eval_success_rate at the iterations it
 evaluated, elapsed_s from the command's start, the trainer's seconds per iteration). The trainer's
@@ -15,6 +18,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from provenance import results_dir, write_sidecar  # noqa: E402
 
 from orchestrate.loop.metrics import read_metrics  # noqa: E402
 
@@ -23,7 +29,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run directories")
     parser.add_argument("--labels", help="comma-separated, one per run (default: the folder names)")
-    parser.add_argument("--out", required=True, help="PNG to write")
+    parser.add_argument("--out", help="PNG to write (default: bench/results/compare_runs/A_vs_B.png)")
     parser.add_argument("--title", default="held-out success")
     parser.add_argument("--minutes", type=float, help="only up to this many minutes from the start")
     args = parser.parse_args()
@@ -68,9 +74,13 @@ def main() -> int:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=90)
-    print(f"wrote {args.out}")
+    out = (
+        Path(args.out) if args.out else results_dir(__file__) / ("_vs_".join(Path(r).name for r in args.runs) + ".png")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    write_sidecar(out)
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,8 +1,7 @@
 """A distillation student against every recorded RL run of its preset, not only the one that made its teacher.
 
-    uv run --no-sync python bench/distill_vs_rl_runs.py bench/distill_game.json \\
-        --rl bench/distill_game.json bench/distill_game-topk.json bench/distill_game-topk30.json bench/trees_game.json:chain \\
-        --out bench/distill_game_vs_rl_runs
+    uv run --no-sync python bench/distill_vs_rl_runs.py bench/results/bench_distill/distill_game.json \\
+        --rl bench/results/bench_distill/distill_game.json bench/results/bench_distill/distill_game-topk.json bench/results/bench_distill/distill_game-topk30.json bench/results/bench_trees/trees_game.json:chain
 
 The student's held-out curve is the `distill` curve of a bench_distill.py JSON (its teacher: that run's
 checkpoint); each RL curve is the `grpo` curve of a bench_distill.py JSON, or `FILE:ARM` for an arm of a
@@ -24,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_distill import at, compare_curves  # noqa: E402
+from provenance import results_dir, write_json  # noqa: E402
 
 Curve = list[tuple[float, float, int]]  # (minutes from the command's start, held-out success, iteration)
 
@@ -43,7 +43,7 @@ def read_curve(spec: str, key: str) -> Curve:
 
 
 def default_label(spec: str) -> str:
-    """`bench/distill_game.json` -> `distill_game`, `bench/trees_game.json:chain` -> `trees_game:chain`."""
+    """`bench/results/bench_distill/distill_game.json` -> `distill_game`, `bench/results/bench_trees/trees_game.json:chain` -> `trees_game:chain`."""
     path, sep, arm = spec.partition(":")
     return Path(path).stem + sep + arm
 
@@ -93,7 +93,11 @@ def main() -> int:
     parser.add_argument("--rl", nargs="+", required=True, help="RL curves: bench_distill.py JSONs, or FILE:ARM")
     parser.add_argument("--labels", help="comma-separated, one per --rl curve (default: the files' names)")
     parser.add_argument("--minutes", type=float, default=30.0, help="compare up to this many minutes")
-    parser.add_argument("--out", required=True, help="OUT.json and OUT.png are written")
+    parser.add_argument(
+        "--out",
+        help="OUT.json and OUT.png are written (default: bench/results/distill_vs_rl_runs/"
+        "STUDENT_vs_rl_runs, STUDENT the student JSON's name)",
+    )
     args = parser.parse_args()
     if not args.minutes > 0:
         parser.error(f"--minutes: {args.minutes} (give a positive number)")
@@ -121,9 +125,8 @@ def main() -> int:
     print(f"  the RL runs' mean at their last evaluation within {args.minutes:g} min: "
           f"{100 * result['rl_mean_last']:.1f}%; the student ahead of {result['student_ahead_of']}, level with "
           f"{result['student_level_with']}, behind {result['student_behind']}")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"student": args.student, "rl": args.rl, **result}, indent=1))
+    out = Path(args.out) if args.out else results_dir(__file__) / f"{Path(args.student).stem}_vs_rl_runs"
+    write_json(out.with_suffix(".json"), {"student": args.student, "rl": args.rl, **result})
     plot(student, runs, out.with_suffix(".png"), args.minutes)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0

@@ -251,11 +251,12 @@ def test_report_only_without_runs_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("record", ["algorithms", "algorithms_steps4"])
 def test_the_docs_show_the_table_of_the_recorded_runs(record):
-    """docs/results.md's tables are the script's own, from the runs kept in bench/RECORD (not a copy typed by
-    hand), and bench/RECORD/table.md was rebuilt from the same runs."""
+    """docs/results.md's tables are the script's own, from the runs kept in bench/results/compare_algorithms/RECORD
+    (not a copy typed by hand), and its table.md was rebuilt from the same runs."""
     root = Path(__file__).parent.parent
-    rows = ca.runs(root / "bench" / record, [10, 20, 30])
-    assert rows, f"bench/{record} holds no recipe's run"
+    kept = root / "bench" / "results" / "compare_algorithms" / record
+    rows = ca.runs(kept, [10, 20, 30])
+    assert rows, f"{kept} holds no recipe's run"
     made = ca.table(rows, [10, 20, 30])
     assert made in (root / "docs" / "results.md").read_text()
-    assert made in (root / "bench" / record / "table.md").read_text()
+    assert made in (kept / "table.md").read_text()

@@ -153,7 +153,7 @@ def test_a_sigint_ignored_from_the_start_stays_ignored(capsys, terminal_sigint):
 
 
 def test_auto_overlaps_only_where_the_servers_and_the_learner_compute_apart():
-    """On shared CPU cores an overlapped evaluation slowed the run 2.3x (bench/eval_overlap_embedded-shared.json):
+    """On shared CPU cores an overlapped evaluation slowed the run 2.3x (bench/results/bench_eval_overlap/eval_overlap_embedded-shared.json):
     auto overlaps on split cores, on GPUs not colocated, with servers by URL; never colocated nor above level 0."""
 
     def config(**overrides):
