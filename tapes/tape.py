@@ -121,6 +121,11 @@ class LLMCall(OpenTapeModel):
         description="whether prompt_token_ids are exactly the previous call's prompt + output ids followed "
         "by more tokens (None for the first call of an episode); False means the conversation was re-rendered",
     )
+    protocol: str | None = Field(
+        None,
+        description="the API an agent program's call came in on through the gateway: 'chat.completions', "
+        "'completions', 'responses' or 'messages', with '+stream' where it was streamed (None: the built-in agent)",
+    )
 
     def token_versions(self) -> list[int]:
         """The policy version that sampled each output token."""

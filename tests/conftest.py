@@ -247,3 +247,22 @@ def terminal_sigint():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def agent_for(tokenizer):
+    """ProgramAgent(program, **options) on the embedded tokenizer with a sandbox stand-in, closed after the test."""
+    from orchestrate.gateway.agent import ProgramAgent
+    from tests.programs import SAMPLING, FakeSandbox
+
+    made = []
+
+    def make(program, **kw):
+        agent = ProgramAgent(program, SAMPLING, tokenizer, max_context=kw.pop("max_context", 1024),
+                             sandbox=FakeSandbox(), **kw)  # fmt: skip
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.close()

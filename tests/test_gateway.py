@@ -6,89 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import httpx
 import pytest
 
 from agents.agent import turn_rewards
 from agents.env_spec import EnvSpec
-from agents.envs import make_env
 from agents.program import ProgramError, load_program
 from agents.tool_format import ToolFormat, ToolFormatError, check_tools
 from orchestrate.gateway.agent import MODEL_NAME, ProgramAgent
 from orchestrate.loop.samples import tape_samples
 from orchestrate.serving.llm import LLMError
 from orchestrate.serving.recorded import ReplayLLM
-from tapes.tape import AgentMessage, ProgramMessage, SamplingParams, Tape, ToolCallAction, ToolResultObservation
+from tapes.tape import AgentMessage, ProgramMessage, Tape, ToolCallAction, ToolResultObservation
+from tests.programs import SAMPLING, ScriptedLLM, answer_of, arithmetic, play
 from tests.scripted import scripted_call
-
-SAMPLING = SamplingParams(temperature=0.7, max_tokens=64)
-
-
-class ScriptedLLM:
-    """Answers each call with the next text of `replies`, tokenised (the ids a server would have sampled, the
-    end-of-turn token appended where `eos`)."""
-
-    def __init__(self, tokenizer, replies, eos=True):
-        self.tokenizer, self.replies, self.eos = tokenizer, list(replies), eos
-        self.prompts: list[list[int]] = []
-
-    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text=""):
-        self.prompts.append(list(prompt_ids))
-        text = self.replies.pop(0)
-        if isinstance(text, Exception):
-            raise text
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        stopped = any(text.endswith(s) for s in sampling.stop)
-        if self.eos and not stopped:
-            ids = ids + [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
-
-
-def arithmetic():
-    return make_env("math:arithmetic", {"digits": 3, "operands": 2, "operations": ["*"]}, split="train", run_seed=0)
-
-
-def play(agent, llm, seed=3):
-    tape = Tape()
-    asyncio.run(agent.run_episode(arithmetic(), seed, llm, tape))
-    return tape
-
-
-def answer_of(seed=3):
-    env = arithmetic()
-    question, _ = env.reset(seed=seed)
-    a, b = [int(x) for x in question.removeprefix("What is ").rstrip("?").split(" * ")]
-    return a, b, a * b
-
-
-class FakeSandbox:
-    def run(self, code):
-        from agents.sandbox import SandboxResult
-
-        namespace: dict = {}
-        import contextlib
-        import io
-
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(code, namespace)  # test code of our own
-        return SandboxResult(stdout=out.getvalue(), stderr="", exit_code=0)
-
-
-@pytest.fixture
-def agent_for(tokenizer):
-    made = []
-
-    def make(program, **kw):
-        agent = ProgramAgent(program, SAMPLING, tokenizer, max_context=kw.pop("max_context", 1024),
-                             sandbox=FakeSandbox(), **kw)  # fmt: skip
-        made.append(agent)
-        return agent
-
-    yield make
-    for agent in made:
-        agent.close()
 
 
 def tool_reply(a, b):
@@ -198,13 +131,16 @@ def test_the_programs_faults_get_readable_http_errors_and_stay_on_the_tape(token
             "model": dict(model="gpt-4o", messages=user),
             "tools": dict(model=task.model, messages=user, tools=[{"type": "function", "function": {"name": ""}}]),
             "context": dict(model=task.model, messages=[{"role": "user", "content": "word " * 3000}]),
-            "stream": dict(model=task.model, messages=user, stream=True),
         }.items():
             try:
                 await client.chat.completions.create(**kwargs)
             except openai.APIStatusError as exc:
                 seen[name] = (exc.status_code, exc.message)
                 seen[name + " code"] = exc.code
+        try:  # chat completions stream; the legacy completions do not
+            await client.completions.create(model=task.model, prompt="A", stream=True)
+        except openai.APIStatusError as exc:
+            seen["stream"] = (exc.status_code, exc.message)
         return 1.0
 
     tape = play(agent_for(faulty), ScriptedLLM(tokenizer, []))
@@ -212,7 +148,7 @@ def test_the_programs_faults_get_readable_http_errors_and_stay_on_the_tape(token
     assert seen["tools"][0] == 400 and "tools[0].function.name" in seen["tools"][1]
     assert seen["context"][0] == 400 and "the model's context is 1024" in seen["context"][1]
     assert seen["context code"] == "context_length_exceeded" and seen["tools code"] is None  # OpenAI's shape
-    assert seen["stream"][0] == 400
+    assert seen["stream"][0] == 400 and "/v1/completions is not streamed" in seen["stream"][1]
     assert tape.metadata.error.startswith("gateway: HTTP 404: model 'gpt-4o'")  # the first fault
     assert tape_samples(tape, require_ref=False) == []
 
@@ -305,6 +241,20 @@ def test_a_program_path_of_the_wrong_shape_is_refused_in_one_line(path, words):
     with pytest.raises(ProgramError, match=None) as info:
         load_program(path)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+PROGRAMS = sorted(p.stem for p in (Path(__file__).parent.parent / "agents" / "programs").glob("*.py")
+                  if p.stem != "__init__")  # fmt: skip
+
+
+@pytest.mark.parametrize("module", PROGRAMS)
+def test_every_shipped_program_answers_a_task_through_the_gateway(tokenizer, agent_for, module):
+    """Every program in agents/programs/ (a new one too: nothing registers it) plays an episode through the
+    gateway: the model answering at once, its one call is recorded and the environment scores the answer."""
+    a, b, product = answer_of()
+    tape = play(agent_for(f"agents.programs.{module}:play"), ScriptedLLM(tokenizer, [f"So \\boxed{{{product}}}."]))
+    assert tape.metadata.error is None, tape.metadata.error
+    assert len(tape.llm_calls) == 1 and tape.metadata.reward == 1.0 and tape.metadata.success is True
 
 
 def test_tools_are_checked_and_parsed_by_vllms_parser(tokenizer):

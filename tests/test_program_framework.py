@@ -8,10 +8,9 @@ from __future__ import annotations
 from orchestrate.loop.samples import tape_samples
 from orchestrate.serving.recorded import ReplayLLM
 from tapes.tape import ToolResultObservation
-from tests import test_gateway
-from tests.test_gateway import ScriptedLLM, answer_of, assert_steps_of_the_tool_example, play, tool_reply
+from tests.programs import ScriptedLLM, answer_of, play
+from tests.test_gateway import assert_steps_of_the_tool_example, tool_reply
 
-agent_for = test_gateway.agent_for  # the fixture: ProgramAgents on the scripted LLM, closed after the test
 PROGRAM = "agents.programs.pydantic_ai_tools:play"
 
 

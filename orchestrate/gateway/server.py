@@ -1,10 +1,17 @@
 """The gateway: an OpenAI-compatible API with a base URL per episode, in front of the policy servers.
 
-    http://127.0.0.1:PORT/episodes/EPISODE/v1/chat/completions   (tools, tool_choice)
+    http://127.0.0.1:PORT/episodes/EPISODE/v1/chat/completions   OpenAI's chat completions (tools, stream)
+                                             /v1/responses          OpenAI's Responses API (responses_api.py)
+                                             /v1/messages           Anthropic's Messages API (messages_api.py)
+                                             /v1/messages/count_tokens
                                              /v1/completions
                                              /v1/models
 
-Every request needs the run's key (`Authorization: Bearer KEY`); an episode that is not open here (another
+Every protocol's request becomes a chat request (its messages, tools, tool choice, limits), rendered and
+recorded by the one path in session.py; its reply is written back in the protocol's shape, streamed as
+server-sent events where asked (chat_api.py: sampled whole, then streamed). Errors come in the protocol's shape.
+
+Every request needs the run's key (`Authorization: Bearer KEY`, or `x-api-key: KEY`); an episode that is not open here (another
 run's, or one that ended) is refused. It listens on loopback unless told otherwise.
 
 It runs in a thread of its own (uvicorn, its own event loop), for the life of the process; each episode's
@@ -28,6 +35,9 @@ from collections import OrderedDict
 from functools import cached_property
 from typing import Any
 
+from orchestrate.gateway.chat_api import ChatCall
+from orchestrate.gateway.messages_api import MessagesCall
+from orchestrate.gateway.responses_api import ResponsesCall
 from orchestrate.gateway.session import EpisodeSession, GatewayError, dumps
 
 PREFIX = "/episodes"
@@ -120,10 +130,11 @@ class Gateway:
     # -- HTTP ----------------------------------------------------------------------
 
     def _authorized(self, request) -> bool:
+        """The run's key, as OpenAI's clients send it (`Authorization: Bearer KEY`) or Anthropic's (`x-api-key`,
+        or the same bearer header)."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(
-            hashlib.sha256(token.strip().encode()).digest(), self._digest
-        )
+        token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        return bool(token) and secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest)
 
     @cached_property
     def asgi(self):
@@ -133,47 +144,83 @@ class Gateway:
 
     def _app(self):
         from starlette.applications import Starlette
+        from starlette.responses import StreamingResponse
         from starlette.routing import Route
 
+        async def on_episode_loop(session: EpisodeSession, work):
+            """Run an episode's work on the loop that plays it (where its LLM client lives)."""
+            if asyncio.get_running_loop() is session.loop:  # a client on the episode's own loop
+                return await work
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, session.loop))
+
+        def failure(session: EpisodeSession, exc: Exception) -> GatewayError:
+            """The error a request's failure is answered with; a fault of the program's kept as its episode's."""
+            if isinstance(exc, GatewayError):
+                return session.fault(exc) if exc.status < 500 else exc
+            # a bug of ours: the program reads it, the tape keeps it
+            return session.fault(GatewayError(500, f"{type(exc).__name__}: {exc}", "server_error"))
+
         async def handle(request):
+            endpoint = request.path_params["endpoint"]
+            api = API_OF.get(endpoint, ChatCall)  # the protocol whose shape errors take
             if not self._authorized(request):
-                return _json(401, GatewayError(401, "this gateway needs the run's key: Authorization: Bearer KEY",
-                                               "authentication_error").body())  # fmt: skip
+                return _json(401, api.error(GatewayError(401, "this gateway needs the run's key: Authorization: "
+                                                              "Bearer KEY (or x-api-key: KEY)", "authentication_error")))  # fmt: skip
             episode = request.path_params["episode"]
             session = self.sessions.get(episode)
             if session is None or session.closed:
                 if episode in self._closed:
-                    return _json(409, GatewayError(409, f"episode {episode} has ended: its tape is written",
-                                                   "episode_ended").body())  # fmt: skip
-                return _json(404, GatewayError(404, f"no episode {episode} on this gateway (another run's?)",
-                                               "not_found_error").body())  # fmt: skip
-            endpoint = request.path_params["endpoint"]
+                    return _json(409, api.error(GatewayError(409, f"episode {episode} has ended: its tape is written",
+                                                             "episode_ended")))  # fmt: skip
+                return _json(404, api.error(GatewayError(404, f"no episode {episode} on this gateway (another run's?)",
+                                                         "not_found_error")))  # fmt: skip
             if endpoint == "models" and request.method == "GET":
                 return _json(200, {"object": "list", "data": [
                     {"id": session.model_name, "object": "model", "created": 0, "owned_by": "tapeloop"}]})  # fmt: skip
-            if request.method != "POST" or endpoint not in ("chat/completions", "completions"):
-                return _json(404, GatewayError(404, f"{request.method} /v1/{endpoint} is not served here",
-                                               "not_found_error").body())  # fmt: skip
+            if request.method != "POST" or endpoint not in POSTED:
+                return _json(404, api.error(GatewayError(404, f"{request.method} /v1/{endpoint} is not served here",
+                                                         "not_found_error")))  # fmt: skip
             try:
                 body = await request.json()
             except Exception:  # noqa: BLE001 - any unreadable body
-                return _json(400, session.fault(GatewayError(400, "the request body is not JSON")).body())
+                return _json(400, api.error(session.fault(GatewayError(400, "the request body is not JSON"))))
             if not isinstance(body, dict):
-                return _json(400, session.fault(GatewayError(400, "the request body must be a JSON object")).body())
+                return _json(400, api.error(session.fault(GatewayError(400, "the request body must be a JSON object"))))
             try:
-                work = session.chat(body) if endpoint == "chat/completions" else session.complete(body)
-                if asyncio.get_running_loop() is session.loop:  # a client on the episode's own loop
-                    answer = await work
-                else:
-                    answer = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, session.loop))
-            except GatewayError as exc:
-                if exc.status < 500:
-                    session.fault(exc)
-                return _json(exc.status, exc.body())
-            except Exception as exc:  # noqa: BLE001 - a bug of ours: the program reads it, the tape keeps it
-                error = session.fault(GatewayError(500, f"{type(exc).__name__}: {exc}", "server_error"))
-                return _json(500, error.body())
-            return _json(200, answer)
+                if endpoint == "completions":
+                    return _json(200, await on_episode_loop(session, session.complete(body)))
+                if endpoint == "messages/count_tokens":
+                    call = MessagesCall(body, session, counting=True)
+                    counted = await on_episode_loop(session, session.count_tokens(call.chat_body()))
+                    return _json(200, {"input_tokens": counted})
+                call = api(body, session)
+                chat_body = call.chat_body()
+                if not call.streamed:
+                    return _json(200, call.reply(await on_episode_loop(session, session.chat(chat_body, call.name))))
+                prepared = await on_episode_loop(session, session.prepare_chat(chat_body, call.name + "+stream"))
+            except Exception as exc:  # noqa: BLE001 - each failure answered in the protocol's shape
+                error = failure(session, exc)
+                return _json(error.status, api.error(error))
+
+            async def events():
+                for event in call.head(prepared):
+                    yield event
+                try:
+                    answer = await on_episode_loop(session, session.answer(prepared))
+                except Exception as exc:  # noqa: BLE001 - the stream has begun: the failure is its last event
+                    for event in call.failed(failure(session, exc)):
+                        yield event
+                    return
+                for event in call.tail(answer):
+                    yield event
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})  # fmt: skip
 
         routes = [Route(PREFIX + "/{episode}/v1/{endpoint:path}", handle, methods=["GET", "POST"])]
         return Starlette(routes=routes)
+
+
+API_OF = {"chat/completions": ChatCall, "responses": ResponsesCall, "messages": MessagesCall,
+          "messages/count_tokens": MessagesCall}  # fmt: skip
+POSTED = {*API_OF, "completions"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
@@ -134,6 +135,38 @@ def _same_message(sent: dict[str, Any], echoed: dict[str, Any]) -> bool:
     return echoed["content"].strip() in ("", sent["content"].strip())
 
 
+@dataclass
+class PreparedChat:
+    """A chat request rendered and checked, not yet sent: what `EpisodeSession.answer` samples."""
+
+    protocol: str  # recorded on the call: the API it came in on
+    messages: list[dict[str, Any]]
+    new: list[dict[str, Any]]  # the messages not already on the tape
+    tools: list[dict[str, Any]]
+    offered: list[dict[str, Any]]  # the tools a reply's calls are parsed against (tool_choice)
+    sampling: SamplingParams
+    prompt_ids: list[int]
+    prompt_text: str
+    extends: bool
+    asked_stops: list[str]
+
+
+@dataclass
+class ChatAnswer:
+    """One sampled reply as every protocol reads it: the call on the tape, its text and tool calls."""
+
+    call: LLMCall
+    content: str | None  # the text less its tool calls (None: the calls alone)
+    tool_calls: list[dict[str, Any]]  # OpenAI's shape, ids of ours
+    finish_reason: str  # stop, length or tool_calls
+    stop_sequence: str | None  # the request's stop string that ended it, left out of the text
+
+    @property
+    def usage(self) -> tuple[int, int]:
+        """(prompt tokens, output tokens)."""
+        return len(self.call.prompt_token_ids), len(self.call.output_token_ids)
+
+
 class EpisodeSession:
     """The gateway's side of one episode: its tape, its LLM (a VLLMClient, or a ReplayLLM for a replay), the
     run's sampling, and the previous call to extend."""
@@ -165,6 +198,8 @@ class EpisodeSession:
         self._ids: list[int] | None = None
         self._last_call: LLMCall | None = None
         self._names: dict[str, str] = {}  # tool call id -> the function it called
+        # the Responses API's stored responses (orchestrate.gateway.responses_api): id -> its conversation
+        self.responses: dict[str, list[dict[str, Any]]] = {}
 
     def fault(self, error: GatewayError) -> GatewayError:
         if self.error is None:
@@ -193,8 +228,6 @@ class EpisodeSession:
         a request may ask for fewer new tokens and add stop strings."""
         if body.get("n") not in (None, 1):  # a client may send null for what it leaves unset
             raise GatewayError(400, "n: one choice per request is served")
-        if body.get("stream"):
-            raise GatewayError(400, "stream: streamed responses are not served; send stream=false")
         top = body.get("top_logprobs")
         legacy = body.get("logprobs")  # /v1/completions: the number of alternatives beside the sampled token
         if top or (isinstance(legacy, int) and not isinstance(legacy, bool) and legacy > 0):
@@ -244,8 +277,11 @@ class EpisodeSession:
                     return text[: -len(stop)]
         return text
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /v1/chat/completions."""
+    async def prepare_chat(
+        self, body: dict[str, Any], protocol: str = "chat.completions", fit: bool = True
+    ) -> PreparedChat:
+        """A chat request checked and rendered, nothing sent nor recorded yet: every fault of the request's own is
+        raised here (a streamed reply starts only once this has passed)."""
         self._check_model(body)
         messages = normalise(body.get("messages"))
         try:
@@ -278,26 +314,53 @@ class EpisodeSession:
                 )
         except (ValueError, TypeError, KeyError, TemplateError) as exc:  # the template refused these messages
             raise GatewayError(400, f"messages: the chat template cannot render them ({exc})") from None
-        sampling = self._fit(prompt_ids, sampling)
-        call = await self._complete(prompt_ids, sampling, messages, prompt_text)
-        content, calls = self.tools.parse(self._without_stop(call, self._asked_stops(body)), offered)
+        sampling = self._fit(prompt_ids, sampling) if fit else sampling
+        return PreparedChat(protocol, messages, new, tools, offered, sampling, prompt_ids,
+                            prompt_text, extends, self._asked_stops(body))  # fmt: skip
+
+    async def answer(self, prepared: PreparedChat) -> ChatAnswer:
+        """The prepared call sampled, parsed and recorded on the tape."""
+        p = prepared
+        call = await self._complete(p.prompt_ids, p.sampling, p.messages, p.prompt_text)
+        call.protocol = p.protocol
+        text = self._without_stop(call, p.asked_stops)
+        content, calls = self.tools.parse(text, p.offered)
         for i, c in enumerate(calls):  # ids of ours, the same in a replay (the parser's are random)
             c["id"] = f"call_{self.calls + 1}_{i}"
-        self._record(call, new, calls, extends)
+        self._record(call, p.new, calls, p.extends)
         reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
         if calls:
             reply["tool_calls"] = calls
-        self._history, self._tools, self._last_call = [*messages, reply], tools, call
+        self._history, self._tools, self._last_call = [*p.messages, reply], p.tools, call
         self._ids = call.prompt_token_ids + call.output_token_ids
         self.last_reply = content or ""
         finish = "tool_calls" if calls else call.finish_reason or "stop"
-        logprobs = self._chat_logprobs(call) if body.get("logprobs") else None
-        return self._response("chat.completion", call, {"index": 0, "message": {**reply, "content": content},
-                                                        "finish_reason": finish, "logprobs": logprobs})  # fmt: skip
+        stop_sequence = call.output_text[len(text) :] or None
+        return ChatAnswer(call, content, calls, finish, stop_sequence)
+
+    async def count_tokens(self, body: dict[str, Any]) -> int:
+        """The tokens a chat request's prompt would take here, nothing sent nor recorded."""
+        return len((await self.prepare_chat(body, fit=False)).prompt_ids)
+
+    async def chat(self, body: dict[str, Any], protocol: str = "chat.completions") -> ChatAnswer:
+        """A chat request whole: checked, sampled, recorded."""
+        return await self.answer(await self.prepare_chat(body, protocol))
+
+    def chat_completion(self, answer: ChatAnswer, logprobs: bool = False) -> dict[str, Any]:
+        """POST /v1/chat/completions' reply."""
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if answer.tool_calls:
+            message["tool_calls"] = answer.tool_calls
+        return self._response("chat.completion", answer.call, {
+            "index": 0, "message": message, "finish_reason": answer.finish_reason,
+            "logprobs": self.chat_logprobs(answer.call) if logprobs else None})  # fmt: skip
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/completions: a prompt as text or token ids, continued as sent."""
         self._check_model(body)
+        if body.get("stream"):
+            raise GatewayError(400, "stream: /v1/completions is not streamed here; send stream=false (chat "
+                                    "completions, responses and messages stream)")  # fmt: skip
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -315,6 +378,7 @@ class EpisodeSession:
             self._ids is not None and len(prompt_ids) > len(self._ids) and prompt_ids[: len(self._ids)] == self._ids
         )
         call = await self._complete(prompt_ids, sampling, [], prompt_text)
+        call.protocol = "completions"
         self._record(call, [], [], extends)
         self._history, self._tools, self._last_call = [], [], call
         self._ids = call.prompt_token_ids + call.output_token_ids
@@ -362,17 +426,17 @@ class EpisodeSession:
             action.metadata.agent, action.metadata.node = tape.metadata.author or "", "llm"
             tape.append(action, llm_call=call)
 
-    def _tokens(self, call: LLMCall) -> list[str]:
+    def tokens_of(self, call: LLMCall) -> list[str]:
         return [self.tokens.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_token_ids]
 
-    def _chat_logprobs(self, call: LLMCall) -> dict[str, Any]:
+    def chat_logprobs(self, call: LLMCall) -> dict[str, Any]:
         """The sampled tokens' log-probs (those the learner's ratio starts from) in the chat API's shape; no top
         alternatives (`top_logprobs` is refused)."""
         return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                            for tok, lp in zip(self._tokens(call), call.logprobs)]}  # fmt: skip
+                            for tok, lp in zip(self.tokens_of(call), call.logprobs)]}  # fmt: skip
 
     def _completion_logprobs(self, call: LLMCall) -> dict[str, Any]:
-        tokens, offsets, at = self._tokens(call), [], 0
+        tokens, offsets, at = self.tokens_of(call), [], 0
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
