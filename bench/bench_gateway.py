@@ -35,7 +35,7 @@ from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import load_preset
-from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.models import resolve_model
 from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
@@ -60,7 +60,7 @@ async def mirror(task, client):
 
 async def play(agent, server, spec, seeds, attempts, concurrency, extra) -> list:
     async with VLLMClient([server], model="smollm2", max_concurrency=concurrency, extra_body=extra) as client:
-        return await run_rollouts(agent, spec, seeds, attempts, client, iteration=0, policy_version=0, progress=False)
+        return await run_rollouts(RolloutContext(agent, spec, client, 0, 0), seeds, attempts, progress=False)
 
 
 def main() -> int:

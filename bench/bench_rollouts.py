@@ -40,7 +40,7 @@ from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from orchestrate.loop.config import load_preset
-from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.models import resolve_model
 from orchestrate.serving.vllm_server import ServerConfig, VLLMServer
@@ -93,7 +93,7 @@ async def raw_replay(server: VLLMServer, tapes, concurrency: int, temperature: f
 async def tape_run(server, agent, spec, seeds, attempts, concurrency, out: Path, extra: dict) -> tuple[int, list]:
     """(output tokens, tapes) of the episodes."""
     async with VLLMClient([server], model="smollm2", max_concurrency=concurrency, extra_body=extra) as client:
-        tapes = await run_rollouts(agent, spec, seeds, attempts, client, iteration=0, policy_version=0, progress=False)
+        tapes = await run_rollouts(RolloutContext(agent, spec, client, 0, 0), seeds, attempts, progress=False)
     write_tapes(out, tapes)
     return sum(len(c.output_token_ids) for t in tapes for c in t.llm_calls), tapes
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from agents.agent import AgentConfig, ChatAgent, Example  # noqa: E402
 from agents.chat import ChatTokens  # noqa: E402
 from agents.env_spec import EnvSpec  # noqa: E402
-from orchestrate.loop.rollouts import run_rollouts  # noqa: E402
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts  # noqa: E402
 from orchestrate.serving.llm import VLLMClient  # noqa: E402
 from orchestrate.serving.models import resolve_model  # noqa: E402
 from orchestrate.serving.vllm_server import RemoteServer, free_port  # noqa: E402
@@ -82,7 +82,7 @@ def wait_ready(proc: subprocess.Popen, server: RemoteServer, tmp: Path, deadline
 async def generate(servers, agent, spec, seeds, attempts, concurrency, out: Path) -> tuple[int, list[int]]:
     """(output tokens, requests per server) of the episodes, tapes written."""
     async with VLLMClient(servers, model="policy", max_concurrency=concurrency, extra_body={"ignore_eos": True}) as c:
-        tapes = await run_rollouts(agent, spec, seeds, attempts, c, iteration=0, policy_version=0, progress=False)
+        tapes = await run_rollouts(RolloutContext(agent, spec, c, 0, 0), seeds, attempts, progress=False)
         per_server = c.requests_per_server()
     write_tapes(out, tapes)
     return sum(len(call.output_token_ids) for t in tapes for call in t.llm_calls), per_server

@@ -10,7 +10,7 @@ from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from agents.tasks import Arithmetic, ArithmeticConfig, gsm8k_gold, load_gsm8k
-from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.loop.samples import SampleError, tapes_to_samples, write_samples
 from orchestrate.serving.llm import LLMError, RequestRejected, VLLMClient
 from orchestrate.serving.recorded import ReplayLLM
@@ -221,7 +221,8 @@ def test_math_environment_rewards_and_groups(tokenizer):
             (f"= \\boxed{{{answers[1]}", "length"),
         ]
     )
-    tapes = run(run_rollouts(agent(tokenizer), spec, [0, 1], 2, llm, iteration=3, policy_version=2, progress=False))
+    tapes = run(run_rollouts(RolloutContext(agent(tokenizer), spec, llm, iteration=3, policy_version=2), [0, 1], 2,
+                             progress=False))  # fmt: skip
     assert [t.metadata.reward for t in tapes] == [1.0, 0.0, -1.0, -1.0]
     assert [t.metadata.success for t in tapes] == [True, False, False, False]
     assert tapes[2].steps[-1].info["format_error"] and tapes[3].metadata.truncated
@@ -255,9 +256,7 @@ def test_environment_failure_is_flagged_not_scored(tokenizer):
     spec = arithmetic()
     spec.make = lambda: Broken()
     (tape,) = run(
-        run_rollouts(
-            agent(tokenizer), spec, [0], 1, ScriptedLLM([("x", "stop")]), iteration=1, policy_version=0, progress=False
-        )
+        run_rollouts(RolloutContext(agent(tokenizer), spec, ScriptedLLM([("x", "stop")]), 1, 0), [0], 1, progress=False)
     )
     assert tape.metadata.error == "RuntimeError: verifier crashed"
     assert tapes_to_samples([tape], require_ref=False) == []
@@ -268,9 +267,7 @@ def test_samples_round_trip_through_the_finetune_format(tmp_path, tokenizer):
 
     answer = arithmetic().make().reset(0)[1]["answer"]
     llm = ScriptedLLM([(f"\\boxed{{{answer}}}", "stop"), ("\\boxed{-1}", "stop")])
-    tapes = run(
-        run_rollouts(agent(tokenizer), arithmetic(), [0], 2, llm, iteration=0, policy_version=0, progress=False)
-    )
+    tapes = run(run_rollouts(RolloutContext(agent(tokenizer), arithmetic(), llm, 0, 0), [0], 2, progress=False))
     for tape in tapes:
         tape.llm_calls[0].ref_logprobs = [-0.3, -0.4]
     path = write_samples(tmp_path / "batches" / "000001.jsonl", tapes, require_ref=True)
@@ -284,8 +281,8 @@ def test_replay_gives_the_same_tape_and_catches_prompt_changes(tokenizer):
     from orchestrate.after.replay import replay_tape
 
     answer = arithmetic().make().reset(0)[1]["answer"]
-    (tape,) = run(run_rollouts(agent(tokenizer), arithmetic(), [0], 1, ScriptedLLM([(f"so \\boxed{{{answer}}}",
-                               "stop")]), iteration=0, policy_version=0, progress=False))  # fmt: skip
+    llm = ScriptedLLM([(f"so \\boxed{{{answer}}}", "stop")])
+    (tape,) = run(run_rollouts(RolloutContext(agent(tokenizer), arithmetic(), llm, 0, 0), [0], 1, progress=False))
     replayed, diff = run(replay_tape(tape, agent(tokenizer)))
     assert diff.identical, diff.report()
     changed = agent(tokenizer)

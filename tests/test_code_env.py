@@ -322,12 +322,12 @@ def test_a_sandbox_failure_in_a_rollout_flags_the_episode(tokenizer, monkeypatch
     from agents.agent import AgentConfig, ChatAgent
     from agents.chat import ChatTokens
     from agents.env_spec import EnvSpec
-    from orchestrate.loop.rollouts import new_tape, play
+    from orchestrate.loop.rollouts import RolloutContext, play
     from tapes.tape import SamplingParams
 
     spec = EnvSpec("code", {}, "train", 0)
     monkeypatch.setattr(spec.sandbox(), "run", lambda code, stdin="": SandboxResult("", "", None, infra_error="boom"))
     agent = ChatAgent(AgentConfig(max_turns=1), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
-    tape = new_tape(spec, 0, iteration=1, group_id="g", policy_version=0)
-    asyncio.run(play(agent, spec, 0, scripted_llm(tokenizer, [fenced("x = 1")]), tape))
+    context = RolloutContext(agent, spec, scripted_llm(tokenizer, [fenced("x = 1")]), iteration=1, policy_version=0)
+    tape = asyncio.run(play(context, 0, context.new_tape(0)))
     assert tape.metadata.error == "SandboxInfraError: code tests: boom" and tape.metadata.reward is None

@@ -18,7 +18,7 @@ from orchestrate.after import fork as fork_command
 from orchestrate.gateway.agent import ProgramAgent
 from orchestrate.loop.config import resolve
 from orchestrate.loop.forks import fork_sampling, fork_tape, replayed_part
-from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.serving.recorded import ForkDiverged, ForkLLM
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import LLMCall, SamplingParams, Tape, ToolCallAction, ToolResultObservation
@@ -67,8 +67,8 @@ def answer(spec, seed):
 
 def played(agent, spec, texts, tokenizer, seed=0):
     """One episode of `spec` from `seed` by `agent` with scripted answers, as a run records it."""
-    (tape,) = asyncio.run(run_rollouts(agent, spec, [seed], 1, ScriptedLLM(tokenizer, texts), iteration=3,
-                                       policy_version=2, progress=False))  # fmt: skip
+    context = RolloutContext(agent, spec, ScriptedLLM(tokenizer, texts), iteration=3, policy_version=2)
+    (tape,) = asyncio.run(run_rollouts(context, [seed], 1, progress=False))
     for call in tape.llm_calls:
         call.policy_version = 2
     return tape

@@ -14,7 +14,7 @@ from agents.agent import AgentConfig, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from orchestrate.after.replay import replay_tape
-from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.loop.setup import agent_from_run_config
 from tapes.store import read_tapes, write_tapes
 from tapes.tape import SamplingParams
@@ -56,13 +56,9 @@ def test_multi_turn_replay_and_diff_without_servers(tokenizer):
     ]
     tapes = asyncio.run(
         run_rollouts(
-            game_agent(tokenizer),
-            spec,
+            RolloutContext(game_agent(tokenizer), spec, ScriptedLLM(tokenizer, guesses), iteration=1, policy_version=0),
             [0, 1],
             1,
-            ScriptedLLM(tokenizer, guesses),
-            iteration=1,
-            policy_version=0,
             progress=False,
         )
     )

@@ -13,7 +13,7 @@ from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from orchestrate.loop.reference import annotate_reference
-from orchestrate.loop.rollouts import run_rollouts
+from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.models import untied_copy
 from orchestrate.serving.vllm_server import ServerError
@@ -39,16 +39,8 @@ def arithmetic(run_seed):
 def rollouts(server, tokenizer, spec, seeds, attempts=4, on_failure=None, **agent_kw):
     async def go():
         async with VLLMClient([server], model="smollm2", on_failure=on_failure) as client:
-            return await run_rollouts(
-                make_agent(tokenizer, **agent_kw),
-                spec,
-                seeds,
-                attempts,
-                client,
-                iteration=0,
-                policy_version=0,
-                progress=False,
-            )
+            context = RolloutContext(make_agent(tokenizer, **agent_kw), spec, client, iteration=0, policy_version=0)
+            return await run_rollouts(context, seeds, attempts, progress=False)
 
     return asyncio.run(go())
 
@@ -134,13 +126,9 @@ def test_killed_policy_server_rollouts_complete(policy_server, tokenizer):
         async with VLLMClient([policy_server], on_failure=recover, max_retries=6) as client:
             task = asyncio.ensure_future(
                 run_rollouts(
-                    make_agent(tokenizer, max_tokens=96),
-                    arithmetic(3),
+                    RolloutContext(make_agent(tokenizer, max_tokens=96), arithmetic(3), client, 0, 0),
                     [0, 1, 2, 3],
                     4,
-                    client,
-                    iteration=0,
-                    policy_version=0,
                     progress=False,
                 )
             )
@@ -205,7 +193,7 @@ def test_an_agent_program_plays_on_a_real_server_and_its_calls_are_the_servers_t
 
     async def go():
         async with VLLMClient([policy_server], model="smollm2") as client:
-            return await run_rollouts(agent, spec, [0, 1], 4, client, iteration=0, policy_version=0, progress=False)
+            return await run_rollouts(RolloutContext(agent, spec, client, 0, 0), [0, 1], 4, progress=False)
 
     try:
         tapes = asyncio.run(go())

@@ -16,6 +16,7 @@ from orchestrate.loop.config import TreeSection, resolve
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.dynamic_sampling import dropped, mark_dropped
 from orchestrate.loop.forks import DIVERGED, fork_once
+from orchestrate.loop.rollouts import RolloutContext
 from orchestrate.loop.samples import tapes_to_samples
 from orchestrate.loop.trees import choose_points, eligible_points, generated_tokens, grow_tree, tree_metrics
 from tapes.tape import LLMCall, SamplingParams, Tape, TapeMetadata
@@ -142,7 +143,7 @@ def test_a_tree_branches_each_root_and_its_forks_restore_the_game(tokenizer):
     agent = game_agent(tokenizer)
     tree = TreeSection(width=3, points=1, depth=1)
     llm = tree_llm(tokenizer, 2 * 4)  # two roots of four wrong guesses (the game's max_turns)
-    tapes = asyncio.run(grow_tree(agent, GAME, 0, 2, llm, tree, iteration=5, policy_version=1))
+    tapes = asyncio.run(grow_tree(RolloutContext(agent, GAME, llm, 5, 1), 0, 2, tree))
     roots, forks = tapes[:2], tapes[2:]
     assert all(r.metadata.parent_id is None and r.metadata.reward == 0 for r in roots)
     assert len(forks) == 4  # one point per root, width 3: two forks beside the root's own continuation
@@ -166,7 +167,7 @@ def test_depth_two_branches_the_branches_and_the_budget_stops_them(tokenizer):
     llm = ScriptedLLM(tokenizer, (wrong * 40)[:100], version=1)  # everything wrong: every episode 4 turns
     # by entropy: the scripted calls are all equally sure, so the earliest eligible call: 1, then 2 on the fork
     tree = TreeSection(width=2, depth=2, branch_by="entropy")
-    tapes = asyncio.run(grow_tree(agent, GAME, 0, 1, llm, tree, iteration=1, policy_version=1))
+    tapes = asyncio.run(grow_tree(RolloutContext(agent, GAME, llm, 1, 1), 0, 1, tree))
     assert [t.metadata.branch_at for t in tapes] == [None, 1, 2]
     root, first, second = tapes
     assert second.metadata.parent_id == first.metadata.id and first.metadata.parent_id == root.metadata.id
@@ -174,7 +175,7 @@ def test_depth_two_branches_the_branches_and_the_budget_stops_them(tokenizer):
     # a budget of the root's own tokens leaves no room for a fork
     llm = ScriptedLLM(tokenizer, (wrong * 40)[:100], version=1)
     budget = TreeSection(width=4, token_budget=generated_tokens(root))
-    alone = asyncio.run(grow_tree(agent, GAME, 0, 1, llm, budget, iteration=1, policy_version=1))
+    alone = asyncio.run(grow_tree(RolloutContext(agent, GAME, llm, 1, 1), 0, 1, budget))
     assert len(alone) == 1
     assert tree_metrics(alone)["tree_roots_unforked"] == 1  # the budget's doing, counted
     assert tree_metrics(tapes)["tree_roots_unforked"] == 0
@@ -200,14 +201,10 @@ def test_branch_points_turn_and_entropy():
 def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokenizer, tmp_path, capsys):
     tape = asyncio.run(
         grow_tree(
-            game_agent(tokenizer),
-            GAME,
+            RolloutContext(game_agent(tokenizer), GAME, tree_llm(tokenizer, 4), 1, 1),
             0,
             1,
-            tree_llm(tokenizer, 4),
             TreeSection(width=2, depth=1, token_budget=1),
-            iteration=1,
-            policy_version=1,
         )
     )[0]
     other = game_agent(tokenizer, instruction="Be quick.")  # renders another prompt: never back at call 2
@@ -241,8 +238,9 @@ def test_a_fork_that_does_not_come_back_is_kept_marked_and_never_trained(tokeniz
 
 
 def test_a_forks_sample_trains_its_own_turns_and_names_its_branch(tokenizer):
-    tapes = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4),
-                                  TreeSection(width=2), iteration=1, policy_version=1))  # fmt: skip
+    tapes = asyncio.run(
+        grow_tree(RolloutContext(game_agent(tokenizer), GAME, tree_llm(tokenizer, 4), 1, 1), 0, 1, TreeSection(width=2))
+    )
     root, fork = tapes
     k = fork.metadata.branch_at
     root_sample, fork_sample = tapes_to_samples([root, fork], False)
@@ -275,8 +273,9 @@ def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(
 
     roots = SAMPLING.model_copy(update={"temperature": 0.7})
     tree = TreeSection(width=2, temperature=1.5)
-    tapes = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4), tree, iteration=1,
-                                  policy_version=1, sampling=roots))  # fmt: skip
+    tapes = asyncio.run(
+        grow_tree(RolloutContext(game_agent(tokenizer), GAME, tree_llm(tokenizer, 4), 1, 1, roots), 0, 1, tree)
+    )
     root, fork = tapes
     k = fork.metadata.branch_at
     assert {c.sampling.temperature for c in root.llm_calls} == {0.7}
@@ -296,15 +295,18 @@ def test_forks_sample_at_the_tree_temperature_and_the_learner_scores_them_there(
         assert diff.identical, diff.report()
     # the loop passes no sampling (the agent's is the run's): the forks keep the parent's max_tokens and top_p
     agent = game_agent(tokenizer)
-    tapes = asyncio.run(grow_tree(agent, GAME, 0, 1, tree_llm(tokenizer, 4), tree, iteration=1, policy_version=1))
+    tapes = asyncio.run(grow_tree(RolloutContext(agent, GAME, tree_llm(tokenizer, 4), 1, 1), 0, 1, tree))
     root, fork = tapes
     own = fork.llm_calls[fork.metadata.branch_at :]
     assert {(c.sampling.temperature, c.sampling.max_tokens, c.sampling.top_p) for c in own} == {
         (1.5, root.llm_calls[0].sampling.max_tokens, root.llm_calls[0].sampling.top_p)}  # fmt: skip
     assert root.llm_calls[0].sampling.max_tokens == SAMPLING.max_tokens != SamplingParams().max_tokens
     # none given: the forks sample as the roots
-    same = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, tree_llm(tokenizer, 4), TreeSection(width=2),
-                                 iteration=1, policy_version=1, sampling=roots))  # fmt: skip
+    same = asyncio.run(
+        grow_tree(
+            RolloutContext(game_agent(tokenizer), GAME, tree_llm(tokenizer, 4), 1, 1, roots), 0, 1, TreeSection(width=2)
+        )
+    )
     assert {c.sampling.temperature for t in same for c in t.llm_calls} == {0.7}
 
 
@@ -364,7 +366,7 @@ def test_an_agent_programs_episodes_branch_after_its_tool_call(tokenizer, progra
     a, b = product_of(3)
     agent = program_agent()
     llm = ScriptedLLM(tokenizer, [tool_reply(a, b), "\\boxed{1}", f"The answer is \\boxed{{{a * b}}}."], version=4)
-    tapes = asyncio.run(grow_tree(agent, ARITHMETIC, 3, 1, llm, TreeSection(width=2), iteration=2, policy_version=4))
+    tapes = asyncio.run(grow_tree(RolloutContext(agent, ARITHMETIC, llm, 2, 4), 3, 1, TreeSection(width=2)))
     root, fork = tapes
     assert root.metadata.reward == 0.0 and len(root.llm_calls) == 2
     assert fork.metadata.parent_id == root.metadata.id and fork.metadata.branch_at == 1
@@ -391,8 +393,9 @@ def test_under_new_weights_a_forks_own_calls_carry_the_version_that_sampled_them
     calls by version 2; their replayed calls keep version 1 and their samples are version 2's."""
     right = answer(GAME, 0)
     llm = SwappingLLM(tokenizer, wrong_guesses(GAME, 0, 3) + ["\\boxed{1}"] + [f"\\boxed{{{right}}}"] * 4, 4)
-    root, *forks = asyncio.run(grow_tree(game_agent(tokenizer), GAME, 0, 1, llm, TreeSection(width=3),
-                                         iteration=1, policy_version=1))  # fmt: skip
+    root, *forks = asyncio.run(
+        grow_tree(RolloutContext(game_agent(tokenizer), GAME, llm, 1, 1), 0, 1, TreeSection(width=3))
+    )
     assert [c.policy_version for c in root.llm_calls] == [1, 1, 1, 1] and len(forks) == 2
     for fork in forks:
         k = fork.metadata.branch_at

@@ -25,7 +25,7 @@ from orchestrate.loop.config import RLConfig
 from orchestrate.loop.eval_stats import NO_ANSWER, TaskResult, ks_for, summarize
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.progress import progress_bar
-from orchestrate.loop.rollouts import EnvClock, group_id, new_tape, play
+from orchestrate.loop.rollouts import EnvClock, RolloutContext, play
 from orchestrate.loop.samples import save_tapes
 from tapes.store import read_tapes
 from tapes.tape import EnvObservation, SamplingParams, Tape
@@ -65,11 +65,10 @@ async def play_tasks(
     tapes)` is called as each task's last sample ends. An environment or agent failure stays on its tape
     (metadata.error); a server failure raises (LLMError)."""
     bar = progress_bar(total=len(seeds) * samples, desc=desc, unit="episode", disable=not progress, leave=False)
+    context = RolloutContext(agent, spec, llm, iteration, policy_version, sampling, clock)
 
     async def episode(seed: int) -> Tape:
-        tape = new_tape(spec, seed, iteration=iteration, group_id=group_id(iteration, spec, seed),
-                        policy_version=policy_version)  # fmt: skip
-        await play(agent, spec, seed, llm, tape, sampling, clock)
+        tape = await play(context, seed, context.new_tape(seed))
         bar.update(1)
         return tape
 

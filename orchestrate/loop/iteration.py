@@ -44,7 +44,7 @@ from orchestrate.loop.evaluation import Evaluation, play_tasks
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.phase import PHASE_LOCK, kill_hook
 from orchestrate.loop.report import Reporter, Timer, busy_fractions
-from orchestrate.loop.rollouts import EnvClock, run_rollouts
+from orchestrate.loop.rollouts import EnvClock, RolloutContext, run_rollouts
 from orchestrate.loop.samples import save_tapes, write_samples
 from orchestrate.loop.servers import Servers
 from orchestrate.loop.setup import RunSetup, interrupting_signals
@@ -110,17 +110,12 @@ class Loop:
         async with self.servers.client("policy", policy_version=served) as client:
             stop = asyncio.Event()
             watcher = asyncio.create_task(self.servers.follow(client, stop)) if follow else None
+            context = RolloutContext(self.agent, spec, client, iteration, served, sampling, clock)
             try:
                 if tree is not None:  # roots, then forks of them (orchestrate.loop.trees)
-                    tapes = await run_tree_rollouts(
-                        self.agent, spec, seeds, attempts, client, tree, iteration=iteration, policy_version=served,
-                        sampling=sampling, desc=desc, progress=self.progress, clock=clock,
-                    )  # fmt: skip
+                    tapes = await run_tree_rollouts(context, seeds, attempts, tree, desc=desc, progress=self.progress)
                 else:
-                    tapes = await run_rollouts(
-                        self.agent, spec, seeds, attempts, client, iteration=iteration, policy_version=served,
-                        sampling=sampling, desc=desc, progress=self.progress, clock=clock,
-                    )  # fmt: skip
+                    tapes = await run_rollouts(context, seeds, attempts, desc=desc, progress=self.progress)
             finally:
                 stop.set()
                 if watcher is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
 
 from agents.agent import Agent, TokenLLM, summarize
 from agents.env_spec import EnvSpec
@@ -100,19 +101,36 @@ class TimedEnv:
             self.clock.leave(entered)
 
 
-async def play(
-    agent: Agent,
-    spec: EnvSpec,
-    seed: int,
-    llm: TokenLLM,
-    tape: Tape,
-    sampling: SamplingParams | None = None,
-    clock: EnvClock | None = None,
-) -> Tape:
+@dataclass(frozen=True)
+class RolloutContext:
+    """What every episode of a round of rollouts shares: the agent that plays, the environment's spec (id,
+    options, split), the LLM the agent calls (a VLLMClient: the servers, their concurrency), the iteration and
+    policy version the tapes are stamped with, the sampling (None: the agent's own) and the clock the
+    environment's time goes to (None: not timed)."""
+
+    agent: Agent
+    spec: EnvSpec
+    llm: TokenLLM
+    iteration: int
+    policy_version: int
+    sampling: SamplingParams | None = None
+    clock: EnvClock | None = None
+
+    def new_tape(self, seed: int) -> Tape:
+        """A fresh tape of an attempt at `seed`, in the group of the seed's attempts."""
+        return new_tape(self.spec, seed, iteration=self.iteration, group_id=group_id(self.iteration, self.spec, seed),
+                        policy_version=self.policy_version)  # fmt: skip
+
+    def timed(self, env):
+        """`env` with its reset and step time going to the clock (as it is without one)."""
+        return env if self.clock is None else TimedEnv(env, self.clock)
+
+
+async def play(context: RolloutContext, seed: int, tape: Tape) -> Tape:
     """One episode; an environment or agent failure is kept on the tape, a server failure raises."""
     try:
-        env = spec.make()
-        await agent.run_episode(env if clock is None else TimedEnv(env, clock), seed, llm, tape, sampling)
+        env = context.timed(context.spec.make())
+        await context.agent.run_episode(env, seed, context.llm, tape, context.sampling)
     except LLMError:
         raise  # the servers are failing: stop the run, do not invent tapes
     except Exception as exc:  # infrastructure failure of this episode: flagged, left out of training
@@ -122,18 +140,7 @@ async def play(
 
 
 async def run_rollouts(
-    agent: Agent,
-    spec: EnvSpec,
-    seeds: list[int],
-    attempts: int,
-    llm: TokenLLM,
-    *,
-    iteration: int,
-    policy_version: int,
-    sampling: SamplingParams | None = None,
-    desc: str = "rollouts",
-    progress: bool = True,
-    clock: EnvClock | None = None,
+    context: RolloutContext, seeds: list[int], attempts: int, *, desc: str = "rollouts", progress: bool = True
 ) -> list[Tape]:
     """Play `attempts` episodes per seed concurrently; returns the tapes grouped by seed, in order.
 
@@ -141,16 +148,11 @@ async def run_rollouts(
     is discarded (chunked prefill under load) crashes the engine ("CPU
     Generator does not use offset"). The server's own `--seed` still applies.
     """
-    tapes = [
-        new_tape(spec, seed, iteration=iteration, group_id=group_id(iteration, spec, seed),
-                 policy_version=policy_version)
-        for seed in seeds
-        for _ in range(attempts)
-    ]  # fmt: skip
+    tapes = [context.new_tape(seed) for seed in seeds for _ in range(attempts)]
     bar = progress_bar(total=len(tapes), desc=desc, unit="episode", disable=not progress, leave=False)
 
     async def one(tape: Tape) -> None:
-        await play(agent, spec, int(tape.context["env"]["seed"]), llm, tape, sampling, clock)
+        await play(context, int(tape.context["env"]["seed"]), tape)
         bar.update(1)
 
     try:

@@ -31,11 +31,9 @@ import asyncio
 import random
 from collections.abc import Sequence
 
-from agents.agent import Agent, TokenLLM
-from agents.env_spec import EnvSpec
 from orchestrate.loop.forks import DIVERGED, fork_once, fork_sampling
 from orchestrate.loop.progress import progress_bar
-from orchestrate.loop.rollouts import EnvClock, TimedEnv, group_id, new_tape, play
+from orchestrate.loop.rollouts import RolloutContext, group_id, play
 from tapes.tape import SamplingParams, Tape
 
 FIRST_TOKENS = 8  # branch_by entropy: the sampled tokens at the start of a call that measure its uncertainty
@@ -99,39 +97,25 @@ def plan_forks(frontier: Sequence[Tape], tree, budget: Budget, rng: random.Rando
     return planned
 
 
-async def grow_tree(
-    agent: Agent,
-    spec: EnvSpec,
-    seed: int,
-    attempts: int,
-    llm: TokenLLM,
-    tree,
-    *,
-    iteration: int,
-    policy_version: int,
-    sampling: SamplingParams | None = None,
-    clock: EnvClock | None = None,
-    on_episode=None,
-) -> list[Tape]:
+async def grow_tree(context: RolloutContext, seed: int, attempts: int, tree, *, on_episode=None) -> list[Tape]:
     """One task's tree: its roots, then each level's forks; every tape in the order played (roots first)."""
-    group = group_id(iteration, spec, seed)
+    c = context
+    group = group_id(c.iteration, c.spec, seed)
     rng = random.Random(f"tree|{group}")  # the same branch points for the same tapes
     budget = Budget(tree.token_budget)
 
     async def root() -> Tape:
-        tape = new_tape(spec, seed, iteration=iteration, group_id=group, policy_version=policy_version)
-        await play(agent, spec, seed, llm, tape, sampling, clock)
+        tape = await play(c, seed, c.new_tape(seed))
         if on_episode:
             on_episode()
         return tape
 
     async def fork(parent: Tape, at: int) -> Tape:
-        fork_at = sampling  # the parent's sampling (max_tokens, top_p; a parent has calls) at the forks' temperature
+        fork_at = c.sampling  # the parent's sampling (max_tokens, top_p; a parent has calls) at the forks' temperature
         if tree.temperature is not None:
-            fork_at = fork_sampling(parent, sampling or SamplingParams(), temperature=tree.temperature)
-        tape = await fork_once(parent, agent, at, llm, fork_at, policy_version=policy_version, group_id=group,
-                               iteration=iteration, keep_diverged=True,
-                               wrap_env=None if clock is None else (lambda env: TimedEnv(env, clock)))  # fmt: skip
+            fork_at = fork_sampling(parent, c.sampling or SamplingParams(), temperature=tree.temperature)
+        tape = await fork_once(parent, c.agent, at, c.llm, fork_at, policy_version=c.policy_version, group_id=group,
+                               iteration=c.iteration, keep_diverged=True, wrap_env=c.timed)  # fmt: skip
         if on_episode:
             on_episode()
         return tape
@@ -150,19 +134,7 @@ async def grow_tree(
 
 
 async def run_tree_rollouts(
-    agent: Agent,
-    spec: EnvSpec,
-    seeds: list[int],
-    attempts: int,
-    llm: TokenLLM,
-    tree,
-    *,
-    iteration: int,
-    policy_version: int,
-    sampling: SamplingParams | None = None,
-    desc: str = "rollouts",
-    progress: bool = True,
-    clock: EnvClock | None = None,
+    context: RolloutContext, seeds: list[int], attempts: int, tree, *, desc: str = "rollouts", progress: bool = True
 ) -> list[Tape]:
     """Every task's tree (`grow_tree`), all tasks at once; the tapes grouped by task, in order."""
     bar = progress_bar(
@@ -170,9 +142,7 @@ async def run_tree_rollouts(
     )
     try:
         trees = await asyncio.gather(*(
-            grow_tree(agent, spec, seed, attempts, llm, tree, iteration=iteration, policy_version=policy_version,
-                      sampling=sampling, clock=clock, on_episode=lambda: bar.update(1))
-            for seed in seeds
+            grow_tree(context, seed, attempts, tree, on_episode=lambda: bar.update(1)) for seed in seeds
         ))  # fmt: skip
     finally:
         bar.close()
