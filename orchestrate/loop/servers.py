@@ -3,8 +3,8 @@
 The policy servers (started here, or run elsewhere and used by URL: `orchestrate.serve`), the reference
 server when a KL term needs one (a LoRA run scores the reference on the policy servers' base model instead,
 no adapter), the teacher's server with --teacher.model (the reference's seat: served like it, or by URL), the
-version the policy servers serve, and the clients that call them. New weights reach the
-servers through orchestrate.serving.weights (in memory, from the checkpoint folder, or the checkpoint's adapter).
+version the policy servers serve, and the clients that call them. New weights reach the servers by
+orchestrate.loop.weight_swaps (when a version is served, what the calls in flight see), which this pool holds.
 The loop (orchestrate.loop.iteration) asks for a client, a reference pass, or the next version served; this module
 decides how.
 """
@@ -15,17 +15,18 @@ import asyncio
 from contextlib import ExitStack
 
 from contract.rundir import RunDir
-from contract.weight_paths import KEEP, select
+from contract.weight_paths import select
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import colocated, gpu_slices, visible_gpus
 from orchestrate.loop.metrics import server_metrics
 from orchestrate.loop.reference import annotate_reference
+from orchestrate.loop.weight_swaps import WeightSwaps
 from orchestrate.serving.auth import APIKeyMissing, read_api_key
 from orchestrate.serving.launch import policy_servers, reference_server, remote_servers
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.processes import parse_cpus
 from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
-from orchestrate.serving.weights import Transport, close_group, transport_for
+from orchestrate.serving.weights import Transport, close_group
 from tapes.tape import Tape
 
 ROLES = ("policy", "base", "reference", "teacher")
@@ -44,10 +45,7 @@ class Servers:
         self.reference = reference
         self.teacher = teacher
         self.progress = progress
-        # how new weights reach the policy servers (contract.weight_paths): a LoRA run's, each version an adapter
-        self.mechanism = select(config.server.weight_transfer, config.train.lora.rank)
-        self.trainer = None
-        self.weights: Transport | None = None
+        self.swaps = WeightSwaps(config, run, self.policy, progress)  # the versions the policy servers serve
         self.counts = _no_counts()  # policy requests since the last record
         # time-sharing the learner's GPUs (--server.colocate): the policy servers sleep while it trains
         self.colocated = colocated(config) and any(isinstance(s, VLLMServer) for s in self.policy)
@@ -103,16 +101,6 @@ class Servers:
     def all(self) -> list:
         return self.policy + [s for s in (self.reference, self.teacher) if s is not None]
 
-    @property
-    def served(self) -> int:
-        """The version the policy servers serve (0: the initial weights)."""
-        return self.weights.served if self.weights is not None else 0
-
-    @property
-    def stale(self) -> set:
-        """Policy servers that missed a version: out of the pool until they rejoin with the served one."""
-        return self.weights.stale if self.weights is not None else set()
-
     # -- start -------------------------------------------------------------------------
 
     def launch(self, stack: ExitStack) -> None:
@@ -165,120 +153,46 @@ class Servers:
                 server.wake_up()
             self.asleep = False
 
+    # -- new weights: orchestrate.loop.weight_swaps ---------------------------------------------
+
+    @property
+    def mechanism(self):
+        return self.swaps.mechanism
+
+    @property
+    def weights(self) -> Transport | None:
+        return self.swaps.weights
+
+    @property
+    def served(self) -> int:
+        """The version the policy servers serve (0: the initial weights)."""
+        return self.swaps.served
+
+    @property
+    def stale(self) -> set:
+        """Policy servers that missed a version: out of the pool until they rejoin with the served one."""
+        return self.swaps.stale
+
     def use(self, trainer) -> None:
-        """Serve the checkpoints of `trainer` (orchestrate.loop.trainer.TrainerProcess): the weight path starts."""
-        c = self.config.server
-        self.trainer = trainer
-        self.weights = transport_for(self.run, self.policy, self.mechanism, c.weight_transfer_timeout_s, trainer)
-        self.weights.start()
+        self.swaps.use(trainer)
 
     def close(self) -> None:
-        """The run stops: the weight path frees what it holds (shared memory, say)."""
-        if self.weights is not None:
-            self.weights.close()
+        self.swaps.close()
 
     def resume(self) -> None:
-        """Resuming: the servers get the newest version the learner holds. The learner resumes from its
-        last full state and trains the batches after it again, publishing each (served in turn) up to the
-        last completed iteration."""
-        completed = self.run.load_state().completed_iteration
-        if completed == 0 and not self.trainer.newest_checkpoint():
-            return
-        self.trainer.wait_until_loaded()  # it has dropped the checkpoints it will train again
-        start = self.trainer.newest_checkpoint()
-        for version in range(max(start, 1), max(start, completed) + 1):
-            self.trainer.wait_for_checkpoint(version, progress=self.progress, desc=f"resuming: version {version}")
-            self.serve(version)
-
-    # -- new weights -----------------------------------------------------------------------
+        self.swaps.resume()
 
     def serve(self, version: int, keep_previous: bool = False) -> None:
-        """Serve checkpoint `version` on every policy server (blocking; no call may be in flight), in memory
-        or from disk (orchestrate.serving.weights). A reload from disk is checked by a change of log-probs, unless
-        the learner recorded that the weights did not change. A server that does not take it is left stale
-        (out of the pool until it rejoins with the weights); with none left the run stops."""
-        self.weights.serve(version, verify=self.trainer.weights_changed(version), keep_previous=keep_previous)
+        self.swaps.serve(version, keep_previous)
 
     async def rejoin(self, server) -> None:
-        """A policy server back in the pool (restarted, or answering again) serves the current weights."""
-        await asyncio.to_thread(self.weights.rejoin, server)
+        await self.swaps.rejoin(server)
 
     async def follow(self, client: VLLMClient, stop: asyncio.Event) -> None:
-        """While episodes run (async_level >= 1): serve each checkpoint as soon as the trainer publishes it.
-        The client drains its calls in flight around the reload, so every call has one version; with
-        `--run.in_flight_swaps` they are paused between two engine steps instead (`swap_in_flight`); with
-        LoRA nothing waits: calls in flight finish under the old adapter, unloaded once the last is done."""
-        mode = self.mechanism.swap(self.config.run.in_flight_swaps)
-        adapters = self.mechanism.adapter  # versions side by side: the one before is unloaded once idle
-        unloads = []
-        while not stop.is_set():
-            newest = self.trainer.newest_checkpoint()
-            if newest > self.served:
-                old = self.served
-
-                async def reload(v=newest):
-                    if mode == KEEP:
-                        await self.swap_in_flight(client, v)
-                    else:
-                        await asyncio.to_thread(self.serve, v, adapters)
-                    for server in list(self.stale):  # missed it: out until it rejoins with these weights
-                        client.take_out(server)
-
-                await client.swap_weights(reload, newest, mode=mode)
-                if adapters:
-
-                    async def unload(v=old):
-                        await client.version_idle(v)
-                        await asyncio.to_thread(self.weights.unload, v)
-
-                    unloads.append(asyncio.create_task(unload()))
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-            except TimeoutError:
-                pass
-        await asyncio.gather(*unloads)  # the episodes are done: no call uses an old adapter
+        await self.swaps.follow(client, stop)
 
     async def swap_in_flight(self, client: VLLMClient, version: int) -> None:
-        """Version `version` under the calls in flight: every policy server pauses between two engine steps
-        with its requests kept and says how many tokens each has sampled; the weights are swapped (no
-        log-prob check: a paused server answers no probe); the client records on each call the token from
-        which `version` sampled (`VLLMClient.mark_versions`); the paused requests drop the KV the old
-        weights computed, so that the new ones compute it again, and the servers resume. A server that
-        fails is resumed all the same and left stale (out of the pool until it rejoins)."""
-        paused, lengths = [], {}
-
-        def pause_and_swap() -> None:
-            for server in self.policy:
-                if server in self.stale:
-                    continue
-                try:
-                    server.pause()
-                    paused.append(server)
-                    lengths[server] = server.output_lengths()
-                except ServerError:
-                    self.weights.stale.add(server)
-            self.weights.serve(version, verify=False)
-
-        def recompute_and_resume() -> None:
-            for server in paused:
-                try:
-                    if server not in self.stale:
-                        server.recompute()
-                except ServerError:
-                    self.weights.stale.add(server)
-                finally:
-                    try:
-                        server.resume()
-                    except ServerError:
-                        self.weights.stale.add(server)
-
-        try:
-            await asyncio.to_thread(pause_and_swap)
-            for server, n in lengths.items():
-                if server not in self.stale:
-                    client.mark_versions(server, n, version)
-        finally:
-            await asyncio.to_thread(recompute_and_resume)
+        await self.swaps.swap_in_flight(client, version)
 
     # -- calls -------------------------------------------------------------------------------
 
