@@ -105,6 +105,31 @@ class ProgramTask:
     _run_python: Callable[[str], Any] | None = field(default=None, repr=False)
     _reward: Callable[[float], None] | None = field(default=None, repr=False)
     stepped: bool = False  # the environment was stepped or a reward given: those rewards stand
+    # the environment's task as files, and the action that scores a folder's work (HasWorkspace): for a harness
+    files: dict[str, str] = field(default_factory=dict)
+    _answer_from: Callable[[Any], str] | None = field(default=None, repr=False)
+    _record: Callable[[Any], None] | None = field(default=None, repr=False)  # a step onto the tape, in order
+    _calls: Callable[[], int] | None = field(default=None, repr=False)
+    _tape: Any = field(default=None, repr=False)
+
+    @property
+    def tape(self) -> Any:
+        """The episode's tape so far (read it; the gateway and the environment write it)."""
+        return self._tape
+
+    def calls(self) -> int:
+        """The calls this episode has made through the gateway so far."""
+        return self._calls() if self._calls is not None else 0
+
+    def record(self, step: Any) -> None:
+        """Put a step on the tape, in order with the episode's calls (a harness's output)."""
+        if self._record is None:
+            raise RuntimeError("this episode keeps no steps of the program's")
+        self._record(step)
+
+    def answer_from(self, folder: Any) -> str | None:
+        """The action that scores the work in `folder` (the environment's, where it has a workspace), or None."""
+        return self._answer_from(folder) if self._answer_from is not None else None
 
     def reward(self, value: float) -> None:
         """Give the latest call's turn a reward (per-turn rewards; they add up to the episode's)."""

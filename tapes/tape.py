@@ -246,6 +246,18 @@ class ProgramMessage(Observation):
     turn: int = 0
 
 
+class HarnessOutput(Observation):
+    """How a harness command (`--agent.command`) ended, with the last of what it printed: its calls through
+    the gateway are on the tape as a program's are; this is what it said outside them."""
+
+    kind: Literal["harness_output"] = "harness_output"
+    text: str = Field("", description="the last characters it printed (stdout and stderr)")
+    exit_code: int | None = Field(None, description="its exit status (None: killed at its time limit)")
+    timed_out: bool = False
+    seconds: float = 0.0
+    dropped_chars: int = Field(0, description="what it printed before `text`, not kept")
+
+
 class ToolResultObservation(EnvObservation):
     """A tool's answer to the call of `turn`: `text` is what the agent reads next; `info` holds the details
     (stdout, stderr, exit code, timed out, output cut)."""

@@ -35,7 +35,11 @@ Optional capabilities. Beyond reset / step, an environment may offer:
 - `tool_call(action) -> ToolCall | None` (ToolCalling): the tool call an
   action holds, which step() will run (agents.tools.ToolEnv);
 - `async astep(action)` (SupportsAsyncStep): step() without blocking the
-  event loop, for an environment whose step blocks (a tool run).
+  event loop, for an environment whose step blocks (a tool run);
+- `workspace_files()` and `answer_from_workspace(folder)` (HasWorkspace):
+  the episode's task as files a harness command works on
+  (`--agent.command`, agents.harness), and the action that scores what it
+  left in its workspace (the code environment: its solution file, tested).
 They are declared as runtime-checkable Protocols (structural: an object has
 a capability when it has the attribute, with a usable value), not as flags
 on the registration, so a GEM environment or a user's `module:Class` needs
@@ -80,6 +84,13 @@ class SupportsAsyncStep(Protocol):
     def astep(self, action: str) -> Awaitable[tuple[str, float, bool, bool, dict[str, Any]]]: ...
 
 
+@runtime_checkable
+class HasWorkspace(Protocol):
+    def workspace_files(self) -> dict[str, str]: ...  # the episode's task files (after reset): path -> text
+
+    def answer_from_workspace(self, folder: Any) -> str: ...  # the action that scores the folder's work
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an environment offers beyond reset / step (see the module docstring)."""
@@ -88,6 +99,7 @@ class Capabilities:
     stop: tuple[str, ...] = ()  # HasStopStrings, non-empty
     tool_calls: bool = False  # ToolCalling
     async_step: bool = False  # SupportsAsyncStep
+    workspace: bool = False  # HasWorkspace
 
 
 def capabilities(env: Any) -> Capabilities:
@@ -101,6 +113,9 @@ def capabilities(env: Any) -> Capabilities:
         stop=tuple(stop) if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop) else (),
         tool_calls=isinstance(env, ToolCalling) and callable(env.tool_call),
         async_step=isinstance(env, SupportsAsyncStep) and callable(env.astep),
+        workspace=isinstance(env, HasWorkspace)
+        and callable(env.workspace_files)
+        and callable(env.answer_from_workspace),
     )
 
 

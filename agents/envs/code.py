@@ -85,6 +85,8 @@ BUILTIN_PROBLEMS = Path(__file__).parent / "data" / "code_problems.jsonl"
 FIELDS = ("id", "prompt", "tests", "entry_point", "solution")
 MAX_VALUE_CHARS = 1000  # the longest result text a test may return (a bigger value fails the test)
 MARK = "@@tapeloop-test"
+SOLUTION_FILE = "solution.py"  # what a harness leaves in its workspace to be tested (--agent.command)
+MAX_SOLUTION_BYTES = 1_000_000
 
 _FENCED_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -496,6 +498,26 @@ class CodeEnv:
             f"the whole program in a ```python code block. {left} attempt{'s' if left > 1 else ''} left."
         )
         return feedback, 0.0, False, False, info
+
+    # -- a harness's workspace (HasWorkspace: --agent.command) ------------------------------------
+
+    def workspace_files(self) -> dict[str, str]:
+        """The problem as files: TASK.md (the harness's prompt) and SOLUTION_FILE, which is what is tested."""
+        if self.problem is None:
+            raise RuntimeError("workspace_files() before reset()")
+        p = self.problem
+        defines = f" that defines `{p.entry_point}`" if p.entry_point else ""
+        task = (f"{p.prompt}\n\nWrite a complete Python program{defines} into the file {SOLUTION_FILE} in the "
+                "current directory; it is run against unit tests when you finish.")  # fmt: skip
+        return {"TASK.md": task, SOLUTION_FILE: ""}
+
+    def answer_from_workspace(self, folder) -> str:
+        """The action that tests the workspace's SOLUTION_FILE (as if the agent had answered it); no file, or
+        one over MAX_SOLUTION_BYTES, is an answer without a program (a format error)."""
+        path = Path(folder) / SOLUTION_FILE
+        if not path.is_file() or path.stat().st_size > MAX_SOLUTION_BYTES:
+            return f"(no {SOLUTION_FILE} of at most {MAX_SOLUTION_BYTES} bytes was left in the workspace)"
+        return f"```python\n{path.read_text(errors='replace')}\n```"
 
     async def astep(self, action: str):
         """step() in a worker thread: the tests block, the other episodes' rollouts go on meanwhile."""

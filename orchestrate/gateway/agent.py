@@ -59,7 +59,8 @@ class ProgramAgent(Agent):
     ):
         self.program = load_program(program) if isinstance(program, str) else program
         self.reward = load_reward(reward) if isinstance(reward, str) else reward
-        self.name = program if isinstance(program, str) else getattr(program, "__qualname__", "program")
+        self.name = program if isinstance(program, str) else (
+            getattr(program, "name", None) or getattr(program, "__qualname__", "program"))  # fmt: skip
         self.sampling, self.max_context, self.time_limit_s = sampling, max_context, time_limit_s
         self.chat = ChatTokens(tokenizer)
         self.tool_format = ToolFormat(tokenizer, tool_parser)
@@ -136,10 +137,17 @@ class ProgramAgent(Agent):
         def give(value: float) -> None:  # in order with the program's next call, which follows it to this loop
             loop.call_soon_threadsafe(self._give, session, value)
 
+        def record(step) -> None:  # in order with the program's next call, as a reward is
+            step.metadata.agent, step.metadata.node = self.name, "program"
+            loop.call_soon_threadsafe(tape.append, step)
+
         task = ProgramTask(
             observation=str(observation), seed=seed, info=jsonable(info), model=MODEL_NAME,
             base_url=self.gateway.base_url(session.id), api_key=self.gateway.key,
-            _step=step_here, _run_python=self._run_python, _reward=give,
+            _step=step_here, _run_python=self._run_python, _reward=give, _record=record,
+            _calls=lambda: session.calls, _tape=tape,
+            files=env.workspace_files() if can.workspace else {},
+            _answer_from=env.answer_from_workspace if can.workspace else None,
         )  # fmt: skip
         result: Any = None
         try:

@@ -1,0 +1,167 @@
+"""A harness as a command (agents.harness, --agent.command): a real subprocess per episode in a fresh workspace
+with the environment's task files, its model the episode's gateway (by URL, from its environment variables),
+its reward from the environment's scoring of the workspace; its faults cost its episode, never the run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from agents.envs import make_env
+from agents.harness import HarnessError, HarnessProgram, check_command, harness_argv
+from orchestrate.gateway.agent import ProgramAgent
+from orchestrate.serving.recorded import ReplayLLM
+from tapes.tape import HarnessOutput, Tape
+from tests.programs import SAMPLING, FakeSandbox, ScriptedLLM
+
+# a harness of our own: reads its task, asks the model (OpenAI's chat API, or Anthropic's streamed), writes the
+# fenced program it got into solution.py; extra behaviours for the fault tests
+HARNESS = textwrap.dedent("""
+    import os, re, subprocess, sys, time
+    mode = sys.argv[1]
+    if mode == "exit-at-once":
+        print("harness: no config"); sys.exit(3)
+    if mode == "spin":
+        while True:
+            pass
+    if mode == "flood":
+        sys.stdout.write("x" * 3_000_000); sys.stdout.flush()
+    if mode == "child":
+        child = subprocess.Popen(["sleep", "300"])
+        open("child.pid", "w").write(str(child.pid))
+        open(os.environ["PIDFILE"], "w").write(str(child.pid))
+    task = open("TASK.md").read() if len(sys.argv) < 3 else sys.argv[2]
+    if mode == "anthropic":
+        import anthropic
+        client = anthropic.Anthropic(max_retries=0)
+        with client.messages.stream(model=os.environ["ANTHROPIC_MODEL"], max_tokens=64,
+                                    messages=[{"role": "user", "content": task}]) as stream:
+            text = stream.get_final_text()
+    else:
+        import openai
+        client = openai.OpenAI(max_retries=0)
+        text = client.chat.completions.create(model=os.environ["OPENAI_MODEL"],
+                                              messages=[{"role": "user", "content": task}]).choices[0].message.content
+    block = re.search(r"```python\\n(.*?)```", text, re.S)
+    open("solution.py", "w").write(block.group(1) if block else text)
+    print("harness: wrote solution.py")
+""")
+
+
+@pytest.fixture
+def harness(tmp_path):
+    script = tmp_path / "harness.py"
+    script.write_text(HARNESS)
+    return lambda mode, prompt="": f"{sys.executable} {script} {mode}" + (" {prompt}" if prompt else "")
+
+
+def code_env(seed=0):
+    env = make_env("code", {}, split="train", run_seed=0)
+    env.reset(seed=seed)
+    return env
+
+
+def solved(seed=0):
+    """The fenced reference solution of the episode's problem: what the scripted model answers."""
+    return f"Here it is:\n```python\n{code_env(seed).problem.solution}\n```"
+
+
+def run(agent, llm, seed=0, env=None):
+    tape = Tape()
+    asyncio.run(agent.run_episode(env or code_env(seed), seed, llm, tape))
+    return tape
+
+
+@pytest.fixture
+def harness_agent(tokenizer):
+    made = []
+
+    def make(command, **kw):
+        agent = ProgramAgent(HarnessProgram(command, **kw), SAMPLING, tokenizer, max_context=1024,
+                             sandbox=FakeSandbox(), time_limit_s=60)  # fmt: skip
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+@pytest.mark.parametrize("mode", ["openai", "anthropic"])
+def test_a_harness_command_solves_a_code_task_in_its_workspace_through_the_gateway(
+    tokenizer, harness, harness_agent, mode
+):
+    agent = harness_agent(harness(mode))
+    tape = run(agent, ScriptedLLM(tokenizer, [solved()]))
+    assert tape.metadata.error is None, tape.metadata.error
+    assert tape.metadata.reward == 1.0 and tape.metadata.success is True  # the environment's tests, run on solution.py
+    (call,) = tape.llm_calls
+    assert call.protocol == ("messages+stream" if mode == "anthropic" else "chat.completions")
+    assert "into the file solution.py" in call.prompt_text  # the task came from the workspace's TASK.md
+    (output,) = [s for s in tape.steps if isinstance(s, HarnessOutput)]
+    assert output.exit_code == 0 and "wrote solution.py" in output.text and not output.timed_out
+    assert tape.metadata.author == f"command: {harness(mode)}"
+    again = run(agent, ReplayLLM(tape, strict=True))  # the command runs again, its calls answered from the tape
+    assert [c.output_token_ids for c in again.llm_calls] == [c.output_token_ids for c in tape.llm_calls]
+    assert again.metadata.reward == 1.0
+
+
+def test_the_prompt_as_an_argument_and_a_wrong_answer_scores_zero(tokenizer, harness, harness_agent):
+    tape = run(harness_agent(harness("openai", prompt=True)), ScriptedLLM(tokenizer, ["```python\nx = 1\n```"]))
+    assert tape.metadata.error is None and tape.metadata.reward == 0.0  # the model's doing: trained on
+    assert "into the file solution.py" in tape.llm_calls[0].prompt_text
+
+
+def test_a_harness_that_fails_at_once_spins_or_is_not_found_costs_its_episode_only(tokenizer, harness, harness_agent):
+    tape = run(harness_agent(harness("exit-at-once")), ScriptedLLM(tokenizer, []))
+    assert tape.metadata.error.startswith("the program raised HarnessFailed: the harness exited with status 3")
+    assert "before any call to the model: harness: no config" in tape.metadata.error
+    start = time.monotonic()
+    tape = run(harness_agent(harness("spin"), time_limit_s=1.0), ScriptedLLM(tokenizer, []))
+    assert "ran past its time limit" in tape.metadata.error and time.monotonic() - start < 15
+    (output,) = [s for s in tape.steps if isinstance(s, HarnessOutput)]
+    assert output.timed_out and output.exit_code is None
+    with pytest.raises(HarnessError, match="'no-such-harness' is not found on PATH"):
+        check_command("no-such-harness --flag")
+    with pytest.raises(HarnessError, match="empty"):
+        harness_argv("  ", {})
+
+
+def test_a_harness_that_floods_its_output_or_leaves_children_behind_is_bounded(
+    tokenizer, harness, harness_agent, tmp_path
+):
+    tape = run(harness_agent(harness("flood"), max_output_chars=1000), ScriptedLLM(tokenizer, [solved()]))
+    (output,) = [s for s in tape.steps if isinstance(s, HarnessOutput)]
+    assert len(output.text) == 1000 and output.dropped_chars >= 3_000_000 - 1000
+    assert tape.metadata.reward == 1.0
+    pidfile = tmp_path / "child.pid"
+    os.environ["PIDFILE"] = str(pidfile)
+    try:
+        tape = run(harness_agent(harness("child")), ScriptedLLM(tokenizer, [solved()]))
+    finally:
+        del os.environ["PIDFILE"]
+    assert tape.metadata.reward == 1.0
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    assert not alive(child)  # ended with its group when the harness was done
+
+
+def alive(pid: int) -> bool:
+    """A process that runs (a zombie waiting for its reaper has ended)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
+def test_placeholders_are_one_word_each_whatever_they_hold():
+    argv = harness_argv(
+        "tool run --model {model} --task {prompt}", {"model": "policy", "prompt": "two words; rm -rf /"}
+    )
+    assert argv == ["tool", "run", "--model", "policy", "--task", "two words; rm -rf /"]
