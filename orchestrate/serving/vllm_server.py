@@ -181,7 +181,118 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-class VLLMServer:
+class ServerRoutes:
+    """The requests a running vLLM server answers, ours (VLLMServer) or one by URL (RemoteServer): new weights
+    loaded and checked, adapters loaded and unloaded, requests paused under a weight swap, sleep and wake. The
+    server itself gives `base_url`, `api_key`, `served_model_name`, `log_path` and `on_gpu`."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    # -- control ---------------------------------------------------------
+
+    def _post(self, path: str, json: dict | None = None, timeout: float = 300) -> httpx.Response:
+        try:
+            response = httpx.post(self.base_url + path, json=json, headers=self.headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"{self.served_model_name} {path}: {exc}. Log tail:\n{log_tail(self.log_path)}") from exc
+        if response.status_code != 200:
+            raise ServerError(f"{self.served_model_name} {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response
+
+    def get(self, route: str, params: dict | None = None, timeout: float = 10) -> httpx.Response:
+        """GET a route (ServerError naming the URL when it cannot be reached)."""
+        try:
+            return httpx.get(self.base_url + route, headers=self.headers, params=params, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"{self.base_url} does not answer ({type(exc).__name__}: {exc})") from None
+
+    def probe_logprobs(self) -> list[float]:
+        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights."""
+        body = self._post(
+            "/v1/completions",
+            {"model": self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
+             "prompt_logprobs": 0, "temperature": 1.0},
+        ).json()  # fmt: skip
+        entries = body["choices"][0]["prompt_logprobs"][1:]
+        return [entry[str(token)]["logprob"] for entry, token in zip(entries, _PROBE_IDS[1:])]
+
+    def reload_weights(self, weights_path: str | os.PathLike, verify: bool = True) -> float:
+        """Load a checkpoint folder into the running server; returns seconds taken.
+
+        With `verify`, a fixed prompt is scored before and after: identical
+        log-probs mean the new weights did not take, which is an error.
+        """
+        before = self.probe_logprobs() if verify else None
+        start = time.perf_counter()
+        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
+        self.reset_prefix_cache()  # cached KV was computed with the old weights
+        seconds = time.perf_counter() - start
+        if verify and self.probe_logprobs() == before:
+            raise ServerError(
+                f"{self.served_model_name}: reloading {weights_path} left the model's log-probs unchanged; "
+                "the checkpoint may hold the same weights or was not read"
+            )
+        return seconds
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (their KV was computed with weights or an adapter no longer served)."""
+        self._post("/reset_prefix_cache")
+
+    def load_adapter(self, name: str, path: str | os.PathLike, inplace: bool = True) -> None:
+        """A LoRA adapter folder into the running server under `name` (`inplace`: replacing one of that name)."""
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": inplace})
+
+    def unload_adapter(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def drop_weight_group(self, timeout: float = 30) -> None:
+        """Drop the server's end of its weight-transfer group: vLLM's `/shutdown_weight_transfer_engine` (0.32),
+        else, where that route is missing (0.26-0.31: HTTP 404), our worker extension's method through
+        `/collective_rpc` (orchestrate.serving.vllm_plugin.worker_ext). ServerError if neither answers."""
+        try:
+            self._post("/shutdown_weight_transfer_engine", timeout=timeout)
+        except ServerError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            self._post("/collective_rpc", {"method": "drop_weight_group"}, timeout=timeout)
+
+    # -- new weights under calls in flight (--run.in_flight_swaps) ----------------------
+
+    def pause(self) -> None:
+        """Stop between two engine steps, the requests kept where they are (vLLM's `/pause?mode=keep`)."""
+        self._post("/pause?mode=keep")
+
+    def output_lengths(self) -> dict[str, int]:
+        """While paused: tokens sampled so far by each request the engine has started, by vLLM's request id
+        (`<our X-Request-Id>` inside it; orchestrate.serving.vllm_plugin.worker_ext)."""
+        lengths: dict[str, int] = {}
+        for result in self._post("/collective_rpc", {"method": "output_lengths"}).json()["results"]:
+            for request, n in (result or {}).items():  # one per worker; tensor-parallel ones agree
+                lengths[request] = max(n, lengths.get(request, 0))
+        return lengths
+
+    def recompute(self) -> None:
+        """After new weights under paused requests: their cached KV was computed by the old weights; drop it
+        (and every prefix cached) so that they recompute it with the new ones when resumed."""
+        if not self._post("/reset_prefix_cache?reset_running_requests=true").json().get("success"):
+            raise ServerError(f"{self.served_model_name}: the prefix cache was not reset under the paused requests")
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def sleep(self) -> None:
+        """Free GPU memory for the other server (a no-op on CPU)."""
+        if self.on_gpu:
+            self._post("/sleep?level=1")
+
+    def wake_up(self) -> None:
+        if self.on_gpu:
+            self._post("/wake_up")
+
+
+class VLLMServer(ServerRoutes):
     """One vLLM server process.
 
     with VLLMServer(model_dir, log_path=run_dir / "logs" / "policy.log") as server:
@@ -224,10 +335,6 @@ class VLLMServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
 
     def command(self) -> list[str]:
         c = self.config
@@ -398,107 +505,6 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    # -- control ---------------------------------------------------------
-
-    def _post(self, path: str, json: dict | None = None, timeout: float = 300) -> httpx.Response:
-        try:
-            response = httpx.post(self.base_url + path, json=json, headers=self.headers, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise ServerError(f"{self.served_model_name} {path}: {exc}. Log tail:\n{log_tail(self.log_path)}") from exc
-        if response.status_code != 200:
-            raise ServerError(f"{self.served_model_name} {path}: HTTP {response.status_code}: {response.text[:500]}")
-        return response
-
-    def get(self, route: str, params: dict | None = None, timeout: float = 10) -> httpx.Response:
-        """GET a route (ServerError naming the URL when it cannot be reached)."""
-        try:
-            return httpx.get(self.base_url + route, headers=self.headers, params=params, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise ServerError(f"{self.base_url} does not answer ({type(exc).__name__}: {exc})") from None
-
-    def probe_logprobs(self) -> list[float]:
-        """Log-probs of a fixed token sequence: a fingerprint of the loaded weights."""
-        body = self._post(
-            "/v1/completions",
-            {"model": self.served_model_name, "prompt": _PROBE_IDS, "max_tokens": 0, "echo": True,
-             "prompt_logprobs": 0, "temperature": 1.0},
-        ).json()  # fmt: skip
-        entries = body["choices"][0]["prompt_logprobs"][1:]
-        return [entry[str(token)]["logprob"] for entry, token in zip(entries, _PROBE_IDS[1:])]
-
-    def reload_weights(self, weights_path: str | os.PathLike, verify: bool = True) -> float:
-        """Load a checkpoint folder into the running server; returns seconds taken.
-
-        With `verify`, a fixed prompt is scored before and after: identical
-        log-probs mean the new weights did not take, which is an error.
-        """
-        before = self.probe_logprobs() if verify else None
-        start = time.perf_counter()
-        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
-        self.reset_prefix_cache()  # cached KV was computed with the old weights
-        seconds = time.perf_counter() - start
-        if verify and self.probe_logprobs() == before:
-            raise ServerError(
-                f"{self.served_model_name}: reloading {weights_path} left the model's log-probs unchanged; "
-                "the checkpoint may hold the same weights or was not read"
-            )
-        return seconds
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every cached prefix (their KV was computed with weights or an adapter no longer served)."""
-        self._post("/reset_prefix_cache")
-
-    def load_adapter(self, name: str, path: str | os.PathLike, inplace: bool = True) -> None:
-        """A LoRA adapter folder into the running server under `name` (`inplace`: replacing one of that name)."""
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": inplace})
-
-    def unload_adapter(self, name: str) -> None:
-        self._post("/v1/unload_lora_adapter", {"lora_name": name})
-
-    def drop_weight_group(self, timeout: float = 30) -> None:
-        """Drop the server's end of its weight-transfer group: vLLM's `/shutdown_weight_transfer_engine` (0.32),
-        else, where that route is missing (0.26-0.31: HTTP 404), our worker extension's method through
-        `/collective_rpc` (orchestrate.serving.vllm_plugin.worker_ext). ServerError if neither answers."""
-        try:
-            self._post("/shutdown_weight_transfer_engine", timeout=timeout)
-        except ServerError as exc:
-            if "HTTP 404" not in str(exc):
-                raise
-            self._post("/collective_rpc", {"method": "drop_weight_group"}, timeout=timeout)
-
-    # -- new weights under calls in flight (--run.in_flight_swaps) ----------------------
-
-    def pause(self) -> None:
-        """Stop between two engine steps, the requests kept where they are (vLLM's `/pause?mode=keep`)."""
-        self._post("/pause?mode=keep")
-
-    def output_lengths(self) -> dict[str, int]:
-        """While paused: tokens sampled so far by each request the engine has started, by vLLM's request id
-        (`<our X-Request-Id>` inside it; orchestrate.serving.vllm_plugin.worker_ext)."""
-        lengths: dict[str, int] = {}
-        for result in self._post("/collective_rpc", {"method": "output_lengths"}).json()["results"]:
-            for request, n in (result or {}).items():  # one per worker; tensor-parallel ones agree
-                lengths[request] = max(n, lengths.get(request, 0))
-        return lengths
-
-    def recompute(self) -> None:
-        """After new weights under paused requests: their cached KV was computed by the old weights; drop it
-        (and every prefix cached) so that they recompute it with the new ones when resumed."""
-        if not self._post("/reset_prefix_cache?reset_running_requests=true").json().get("success"):
-            raise ServerError(f"{self.served_model_name}: the prefix cache was not reset under the paused requests")
-
-    def resume(self) -> None:
-        self._post("/resume")
-
-    def sleep(self) -> None:
-        """Free GPU memory for the other server (a no-op on CPU)."""
-        if self.on_gpu:
-            self._post("/sleep?level=1")
-
-    def wake_up(self) -> None:
-        if self.on_gpu:
-            self._post("/wake_up")
 
 
 class RemoteServer(VLLMServer):
