@@ -34,7 +34,7 @@ from agents.agent import AgentConfig, ChatAgent, Example
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
 from orchestrate.gateway.agent import ProgramAgent
-from orchestrate.loop.config import load_preset
+from orchestrate.loop.command_line import load_preset
 from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.models import resolve_model

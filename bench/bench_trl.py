@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from agents.agent import ChatAgent  # noqa: E402
 from agents.env_spec import EnvSpec  # noqa: E402
 from agents.rewards import math_reward  # noqa: E402
-from orchestrate.loop.config import resolve  # noqa: E402
+from orchestrate.loop.command_line import resolve  # noqa: E402
 from orchestrate.serving.models import resolve_model  # noqa: E402
 from tapes.tape import SamplingParams  # noqa: E402
 

@@ -43,14 +43,16 @@ class OptionError(ValueError):
 
 class StrictParser(argparse.ArgumentParser):
     """An ArgumentParser that never takes an abbreviation for a longer option, and says what is wrong in one
-    line (argparse prints its whole usage first: 5 to 80 lines before the error)."""
+    line (argparse prints its whole usage first: 5 to 80 lines before the error). listing: where that line says
+    the options are listed (orchestrate.rl's --help shows the common ones, --help-all all of them)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, listing: str = "--help lists the options", **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(**kwargs)
+        self.listing = listing
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+        self.exit(2, f"error: {message} ({self.prog} {self.listing})\n")
 
 
 # -- config model -> options ------------------------------------------------------------------

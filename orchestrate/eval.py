@@ -53,18 +53,9 @@ from pathlib import Path
 from contract.cli import StrictParser, add_options, given, parse_span, refuse_repeated
 from contract.durable import atomic_write_json, atomic_write_text
 from contract.rundir import FORKS_DIR, RunDir
-from orchestrate.loop.config import (
-    DEFAULT_PRESET,
-    ConfigError,
-    EnvSection,
-    ProgramSection,
-    RLConfig,
-    ServerSection,
-    load_preset,
-    presets,
-    resolve_from,
-    split_env_options,
-)
+from orchestrate.loop.command_line import DEFAULT_PRESET, load_preset, presets, resolve_from, split_env_options
+from orchestrate.loop.config import EnvSection, ProgramSection, RLConfig, ServerSection
+from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.setup import Policy, SetupError, checkpoint_number, given_policy, remote_policy, run_policy
 from tapes.tape import Tape
 

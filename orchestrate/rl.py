@@ -1,7 +1,7 @@
 """The RL loop: `uv run -m orchestrate.rl [--preset NAME] [--SECTION.OPTION VALUE ...]`.
 
 Creates (or resumes) a run directory and runs the loop of orchestrate/loop/iteration.py
-on it. `--help` lists every option.
+on it. `--help` lists the common options and `--help-all` every one (orchestrate/loop/command_line.py).
 """
 
 from __future__ import annotations
@@ -10,16 +10,11 @@ import sys
 from pathlib import Path
 
 from contract.rundir import RunDir, RunDirError
-from orchestrate.loop.config import (
-    config_differences,
-    not_a_run_config,
-    parse_args,
-    teacher_url,
-    with_defaults,
-    with_program_section,
-)
+from orchestrate.loop.command_line import parse_args
+from orchestrate.loop.config import teacher_url, with_program_section
 from orchestrate.loop.metrics import repair_metrics
 from orchestrate.loop.preflight import PreflightError, check_remote_servers, check_run_dir_path, preflight
+from orchestrate.loop.resume import config_differences, not_a_run_config, with_defaults
 from orchestrate.loop.run_lock import RunDirInUse, RunLock
 
 # Options that may change when a run is resumed: its length (iterations, and the time budget: a job under a

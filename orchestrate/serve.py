@@ -32,7 +32,8 @@ import sys
 from pathlib import Path
 
 from contract.cli import OptionError, given, refuse_repeated
-from orchestrate.loop.config import RLConfig, parse_args
+from orchestrate.loop.command_line import parse_args
+from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import gpu_slices
 from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
 from orchestrate.serving.launch import own_server
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if ours.help:
         print(__doc__.strip())
         print("\nOptions: --role policy|reference|teacher, --host H (default 0.0.0.0), --port P (default 8000), "
-              "--key-file FILE (default: $VLLM_API_KEY), --print; and those of `uv run -m orchestrate.rl --help`.")  # fmt: skip
+              "--key-file FILE (default: $VLLM_API_KEY), --print; and those of `uv run -m orchestrate.rl --help-all` "
+              "(what decides the server: --run-dir, --preset, --model.*, --server.*, --teacher.model, --train.lora.rank, "
+              "--run.seed).")  # fmt: skip
         return 0
     if not 0 < ours.port < 65536:
         print(f"error: --port: {ours.port} is not a port (1-65535)", file=sys.stderr)

@@ -30,7 +30,7 @@ def test_tokens_at_equal_success_take_the_lower_best_and_each_arms_first_reach()
 
 
 def test_every_presets_tree_options_pass_the_loops_checks():
-    from orchestrate.loop.config import load_preset, resolve_from
+    from orchestrate.loop.command_line import load_preset, resolve_from
     from orchestrate.loop.config_checks import check_config
 
     for preset, options in TREE_OPTIONS.items():

@@ -134,7 +134,8 @@ def test_the_padded_tokenizer_decodes_every_id_of_its_vocabulary():
 def test_the_loop_commands_are_the_loops_options(tmp_path):
     """The colocated loop's command lines parse as orchestrate.rl's, the gsm8k one with its local task file;
     here, with no GPU, colocation itself is refused (that is the GPU's to run), so it is parsed without it."""
-    from orchestrate.loop.config import ConfigError, options, parse_args
+    from orchestrate.loop.command_line import options, parse_args
+    from orchestrate.loop.config_checks import ConfigError
 
     names = {name for name, _, _ in options()}
     assert {"server.colocate", "server.weight_transfer"} <= names

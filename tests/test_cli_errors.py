@@ -97,7 +97,7 @@ def test_a_run_resumes_with_its_own_settings_when_no_preset_is_named(tmp_path, f
     whatever its preset and options: an option given changes one of them (one that may not change is the only
     one named), and a preset named is the base again (its differences named)."""
     from contract.rundir import RunDir
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     run = tmp_path / "run"
     started = resolve("game", {"train.lr": "3e-6", "model.policy": str(folder_model)}).model_dump(mode="json")
@@ -126,7 +126,7 @@ def test_a_teacher_given_by_url_may_move_on_resume_and_a_served_one_may_not(
     """As servers by URL may (`RESUMABLE`): the teacher's URL changes on resume (the run goes on to check the
     server there), a URL in place of a teacher the run served does not (refused, naming the option)."""
     from contract.rundir import RunDir
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     monkeypatch.setenv("VLLM_API_KEY", "k")
     run = tmp_path / "run"
@@ -144,7 +144,7 @@ def test_a_teacher_given_by_url_may_move_on_resume_and_a_served_one_may_not(
 
 def test_an_optional_option_takes_none_as_its_help_writes_it(capsys):
     """--help writes an optional option's values as TYPE|none: `none` (any case) is no value, as JSON's null."""
-    from orchestrate.loop.config import parse_args
+    from orchestrate.loop.command_line import parse_args
 
     _, config = parse_args(["--run.max_minutes", "none", "--server.reference_url", "None", "--agent.system_prompt",
                             "NONE", "--run-dir", "/nonexistent/run"])  # fmt: skip
@@ -201,15 +201,15 @@ def test_corrupt_run_files(name, content, words, tmp_path, rl_cli, folder_model)
 
 
 def test_malformed_preset(tmp_path, monkeypatch, rl_cli):
-    from orchestrate.loop import config
+    from orchestrate.loop import command_line
 
     (tmp_path / "broken.toml").write_text("[rollouts\nattempts = ")
     (tmp_path / "shape.toml").write_text("rollouts = 3\n")
-    monkeypatch.setattr(config, "PRESETS_DIR", tmp_path)
-    with pytest.raises(config.ConfigError, match="broken.toml is not a valid TOML preset"):
-        config.resolve("broken", {})
-    with pytest.raises(config.ConfigError, match="--rollouts.attempts"):
-        config.resolve("shape", {"rollouts.attempts": "3"})
+    monkeypatch.setattr(command_line, "PRESETS_DIR", tmp_path)
+    with pytest.raises(command_line.ConfigError, match="broken.toml is not a valid TOML preset"):
+        command_line.resolve("broken", {})
+    with pytest.raises(command_line.ConfigError, match="--rollouts.attempts"):
+        command_line.resolve("shape", {"rollouts.attempts": "3"})
     code, line = rl_cli(["--preset", "broken", "--print-config"])
     assert code == 2 and "--preset" in line
 
@@ -227,7 +227,7 @@ def test_preset_path_outside_the_presets(tmp_path, rl_cli):
 @pytest.fixture
 def bad_run(tmp_path):
     """A run directory with a binary tape file, a Latin-1 one, tapes missing what tools need, and odd names."""
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     run_dir = tmp_path / "run"
     (run_dir / "tapes").mkdir(parents=True)
@@ -388,7 +388,7 @@ def test_serve_takes_a_runs_settings_with_the_options_given_on_top(tmp_path, tin
     A preset named for an existing run (one job script starts a run and resumes it) is not used: its servers
     serve the run's own settings."""
     from contract.rundir import RunDir
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     monkeypatch.setenv("VLLM_API_KEY", "k")
     run = tmp_path / "run"
@@ -427,7 +427,7 @@ def test_browse_refuses_a_tokenizer_that_is_not_there(tmp_path, capsys):
 
 
 def test_a_finished_run_asked_for_fewer_iterations_changes_nothing(tmp_path, folder_model, capsys):
-    from orchestrate.loop.config import parse_args
+    from orchestrate.loop.command_line import parse_args
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

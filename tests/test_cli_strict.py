@@ -69,14 +69,14 @@ def test_top_p_message_says_why(tmp_path, folder_model, refused):
 
 
 def test_a_group_of_one_is_fine_without_a_group_baseline(folder_model):
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     config = resolve("embedded", {"rollouts.attempts": "1", "train.algorithm": "reinforce"})
     assert config.rollouts.attempts == 1
 
 
 def test_strict_values_still_take_what_is_right():
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     config = resolve("embedded", {"rollouts.attempts": "8", "train.lr": "2e-5", "run.wandb": "false",
                                   "eval.tasks": "null", "rollouts.top_p": "1"})  # fmt: skip
@@ -171,7 +171,8 @@ def test_offline_is_strict_too(tmp_path, capsys):
 
 
 def test_config_json_never_holds_infinity():
-    from orchestrate.loop.config import ConfigError, resolve
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.config_checks import ConfigError
 
     with pytest.raises(ConfigError, match="finite"):
         resolve("embedded", {"train.adam_eps": "Infinity"})

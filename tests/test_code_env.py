@@ -243,7 +243,8 @@ def test_a_problems_file_of_ones_own_is_used(tmp_path, sandbox):
 def test_a_bad_problems_file_or_sandbox_stops_the_run_before_it_starts(tmp_path):
     """Refused with one line naming the option: the file when the config is resolved (orchestrate.rl exits 2
     on a ConfigError before anything is written), the sandbox by the preflight."""
-    from orchestrate.loop.config import ConfigError, resolve
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.config_checks import ConfigError
     from orchestrate.loop.preflight import PreflightError, check_environment
 
     bad = tmp_path / "bad.jsonl"
@@ -257,7 +258,7 @@ def test_a_bad_problems_file_or_sandbox_stops_the_run_before_it_starts(tmp_path)
 
 def test_the_preset_and_the_sandbox_options_reach_the_environment():
     from agents.env_spec import EnvSpec
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from tapes.tape import Tape
 
     config = resolve("code", {"env.sandbox.timeout_s": "3"})

@@ -189,7 +189,7 @@ LLAMA_1B = dict(
 
 
 def gsm8k(**train):
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     config = resolve("gsm8k", {})  # the preset, as --preset gsm8k reads it
     return config.model_copy(update={"train": config.train.model_copy(update=train)}) if train else config
@@ -233,7 +233,7 @@ LLAMA_8B = dict(parameters=8_030_261_248, layers=32, hidden=4096)  # Llama-3.1-8
 
 def test_the_distillation_preset_fits_one_80_gb_gpu_with_its_8b_teacher_and_a_bigger_one_is_refused():
     """gsm8k_distill: a 1B student, an 8B teacher scored in the reference's seat (docs/training.md's plan)."""
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check
 
     config = resolve("gsm8k_distill", {})

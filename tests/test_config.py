@@ -1,12 +1,15 @@
 """The command line: presets, dotted overrides, and bad input refused with exit status 2."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from orchestrate.loop.config import ConfigError, RLConfig, options, presets, resolve
+from orchestrate.loop.command_line import COMMON, options, parse_args, presets, resolve, resolve_from, shown, value_at
+from orchestrate.loop.config import SET_BY_LOOP, RLConfig
+from orchestrate.loop.config_checks import ConfigError
 
 
 def run_cli(*args):
@@ -28,7 +31,8 @@ def test_presets_resolve():
 def test_every_shipped_preset_is_written_in_todays_option_names(name):
     """Each key of a shipped preset is an option the command line takes (`--SECTION.OPTION`), and the preset
     resolves as `--preset NAME` resolves it."""
-    from orchestrate.loop.config import config_differences, load_preset
+    from orchestrate.loop.command_line import load_preset
+    from orchestrate.loop.resume import config_differences
 
     known = {dotted for dotted, _, _ in options()}
 
@@ -77,11 +81,82 @@ def test_every_option_has_a_meaning():
     assert not missing, missing
 
 
-def test_help_lists_every_option():
-    out = run_cli("--help")
-    assert out.returncode == 0
-    for name, _, _ in options(RLConfig):
-        assert f"--{name}" in out.stdout
+def help_text(capsys, *argv: str) -> str:
+    """What `orchestrate.rl ARGV` prints for --help / --help-all (in-process; tests/test_docs.py runs the real
+    process)."""
+    with pytest.raises(SystemExit) as exited:
+        parse_args(list(argv))
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def listed(text: str) -> set[str]:
+    return set(re.findall(r"^  --([a-z_]+\.[a-z0-9_.]+)", text, re.MULTILINE))
+
+
+def test_help_lists_the_common_options_and_help_all_every_one(capsys):
+    short, full = help_text(capsys, "--help"), help_text(capsys, "--help-all")
+    names = {name for name, _, _ in options()}
+    assert set(COMMON) <= names and listed(short) == set(COMMON) and "--help-all lists all" in short
+    assert listed(full) == names and len(names) > 140
+    for own in ("--preset", "--run-dir", "--iterations", "--print-config", "--help-all"):
+        assert f"\n  {own}" in short and f"\n  {own}" in full
+
+
+def test_help_loads_no_torch():
+    """--help resolves the preset to show its values, without the checks that count this machine's GPUs: it
+    answers at once, never after torch's seconds of import (tests/test_layering.py: reading the options)."""
+    code = ("import contextlib, io, sys\nfrom orchestrate.loop.command_line import parse_args\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    parse_args(['--preset', 'gsm8k', '--help-all'])\nprint('torch._C' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("preset", [None, "countdown", "gsm8k"])
+def test_the_defaults_help_shows_are_those_a_run_takes(preset, capsys, monkeypatch):
+    """Each option's `(default: X)` in --help-all is the value a run given no such option takes: the named
+    preset's, else the embedded one's (not the field's own default: lr 1e-06 where the embedded preset trains at
+    1e-05)."""
+    monkeypatch.setenv("COLUMNS", "100000")  # each option's help on one line
+    argv = [] if preset is None else ["--preset", preset]
+    values = parse_args([*argv, "--run-dir", "/nonexistent/run"])[1].model_dump(mode="json")
+    shown_defaults, name = {}, None
+    for line in help_text(capsys, *argv, "--help-all").splitlines():
+        if m := re.match(r"^  --([a-z_]+\.[a-z0-9_.]+)", line):
+            name = m.group(1)
+        if name and (d := re.search(r".*\(default: (.*)\)$", line)):
+            shown_defaults[name], name = d.group(1), None
+    assert shown_defaults == {name: shown(value_at(values, name)) for name, _, _ in options()}
+    lr, turns, tasks = {None: ("1e-05", "1", "200"), "countdown": ("2e-05", "2", "100"),
+                        "gsm8k": ("1e-06", "1", "none")}[preset]  # fmt: skip
+    assert (shown_defaults["train.lr"], shown_defaults["agent.max_turns"], shown_defaults["eval.tasks"]) == (
+        lr, turns, tasks)  # fmt: skip
+
+
+@pytest.mark.parametrize("dotted", sorted(SET_BY_LOOP))
+def test_the_learners_fields_the_loop_sets_are_no_options(dotted, rl_cli):
+    """train.colocated, train.teacher_coef, train.teacher_topk_coef: not listed, refused as unknown in one line
+    naming the option that decides them, on the command line and in a preset (finetune.train keeps them)."""
+    assert dotted not in {name for name, _, _ in options()}
+    for argv in ([f"--{dotted}", "1"], [f"--{dotted}=true", "--print-config"]):
+        code, line = rl_cli(argv)
+        assert code == 2 and f"--{dotted}: not an option of orchestrate.rl" in line and SET_BY_LOOP[dotted] in line
+    section, name = dotted.split(".")
+    with pytest.raises(ConfigError, match=f"^--{dotted}: not an option.*preset 'mine' sets it"):
+        resolve_from({section: {name: 1}}, {}, "preset 'mine'")
+    resolve_from({section: {name: 0}}, {}, "preset 'mine'")  # a saved run's config holds it at its default
+
+
+def test_the_config_page_lists_the_options_as_help_all_does():
+    """docs/config.md's table of options is generated from the parser: a new option is in it once the generator
+    runs, never by hand."""
+    from orchestrate.loop import config_doc
+
+    page = config_doc.PAGE.read_text(encoding="utf-8")
+    assert config_doc.with_table(page) == page, "docs/config.md is stale: run `uv run -m orchestrate.loop.config_doc`"
+    for name, _, _ in options():
+        assert f"`--{name}`" in page
 
 
 @pytest.mark.parametrize(
@@ -100,6 +175,7 @@ def test_help_lists_every_option():
         (["--env.id", "countdown", "--env.options.numbers", "99"], "--env.options.numbers"),
         (["--train.algorithm", "ppx"], "--train.algorithm"),
         (["--iterations", "0"], "iterations"),
+        (["--preset", "nope", "--help"], "--preset"),
     ],
 )
 def test_bad_input_exits_2_naming_the_option(args, named, rl_cli):
@@ -206,7 +282,8 @@ def test_another_algorithm_on_a_saved_config_sets_its_own_settings():
     ],
 )
 def test_values_only_the_servers_or_numpy_refused_are_refused_before_anything_starts(overrides, words):
-    from orchestrate.loop.config import ConfigError, resolve
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.config_checks import ConfigError
 
     with pytest.raises((ConfigError, ValueError)) as exc:
         resolve("embedded", overrides)
@@ -218,7 +295,7 @@ def test_a_run_saved_with_options_an_earlier_version_ignored_resumes(tmp_path):
     refused now, and a run saved with them resumes as it ran, without them."""
     from contract.rundir import RunDir
     from orchestrate import rl
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     current = resolve("embedded", {}).model_dump(mode="json")
     saved = json.loads(json.dumps(current))

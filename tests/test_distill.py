@@ -12,7 +12,8 @@ import pytest
 from contract.batch import Sample, Turn
 from finetune.batch_advantages import batch_advantages
 from finetune.config import TrainConfig
-from orchestrate.loop.config import RLConfig, resolve
+from orchestrate.loop.command_line import resolve
+from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.preflight import PreflightError
 from orchestrate.loop.reference import annotate_reference
@@ -398,7 +399,7 @@ def test_offline_equal_rewards_are_kept_when_the_teacher_gives_the_signal():
 
 
 def test_the_teacher_note_names_a_tempered_rollout_or_tree():
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from orchestrate.loop.preflight import teacher_temperature_note
 
     def note(**options):
@@ -413,7 +414,7 @@ def test_the_teacher_note_names_a_tempered_rollout_or_tree():
 
 
 def test_generation_ahead_of_training_on_shared_cores_is_noted():
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from orchestrate.loop.preflight import shared_cores_note
 
     assert shared_cores_note(resolve("embedded", {}), count=0) is None  # synchronous

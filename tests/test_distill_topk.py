@@ -18,7 +18,8 @@ from finetune.config import TrainConfig
 from finetune.logprobs import PolicyLogProbs, soft_logprobs
 from finetune.microbatch import micro_batches
 from finetune.step import teacher_top
-from orchestrate.loop.config import RLConfig, resolve
+from orchestrate.loop.command_line import resolve
+from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.loop.samples import SampleError, tape_samples

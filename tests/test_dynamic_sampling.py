@@ -10,7 +10,9 @@ from agents.env_spec import EnvSpec
 from contract.batch import read_batch
 from contract.rundir import RunDir
 from finetune.config import TrainConfig
-from orchestrate.loop.config import ConfigError, RLConfig, resolve
+from orchestrate.loop.command_line import resolve
+from orchestrate.loop.config import RLConfig
+from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.dynamic_sampling import (
     SPREAD_TOLERANCE,
     dropped,
@@ -268,7 +270,7 @@ def test_group_relative_is_declared_on_the_registration():
 def test_turning_dynamic_sampling_on_is_a_change_a_resume_refuses():
     """A run started without dynamic sampling resumed with it on differs in both its options (orchestrate.rl
     refuses the resume, naming them)."""
-    from orchestrate.loop.config import config_differences
+    from orchestrate.loop.resume import config_differences
 
     off = RLConfig().model_dump(mode="json")
     on = RLConfig.model_validate({"rollouts": {"dynamic_sampling": True}}).model_dump(mode="json")

@@ -87,7 +87,8 @@ def test_overlong_penalty_is_dapos_eq_13_by_hand():
 def test_the_sampling_limit_has_one_owner_recorded_on_every_turn(rl_cli, tmp_path):
     """rollouts.max_tokens is the limit; each turn of a batch carries it and whether its output was cut (the
     call's finish reason), so the learner reads them; the learner has no option of its own for it."""
-    from orchestrate.loop.config import ConfigError, resolve
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.config_checks import ConfigError
     from orchestrate.loop.samples import tape_samples
     from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
 

@@ -172,7 +172,7 @@ def test_greedy_twice_gives_the_same_numbers(tmp_path, scripted, capsys):
 def test_a_run_is_evaluated_at_its_version_and_two_are_compared_on_the_same_tasks(tmp_path, scripted, capsys):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     (run / "config.json").write_text(json.dumps(resolve("embedded", {}).model_dump(mode="json")))
     code, stdout, err = run_eval(run, "--tasks", 3, "--no-progress", capsys=capsys)
@@ -282,7 +282,7 @@ def test_a_runs_versions_on_one_real_server_sample_what_the_loop_sampled(tiny_ru
 
 def test_a_run_whose_loop_holds_its_lock_is_evaluated_beside_it(tmp_path, scripted, capsys):
     """Eval takes no lock the loop needs and writes only its own folder, RUN/evals/LABEL."""
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from orchestrate.loop.run_lock import RunLock
 
     run = tmp_path / "run"
@@ -301,7 +301,7 @@ def test_a_run_whose_loop_holds_its_lock_is_evaluated_beside_it(tmp_path, script
 
 
 def test_a_checkpoint_folder_is_that_version_of_its_run(tmp_path, scripted, capsys):
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     run = tmp_path / "run"
     checkpoint = run / "checkpoints" / "000003"
@@ -324,7 +324,7 @@ def swept_run(tmp_path):
     """A run as the loop leaves it: versions 1 (its weights sent in memory), 2 and 4 (on disk) published, and
     metrics whose records say when each came (held-out evaluations of 30 s at iterations 0 and 2, a resume
     after iteration 2)."""
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     run = tmp_path / "run"
     for v, on_disk in ((1, False), (2, True), (4, True)):
@@ -421,7 +421,7 @@ def test_bad_versions_are_one_line_exit_2(tmp_path, scripted, capsys, args, word
 
 
 def test_versions_with_a_config_that_is_not_lora_like_the_run_are_refused(tmp_path, scripted, capsys):
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     run = swept_run(tmp_path)  # whole weights
     lora = tmp_path / "lora.json"
@@ -435,7 +435,7 @@ def test_comparing_a_lora_runs_version_with_a_whole_weights_run_names_the_merge(
     """--compare serves both sides with A's config: B a LoRA run's adapter and A not is refused, naming
     --compare and the way out (not --config, which was not given)."""
     from contract.rundir import ADAPTER_CONFIG, RunDir
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     whole = swept_run(tmp_path)
     lora = tmp_path / "lora"
@@ -456,7 +456,7 @@ def test_versions_on_disk_are_named_in_spans():
 
 
 def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from orchestrate.loop.setup import Policy, PolicyServer
 
     config = resolve("embedded", {"train.lora.rank": "8"})

@@ -13,7 +13,7 @@ import pytest
 
 from contract.rundir import RunDir
 from orchestrate.loop import iteration as loop_module
-from orchestrate.loop.config import resolve
+from orchestrate.loop.command_line import resolve
 from orchestrate.loop.config_checks import ConfigError, check_colocation, overlap_eval
 from orchestrate.loop.metrics import read_metrics
 from orchestrate.loop.setup import interrupting_signals

@@ -199,7 +199,7 @@ def test_positive_advantage_raises_its_tokens_after_one_step(tiny):
 def test_every_registered_algorithm_trains_as_the_command_line_resolves_it(tiny, name):
     """`--train.algorithm NAME` as orchestrate.rl resolves it (the registry's loss, estimator, aggregation and
     settings) trains a batch of two groups: the better completion of each group becomes more likely."""
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
 
     resolved = resolve("embedded", {"train.algorithm": name, "train.lr": "1e-2"}).train
     learner = Learner(tiny, resolved.model_copy(update={"token_budget": 256}))

@@ -16,7 +16,7 @@ from agents.env_spec import EnvSpec
 from agents.tools import RecordedTool, ToolCall
 from orchestrate.after import fork as fork_command
 from orchestrate.gateway.agent import ProgramAgent
-from orchestrate.loop.config import resolve
+from orchestrate.loop.command_line import resolve
 from orchestrate.loop.forks import fork_sampling, fork_tape, replayed_part
 from orchestrate.loop.rollouts import RolloutContext, run_rollouts
 from orchestrate.serving.recorded import ForkDiverged, ForkLLM

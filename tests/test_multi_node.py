@@ -15,7 +15,9 @@ import torch
 from contract.batch import Sample, write_batch
 from contract.rundir import RunDir
 from finetune.config import TrainConfig
-from orchestrate.loop.config import ConfigError, TrainerSection, resolve
+from orchestrate.loop.command_line import resolve
+from orchestrate.loop.config import TrainerSection
+from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.trainer import TrainerError, TrainerProcess
 from orchestrate.serving.vllm_server import free_port
 

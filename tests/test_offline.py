@@ -181,7 +181,7 @@ def test_equal_rewards_are_refused_under_a_group_baseline_but_not_with_a_critic(
     PPO's critic still gives its advantages (kept): the refusal reads the loss, as config_checks does."""
     from finetune.config import TrainConfig
     from orchestrate.after.offline import score_and_filter
-    from orchestrate.loop.config import ConfigError
+    from orchestrate.loop.config_checks import ConfigError
     from tests.test_tapes import make_tape
 
     tapes = [make_tape(i) for i in range(4)]  # one group, every reward 1.0
@@ -202,7 +202,7 @@ def test_tapes_that_give_no_sample_are_refused_before_anything_starts_and_failed
     teacher, and is never trained: its missing log-probs refuse nothing."""
     from finetune.config import TrainConfig
     from orchestrate.after.offline import check_reference, check_teacher_logprobs, check_trainable
-    from orchestrate.loop.config import ConfigError
+    from orchestrate.loop.config_checks import ConfigError
     from tests.test_tapes import make_tape
 
     failed = [make_tape(i) for i in range(2)]

@@ -179,7 +179,7 @@ RECIPES = {
         [append("agents/tools.py", TOOL)],
         {"agents/tools.py"},
         ["tests/test_tools.py"],
-        "from orchestrate.loop.config import resolve; c = resolve('embedded', {'env.tools': 'echo', "
+        "from orchestrate.loop.command_line import resolve; c = resolve('embedded', {'env.tools': 'echo', "
         "'agent.max_turns': '2'}); from agents.env_spec import EnvSpec; "
         "assert EnvSpec.from_config(c, 'train').make().tools[0].name == 'echo'",
     ),
@@ -191,7 +191,7 @@ RECIPES = {
         ],  # fmt: skip
         {"finetune/publish/copy.py", "orchestrate/serving/transports/copy.py", "contract/weight_paths.py"},
         ["tests/test_weight_paths.py"],
-        "from orchestrate.loop.config import resolve; from contract.weight_paths import load, select; "
+        "from orchestrate.loop.command_line import resolve; from contract.weight_paths import load, select; "
         "c = resolve('embedded', {'server.weight_transfer': 'copy'}); m = select(c.server.weight_transfer); "
         "assert load(m.publisher).__name__ == 'CopyPublisher' and load(m.transport).__name__ == 'CopyTransport'",
     ),
@@ -202,7 +202,7 @@ RECIPES = {
         ],  # fmt: skip
         {"agents/envs/count.py", "agents/envs/registry.py"},
         ["tests/test_envs.py"],
-        "from orchestrate.loop.config import resolve; c = resolve('embedded', {'env.id': 'count:to'}); "
+        "from orchestrate.loop.command_line import resolve; c = resolve('embedded', {'env.id': 'count:to'}); "
         "from agents.env_spec import EnvSpec; assert 'Say' in EnvSpec.from_config(c, 'test').make().reset(0)[0]",
     ),
 }

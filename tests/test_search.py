@@ -343,7 +343,8 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
 
 def test_search_from_the_command_line_is_recorded_for_replay(qa, corpus):
     from agents.env_spec import EnvSpec
-    from orchestrate.loop.config import ConfigError, resolve
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.config_checks import ConfigError
     from tapes.tape import Tape
 
     config = resolve("embedded", {"env.id": "qa", "env.options.questions": qa["questions"], "env.tools": "search",
@@ -368,7 +369,7 @@ def test_search_from_the_command_line_is_recorded_for_replay(qa, corpus):
 
 
 def test_preflight_refuses_a_bad_corpus_or_questions_file_naming_the_option(qa, tmp_path, rl_cli):
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from orchestrate.loop.preflight import PreflightError, check_environment, check_qa_questions
 
     empty = tmp_path / "empty.jsonl"

@@ -128,7 +128,7 @@ def test_tools_from_the_command_line(tmp_path):
     from pathlib import Path
 
     from agents.env_spec import EnvSpec
-    from orchestrate.loop.config import resolve
+    from orchestrate.loop.command_line import resolve
     from tapes.tape import Tape
 
     config = resolve("embedded", {"env.tools": "python", "env.sandbox.timeout_s": "3"})

@@ -12,7 +12,8 @@ import pytest
 
 from contract.batch import Sample
 from finetune.estimators import turn_advantages
-from orchestrate.loop.config import TreeSection, resolve
+from orchestrate.loop.command_line import resolve
+from orchestrate.loop.config import TreeSection
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.dynamic_sampling import dropped, mark_dropped
 from orchestrate.loop.forks import DIVERGED, fork_once

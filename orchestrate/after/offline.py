@@ -67,7 +67,8 @@ from contract.cli import (
 from contract.rundir import ADAPTER_CONFIG, RunDir
 from finetune.config import TrainConfig, own_choices
 from finetune.estimators import ESTIMATORS
-from orchestrate.loop.config import ConfigError, ServerSection, TrainerSection
+from orchestrate.loop.config import ServerSection, TrainerSection
+from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.samples import save_tapes
 from tapes.store import TapeFileError, read_tapes

@@ -1,47 +1,25 @@
-"""The RL run's configuration: typed sections, preset files, dotted overrides.
+"""The RL run's configuration: typed sections and RLConfig, the whole of one run's settings.
 
-    uv run -m orchestrate.rl                                   # preset "embedded"
-    uv run -m orchestrate.rl --preset gsm8k --rollouts.attempts 8 --train.lr 2e-6
-
-A preset is a TOML file in orchestrate/loop/presets/ that sets some fields; every
-field can then be overridden on the command line by its dotted name. `--help`
-lists every option with its meaning and default. A bad value is refused with
-one line naming the option (exit status 2) before anything is loaded.
+Each section is a Pydantic model whose fields are the run's options (`--SECTION.OPTION`); the learner's own
+config (finetune.config.TrainConfig) is the train section, whole. RLConfig is what a run saves resolved in its
+directory (config.json). Where the values come from is orchestrate/loop/command_line.py (presets, the command
+line, `--help`); what a resumed run may change, orchestrate/loop/resume.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import tomllib
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from agents.agent import AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
 from agents.tools import TOOLS
-from contract.cli import (
-    StrictParser,
-    add_options,
-    check_bools,
-    error_line,
-    given,
-    leaves,
-    nest,
-    parse_value,
-    refuse_repeated,
-)
 from finetune.config import TrainConfig
-from orchestrate.loop.config_checks import ConfigError, check_config
 from orchestrate.serving.processes import format_cpus, parse_cpus
 from orchestrate.serving.vllm_server import ServerConfig
-
-PRESETS_DIR = Path(__file__).parent / "presets"
 
 
 class ModelSection(BaseModel):
@@ -465,228 +443,11 @@ class RLConfig(BaseModel):
         return self.teacher.topk_coef if self.teacher.model and self.teacher.topk else 0.0
 
 
-# -- command line ---------------------------------------------------------------
-
-
-def presets() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    path = PRESETS_DIR / f"{name}.toml"
-    if name not in presets() or not path.is_file():  # a name, never a path outside presets/
-        raise ConfigError(f"--preset: unknown preset {name!r} (known: {', '.join(presets())})")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise ConfigError(f"--preset {name}: {path} is not a valid TOML preset ({exc}); fix or restore it") from None
-
-
-def options(model: type[BaseModel] = RLConfig, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted name, field info, annotation) of every leaf option."""
-    return [(dotted, field, field.annotation) for dotted, field in leaves(model, prefix)]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = StrictParser(
-        prog="uv run -m orchestrate.rl",
-        usage="%(prog)s [--preset NAME] [--run-dir DIR] [--iterations N] [--SECTION.OPTION VALUE ...]",
-        description="Train an LLM agent with RL on tapes: vLLM rollouts, rewards, reference log-probs, "
-        "GRPO/REINFORCE in a separate finetune process. Options below override the preset.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Values are parsed as JSON where they can be (numbers, true/false, null, lists), else taken as text.",
-    )
-    parser.add_argument("--preset", default=None, help=f"config preset, one of: {', '.join(presets())} (default: "
-                        f"{DEFAULT_PRESET}; an existing run without it: the run's own settings)")  # fmt: skip
-    parser.add_argument(
-        "--run-dir", default=None, help="run directory; an existing one is resumed (default: runs/PRESET)"
-    )
-    parser.add_argument("--iterations", type=int, default=None, help="same as --run.iterations")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    for section, field in RLConfig.model_fields.items():
-        add_options(parser.add_argument_group(section), field.annotation, f"{section}.")
-    return parser
-
-
-def resolve(preset: str, overrides: dict[str, str]) -> RLConfig:
-    """Preset + dotted overrides -> a validated config, or ConfigError naming the option."""
-    return resolve_from(load_preset(preset), overrides, f"preset {preset!r}")
-
-
-def resolve_from(data: dict[str, Any], overrides: dict[str, str], whole: str) -> RLConfig:
-    """A config's data (a preset's, or a saved run's) + dotted overrides -> a validated config, or ConfigError
-    naming the option; `whole` names the data in messages (preset 'embedded', RUN/config.json)."""
-    data = json.loads(json.dumps(data))  # the caller's copy stays as it was
-    env = data.setdefault("env", {}) if isinstance(data.get("env", {}), dict) else data["env"]
-    if isinstance(env, dict) and "env.id" in overrides and overrides["env.id"] != env.get("id"):
-        env["options"] = {}  # another environment: the options were for its own
-    values = {dotted: parse_value(text) for dotted, text in overrides.items()}
-    check_bools(values, RLConfig)
-    try:
-        nest(values, data)
-    except ConfigError as exc:
-        dotted = str(exc).split(":")[0]
-        raise ConfigError(f"{dotted}: {whole} does not hold a section there; fix it") from None
-    with_rollouts_of_algorithm(data)
-    try:
-        config = RLConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_environment_line(exc) or error_line(exc, whole=whole)) from None
-    check_config(config)
-    return config
-
-
-def with_rollouts_of_algorithm(data: dict) -> None:
-    """What the chosen algorithm (finetune.algorithms) sets beyond the learner, where not given: rollouts
-    options (DAPO's dynamic sampling) and its overlong buffer as a fraction of rollouts.max_tokens (in place,
-    before validation; the learner's own options are set by TrainConfig)."""
-    from finetune.algorithms import ALGORITHMS
-
-    train, rollouts = data.get("train", {}), data.setdefault("rollouts", {})
-    if not isinstance(train, dict) or not isinstance(rollouts, dict):
-        return
-    algorithm = ALGORITHMS.get(train.get("algorithm", "grpo"))
-    if algorithm is None:
-        return  # refused by validation, naming the algorithms
-    for name, value in algorithm.rollouts.items():
-        rollouts.setdefault(name, value)
-    if algorithm.overlong_fraction and "overlong_buffer" not in train:
-        limit = rollouts.get("max_tokens", RolloutSection.model_fields["max_tokens"].default)
-        if isinstance(limit, int):
-            train["overlong_buffer"] = round(limit * algorithm.overlong_fraction)
-
-
-def _environment_line(exc: ValidationError) -> str | None:
-    """The environment's own check of its id and options (EnvSection's validator), as `--env.options.x: ...`."""
-    err = exc.errors()[0]
-    msg = err["msg"].removeprefix("Value error, ")
-    if tuple(err["loc"]) != ("env",) or not msg.startswith(("id: ", "options.", "options: ")):
-        return None
-    field, _, msg = msg.partition(": ")
-    return f"--env.{field}: {msg}"
-
-
-ENV_OPTION = "--env.options."
-
-
-def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Take `--env.options.NAME VALUE` (or `--env.options.NAME=VALUE`) out of argv: each environment has
-    its own options, which argparse cannot know in advance."""
-    rest, found = [], {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith(ENV_OPTION):
-            name, eq, value = arg[len(ENV_OPTION) :].partition("=")
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{arg}: expected a value")
-                value = argv[i + 1]
-                i += 1
-            if not name:
-                raise ConfigError(f"{arg}: name the option, e.g. --env.options.digits 3")
-            found[name] = value
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, found
-
-
-DEFAULT_PRESET = "embedded"  # with no --preset and no run of its own to resume
-
-
-def not_a_run_config(data: Any) -> str | None:
-    """Why a config.json is not a run's (a model folder's, anything else's: none of a run config's sections, or
-    one that is not a section), else None. One of an earlier version is a run's."""
-    if not isinstance(data, dict):
-        return f"a {type(data).__name__}"
-    known = [key for key in data if key in RLConfig.model_fields]
-    wrong = [key for key in known if not isinstance(data[key], dict)]
-    if wrong:
-        return f"{wrong[0]} is a {type(data[wrong[0]]).__name__}"
-    return None if known else "none of a run config's sections"
-
-
-def with_defaults(saved: dict) -> dict:
-    """A saved config as this version reads it: options added since it was written take their defaults, and
-    options that moved are where they are now, so neither counts as a change of settings."""
-    saved = _without_ignored(saved)
-    try:
-        return RLConfig.model_validate(saved).model_dump(mode="json")
-    except ValueError:  # not valid any more: compared as written, its differences named
-        return saved
-
-
-def _without_ignored(saved: dict) -> dict:
-    """Options a run's config could hold that an earlier version ignored and this one refuses (train.colocated,
-    which the loop sets; teacher options without a teacher): taken out, so the run resumes as it ran."""
-    saved = dict(saved)
-    if isinstance(train := saved.get("train"), dict) and train.get("colocated"):
-        saved["train"] = {**train, "colocated": False}
-    if isinstance(teacher := saved.get("teacher"), dict) and not teacher.get("model"):
-        saved["teacher"] = {}
-    return saved
-
-
-def saved_run_base(run_dir: Path) -> dict[str, Any] | None:
-    """The settings an existing run resumes with when no --preset is given: its config.json as this version
-    reads it (`with_program_section`, `with_defaults`), so `--run-dir RUN` alone resumes RUN as it was started,
-    whatever its preset and options. None where there is no such file or it is not a run's config this version
-    reads: the preset is the base then, and the resume check names what is wrong."""
-    try:
-        data = json.loads((run_dir / "config.json").read_bytes())
-    except (OSError, ValueError):
-        return None
-    if not_a_run_config(data):
-        return None
-    try:  # `with_defaults`, where the saved config is valid
-        return RLConfig.model_validate(_without_ignored(with_program_section(data))).model_dump(mode="json")
-    except ValueError:
-        return None
-
-
-def parse_args(argv: list[str] | None = None, resume: bool = True) -> tuple[argparse.Namespace, RLConfig]:
-    """The rl options -> (arguments, config); exits 2 naming a bad option. The base is an existing run's saved
-    settings unless a preset is named or another algorithm is given (or not `resume`: the preset's)."""
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        refuse_repeated(argv, {"--iterations": "--run.iterations"})
-        argv, env_options = split_env_options(argv)
-    except ConfigError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    args = parser.parse_args(argv)  # unknown options: argparse names them and exits 2
-    overrides = given(args)
-    for name, value in env_options.items():
-        overrides[f"env.options.{name}"] = value
-    if args.iterations is not None:
-        overrides["run.iterations"] = str(args.iterations)
-    # an existing run resumes from its own settings unless a preset is named: the options given change them
-    # (the resume check refuses those that may not change); a new run starts from the preset
-    preset_given, args.preset = args.preset is not None, args.preset or DEFAULT_PRESET
-    run_dir = Path(args.run_dir or Path("runs") / args.preset)
-    base = None if preset_given or not resume else saved_run_base(run_dir)
-    if base is not None and "train.algorithm" in overrides:
-        # another algorithm sets other defaults (its loss, estimator, sampling): the preset's, as when named
-        if parse_value(overrides["train.algorithm"]) != base["train"]["algorithm"]:
-            base = None
-    try:
-        if base is not None:
-            config = resolve_from(base, overrides, str(run_dir / "config.json"))
-        else:
-            config = resolve(args.preset, overrides)
-    except ConfigError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    return args, config
-
-
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted names whose values differ between two config dicts."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out
+# The learner's fields the loop sets itself (orchestrate/loop/setup.py writes them into its train_config.json),
+# each with the option that decides it: they are no options of orchestrate.rl (the learner's own command line
+# and orchestrate.after.offline keep them), and a run's config holds them at their defaults.
+SET_BY_LOOP = {
+    "train.colocated": "--server.colocate",
+    "train.teacher_coef": "--teacher.coef",
+    "train.teacher_topk_coef": "--teacher.topk_coef",
+}

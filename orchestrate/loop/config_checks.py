@@ -244,9 +244,6 @@ def check_colocation(config, count: int | None = None) -> None:
     from orchestrate.serving.processes import format_cpus
 
     s, t = config.server, config.trainer
-    if config.train.colocated:
-        raise ConfigError("--train.colocated: the loop sets it when the servers and the learner share GPUs "
-                          "(--server.colocate); give that instead")  # fmt: skip
     if not colocated(config, count):
         return
     why = "--server.colocate on" if s.colocate == "on" else "the servers and the learner share GPUs"
@@ -402,19 +399,12 @@ def check_program(config) -> None:
 
 
 def check_distillation(config) -> None:
-    """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; the
-    learner's teacher_coef or teacher_topk_coef given here (the loop sets them from --teacher.*); a top-k with
+    """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; a top-k with
     no teacher; a teacher with no term (coef 0 without a top-k)."""
     t = config.train
     if t.estimator == "zero" and not config.teacher.model:
         raise ConfigError("--train.estimator zero: pure distillation (no reward advantage) needs a teacher; give "
                           "--teacher.model, or choose another estimator")  # fmt: skip
-    if t.teacher_coef:
-        raise ConfigError("--train.teacher_coef: the loop sets it from --teacher.coef when --teacher.model is "
-                          "given; give those instead")  # fmt: skip
-    if t.teacher_topk_coef:
-        raise ConfigError("--train.teacher_topk_coef: the loop sets it from --teacher.topk_coef when "
-                          "--teacher.model and --teacher.topk are given; give those instead")  # fmt: skip
     teacher = config.teacher
     fields = type(teacher).model_fields
     if not teacher.model and (
