@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agents.chat import ChatTokens
 from agents.envs.base import Env, capabilities, jsonable
@@ -91,6 +91,14 @@ class AgentConfig(BaseModel):
         "the built-in agent's)",
     )
 
+    command: str | None = Field(
+        None,
+        description="a CLI agent harness run as a command for each episode (Codex, mini-swe-agent, a script of "
+        "yours; docs/programs.md#harnesses-as-commands), in a fresh workspace, its model server the episode's "
+        "gateway; {prompt} {model} {base_url} {workspace} are replaced, the prompt on stdin without {prompt}; "
+        "the options of the program section; none: no harness",
+    )
+
     @field_validator("program")
     @classmethod
     def _loads(cls, value: str | None) -> str | None:
@@ -99,6 +107,26 @@ class AgentConfig(BaseModel):
 
             load_program(value)  # ProgramError (a ValueError): refused before anything starts
         return value
+
+    @field_validator("command")
+    @classmethod
+    def _runs(cls, value: str | None) -> str | None:
+        if value is not None:
+            from agents.harness import check_command
+
+            check_command(value)  # HarnessError (a ValueError): not found, refused before anything starts
+        return value
+
+    @model_validator(mode="after")
+    def _one_program(self) -> AgentConfig:
+        if self.program is not None and self.command is not None:
+            raise ValueError("agent.program and agent.command: give one of them (a harness command is a program)")
+        return self
+
+    @property
+    def plays_program(self) -> bool:
+        """Does a program of the user's (a function, or a harness command) play the episodes?"""
+        return self.program is not None or self.command is not None
 
 
 class Agent:

@@ -165,3 +165,106 @@ def test_placeholders_are_one_word_each_whatever_they_hold():
         "tool run --model {model} --task {prompt}", {"model": "policy", "prompt": "two words; rm -rf /"}
     )
     assert argv == ["tool", "run", "--model", "policy", "--task", "two words; rm -rf /"]
+
+
+def test_a_program_that_calls_sys_exit_costs_its_episode_not_the_run(tokenizer, agent_for):
+    from tests.programs import play
+
+    async def exits(task, client):
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "A"}])
+        sys.exit(3)
+
+    tape = play(agent_for(exits), ScriptedLLM(tokenizer, ["x"]))
+    assert tape.metadata.error.startswith("the program raised ProgramExited: SystemExit(3): it ended its episode")
+    assert "test_harness.py" in tape.metadata.error  # where: the program's own line
+    assert len(tape.llm_calls) == 1  # its tape is kept
+
+
+PROCESS_PROGRAMS = textwrap.dedent('''
+    import os, subprocess, sys
+
+    async def ask(task, client):
+        reply = await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": task.observation}])
+        return reply.choices[0].message.content
+
+    async def good(task, client):
+        return await ask(task, client)
+
+    async def steps(task, client):
+        printed = await task.run_python("print(6 * 7)")
+        answer = await task.step(await ask(task, client))
+        task.reward(0.25 if printed == "42" else -1.0)
+        return None
+
+    async def exits(task, client):
+        await ask(task, client)
+        sys.exit(3)
+
+    async def hard_exit(task, client):
+        await ask(task, client)
+        os._exit(4)
+
+    async def spins(task, client):
+        await ask(task, client)
+        while True:
+            pass
+
+    async def floods(task, client):
+        sys.stdout.write("x" * 5_000_000)
+        return await ask(task, client)
+
+    async def leaves_a_child(task, client):
+        child = subprocess.Popen(["sleep", "300"])
+        open(os.environ["PIDFILE"], "w").write(str(child.pid))
+        return await ask(task, client)
+
+    async def raises(task, client):
+        await ask(task, client)
+        raise KeyError("oops")
+
+    BEHAVIOURS = [good, steps, exits, hard_exit, spins, floods, leaves_a_child, raises, good]
+
+    async def play(task, client):  # one program, one fork server: the episode's seed picks the behaviour
+        return await BEHAVIOURS[task.seed](task, client)
+''')
+NAMES = ["good", "steps", "exits", "hard_exit", "spins", "floods", "leaves_a_child", "raises", "good again"]
+
+
+def test_programs_in_processes_of_their_own_cost_their_episode_whatever_they_do(tokenizer, tmp_path, monkeypatch):
+    """--program.isolation process: sys.exit, os._exit, a spin, a flood of output and a child left behind each
+    end one episode (its tape kept, the failure in one line) and the next episode plays on the same agent."""
+    from tests.programs import answer_of, play
+
+    (tmp_path / "faulty_programs.py").write_text(PROCESS_PROGRAMS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setenv("PIDFILE", str(pidfile))
+    made = ProgramAgent("faulty_programs:play", SAMPLING, tokenizer, max_context=1024, sandbox=FakeSandbox(),
+                        isolation="process", time_limit_s=5)  # fmt: skip
+    outcomes = {}
+    try:
+        for seed, name in enumerate(NAMES):
+            start = time.monotonic()
+            tape = play(made, ScriptedLLM(tokenizer, [f"The answer is \\boxed{{{answer_of(seed)[2]}}}."]), seed=seed)
+            outcomes[name] = [(tape, time.monotonic() - start)]
+    finally:
+        made.close()
+    outcomes["good"].append(outcomes.pop("good again")[0])
+    (good, _), (good_again, _) = outcomes["good"]
+    assert good.metadata.error is None and good.metadata.reward == 1.0 and good_again.metadata.reward == 1.0
+    steps = outcomes["steps"][0][0]
+    assert steps.metadata.error is None and steps.metadata.reward == 1.25  # the environment's 1, then 0.25
+    assert outcomes["exits"][0][0].metadata.error.startswith("the program raised SystemExit: 3 (")
+    assert "faulty_programs.py" in outcomes["exits"][0][0].metadata.error
+    assert "exited with status 4 before it returned" in outcomes["hard_exit"][0][0].metadata.error
+    spun, seconds = outcomes["spins"][0]
+    assert "time limit of 5 s" in spun.metadata.error and seconds < 20
+    assert outcomes["floods"][0][0].metadata.reward == 1.0
+    assert outcomes["leaves_a_child"][0][0].metadata.reward == 1.0
+    time.sleep(0.2)
+    assert not alive(int(pidfile.read_text()))
+    raised = outcomes["raises"][0][0].metadata.error
+    assert raised.startswith("the program raised KeyError: 'oops' (") and "faulty_programs.py:" in raised
+    for name in ("exits", "hard_exit", "spins", "raises"):
+        assert len(outcomes[name][0][0].llm_calls) == 1  # the tape of the failed episode is kept

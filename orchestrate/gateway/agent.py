@@ -19,6 +19,7 @@ reward is settled (agents.program):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import os
 import sysconfig
@@ -33,6 +34,7 @@ from agents.envs import capabilities
 from agents.envs.base import jsonable
 from agents.program import Program, ProgramTask, StepResult, finite_reward, load_program, load_reward
 from agents.tool_format import ToolFormat
+from orchestrate.gateway.processes import ProgramProcesses
 from orchestrate.gateway.server import Gateway
 from tapes.tape import EnvObservation, SamplingParams, Tape
 
@@ -56,6 +58,7 @@ class ProgramAgent(Agent):
         key: str | None = None,
         sandbox: Any = None,
         reward: str | Callable[[Tape], Any] | None = None,
+        isolation: str = "thread",
     ):
         self.program = load_program(program) if isinstance(program, str) else program
         self.reward = load_reward(reward) if isinstance(reward, str) else reward
@@ -68,12 +71,67 @@ class ProgramAgent(Agent):
         self._sandbox = sandbox  # a Sandbox, or a callable that makes one (first use)
         self._sandbox_lock = threading.Lock()
         self.mismatches = 0  # calls, over this agent's episodes, that did not extend their predecessor
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"isolation: {isolation!r} is not thread or process")
+        if isolation == "process" and not isinstance(program, str):
+            raise ValueError("isolation process: the program must be given as MODULE:FUNCTION (a process imports it)")
+        # a process of its own per episode (orchestrate.gateway.forkserver), or a thread of the orchestrator's
+        self.processes = ProgramProcesses(program) if isolation == "process" else None
 
     def start(self) -> None:
         self.gateway.start()
 
     def close(self) -> None:
         self.gateway.stop()
+        if self.processes is not None:
+            self.processes.close()
+
+    async def _in_process(self, task: ProgramTask, session, step) -> Any:
+        """The program in a child of the fork server (orchestrate.gateway.forkserver): its environment, sandbox
+        and rewards reached through the gateway's control routes; what it returned, posted there. Past the time
+        limit, when it exits without a result (os._exit, a crash) or when the episode is cancelled, its whole
+        group is ended; the run goes on."""
+        loop = asyncio.get_running_loop()
+        posted: asyncio.Future = loop.create_future()
+
+        async def python(body: dict[str, Any]) -> dict[str, Any]:
+            return dataclasses.asdict(await asyncio.to_thread(self._run_python, str(body.get("code", ""))))
+
+        async def reward(body: dict[str, Any]) -> dict[str, Any]:
+            self._give(session, finite_reward(body.get("value"), "task.reward"))
+            return {}
+
+        async def result(body: dict[str, Any]) -> dict[str, Any]:
+            if not posted.done():
+                posted.set_result(body)
+            return {}
+
+        async def step_json(body: dict[str, Any]) -> dict[str, Any]:
+            return dataclasses.asdict(await step(str(body.get("action", ""))))
+
+        session.control = {"step": step_json, "python": python, "reward": reward, "result": result}
+        job = {"id": session.id, "observation": task.observation, "seed": task.seed, "info": task.info,
+               "model": task.model, "base_url": task.base_url, "api_key": task.api_key,
+               "control": self.gateway.control_url(session.id), "time_limit_s": self.time_limit_s}  # fmt: skip
+        pid = await self.processes.run(job)
+        exited = self.processes.exited(session.id)
+        try:
+            await asyncio.wait({posted, exited}, timeout=self.time_limit_s, return_when=asyncio.FIRST_COMPLETED)
+            if posted.done():
+                report = posted.result()
+            elif exited.done():
+                raise ProgramRaised(f"nothing: its process exited with status {exited.result()} before it returned "
+                                    "(os._exit, a signal or a crash)")  # fmt: skip
+            else:
+                raise TimeoutError
+        finally:
+            ProgramProcesses.end(pid)  # its whole group: a spinning program, children it left behind
+            exited.cancel()
+            self.processes.forget(session.id)
+        task.stepped = bool(report.get("stepped"))
+        if not report.get("ok"):
+            raise ProgramRaised(f"{report.get('error')} ({report.get('where')})")
+        return report.get("result")
 
     async def _play(self, task: ProgramTask) -> Any:
         """The program on its own thread's loop, with an OpenAI client for this episode: the gateway's app
@@ -151,10 +209,16 @@ class ProgramAgent(Agent):
         )  # fmt: skip
         result: Any = None
         try:
-            result = await in_own_thread(self._play(task), self.time_limit_s, name=f"program {session.id[:8]}")
+            if self.processes is not None:
+                result = await self._in_process(task, session, step)
+            else:
+                result = await in_own_thread(self._play(task), self.time_limit_s, name=f"program {session.id[:8]}")
         except TimeoutError:
             tape.metadata.error = (f"the program ran past its time limit of {self.time_limit_s:g} s "
                                    "(program.time_limit_s); it was cancelled, or left blocked in its thread")  # fmt: skip
+        except ProgramRaised as exc:  # in its own process
+            if session.server_error is None:
+                tape.metadata.error = f"the program raised {exc}"
         except Exception as exc:  # noqa: BLE001 - the program's failure: on the tape, left out of training
             if session.server_error is None:
                 where = program_frame(exc, self.program)
@@ -222,8 +286,11 @@ async def in_own_thread(coroutine, time_limit_s: float, name: str = "program") -
         asyncio.set_event_loop(own)
         try:
             outcome = (True, own.run_until_complete(coroutine))
-        except BaseException as exc:  # noqa: BLE001 - handed to the episode's loop whole
+        except Exception as exc:  # noqa: BLE001 - handed to the episode's loop whole
             outcome = (False, exc)
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() and the like end the program, never the run
+            ended = ProgramExited(f"{type(exc).__name__}{_args(exc)}: it ended its episode, not the run")
+            outcome = (False, ended.with_traceback(exc.__traceback__))
         finally:
             try:
                 own.run_until_complete(own.shutdown_asyncgens())
@@ -245,6 +312,18 @@ async def in_own_thread(coroutine, time_limit_s: float, name: str = "program") -
         except RuntimeError:  # its loop has closed: it ended meanwhile
             pass
         raise
+
+
+class ProgramRaised(RuntimeError):
+    """A program in its own process that raised (its message: the exception and where) or exited early."""
+
+
+class ProgramExited(RuntimeError):
+    """A program that raised SystemExit (sys.exit, exit()) or KeyboardInterrupt in its own thread."""
+
+
+def _args(exc: BaseException) -> str:
+    return f"({exc.args[0]!r})" if exc.args else ""
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:

@@ -76,6 +76,10 @@ class Gateway:
     def base_url(self, episode_id: str) -> str:
         return f"{self.url}{PREFIX}/{episode_id}/v1"
 
+    def control_url(self, episode_id: str) -> str:
+        """Where a program in a process of its own reaches its episode's environment, sandbox and rewards."""
+        return f"{self.url}{PREFIX}/{episode_id}/control"
+
     # -- life ----------------------------------------------------------------------
 
     def start(self) -> Gateway:
@@ -217,7 +221,19 @@ class Gateway:
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-accel-buffering": "no"})  # fmt: skip
 
-        routes = [Route(PREFIX + "/{episode}/v1/{endpoint:path}", handle, methods=["GET", "POST"])]
+        async def control(request):
+            """A program process's task (orchestrate.gateway.forkserver): step, python, reward, result."""
+            session = self.sessions.get(request.path_params["episode"])
+            operation = (session.control or {}).get(request.path_params["op"]) if session is not None else None
+            if not self._authorized(request) or operation is None:
+                return _json(404, GatewayError(404, "no such episode or operation here", "not_found_error").body())
+            try:
+                return _json(200, await on_episode_loop(session, operation(await request.json())))
+            except Exception as exc:  # noqa: BLE001 - the program reads it as its task's failure
+                return _json(500, GatewayError(500, f"{type(exc).__name__}: {exc}", "server_error").body())
+
+        routes = [Route(PREFIX + "/{episode}/v1/{endpoint:path}", handle, methods=["GET", "POST"]),
+                  Route(PREFIX + "/{episode}/control/{op}", control, methods=["POST"])]  # fmt: skip
         return Starlette(routes=routes)
 
 

@@ -200,6 +200,8 @@ class EpisodeSession:
         self._names: dict[str, str] = {}  # tool call id -> the function it called
         # the Responses API's stored responses (orchestrate.gateway.responses_api): id -> its conversation
         self.responses: dict[str, list[dict[str, Any]]] = {}
+        # a program process's task operations (orchestrate.gateway.agent ProgramAgent._in_process)
+        self.control: dict[str, Any] | None = None
 
     def fault(self, error: GatewayError) -> GatewayError:
         if self.error is None:

@@ -78,6 +78,16 @@ class ProgramSection(BaseModel):
     time_limit_s: float = Field(
         600.0, gt=0, description="seconds per episode; past it (blocked or not) the episode is a failure"
     )
+    isolation: Literal["process", "thread"] = Field(
+        "process",
+        description="where a program (--agent.program) runs: process, a child of its own per episode (a sys.exit, "
+        "os._exit, a spin or children left behind end its episode, never the run); thread, a thread of the "
+        "orchestrator's (no process start; the program's faults can reach the run)",
+    )
+    memory_mb: int = Field(8192, ge=64, description="a harness command's address space per process, MiB")
+    max_output_chars: int = Field(
+        20_000, ge=0, description="the last characters a harness command printed, kept on the tape"
+    )
     gateway_host: str = Field("127.0.0.1", description="the gateway's address (loopback unless asked otherwise)")
     gateway_port: int = Field(0, ge=0, le=65535, description="the gateway's port (0: any free one)")
 

@@ -314,7 +314,7 @@ def episode_turns(config) -> int | None:
     """The most turns an episode of the run's built-in agent can have (the agent's max_turns, and the
     environment's own limit: its max_turns option, one answer when it has neither that option nor tools);
     none for an agent program (its own code decides)."""
-    if config.agent.program is not None:
+    if config.agent.plays_program:
         return None
     from agents.envs import check_options
 
@@ -384,11 +384,11 @@ def check_lora(config) -> None:
 def check_program(config) -> None:
     """An agent program's options (the program section): they need a program; the tool parser is one of vLLM's."""
     p = config.program
-    if config.agent.program is None:
+    if not config.agent.plays_program:
         for name in sorted(p.model_fields_set):
             if getattr(p, name) != type(p).model_fields[name].default:
                 raise ConfigError(f"--program.{name}: is an agent program's option; give --agent.program "
-                                  "MODULE:play or leave it out")  # fmt: skip
+                                  "MODULE:play (or --agent.command) or leave it out")  # fmt: skip
         return
     from agents.tool_format import parser_names
 

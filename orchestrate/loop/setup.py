@@ -45,14 +45,22 @@ def build_agent(config: RLConfig, tokenizer) -> Agent:
     options of `--program.*`. Use it as `with build_agent(...) as agent:` (a program's gateway is closed)."""
     r, a = config.rollouts, config.agent
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
-    if a.program is None:
+    if not a.plays_program:
         return ChatAgent(a, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
     from orchestrate.gateway.agent import ProgramAgent
 
     p, spec = config.program, EnvSpec.from_config(config, "train")
-    return ProgramAgent(a.program, sampling, tokenizer, max_context=config.server.max_model_len,
-                        tool_parser=p.tool_parser, time_limit_s=p.time_limit_s, host=p.gateway_host,
-                        port=p.gateway_port, sandbox=spec.sandbox, reward=p.reward)  # fmt: skip
+    program, reward, isolation, limit = a.program, p.reward, p.isolation, p.time_limit_s
+    if a.command is not None:  # a harness: a subprocess of its own already, played from a thread
+        from agents.harness import HarnessProgram
+        from agents.program import load_reward
+
+        program = HarnessProgram(a.command, time_limit_s=p.time_limit_s, memory_mb=p.memory_mb,
+                                 max_output_chars=p.max_output_chars, reward=load_reward(reward) if reward else None)  # fmt: skip
+        reward, isolation, limit = None, "thread", p.time_limit_s + 30  # the harness's own limit ends it first
+    return ProgramAgent(program, sampling, tokenizer, max_context=config.server.max_model_len,
+                        tool_parser=p.tool_parser, time_limit_s=limit, host=p.gateway_host,
+                        port=p.gateway_port, sandbox=spec.sandbox, reward=reward, isolation=isolation)  # fmt: skip
 
 
 def load_tokenizer(config: RLConfig):
