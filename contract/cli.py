@@ -38,7 +38,9 @@ DEST = "opt:"  # argparse dest of a generated option: DEST + its dotted name
 
 
 class OptionError(ValueError):
-    """A bad option or value; the message is one line starting with the option (`--train.lr: ...`)."""
+    """A bad option or value; the message is one line starting with the option (`--train.lr: ...`). Every
+    command's refusals of its input derive from it (a model that cannot be had, a run that cannot start, ...):
+    its `main` catches it once, says the line on stderr and exits 2."""
 
 
 class StrictParser(argparse.ArgumentParser):

@@ -50,13 +50,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.cli import StrictParser, add_options, given, parse_span, refuse_repeated
+from contract.cli import OptionError, StrictParser, add_options, given, parse_span, refuse_repeated
 from contract.durable import atomic_write_json, atomic_write_text
 from contract.rundir import FORKS_DIR, RunDir
 from orchestrate.loop.command_line import DEFAULT_PRESET, load_preset, presets, resolve_from, split_env_options
 from orchestrate.loop.config import EnvSection, ProgramSection, RLConfig, ServerSection
-from orchestrate.loop.config_checks import ConfigError
-from orchestrate.loop.setup import Policy, SetupError, checkpoint_number, given_policy, remote_policy, run_policy
+from orchestrate.loop.policy import Policy, checkpoint_number, given_policy, run_policy
+from orchestrate.loop.preflight import remote_policy
 from tapes.tape import Tape
 
 SERVER_OPTIONS = ("max_model_len", "kv_cache_gib", "dtype", "gpu_memory_utilization", "enforce_eager", "cpus", "gpus",
@@ -66,7 +66,7 @@ TASKS = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 VERSIONED = re.compile(r"^(.*)@(\d+)$")
 
 
-class EvalError(ValueError):
+class EvalError(OptionError):
     """Bad input: one line naming the option, exit 2."""
 
 
@@ -191,10 +191,7 @@ def resolve_config(args, overrides: dict[str, str], runs: list[RunDir | None]) -
             raise EvalError(f"--config: {path} is not a run's config.json")
     else:
         data, whole = load_preset(args.preset or DEFAULT_PRESET), f"preset {args.preset or DEFAULT_PRESET!r}"
-    try:
-        return resolve_from(data, overrides, whole), whole
-    except ConfigError as exc:
-        raise EvalError(str(exc)) from None
+    return resolve_from(data, overrides, whole), whole
 
 
 def parse_tasks(text: str | None, default: int, size: int | None, split: str) -> list[int]:
@@ -338,12 +335,9 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     overrides.update({f"env.options.{k}": v for k, v in env_options.items()})
     config, source = resolve_config(args, overrides, [r for r, _ in runs])
     from orchestrate.loop.evaluation import test_size
-    from orchestrate.loop.preflight import PreflightError, check_environment
+    from orchestrate.loop.preflight import check_environment
 
-    try:
-        check_environment(config.model_copy(update={"eval": config.eval.model_copy(update={"every": 0})}))
-    except PreflightError as exc:
-        raise EvalError(str(exc)) from None
+    check_environment(config.model_copy(update={"eval": config.eval.model_copy(update={"every": 0})}))
     from agents.env_spec import EnvSpec
 
     spec = EnvSpec(config.env.id, config.env.options, args.split, config.run.seed, config.env.tools)
@@ -359,13 +353,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         config.eval.temperature if args.n == 1 else config.rollouts.temperature)  # fmt: skip
     targets = []
     if args.versions is not None:
-        from orchestrate.loop.setup import servable_versions
+        from orchestrate.loop.policy import servable_versions
 
         run = runs[0][0]
-        try:
-            run_config = _run_config(run)
-        except SetupError as exc:
-            raise EvalError(str(exc)) from None
+        run_config = _run_config(run)
         if (config.train.lora.rank > 0) != (run_config.train.lora.rank > 0):
             raise EvalError(f"{'--preset' if args.preset else '--config'}: its train.lora.rank "
                             f"{config.train.lora.rank} differs from {run.root}'s "
@@ -374,15 +365,12 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         versions = parse_versions(args.versions, servable_versions(run, run_config), args.step, run)
         texts, runs = [version_target(run, v) for v in versions], [(run, v) for v in versions]
     for text, (run, version) in zip(texts, runs):
-        try:
-            if text in urls:
-                policy = remote_policy(text, args.key_file, option="target", key_option="--key-file")
-            elif run is not None:
-                policy = run_policy(run, _run_config(run), version, option="target")
-            else:
-                policy = given_policy(text, option="target")
-        except SetupError as exc:
-            raise EvalError(str(exc)) from None
+        if text in urls:
+            policy = remote_policy(text, args.key_file, option="target", key_option="--key-file")
+        elif run is not None:
+            policy = run_policy(run, _run_config(run), version, option="target")
+        else:
+            policy = given_policy(text, option="target")
         if policy.adapter is not None and not config.train.lora.rank:
             if args.compare and not (args.preset or args.config):  # the config is A's run's
                 raise EvalError(f"--compare: {text} is a LoRA run's version (an adapter) and {texts[0]} is not: "
@@ -420,7 +408,7 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
 
 
 def _run_config(run: RunDir) -> RLConfig:
-    from orchestrate.loop.setup import read_run_config
+    from orchestrate.loop.policy import read_run_config
 
     return read_run_config(run.config_path, option="target")
 
@@ -579,12 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         refuse_repeated(argv)
         argv, env_options = split_env_options(argv)
-    except ConfigError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    args = parser.parse_args(argv)
-    try:
+        args = parser.parse_args(argv)
         s = resolve(args, env_options)
-    except (EvalError, ConfigError) as exc:
+    except OptionError as exc:  # any refusal of the input: one line, exit 2
         parser.exit(2, f"error: {str(exc).splitlines()[0]}\n")
     from orchestrate.loop.run_lock import RunDirInUse
     from orchestrate.loop.setup import interrupting_signals

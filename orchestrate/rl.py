@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from contract.cli import OptionError
 from contract.rundir import RunDir, RunDirError
 from orchestrate.loop.command_line import parse_args
 from orchestrate.loop.config import teacher_url, with_program_section
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if run_dir.root.is_dir():
             lock = RunLock(run_dir.root).acquire()  # an flock on the folder: writes nothing
             _check_resume(run_dir, current)
-        preflight(config)
+        models = preflight(config)  # the model folders, checked: resolved once, for the set-up
         check_remote_servers(config, run_dir.root)
         if lock is None:
             try:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PreflightError(f"--run-dir: cannot create {run_dir.root} ({exc.strerror or exc})") from None
             lock = RunLock(run_dir.root).acquire()
             _check_resume(run_dir, current)  # another command may have started it meanwhile
-    except (PreflightError, RunDirError, RunDirInUse, _Refused) as exc:
+    except (OptionError, RunDirError, RunDirInUse, _Refused) as exc:  # OptionError: every check's refusal
         if lock is not None:
             lock.release()  # refused in-process (tests, benches): the directory is free again
         print(f"error: {exc}", file=sys.stderr)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrate.serving.vllm_server import ServerError
 
     try:
-        return Loop(config, run_dir)()
+        return Loop(config, run_dir, models=models)()
     except (TrainerError, ServerError, RunDirError, LLMError, SampleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

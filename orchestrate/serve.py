@@ -35,24 +35,25 @@ from contract.cli import OptionError, given, refuse_repeated
 from orchestrate.loop.command_line import parse_args
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import gpu_slices
-from orchestrate.serving.auth import KEY_ENV, APIKeyMissing, read_api_key
+from orchestrate.serving.auth import KEY_ENV, read_api_key
 from orchestrate.serving.launch import own_server
 from orchestrate.serving.processes import format_cpus, parse_cpus
 from orchestrate.serving.vllm_server import VLLMServer
 
 
-def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Path) -> VLLMServer:
+def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Path,
+                 teacher: Path | None = None) -> VLLMServer:  # fmt: skip
     """The server an orchestrator would start for `role`, listening on host:port (the model is resolved,
-    and the policy's untied copy built, here)."""
+    and the policy's untied copy built, here; the teacher's folder is `teacher` when the checks resolved it)."""
     from orchestrate.serving.models import resolve_model, untied_copy
 
     policy = resolve_model(config.model.policy)
     if role == "policy":
         model = untied_copy(policy)  # as the orchestrator's own policy servers: reloads swap the head too
     elif role == "teacher":
-        from orchestrate.loop.setup import teacher_folder
+        from orchestrate.loop.policy import teacher_folder
 
-        model = teacher_folder(config.teacher.model)
+        model = teacher or teacher_folder(config.teacher.model)
     else:
         model = resolve_model(config.model.reference) if config.model.reference else policy
     s = config.server
@@ -62,6 +63,42 @@ def build_server(config: RLConfig, role: str, host: str, port: int, run_dir: Pat
     return own_server(model, s, run_dir / "logs" / f"{role}-{port}.log", role=role, host=host, port=port,
                       gpu_ids=gpus, cpus=cpus, seed=config.run.seed,
                       lora_rank=config.train.lora.rank if role == "policy" else 0)  # fmt: skip
+
+
+def run_config(args, config: RLConfig) -> tuple[Path, RLConfig]:
+    """The run directory and the settings to serve: a run that exists serves its own, a preset named or not
+    (one job script starts a run's servers and, resubmitted, resumes it), placed on this machine's cores/GPUs
+    as given here, and serving the teacher given here (a run that names its teacher by URL); else `config`,
+    from the command line."""
+    from orchestrate.loop.policy import read_run_config
+
+    run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        return run_dir, config
+    placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
+    teacher = config.teacher.model if "teacher.model" in given(args) else None
+    config = read_run_config(saved, option="--run-dir")
+    config.server = config.server.model_copy(update=placement)
+    if teacher is not None:
+        config.teacher = config.teacher.model_copy(update={"model": teacher})
+    return run_dir, config
+
+
+def check_served(config: RLConfig, role: str) -> Path | None:
+    """vLLM and the model folders `role` needs, checked as the run checks them; the teacher's folder (role
+    teacher), else None."""
+    from orchestrate.loop.preflight import PreflightError, check_model, check_teacher, check_vllm
+
+    check_vllm()
+    policy = check_model(config.model.policy, "--model.policy")
+    if role == "reference" and config.model.reference:
+        check_model(config.model.reference, "--model.reference")
+    if role != "teacher":
+        return None
+    if not config.teacher.model or config.teacher.url:
+        raise PreflightError("--role teacher: give the teacher's model (--teacher.model MODEL)")
+    return check_teacher(config.teacher.model, policy, config.model.policy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,65 +112,30 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         refuse_repeated(argv)
-    except OptionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    ours, rest = parser.parse_known_args(argv)
-    if ours.help:
-        print(__doc__.strip())
-        print("\nOptions: --role policy|reference|teacher, --host H (default 0.0.0.0), --port P (default 8000), "
-              "--key-file FILE (default: $VLLM_API_KEY), --print; and those of `uv run -m orchestrate.rl --help-all` "
+        ours, rest = parser.parse_known_args(argv)
+        if ours.help:
+            print(__doc__.strip())
+            print("\nOptions: --role policy|reference|teacher, --host H (default 0.0.0.0), --port P (default 8000), "
+                  "--key-file FILE (default: $VLLM_API_KEY), --print; and those of `uv run -m orchestrate.rl --help-all` "
               "(what decides the server: --run-dir, --preset, --model.*, --server.*, --teacher.model, --train.lora.rank, "
               "--run.seed).")  # fmt: skip
-        return 0
-    if not 0 < ours.port < 65536:
-        print(f"error: --port: {ours.port} is not a port (1-65535)", file=sys.stderr)
-        return 2
-    args, config = parse_args(rest, resume=False)  # the rl options: exits 2 naming a bad one
-    run_dir = Path(args.run_dir or Path("runs") / args.preset).resolve()
-    saved = run_dir / "config.json"
-    if saved.is_file():  # a run that exists: its own settings, a preset named or not (one job script starts a
-        # run's servers and, resubmitted, resumes it), placed on this machine's cores/GPUs as given here, and
-        # serving the teacher given here (a run that names its teacher by URL)
-        from orchestrate.loop.setup import SetupError, read_run_config
-
-        placement = {k: getattr(config.server, k) for k in ("gpus", "reference_gpus", "cpus")}
-        teacher = config.teacher.model if "teacher.model" in given(args) else None
-        try:
-            config = read_run_config(saved, option="--run-dir")
-        except SetupError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        config.server = config.server.model_copy(update=placement)
-        if teacher is not None:
-            config.teacher = config.teacher.model_copy(update={"model": teacher})
-    from orchestrate.loop.preflight import PreflightError, check_model, check_teacher, check_vllm
-    from orchestrate.serving.models import resolve_model
-
-    try:  # the model folder and vLLM, as the run checks them
-        check_vllm()
-        check_model(config.model.policy, "--model.policy")
-        if ours.role == "reference" and config.model.reference:
-            check_model(config.model.reference, "--model.reference")
-        if ours.role == "teacher":
-            if not config.teacher.model or config.teacher.url:
-                raise PreflightError("--role teacher: give the teacher's model (--teacher.model MODEL)")
-            check_teacher(config.teacher.model, resolve_model(config.model.policy), config.model.policy)
-    except PreflightError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    server = build_server(config, ours.role, ours.host, ours.port, run_dir)
-    command = server.command()
-    env = server.environment(base={})  # what we add to the environment
-    if ours.print_only:
-        settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k != KEY_ENV)
-        print(f"# the API key goes in ${KEY_ENV} (export it, never on the command line)")
-        pin = f"taskset -c {format_cpus(server.cpus)} " if server.cpus else ""
-        print(f"{settings} {pin}{shlex.join(command)}")
-        return 0
-    try:
+            return 0
+        if not 0 < ours.port < 65536:
+            raise OptionError(f"--port: {ours.port} is not a port (1-65535)")
+        args, config = parse_args(rest, resume=False)  # the rl options: exits 2 naming a bad one
+        run_dir, config = run_config(args, config)
+        teacher = check_served(config, ours.role)
+        server = build_server(config, ours.role, ours.host, ours.port, run_dir, teacher=teacher)
+        command = server.command()
+        if ours.print_only:
+            env = server.environment(base={})  # what we add to the environment
+            settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k != KEY_ENV)
+            print(f"# the API key goes in ${KEY_ENV} (export it, never on the command line)")
+            pin = f"taskset -c {format_cpus(server.cpus)} " if server.cpus else ""
+            print(f"{settings} {pin}{shlex.join(command)}")
+            return 0
         key = read_api_key(ours.key_file, option="--key-file")
-    except APIKeyMissing as exc:
+    except OptionError as exc:  # any refusal of the input: one line, exit 2
         print(f"error: {exc}", file=sys.stderr)
         return 2
     env = server.environment()

@@ -252,8 +252,8 @@ def test_the_distillation_preset_fits_one_80_gb_gpu_with_its_8b_teacher_and_a_bi
 
 def test_the_plan_is_checked_before_the_run_on_the_gpu_it_is_tightest_on(tiny_model_dir):
     """preflight's check reads the model's shape from its folder; no GPU, no plan."""
-    from orchestrate.loop.memory_plan import Shape
-    from orchestrate.loop.preflight import PreflightError, check_memory
+    from orchestrate.loop.memory_plan import MemoryPlanError, Shape
+    from orchestrate.loop.preflight import check_memory
 
     shape = Shape.of(tiny_model_dir)
     assert shape.parameters > 0 and shape.layers >= 1
@@ -262,5 +262,5 @@ def test_the_plan_is_checked_before_the_run_on_the_gpu_it_is_tightest_on(tiny_mo
     assert set(check_memory(config, tiny_model_dir, totals=[80.0])) == {"generate", "train"}  # no KL: no reference
     assert set(check_memory(config.model_copy(update={"server": config.server.model_copy(update={"gpus": "1"})}),
                             tiny_model_dir, totals=[80.0, 80.0])) == {"train"}  # fmt: skip
-    with pytest.raises(PreflightError, match="GPU's 0.1 GiB"):
+    with pytest.raises(MemoryPlanError, match="GPU's 0.1 GiB"):
         check_memory(config, tiny_model_dir, totals=[0.1])

@@ -457,7 +457,8 @@ def test_versions_on_disk_are_named_in_spans():
 
 def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
     from orchestrate.loop.command_line import resolve
-    from orchestrate.loop.setup import Policy, PolicyServer
+    from orchestrate.loop.policy import Policy
+    from orchestrate.loop.setup import PolicyServer
 
     config = resolve("embedded", {"train.lora.rank": "8"})
     served = PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path, switches=True)

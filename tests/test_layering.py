@@ -165,6 +165,46 @@ def test_no_command_imports_another():
     assert not wrong, "a command imports another command's module: " + "; ".join(wrong)
 
 
+def loop_imports() -> dict[str, set[str]]:
+    """Each module of orchestrate/loop/ and the modules of orchestrate/loop/ it imports (lazy ones included)."""
+    folder = ROOT / "orchestrate" / "loop"
+    modules = {module_name(path) for path in folder.glob("*.py") if path.name != "__init__.py"}
+    edges = {}
+    for name in modules:
+        source = (folder / (name.rpartition(".")[2] + ".py")).read_text(encoding="utf-8")
+        found = {other for _, other in imported_modules(source, own="orchestrate.loop")}
+        # `from orchestrate.loop.x import y` reads as orchestrate.loop.x.y: the module is the longest one named
+        edges[name] = {m for m in modules if m != name and any(o == m or o.startswith(m + ".") for o in found)}
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[str]:
+    """Each import `a -> b` where b leads back to a, directly or through others."""
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for other in edges.get(todo.pop(), set()) - seen:
+                seen.add(other)
+                todo.append(other)
+        return seen
+
+    return sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if a in reaches(b))
+
+
+def test_no_module_of_the_loop_imports_one_that_imports_it_back():
+    """Inside orchestrate/loop/ imports run one way: no module imports another that imports it back, directly or
+    through others (what two need of each other goes into a module below both, as orchestrate/loop/policy.py
+    holds the policy resolution for the checks and the set-up)."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        "a -> b -> ... -> a", "b -> c -> ... -> b", "c -> a -> ... -> c"]  # fmt: skip
+    edges = loop_imports()
+    assert "orchestrate.loop.config_checks" in edges["orchestrate.loop.preflight"]  # a lazy import counts
+    assert "orchestrate.loop.policy" in edges["orchestrate.loop.preflight"] & edges["orchestrate.loop.setup"]
+    found = circles(edges)
+    assert not found, "modules of orchestrate/loop/ that import each other: " + "; ".join(found)
+
+
 def test_every_package_is_covered():
     """A new top-level package needs its rule here before it can be imported from."""
     ours = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}

@@ -305,7 +305,7 @@ def test_servers_by_url_are_checked_before_the_run(fake_server, tmp_path, monkey
     with pytest.raises(PreflightError, match="refused the API key"):
         check_remote_servers(remote_config(good, api_key_file=str(key_file)), run)
     monkeypatch.delenv("VLLM_API_KEY")
-    with pytest.raises(PreflightError, match=r"^--server.api_key_file: .*\$VLLM_API_KEY"):
+    with pytest.raises(APIKeyMissing, match=r"^--server.api_key_file: .*\$VLLM_API_KEY"):
         check_remote_servers(remote_config(good), run)
     assert not run.parent.exists()  # nothing was written
 

@@ -35,18 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from agents.env_spec import EnvSpec
-from contract.cli import StrictParser
+from contract.cli import OptionError, StrictParser
 from contract.rundir import FORKS_DIR, RunDir, tape_file_config
 from orchestrate.loop.forks import fork_sampling, fork_tape
-from orchestrate.loop.setup import (
-    Policy,
-    PolicyServer,
-    SetupError,
-    given_policy,
-    read_run_config,
-    remote_policy,
-    run_policy,
-)
+from orchestrate.loop.policy import Policy, given_policy, read_run_config, run_policy
+from orchestrate.loop.preflight import remote_policy
+from orchestrate.loop.setup import PolicyServer
 from orchestrate.serving.llm import LLMError
 from tapes.tape import SamplingParams, Tape
 
@@ -66,14 +60,11 @@ def summary_line(number: int, fork: Tape) -> str:
     return line + f", {end}" + (f" ({m.reward_reason})" if m.reward_reason and not m.terminated else "")
 
 
-# -- the policy -------------------------------------------------------------------------------------
-
-
-class ForkError(ValueError):
-    """Bad input: one line naming the option, exit 2."""
-
-
 # -- the command ------------------------------------------------------------------------------------
+
+
+class ForkError(OptionError):
+    """Bad input: one line naming the option, exit 2."""
 
 
 def default_out(path: Path, tape: Tape, at: int) -> Path:
@@ -188,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         given = resolve(args)
-    except (ForkError, SetupError) as exc:
-        parser.error(str(exc))
+    except OptionError as exc:  # any refusal of the input: one line, exit 2
+        parser.error(str(exc).splitlines()[0])
     try:
         from orchestrate.loop.setup import agent_from_run_config
 

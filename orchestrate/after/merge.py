@@ -19,10 +19,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from contract.cli import StrictParser
+from contract.cli import OptionError, StrictParser
 
 
-class MergeError(ValueError):
+class MergeError(OptionError):
     """Bad input: one line, exit 2."""
 
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if not out.parent.is_dir():
             raise MergeError(f"--out {out}: its parent folder {out.parent} does not exist")
         adapter, base, what = adapter_and_base(Path(args.source), args.version, args.model)
-    except MergeError as exc:
+    except OptionError as exc:  # any refusal of the input: one line, exit 2
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"merging {what} ({adapter}) into {base} ...", flush=True)

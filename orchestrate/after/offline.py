@@ -359,8 +359,8 @@ def resolve(args: argparse.Namespace) -> Inputs:
 def check_reference_source(args: argparse.Namespace, server: ServerSection) -> Path | RemoteServer | None:
     """The reference to annotate with: --reference MODEL (its folder), or the server at --server.reference_url,
     which must answer, accept the key and serve a reference (as orchestrate.rl checks its servers by URL)."""
-    from orchestrate.loop.preflight import PreflightError, remote_server
-    from orchestrate.serving.auth import APIKeyMissing, read_api_key
+    from orchestrate.loop.preflight import remote_server
+    from orchestrate.serving.auth import read_api_key
     from orchestrate.serving.models import ModelNotAvailable, resolve_model
 
     if args.reference and server.reference_url:
@@ -372,11 +372,8 @@ def check_reference_source(args: argparse.Namespace, server: ServerSection) -> P
         except ModelNotAvailable as exc:
             raise ConfigError(f"--reference: {exc}") from None
     if server.reference_url:
-        try:
-            return remote_server("--server.reference_url", server.reference_url, "reference",
-                                 read_api_key(server.api_key_file))  # fmt: skip
-        except (APIKeyMissing, PreflightError) as exc:
-            raise ConfigError(str(exc)) from None
+        return remote_server("--server.reference_url", server.reference_url, "reference",
+                             read_api_key(server.api_key_file))  # fmt: skip
     return None
 
 

@@ -43,6 +43,7 @@ from orchestrate.loop.dynamic_sampling import dropped, dynamic_metrics, iteratio
 from orchestrate.loop.evaluation import Evaluation, play_tasks
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.phase import PHASE_LOCK, kill_hook
+from orchestrate.loop.policy import RunModels
 from orchestrate.loop.report import Reporter, Timer, busy_fractions
 from orchestrate.loop.rollouts import EnvClock, RolloutContext, run_rollouts
 from orchestrate.loop.samples import save_tapes, write_samples
@@ -55,10 +56,11 @@ from tapes.tape import Tape
 
 
 class Loop:
-    def __init__(self, config: RLConfig, run_dir: RunDir, progress: bool = True):
+    def __init__(self, config: RLConfig, run_dir: RunDir, progress: bool = True, models: RunModels | None = None):
         self.config = config
         self.run = run_dir
         self.progress = progress
+        self.models = models  # the model folders the run's checks resolved (orchestrate.loop.policy.RunModels)
         self.use_reference = config.train.needs_reference
         self.reporter = Reporter(config, run_dir, self.elapsed_s)
         # the run's parts, made by _start: the model folders, tokenizer, agent, train split, evaluation,
@@ -90,7 +92,7 @@ class Loop:
         """The run's parts, from its config (orchestrate.loop.setup): the agent, the servers (ours are
         started here; those given by URL run elsewhere) and the learner, started and serving the version it
         resumes at."""
-        setup = RunSetup(self.config, self.run, progress=self.progress)
+        setup = RunSetup(self.config, self.run, self.models, progress=self.progress)
         self.policy_dir, self.reference_dir, self.tokenizer = setup.policy_dir, setup.reference_dir, setup.tokenizer
         self.train_env = EnvSpec.from_config(self.config, "train")
         self.evaluation = Evaluation(self.config, self.run)

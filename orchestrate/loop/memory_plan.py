@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.cli import OptionError
+
 GiB = 2**30
 ACTIVATION_BYTES = {"eager": 87, "compiled": 54}  # per token x layer x hidden unit (see above)
 SLEEPING_GIB = 1.0  # what a sleeping server still holds of the GPU
@@ -33,8 +35,8 @@ SERVER_WORK_GIB = 2.0  # of a server's share, what is neither weights nor KV cac
 CONTEXT_GIB = 0.5  # a process's CUDA context (the learner's)
 
 
-class MemoryPlanError(ValueError):
-    pass
+class MemoryPlanError(OptionError):
+    """The run does not fit its GPU: one line naming the option to change, with the numbers."""
 
 
 @dataclass

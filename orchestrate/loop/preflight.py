@@ -20,8 +20,10 @@ import os
 import sys
 from pathlib import Path
 
+from contract.cli import OptionError
 from contract.rundir import RunDir
 from contract.weight_paths import select
+from orchestrate.loop.policy import Policy, RunModels, checkpoint_number, first_line, model_folder, teacher_folder
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 # Suffixes that mark a value as meant to be a file (not a hub id such as "openai/gsm8k").
@@ -29,13 +31,8 @@ FILE_LIKE_SUFFIXES = (*DATA_SUFFIXES, ".csv", ".tsv", ".txt", ".arrow", ".gz", "
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
-class PreflightError(ValueError):
+class PreflightError(OptionError):
     """The run cannot start; the message is one line naming the option or file."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 # -- the run directory ----------------------------------------------------------
@@ -62,19 +59,12 @@ def check_run_dir_path(root: str | os.PathLike, option: str = "--run-dir") -> No
 
 
 def check_model(name: str, option: str) -> Path:
-    """A local model folder for `name` (the embedded one is built if needed) that holds a model."""
-    from orchestrate.serving.models import ModelNotAvailable, resolve_model
-
-    try:
-        folder = resolve_model(name)
-    except ModelNotAvailable as exc:
-        raise PreflightError(f"{option}: {' '.join(str(exc).split())}") from None
-    except Exception as exc:
-        raise PreflightError(f"{option}: model {name!r} cannot be had ({_first_line(exc)})") from None
+    """A local model folder for `name` (orchestrate.loop.policy.model_folder) that holds a model."""
+    folder = model_folder(name, option)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise PreflightError(f"{option}: {folder}/config.json is not readable JSON ({_first_line(exc)})") from None
+        raise PreflightError(f"{option}: {folder}/config.json is not readable JSON ({first_line(exc)})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise PreflightError(f"{option}: {folder}/config.json is not a Hugging Face model config (no model_type)")
     if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
@@ -84,17 +74,12 @@ def check_model(name: str, option: str) -> Path:
 
 
 def check_teacher(teacher: str, student: Path, student_name: str, option: str = "--teacher.model") -> Path:
-    """The teacher's model folder (orchestrate.loop.setup.teacher_folder), checked as a model, with a tokenizer
+    """The teacher's model folder (orchestrate.loop.policy.teacher_folder), checked as a model, with a tokenizer
     that is the student's (the same vocabulary, token -> id: the teacher scores the student's token ids as they
     are) and a chat template with the student's turn markup (`chat_markup`). Templates that differ only in their
     text (Llama-3.1-8B's and Llama-3.2-1B's: the system header's date line) pass, with a note on stderr: the
     teacher reads every prompt as the student's template rendered it."""
-    from orchestrate.loop.setup import SetupError, teacher_folder
-
-    try:
-        folder = teacher_folder(teacher, option)
-    except SetupError as exc:
-        raise PreflightError(str(exc)) from None
+    folder = teacher_folder(teacher, option)
     check_model(str(folder), option)
     teacher_tok = _tokenizer(folder, f"{option} {teacher}")
     student_tok = _tokenizer(student, f"--model.policy {student_name}")
@@ -129,7 +114,7 @@ def chat_markup(tok, what: str) -> list[str]:
     try:
         text = tok.apply_chat_template(MARKUP_PROBE, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - no template, a template that refuses the probe: one line
-        raise PreflightError(f"{what}: its chat template cannot render a conversation ({_first_line(exc)})") from None
+        raise PreflightError(f"{what}: its chat template cannot render a conversation ({first_line(exc)})") from None
     special = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
     return [special[i] for i in tok(text, add_special_tokens=False)["input_ids"] if i in special]
 
@@ -140,7 +125,7 @@ def _tokenizer(folder: Path, what: str):
     try:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001 - missing files, a bad file: the same one line
-        raise PreflightError(f"{what}: {folder} holds no usable tokenizer ({_first_line(exc)}); give a model "
+        raise PreflightError(f"{what}: {folder} holds no usable tokenizer ({first_line(exc)}); give a model "
                              "folder with its tokenizer files") from None  # fmt: skip
 
 
@@ -166,7 +151,7 @@ def check_gsm8k_source(value: str, split: str, option: str) -> int:
     try:
         tasks = load_gsm8k(value, split)
     except Exception as exc:  # datasets raises many kinds on a corrupt file
-        raise PreflightError(f"{option}: cannot read {value} ({_first_line(exc)}); give a "
+        raise PreflightError(f"{option}: cannot read {value} ({first_line(exc)}); give a "
                              f"{'/'.join(DATA_SUFFIXES)} file with 'question' and 'answer' fields") from None  # fmt: skip
     finally:
         datasets.enable_progress_bars()
@@ -225,8 +210,10 @@ def shared_cores_note(config, count: int | None = None) -> str | None:
             "with --server.cpus and --trainer.cpus (docs/async.md#placement)")  # fmt: skip
 
 
-def preflight(config) -> None:
-    """Check task data, then models, of an RLConfig: PreflightError names the first problem."""
+def preflight(config) -> RunModels:
+    """Check task data, then models, of an RLConfig: the first problem refused in one line (PreflightError, or
+    orchestrate.loop.policy's PolicyError for a model that cannot be had). The run's model folders, checked,
+    for its set-up."""
     if config.env.id in ("math:gsm8k", "qa"):
         from agents.envs import check_options
 
@@ -244,27 +231,25 @@ def preflight(config) -> None:
 
     if servers_here(config):
         check_vllm()
-    policy = check_model(config.model.policy, "--model.policy")
-    if config.model.reference:
-        check_model(config.model.reference, "--model.reference")
-    teacher = None
-    if config.teacher.model and not config.teacher.url:
-        teacher = check_teacher(config.teacher.model, policy, config.model.policy)
+    models = RunModels.of(config, model=check_model,
+                          teacher=lambda name, policy: check_teacher(name, policy, config.model.policy))  # fmt: skip
     for note in (teacher_temperature_note(config), shared_cores_note(config)):
         if note:
             print(note, file=sys.stderr)
     if config.train.lora.target_modules:
-        check_lora_targets(policy, config.train.lora.target_modules)
-    check_memory(config, policy, teacher=teacher)
+        check_lora_targets(models.policy, config.train.lora.target_modules)
+    check_memory(config, models.policy, teacher=models.teacher)
+    return models
 
 
 def check_memory(config, policy: Path, totals: list[float] | None = None,
                  teacher: Path | None = None) -> dict[str, float] | None:  # fmt: skip
     """On GPUs, the run's memory plan (orchestrate.loop.memory_plan) fits the GPU it is tightest on: the
     colocated servers' first, else the learner's; a teacher served here (`teacher`: its folder) has room in
-    a server's share. `totals`: each visible GPU's GiB (for tests)."""
+    a server's share (MemoryPlanError names the phase that does not fit). `totals`: each visible GPU's GiB (for
+    tests)."""
     from orchestrate.loop.config_checks import colocated, placements, visible_gpus
-    from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check, gpu_totals_gib
+    from orchestrate.loop.memory_plan import Shape, check, gpu_totals_gib
 
     if config.trainer.launch != "local" or not visible_gpus() and totals is None:
         return None
@@ -275,11 +260,8 @@ def check_memory(config, policy: Path, totals: list[float] | None = None,
     if gpu >= len(totals):
         return None  # check_gpus names what is not visible
     compiled = config.train.compile == "on" or (config.train.compile == "auto" and not config.trainer.accelerate_config)
-    try:
-        return check(config, Shape.of(policy), totals[gpu], compiled, together,
-                     teacher=Shape.of(teacher) if teacher else None)  # fmt: skip
-    except MemoryPlanError as exc:
-        raise PreflightError(str(exc)) from None
+    return check(config, Shape.of(policy), totals[gpu], compiled, together,
+                 teacher=Shape.of(teacher) if teacher else None)  # fmt: skip
 
 
 def check_vllm() -> None:
@@ -394,13 +376,22 @@ def remote_server(option: str, url: str, role: str, key: str):
     return server
 
 
+def remote_policy(url: str, key_file: str | None, option: str = "--url", key_option: str = "--key-file") -> Policy:
+    """The policy server at `url`, checked (it answers, takes the key, serves 'policy'), as it serves now."""
+    from orchestrate.serving.auth import read_api_key
+
+    server = remote_server(option, url, "policy", read_api_key(key_file, option=key_option))
+    root = server.model_root()
+    return Policy(Path(root), checkpoint_number(Path(root)), root, note=f"the server at {url} ({root})", url=url)
+
+
 def check_remote_servers(config, run_root: str | os.PathLike) -> None:
     """Each server of --server.policy_urls (and --server.reference_url when a reference pass runs) answers,
     accepts the API key, serves the expected model; a policy server sees the run's checkpoints at the paths
     this machine sends it for reloads (same folder, same files: `RemoteServer.sees`). Checked on the nearest
     folder that exists (the checkpoints of a resumed run; else the run directory's parent), and again on
     the run directory itself once it exists (the loop's start)."""
-    from orchestrate.serving.auth import APIKeyMissing, read_api_key
+    from orchestrate.serving.auth import read_api_key
     from orchestrate.serving.vllm_server import ServerError
 
     s = config.server
@@ -411,10 +402,7 @@ def check_remote_servers(config, run_root: str | os.PathLike) -> None:
         wanted.append(("--teacher.model", config.teacher.url, "teacher"))
     if not wanted:
         return
-    try:
-        key = read_api_key(s.api_key_file)
-    except APIKeyMissing as exc:
-        raise PreflightError(str(exc)) from None
+    key = read_api_key(s.api_key_file)  # APIKeyMissing: one line naming --server.api_key_file
     folder = RunDir(run_root).checkpoints.resolve()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent

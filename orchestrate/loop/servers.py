@@ -55,7 +55,7 @@ class Servers:
     def for_run(cls, config: RLConfig, run: RunDir, policy_dir, reference_dir, tokenizer, progress=True,
                 teacher_dir=None) -> Servers:  # fmt: skip
         """The servers `config` asks for, built (not started): ours, or those given by URL. `teacher_dir`: the
-        teacher's model folder (orchestrate.loop.setup.teacher_folder), when it is not given by URL."""
+        teacher's model folder (orchestrate.loop.policy.teacher_folder), when it is not given by URL."""
         c = config
         remote = bool(c.server.policy_urls or c.server.reference_url or c.teacher.url)
         try:

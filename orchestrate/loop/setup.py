@@ -1,11 +1,11 @@
 """One run set-up that every command shares: what a command needs, built from a run's config.
 
 - the agent (`build_agent`): the built-in ChatAgent or an agent program through the gateway, one interface;
-- the policy to sample from (`Policy`: a run's newest servable checkpoint or version N, a checkpoint or model
-  folder, a model by name, a server that runs) and its server, started and stopped here (`PolicyServer`);
+- the policy's server (`PolicyServer`), started and stopped here, for a policy resolved in orchestrate.loop.policy
+  (a run's version, a checkpoint or model folder, a model by name, a server that runs);
 - the reference scorer for tapes (`score_reference`): a reference model served for the pass, or a server by URL;
-- the teacher's model folder (`teacher_folder`: a model, or a run's newest checkpoint with weights);
-- the loop's servers and learner, in the order they must start (`RunSetup.start`).
+- the loop's servers and learner, in the order they must start (`RunSetup.start`), on the model folders the
+  run's checks resolved (orchestrate.loop.policy.RunModels).
 
 The loop (orchestrate.loop.iteration), eval (orchestrate.eval), fork, replay and offline (orchestrate.after)
 build these here; the servers themselves are built in orchestrate.serving.launch, and nothing here calls a
@@ -15,26 +15,20 @@ server's private methods.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from agents.agent import Agent, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
-from contract.rundir import CHECKPOINT_NAME, RunDir
+from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
+from orchestrate.loop.policy import Policy, RunModels, read_run_config
 from tapes.tape import SamplingParams, Tape
-
-
-class SetupError(ValueError):
-    """Bad input found while setting up (a model, a checkpoint, a server): one line naming the option."""
-
 
 # -- the agent --------------------------------------------------------------------------------------
 
@@ -52,11 +46,13 @@ def build_agent(config: RLConfig, tokenizer) -> Agent:
     p, spec = config.program, EnvSpec.from_config(config, "train")
     program, reward, isolation, limit = a.program, p.reward, p.isolation, p.time_limit_s
     if a.command is not None:  # a harness: a subprocess of its own already, played from a thread
-        from agents.harness import HarnessProgram
+        from agents.harness import HarnessProgram, harness_reward
         from agents.program import load_reward
 
+        takes_workspace = reward is not None and harness_reward(reward)
         program = HarnessProgram(a.command, time_limit_s=p.time_limit_s, memory_mb=p.memory_mb,
-                                 max_output_chars=p.max_output_chars, reward=load_reward(reward) if reward else None)  # fmt: skip
+                                 max_output_chars=p.max_output_chars,
+                                 reward=load_reward(reward, workspace=takes_workspace) if reward else None)  # fmt: skip
         reward, isolation, limit = None, "thread", p.time_limit_s + 30  # the harness's own limit ends it first
     return ProgramAgent(program, sampling, tokenizer, max_context=config.server.max_model_len,
                         tool_parser=p.tool_parser, time_limit_s=limit, host=p.gateway_host,
@@ -71,16 +67,6 @@ def load_tokenizer(config: RLConfig):
     return AutoTokenizer.from_pretrained(resolve_model(config.model.policy))
 
 
-def read_run_config(path: Path, option: str = "--config") -> RLConfig:
-    """A run's config.json, validated; SetupError in one line when it is missing or is not one."""
-    if not path.is_file():
-        raise SetupError(f"{option}: {path} not found; pass the run's config.json")
-    try:
-        return RLConfig.model_validate(json.loads(path.read_text()))
-    except Exception as exc:  # noqa: BLE001 - any way it is not a run config is the same one line
-        raise SetupError(f"{option} {path}: not a run config ({str(exc).splitlines()[0]})") from None
-
-
 def agent_from_run_config(config_path: Path) -> Agent:
     """The run's agent, for the tools that play its tapes again (replay, fork): a program's gateway on any free
     port, not the run's --program.gateway_port, which the run itself may be holding."""
@@ -89,94 +75,7 @@ def agent_from_run_config(config_path: Path) -> Agent:
     return build_agent(config, load_tokenizer(config))
 
 
-# -- the policy to sample from ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What live calls are sampled from."""
-
-    model: Path  # the folder the server serves (a LoRA version: the base model)
-    version: int  # recorded on the calls (LLMCall.policy_version) and the tapes' metadata
-    name: str  # recorded as the calls' model
-    adapter: Path | None = None  # a LoRA run's version: its adapter, loaded on the base
-    note: str = ""  # where it comes from, for the console
-    url: str | None = None  # a server that runs (used as it serves now), else one is started
-
-
-def checkpoint_number(folder: Path) -> int:
-    """N for a folder RUN/checkpoints/N (a version of a run), else 0."""
-    m = CHECKPOINT_NAME.match(folder.name)
-    return int(m.group(1)) if m and folder.parent.name == "checkpoints" else 0
-
-
-def servable_versions(run: RunDir, config: RLConfig) -> list[int]:
-    """A run's published versions that can be served, oldest first: their weights on disk (a LoRA run: their
-    adapter). Version 0, the initial model, is not listed: it always can."""
-    lora = config.train.lora.rank > 0
-    return [i for i in run.published() if (run.has_adapter(i) if lora else run.has_weights(i))]
-
-
-def run_policy(run: RunDir, config: RLConfig, version: int | None = None, option: str = "--model") -> Policy:
-    """A run's policy: version `version` (0: the initial model), else its newest checkpoint that can be served
-    (its weights on disk, or for a LoRA run its adapter), else the initial model before any. SetupError when
-    that version has no weights on disk (sent to the servers in memory, or dropped by keep_checkpoints)."""
-    from orchestrate.serving.models import resolve_model
-
-    published = run.published()
-    lora = config.train.lora.rank > 0
-    servable = servable_versions(run, config)
-    initial = Policy(resolve_model(config.model.policy), 0, config.model.policy,
-                     note=f"the initial policy {config.model.policy}")  # fmt: skip
-    if version == 0:
-        return initial
-    if version is None and not published:
-        return replace(initial, note=initial.note + " (the run has no checkpoint yet)")
-    if version is not None and version not in servable:
-        have = ", ".join(map(str, servable)) or "none"
-        why = "not published" if version not in published else "its weights went to the servers in memory"
-        raise SetupError(f"--version {version}: {run.root} has no such version on disk ({why}); versions with "
-                         f"weights on disk: {have} (0: the initial model)")  # fmt: skip
-    if not servable:
-        raise SetupError(f"{option}: no checkpoint of {run.root} has its weights on disk (version {published[-1]}'s "
-                         "went to the servers in memory; a clean stop writes them); pass --model MODEL")  # fmt: skip
-    asked, version = version, version if version is not None else servable[-1]
-    # the newest servable version was taken: say so when a newer one exists whose weights went in memory
-    newer = (
-        f"; version {published[-1]} is newer, its weights went in memory"
-        if asked is None and published[-1] > version
-        else ""
-    )
-    if lora:
-        return Policy(resolve_model(config.model.policy), version, config.model.policy, run.adapter(version),
-                      note=f"version {version} ({run.adapter(version)}{newer})")  # fmt: skip
-    return Policy(run.checkpoint(version), version, config.model.policy,
-                  note=f"version {version} ({run.checkpoint(version)}{newer})")  # fmt: skip
-
-
-def given_policy(model: str, option: str = "--model") -> Policy:
-    """A model folder (a run's checkpoint N: version N), a hub id or the embedded model's name."""
-    from orchestrate.serving.models import ModelNotAvailable, resolve_model
-
-    try:
-        folder = Path(resolve_model(model))
-    except ModelNotAvailable as exc:
-        raise SetupError(f"{option}: {str(exc).splitlines()[0]}") from None
-    version = checkpoint_number(folder)
-    return Policy(folder, version, model, note=f"{model}" + (f" (version {version})" if version else ""))
-
-
-def remote_policy(url: str, key_file: str | None, option: str = "--url", key_option: str = "--key-file") -> Policy:
-    """The policy server at `url`, checked (it answers, takes the key, serves 'policy'), as it serves now."""
-    from orchestrate.loop.preflight import PreflightError, remote_server
-    from orchestrate.serving.auth import APIKeyMissing, read_api_key
-
-    try:
-        server = remote_server(option, url, "policy", read_api_key(key_file, option=key_option))
-    except (APIKeyMissing, PreflightError) as exc:
-        raise SetupError(str(exc).splitlines()[0]) from None
-    root = server.model_root()
-    return Policy(Path(root), checkpoint_number(Path(root)), root, note=f"the server at {url} ({root})", url=url)
+# -- the policy's server ----------------------------------------------------------------------------
 
 
 class PolicyServer:
@@ -283,48 +182,18 @@ def score_reference(tapes: list[Tape], reference: Path | Any, settings, log_path
         asyncio.run(go())
 
 
-def is_run_dir(run: RunDir) -> bool:
-    """Whether the folder holds a run: a config.json that is a run's (sections such as `model`), not a model's
-    (`model_type`)."""
-    try:
-        saved = json.loads(run.config_path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and "model" in saved and "model_type" not in saved
-
-
-def teacher_folder(model: str, option: str = "--teacher.model") -> Path:
-    """The teacher's model folder: a run directory's newest checkpoint with its weights on disk, else a model
-    folder or name (resolve_model). SetupError in one line: a LoRA run (its versions are adapters), a run
-    with no checkpoint on disk, a model that cannot be had."""
-    run = RunDir(Path(model).expanduser())
-    if not is_run_dir(run):
-        return given_policy(model, option).model
-    config = read_run_config(run.config_path, option)
-    if config.train.lora.rank:
-        raise SetupError(f"{option}: {run.root} is a LoRA run, whose versions are adapters; fold one into a model "
-                         f"folder (uv run -m orchestrate.after.merge {run.root} --out DIR) and give that")  # fmt: skip
-    policy = run_policy(run, config, option=option)
-    if policy.version == 0:
-        raise SetupError(f"{option}: {run.root} has no checkpoint yet; give a run that has trained, or a model")
-    return policy.model
-
-
 # -- the loop's servers and learner ------------------------------------------------------------------
 
 
 class RunSetup:
     """What the RL loop runs on, built from its config: the model folders, the tokenizer, the agent, the
-    servers and the learner, started in the order they must start."""
+    servers and the learner, started in the order they must start. `models`: the folders the run's checks
+    resolved (orchestrate.loop.preflight.preflight), else resolved here."""
 
-    def __init__(self, config: RLConfig, run: RunDir, progress: bool = True):
-        from orchestrate.serving.models import resolve_model
-
+    def __init__(self, config: RLConfig, run: RunDir, models: RunModels | None = None, progress: bool = True):
         self.config, self.run, self.progress = config, run, progress
-        self.policy_dir = resolve_model(config.model.policy)
-        self.reference_dir = resolve_model(config.model.reference) if config.model.reference else self.policy_dir
-        t = config.teacher
-        self.teacher_dir = teacher_folder(t.model) if t.model and not t.url else None  # by URL: its server's
+        models = models or RunModels.of(config)
+        self.policy_dir, self.reference_dir, self.teacher_dir = models.policy, models.reference, models.teacher
         self._tokenizer = None
 
     @property

@@ -30,14 +30,16 @@ import secrets
 from pathlib import Path
 from urllib.parse import parse_qs
 
+from contract.cli import OptionError
+
 KEY_ENV = "VLLM_API_KEY"
 MIDDLEWARE = "orchestrate.serving.auth.RequireAPIKey"
 STAT_PATH = "/tapeloop/stat"
 LORA_ENV = "TAPELOOP_MAX_LORA_RANK"  # the server's --max-lora-rank (0: no LoRA), told by STAT_PATH
 
 
-class APIKeyMissing(ValueError):
-    """No API key could be read; the message names where it was looked for."""
+class APIKeyMissing(OptionError):
+    """No API key could be read; the message (one line) names the option and where it was looked for."""
 
 
 def read_api_key(key_file: str | None, option: str = "--server.api_key_file") -> str:
