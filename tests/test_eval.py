@@ -452,7 +452,9 @@ def test_comparing_a_lora_runs_version_with_a_whole_weights_run_names_the_merge(
 
 
 def test_versions_on_disk_are_named_in_spans():
-    assert eval_command.spans([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8" and eval_command.spans([0]) == "0"
+    from orchestrate.loop.eval_settings import spans
+
+    assert spans([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8" and spans([0]) == "0"
 
 
 def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):

@@ -1,12 +1,18 @@
 """An evaluation shown: a markdown summary (the figures with their intervals, a comparison's paired
-differences and flipped tasks, then the tasks failures first) and a plot of pass@k against k. Both read the
-figures orchestrate.loop.eval_stats computed; nothing is recomputed here."""
+differences and flipped tasks, then the tasks failures first), a plot of pass@k against k, and the headline
+line orchestrate.eval prints; a learning curve over a run's versions (`write_curve`: curve.json, curve.md,
+curve.png) and a paired comparison of two targets (`write_comparison`: compare.json, compare.md,
+compare.png). All read the figures orchestrate.loop.eval_stats computed; nothing is recomputed here."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
+from contract.durable import atomic_write_json, atomic_write_text
+from contract.rundir import RunDir
+from orchestrate.loop.eval_settings import Settings, read_json, spans, version_target
 from orchestrate.loop.metrics import save_figure
 
 ROWS = 50  # tasks listed in a summary; the rest are in eval.json
@@ -25,9 +31,14 @@ def _cell(f: dict | None, tasks: int | None = None) -> str:
     return f"{f['value']:.3f} [{lo:.3f}, {hi:.3f}]{over_tasks(f, tasks)}"
 
 
-def _names(summary: dict) -> list[str]:
-    ks = summary.get("ks", [])
+def figure_names(ks: list[int]) -> list[str]:
+    """An evaluation's figures, in the order they are shown: the mean reward, pass@k, maj@k (k > 1)."""
     return ["mean_reward"] + [f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1]
+
+
+def headline(record: dict, ks: list[int]) -> str:
+    """The line orchestrate.eval prints for one evaluation: each figure with its interval."""
+    return "  ".join(f"{n} {_cell(record[n], record['tasks'])}" for n in figure_names(ks) if record.get(n))
 
 
 def markdown(summary: dict, title: str, compare: dict | None = None) -> str:
@@ -54,7 +65,7 @@ def markdown(summary: dict, title: str, compare: dict | None = None) -> str:
             lines.append(f"- {what} ({len(ids)}): {shown or 'none'}")
         lines += ["", "## B", ""]
     lines += ["| figure | value [95%] |", "|---|---|"]
-    lines += [f"| {name} | {_cell(summary.get(name), summary['tasks'])} |" for name in _names(summary)
+    lines += [f"| {name} | {_cell(summary.get(name), summary['tasks'])} |" for name in figure_names(summary.get("ks", []))
               if summary.get(name)]  # fmt: skip
     rows = summary["per_task"]
     ks = [k for k in summary.get("ks", []) if k > 1]
@@ -146,3 +157,92 @@ def plot_curve(curve: dict, path: str | os.PathLike) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+# -- a learning curve over a run's versions (--versions) and a comparison of two targets (--compare) --------
+
+
+def curve_settings(record: dict) -> dict:
+    """An evaluation's settings less what names its version: what every point of one curve shares."""
+    return {k: v for k, v in record["settings"].items() if k not in ("target", "model", "version")}
+
+
+def earlier_versions(out: Path, settings: dict, chosen: set[int], run: RunDir, names: list[str]) -> dict[int, dict]:
+    """The records of `run`'s versions evaluated into OUT/vN before, with the same settings and every figure of
+    `names`, that this call did not choose (a checkpoint deleted since, or a list that left them out): a
+    curve's folder keeps its points. A folder whose record is of another version or run is no point."""
+    found = {}
+    for folder in out.glob("v*"):
+        match = re.fullmatch(r"v(0|[1-9][0-9]*)", folder.name)
+        if match is None or not folder.is_dir() or int(match[1]) in chosen:
+            continue
+        version, record = int(match[1]), read_json(folder / "eval.json")
+        saved = record.get("settings") or {}
+        if (saved.get("version") == version and saved.get("target") == version_target(run, version)
+                and curve_settings(record) == settings and all(n in record for n in names)):  # fmt: skip
+            found[version] = record
+    return found
+
+
+def write_curve(s: Settings, records: list[dict]) -> dict:
+    """--versions: each version's figures against when its checkpoint came in the run (the run's metrics'
+    clock, with and without its own evaluations): OUT/curve.json, curve.md and curve.png. The versions
+    evaluated into OUT before with the same settings stay on the curve (earlier_versions)."""
+    from orchestrate.loop.metrics import read_metrics, version_clock
+
+    run = s.targets[0].run
+    clock = version_clock(read_metrics(run.metrics_path))
+    names = figure_names(s.ks)
+    settings = curve_settings(records[0])
+    by_version = {t.policy.version: r for t, r in zip(s.targets, records)}
+    kept = earlier_versions(s.out, settings, set(by_version), run, names)
+    by_version.update(kept)
+    points = []
+    for version, record in sorted(by_version.items()):
+        seconds, training = clock.get(version, (None, None))
+        points.append({"version": version,
+                       "minutes": None if seconds is None else round(seconds / 60, 3),
+                       "training_minutes": None if training is None else round(training / 60, 3),
+                       **{n: record[n] for n in names if record.get(n)}})  # fmt: skip
+    if kept:
+        print(f"the curve keeps versions {spans(sorted(kept))} evaluated into {s.out} before (their weights are "
+              "no longer asked for or on disk)", flush=True)  # fmt: skip
+    curve = {"run": str(run.root), "settings": settings, "points": points}
+    atomic_write_json(s.out / "curve.json", curve)
+    atomic_write_text(s.out / "curve.md", curve_markdown(curve))
+    plot_curve(curve, s.out / "curve.png")
+    first = f"pass@{s.ks[0]}"
+    best = max(points, key=lambda p: (p[first]["value"] if first in p else -1, -p["version"]))
+    if first in best:
+        print(f"curve of {len(points)} versions: best {first} {best[first]['value']:.3f} at version {best['version']} "
+              f"({s.out / 'curve.md'})", flush=True)  # fmt: skip
+    return curve
+
+
+def write_comparison(s: Settings, folders: list[Path]) -> dict:
+    """--compare A B: the paired difference B - A of each figure over the tasks both played, with its 95%
+    interval, and the tasks that flipped: OUT/compare.json, compare.md and compare.png."""
+    from orchestrate.loop.eval_stats import compare, summarize
+    from orchestrate.loop.evaluation import finished, tape_file, task_results
+
+    results = []
+    for target, folder in zip(s.targets, folders):
+        done = finished(tape_file(folder, target.policy.version), s.n)
+        results.append(task_results([t for seed in s.seeds for t in done.get(seed, [])]))
+    paired = compare(results[0], results[1], s.ks)
+    summary_b = summarize(results[1], s.ks)
+    a, b = s.targets
+    record = {"a": s.record(a), "b": s.record(b), **paired}
+    atomic_write_json(s.out / "compare.json", record)
+    title = f"{b.text} against {a.text}"
+    atomic_write_text(s.out / "compare.md", markdown(summary_b, title, compare=paired))
+    plot(summary_b, s.out / "compare.png", compare=paired)
+    for name in ["mean_reward"] + [f"pass@{k}" for k in s.ks]:
+        f = paired.get(name)
+        if f:
+            lo, hi = f["ci95"]
+            print(f"{name}: {f['a']:.3f} -> {f['b']:.3f}  B - A {f['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    flipped = paired.get("flipped", {})
+    print(f"flipped: {len(flipped.get('b_only', []))} tasks solved by B only, {len(flipped.get('a_only', []))} by A "
+          f"only ({s.out / 'compare.md'})")  # fmt: skip
+    return record

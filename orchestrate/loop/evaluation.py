@@ -2,8 +2,8 @@
 
 `play_tasks` plays every sample of every task at once (bounded by the client's concurrency, so vLLM batches
 them and the samples of a task share their prompt's KV cache) and hands each task's tapes over as soon as
-its last sample ends (eval appends them to its file: a killed evaluation resumes without playing them
-again). `task_results` turns tapes into what orchestrate.loop.eval_stats scores: per task, the samples'
+its last sample ends (eval appends them to its file, `Appender`: a killed evaluation resumes without playing
+them again, `finished`). `task_results` turns tapes into what orchestrate.loop.eval_stats scores: per task, the samples'
 rewards, successes and answers (an environment that puts `answer` in its last observation's info has
 answers a majority vote can compare), infrastructure failures counted apart, never scored.
 
@@ -16,10 +16,13 @@ than one sample, `eval_pass@k` too).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from agents.env_spec import EnvSpec
 from agents.envs import capabilities
+from contract.durable import atomic_write_text
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.eval_stats import NO_ANSWER, TaskResult, ks_for, summarize
@@ -150,3 +153,51 @@ class Evaluation:
                          f"eval after {iteration}")  # fmt: skip
             save_tapes(path, tapes)
         return {**rollout_metrics(tapes, prefix="eval_"), **pass_metrics(tapes, self.samples)}
+
+
+# -- orchestrate.eval's tape file: each finished task appended, the finished tasks read back on resume -----
+
+
+def tape_file(folder: Path, version: int) -> Path:
+    """The tapes of an evaluation of `version` written into `folder` (as the loop names its own)."""
+    return RunDir(folder).eval_tapes(version)
+
+
+def finished(path: Path, n: int, trim: bool = False) -> dict[int, list[Tape]]:
+    """The tasks whose n samples a killed evaluation wrote whole, by seed (a torn last line, or a task cut
+    short, is dropped and played again); with `trim`, the file is rewritten with them alone (atomically)."""
+    from tapes.store import parse_tape_line
+
+    if not path.is_file():
+        return {}
+    tapes: list[Tape] = []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                tapes.append(parse_tape_line(line, path, lineno))
+            except Exception:  # noqa: BLE001 - a line cut by the kill: it and anything after are played again
+                break
+    by_seed: dict[int, list[Tape]] = {}
+    for tape in tapes:
+        by_seed.setdefault(int(tape.context["env"]["seed"]), []).append(tape)
+    done = {seed: group for seed, group in by_seed.items() if len(group) == n}
+    if trim and sum(map(len, done.values())) != len(lines):
+        atomic_write_text(path, "".join(t.model_dump_json() + "\n" for group in done.values() for t in group))
+    return done
+
+
+class Appender:
+    """Each finished task's tapes appended to the evaluation's file and synced: a kill loses no finished task."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def __call__(self, seed: int, tapes: list[Tape]) -> None:
+        self.file.write("".join(t.model_dump_json() + "\n" for t in tapes))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
