@@ -230,6 +230,17 @@ class HarnessProgram:
                 shutil.rmtree(workspace, ignore_errors=True)
 
 
+def harness_reward(path: str) -> bool:
+    """Does the reward function `path` take the workspace too, (tape, workspace)?"""
+    from agents.program import ProgramError, load_reward
+
+    try:
+        load_reward(path)
+    except ProgramError:
+        return True
+    return False
+
+
 def write_files(folder: Path, files: dict[str, str]) -> None:
     """The environment's task files into the workspace (relative paths inside it only)."""
     root = folder.resolve()

@@ -44,9 +44,10 @@ def load_program(path: str) -> Program:
     return _load(path, ("task", "client"), need_async=True)
 
 
-def load_reward(path: str) -> Callable[[Any], Any]:
-    """A reward function of the tape, `pkg.module:name`: `def reward(tape) -> float` (or async)."""
-    return _load(path, ("tape",), need_async=False)
+def load_reward(path: str, workspace: bool = False) -> Callable[[Any], Any]:
+    """A reward function of the tape, `pkg.module:name`: `def reward(tape) -> float` (or async); with
+    `workspace`, a harness command's: `def reward(tape, workspace) -> float` (agents.harness)."""
+    return _load(path, ("tape", "workspace") if workspace else ("tape",), need_async=False)
 
 
 def _load(path: str, parameters: tuple[str, ...], need_async: bool) -> Callable[..., Any]:

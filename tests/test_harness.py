@@ -180,7 +180,7 @@ def test_a_program_that_calls_sys_exit_costs_its_episode_not_the_run(tokenizer, 
     assert len(tape.llm_calls) == 1  # its tape is kept
 
 
-PROCESS_PROGRAMS = textwrap.dedent('''
+PROCESS_PROGRAMS = textwrap.dedent("""
     import os, subprocess, sys
 
     async def ask(task, client):
@@ -226,7 +226,7 @@ PROCESS_PROGRAMS = textwrap.dedent('''
 
     async def play(task, client):  # one program, one fork server: the episode's seed picks the behaviour
         return await BEHAVIOURS[task.seed](task, client)
-''')
+""")
 NAMES = ["good", "steps", "exits", "hard_exit", "spins", "floods", "leaves_a_child", "raises", "good again"]
 
 
@@ -268,3 +268,31 @@ def test_programs_in_processes_of_their_own_cost_their_episode_whatever_they_do(
     assert raised.startswith("the program raised KeyError: 'oops' (") and "faulty_programs.py:" in raised
     for name in ("exits", "hard_exit", "spins", "raises"):
         assert len(outcomes[name][0][0].llm_calls) == 1  # the tape of the failed episode is kept
+
+
+def workspace_reward(tape, workspace):
+    return float((workspace / "solution.py").read_text().count("def "))
+
+
+def test_the_harness_options_are_checked_before_anything_starts(rl_cli):
+    code, err = rl_cli(["--agent.command", "no-such-harness {prompt}"])
+    assert code == 2 and "--agent.command: 'no-such-harness' is not found on PATH" in err
+    code, err = rl_cli(["--agent.command", "/bin/true", "--agent.program", "agents.programs.openai_tools:play"])
+    assert code == 2 and "give one of them" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.reward",
+                        "tests.test_harness:workspace_reward"])  # fmt: skip
+    assert code == 2 and "a reward of (tape, workspace) is a harness command's" in err
+    code, err = rl_cli(["--program.memory_mb", "100"])
+    assert code == 2 and "--program.memory_mb: is an agent program's option" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.isolation", "fork"])
+    assert code == 2 and "--program.isolation" in err
+
+
+def test_a_harness_reward_of_the_tape_and_the_workspace(tokenizer, harness):
+    agent = ProgramAgent(HarnessProgram(harness("openai"), reward=workspace_reward), SAMPLING, tokenizer,
+                         max_context=1024, sandbox=FakeSandbox(), time_limit_s=60)  # fmt: skip
+    try:
+        tape = run(agent, ScriptedLLM(tokenizer, [solved()]))
+    finally:
+        agent.close()
+    assert tape.metadata.error is None and tape.metadata.reward == float(code_env().problem.solution.count("def "))

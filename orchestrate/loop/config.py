@@ -95,9 +95,15 @@ class ProgramSection(BaseModel):
     @classmethod
     def _loads(cls, value: str | None) -> str | None:
         if value is not None:
-            from agents.program import load_reward
+            from agents.program import ProgramError, load_reward
 
-            load_reward(value)  # ProgramError (a ValueError): refused before anything starts
+            try:  # ProgramError (a ValueError): refused before anything starts
+                load_reward(value)
+            except ProgramError as first:
+                try:
+                    load_reward(value, workspace=True)  # a harness command's (tape, workspace)
+                except ProgramError:
+                    raise first from None
         return value
 
 

@@ -390,6 +390,14 @@ def check_program(config) -> None:
                 raise ConfigError(f"--program.{name}: is an agent program's option; give --agent.program "
                                   "MODULE:play (or --agent.command) or leave it out")  # fmt: skip
         return
+    if p.reward is not None and config.agent.program is not None:
+        from agents.program import ProgramError, load_reward
+
+        try:
+            load_reward(p.reward)
+        except ProgramError as exc:  # a (tape, workspace) reward: a harness command's
+            raise ConfigError(f"--program.reward: {exc} (a reward of (tape, workspace) is a harness "
+                              "command's: --agent.command)") from None  # fmt: skip
     from agents.tool_format import parser_names
 
     names = parser_names()
