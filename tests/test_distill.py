@@ -331,6 +331,30 @@ def test_a_teacher_by_url_is_checked_before_the_run(tmp_path, monkeypatch, fake_
         check_remote_servers(config, tmp_path / "run")
 
 
+def test_the_teachers_folder_is_resolved_once_per_run(tmp_path, tiny_model_dir, monkeypatch):
+    """The checks resolve the run's model folders (the teacher's: a run's newest checkpoint, say) and hand them
+    to the set-up, which takes them as they are; a loop built without them resolves them itself."""
+    from contract.rundir import RunDir
+    from orchestrate.loop import policy, preflight
+    from orchestrate.loop.setup import RunSetup
+
+    config = RLConfig.model_validate(
+        {"model": {"policy": str(tiny_model_dir)}, "teacher": {"model": str(tiny_model_dir)}}
+    )
+    calls = []
+    resolve_teacher = policy.teacher_folder
+    monkeypatch.setattr(policy, "teacher_folder", lambda *a: calls.append(a) or resolve_teacher(*a))
+    monkeypatch.setattr(preflight, "teacher_folder", policy.teacher_folder)
+    models = policy.RunModels.of(config, model=preflight.check_model,
+                                 teacher=lambda name, p: preflight.check_teacher(name, p, config.model.policy))  # fmt: skip
+    assert models == policy.RunModels(tiny_model_dir, tiny_model_dir, tiny_model_dir) and len(calls) == 1
+    setup = RunSetup(config, RunDir(tmp_path), models)
+    assert (setup.policy_dir, setup.teacher_dir) == (tiny_model_dir, tiny_model_dir) and len(calls) == 1
+    assert RunSetup(config, RunDir(tmp_path)).teacher_dir == tiny_model_dir and len(calls) == 2
+    by_url = RLConfig.model_validate({"model": {"policy": str(tiny_model_dir)}, "teacher": {"model": "http://x:1"}})
+    assert RunSetup(by_url, RunDir(tmp_path)).teacher_dir is None and len(calls) == 2  # its server's folder
+
+
 def test_the_serve_command_serves_a_teacher(tmp_path, tiny_model_dir):
     from orchestrate.serve import build_server
 
