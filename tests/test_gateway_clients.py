@@ -48,7 +48,7 @@ def client_python(requirement: str) -> Path:
                     [uv, "pip", "install", "--quiet", "--python", str(python), requirement]):  # fmt: skip
         out = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
-            why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            why = (out.stderr.strip().splitlines() or ["no output"])[-1].strip()
             pytest.fail(f"could not make a venv with {requirement} in {folder} ({why}): these tests need PyPI once; "
                         "-m 'not clients' deselects them")  # fmt: skip
     ready.write_text(requirement)
@@ -147,6 +147,7 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
+@pytest.mark.slow  # the SDK imported in a process of its own, twice (the replay)
 @pytest.mark.parametrize("mode", ["whole", "stream", "chained"])
 def test_the_agents_sdks_default_model_runs_a_tool_through_the_responses_api(
     tokenizer, agent_for, agents_sdk_python, mode
@@ -282,6 +283,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow  # litellm imported in a process of its own, twice (the replay)
 @pytest.mark.parametrize("mode", ["openai", "anthropic", "messages"])
 def test_litellm_streams_a_tool_call_on_chat_completions_and_on_the_messages_api(
     tokenizer, agent_for, litellm_python, mode
