@@ -53,6 +53,7 @@ from pydantic import ValidationError
 
 from contract.adapters import adapter_mismatch, adapter_options, is_adapter
 from contract.cli import (
+    OptionError,
     StrictParser,
     add_options,
     check_bools,
@@ -71,6 +72,7 @@ from orchestrate.loop.config import ServerSection, TrainerSection
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.progress import progress_bar
 from orchestrate.loop.samples import save_tapes
+from orchestrate.loop.trainer import TrainerError, TrainerProcess
 from tapes.store import TapeFileError, read_tapes
 from tapes.tape import Tape
 
@@ -381,11 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         refuse_repeated(sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    try:
+        args = parser.parse_args(argv)
+        start = time.perf_counter()
         given = resolve(args)
         tapes = read(given.files, given.iterations, progress=not args.no_progress)
         read_count = len(tapes)
@@ -395,24 +394,19 @@ def main(argv: list[str] | None = None) -> int:
         tapes = check_teacher_logprobs(tapes, given.train)
         check_trainable(tapes, require_ref and given.reference is None)
         run = open_out(given.out)
-    except ConfigError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    run.save_config({
-        "tapes": [str(f) for f in given.files], "iterations": args.iterations, "filter": args.filter,
-        "rescore": args.rescore, "reward": args.reward,
-        "reference": reference_name(given.reference) if given.reference is not None else None,
-        "model": {"policy": str(given.model_dir)}, "train": given.train.model_dump(mode="json"),
-        "trainer": given.launch.model_dump(mode="json"),
-    })  # fmt: skip
-    from orchestrate.loop.trainer import TrainerError, TrainerProcess
-
-    trainer = TrainerProcess(run, given.model_dir, given.train, given.launch)
-    try:
+        run.save_config({
+            "tapes": [str(f) for f in given.files], "iterations": args.iterations, "filter": args.filter,
+            "rescore": args.rescore, "reward": args.reward,
+            "reference": reference_name(given.reference) if given.reference is not None else None,
+            "model": {"policy": str(given.model_dir)}, "train": given.train.model_dump(mode="json"),
+            "trainer": given.launch.model_dump(mode="json"),
+        })  # fmt: skip
+        trainer = TrainerProcess(run, given.model_dir, given.train, given.launch)
         train_once(trainer, tapes, require_ref, given.reference, given.server,
                    f"{read_count} tapes read, {len(tapes)} kept by --filter {args.filter!r}",
                    progress=not args.no_progress,
                    record=lambda ckpt: record_metrics(run, trainer, tapes, read_count, start, ckpt))  # fmt: skip
-    except ConfigError as exc:
+    except OptionError as exc:  # any refusal of the input: one line, exit 2
         parser.exit(2, f"error: {exc}\n")
     except TrainerError as exc:
         cause = str(exc).split("\nFix the cause")[0]  # the loop's resume hint does not apply here
@@ -528,7 +522,7 @@ def check_teacher_logprobs(tapes: list[Tape], train) -> list[Tape]:
 
 def open_out(out: Path):
     """The output run directory, created and locked (one command per directory, until this process ends)."""
-    from orchestrate.loop.preflight import PreflightError, check_run_dir_path
+    from orchestrate.loop.preflight import check_run_dir_path
     from orchestrate.loop.run_lock import RunDirInUse, RunLock
 
     global _lock
@@ -536,8 +530,8 @@ def open_out(out: Path):
         check_run_dir_path(out, "--out")
         out.mkdir(parents=True, exist_ok=True)
         _lock = RunLock(out).acquire()  # released when the process exits
-    except (PreflightError, RunDirInUse, OSError) as exc:
-        raise ConfigError(f"--out: {str(exc).removeprefix('--out: ')}") from None
+    except (RunDirInUse, OSError) as exc:  # check_run_dir_path's refusals name --out already
+        raise ConfigError(f"--out: {exc}") from None
     run = RunDir(out)
     run.create()
     return run
