@@ -113,8 +113,7 @@ class ProgramAgent(Agent):
         job = {"id": session.id, "observation": task.observation, "seed": task.seed, "info": task.info,
                "model": task.model, "base_url": task.base_url, "api_key": task.api_key,
                "control": self.gateway.control_url(session.id), "time_limit_s": self.time_limit_s}  # fmt: skip
-        pid = await self.processes.run(job)
-        exited = self.processes.exited(session.id)
+        pid, exited = await self.processes.run(job)
         try:
             await asyncio.wait({posted, exited}, timeout=self.time_limit_s, return_when=asyncio.FIRST_COMPLETED)
             if posted.done():

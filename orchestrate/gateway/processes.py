@@ -24,6 +24,17 @@ class ProgramProcessError(RuntimeError):
     """The fork server could not start (the program does not import there): one line."""
 
 
+def _settle(future: concurrent.futures.Future, value: Any) -> None:
+    """A result (or an exception) for a future nobody may be waiting for any more (cancelled meanwhile)."""
+    try:
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 class ProgramProcesses:
     """One fork server for one program; thread-safe (episodes on any loop)."""
 
@@ -33,7 +44,7 @@ class ProgramProcesses:
         self._lock = threading.Lock()
         self._pids: dict[str, concurrent.futures.Future] = {}
         self._exits: dict[str, concurrent.futures.Future] = {}
-        self._ready = concurrent.futures.Future()
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
 
     def start(self) -> None:
         with self._lock:
@@ -52,34 +63,29 @@ class ProgramProcesses:
         for line in process.stdout:
             message = json.loads(line)
             if "ready" in message:
-                self._ready.set_result(True)
-            elif "pid" in message:
-                self._future(self._pids, message["id"]).set_result(message["pid"])
-            elif "exited" in message:
-                self._future(self._exits, message["id"]).set_result(message["exited"])
+                _settle(self._ready, True)
+                continue
+            table, value = (self._pids, message["pid"]) if "pid" in message else (self._exits, message["exited"])
+            with self._lock:  # an episode forgotten (ended, cancelled) meanwhile has no future here any more
+                future = table.get(message["id"])
+            if future is not None:
+                _settle(future, value)
         error = (process.stderr.read() or b"").decode(errors="replace").strip().splitlines()
         failure = ProgramProcessError(f"the program's fork server ended: {error[-1] if error else 'no message'}")
         with self._lock:
             waiting = [*self._pids.values(), *self._exits.values(), self._ready]
         for future in waiting:
-            if not future.done():
-                future.set_exception(failure)
+            _settle(future, failure)
 
-    def _future(self, table: dict[str, concurrent.futures.Future], key: str) -> concurrent.futures.Future:
-        with self._lock:
-            return table.setdefault(key, concurrent.futures.Future())
-
-    async def run(self, job: dict[str, Any]) -> int:
-        """Start `job` (its `id` the episode's) in a child; its pid."""
+    async def run(self, job: dict[str, Any]) -> tuple[int, asyncio.Future]:
+        """Start `job` (its `id` the episode's) in a child: its pid, and a future of its exit status."""
         self.start()
-        with self._lock:
+        pid, exited = concurrent.futures.Future(), concurrent.futures.Future()
+        with self._lock:  # registered before the server can answer
+            self._pids[job["id"]], self._exits[job["id"]] = pid, exited
             self._process.stdin.write((json.dumps(job) + "\n").encode())
             self._process.stdin.flush()
-        return await asyncio.wrap_future(self._future(self._pids, job["id"]))
-
-    def exited(self, episode: str) -> asyncio.Future:
-        """Resolves with the child's exit status once it has exited."""
-        return asyncio.wrap_future(self._future(self._exits, episode))
+        return await asyncio.wrap_future(pid), asyncio.wrap_future(exited)
 
     def forget(self, episode: str) -> None:
         with self._lock:
