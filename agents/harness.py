@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 2**20
+VIEW = Path("/tmp/tapeloop-workspace")  # where a harness sees its workspace, the same in every episode (fixed_view)
 TERM_GRACE_S = 1.0  # between SIGTERM and SIGKILL for the group
 
 
@@ -80,7 +81,8 @@ def check_command(command: str) -> None:
 
 
 def harness_environment(base_url: str, key: str, model: str, workspace: Path) -> dict[str, str]:
-    """The harness's environment: this process's, its model server the episode's gateway."""
+    """The harness's environment: this process's, its model server the episode's gateway, its home and
+    working directory the workspace (as the harness sees it)."""
     env = dict(os.environ)
     for name in ("OPENAI_ORGANIZATION", "OPENAI_PROJECT", "ANTHROPIC_CUSTOM_HEADERS"):
         env.pop(name, None)
@@ -88,8 +90,22 @@ def harness_environment(base_url: str, key: str, model: str, workspace: Path) ->
     env.update(OPENAI_BASE_URL=base_url, OPENAI_API_BASE=base_url, OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=root,
                ANTHROPIC_API_KEY=key, ANTHROPIC_AUTH_TOKEN=key, TAPELOOP_MODEL=model, OPENAI_MODEL=model,
                ANTHROPIC_MODEL=model, HOME=str(workspace / ".home"), PWD=str(workspace))  # fmt: skip
-    (workspace / ".home").mkdir(exist_ok=True)
     return env
+
+
+def fixed_view(workspace: Path) -> list[str] | None:
+    """The words that run a command with `workspace` seen at VIEW (bubblewrap, where installed; VIEW itself an
+    empty folder outside): the rest of the machine as it is, a process namespace of its own (whatever the
+    harness starts ends with it). A harness that writes its folder into its prompt (Codex does) then asks the same in every
+    episode and in a replay. None without bubblewrap: the harness sees the real folder."""
+    import shutil
+
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return None
+    VIEW.mkdir(exist_ok=True)  # the mount point, empty outside every harness's namespace
+    return [bwrap, "--dev-bind", "/", "/", "--bind", str(workspace), str(VIEW), "--proc", "/proc",
+            "--unshare-pid", "--die-with-parent", "--chdir", str(VIEW), "--"]  # fmt: skip
 
 
 async def run_harness(
@@ -188,7 +204,8 @@ class HarnessProgram:
     memory_mb: int | None = 8192
     max_output_chars: int = 20_000
     reward: Any = None  # a function of (tape, workspace) or of (tape)
-    keep_workspace: bool = False  # for debugging: the folder is left where it is (its path in the output step)
+    keep_workspace: bool = False  # for debugging: the folder is left where it is
+    fixed_path: bool = True  # the harness sees its workspace at VIEW where bubblewrap is installed (fixed_view)
 
     @property
     def name(self) -> str:
@@ -202,13 +219,15 @@ class HarnessProgram:
         workspace = Path(tempfile.mkdtemp(prefix="tapeloop-harness-"))
         try:
             write_files(workspace, task.files)
+            (workspace / ".home").mkdir()
+            view = fixed_view(workspace) if self.fixed_path else None
+            seen = VIEW if view else workspace  # the folder as the harness sees it
             prompt = task.files.get("TASK.md") or task.observation  # the environment's words for a workspace
-            values = {"prompt": prompt, "model": task.model, "base_url": task.base_url,
-                      "workspace": str(workspace)}  # fmt: skip
+            values = {"prompt": prompt, "model": task.model, "base_url": task.base_url, "workspace": str(seen)}
             stdin = None if "{prompt}" in self.command else prompt
             result = await run_harness(
-                harness_argv(self.command, values), workspace=workspace, stdin=stdin,
-                env=harness_environment(task.base_url, task.api_key, task.model, workspace),
+                [*(view or []), *harness_argv(self.command, values)], workspace=workspace, stdin=stdin,
+                env=harness_environment(task.base_url, task.api_key, task.model, seen),
                 time_limit_s=self.time_limit_s, memory_mb=self.memory_mb, max_output_chars=self.max_output_chars,
             )  # fmt: skip
             from tapes.tape import HarnessOutput

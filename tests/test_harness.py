@@ -32,10 +32,12 @@ HARNESS = textwrap.dedent("""
     if mode == "flood":
         sys.stdout.write("x" * 3_000_000); sys.stdout.flush()
     if mode == "child":
-        child = subprocess.Popen(["sleep", "300"])
+        child = subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
         open("child.pid", "w").write(str(child.pid))
         open(os.environ["PIDFILE"], "w").write(str(child.pid))
     task = open("TASK.md").read() if len(sys.argv) < 3 else sys.argv[2]
+    if mode == "pwd":  # a harness that writes its folder into its prompt, as Codex does
+        task = f"Working in {os.getcwd()} (HOME {os.environ['HOME']}).\\n{task}"
     if mode == "anthropic":
         import anthropic
         client = anthropic.Anthropic(max_retries=0)
@@ -139,16 +141,30 @@ def test_a_harness_that_floods_its_output_or_leaves_children_behind_is_bounded(
     (output,) = [s for s in tape.steps if isinstance(s, HarnessOutput)]
     assert len(output.text) == 1000 and output.dropped_chars >= 3_000_000 - 1000
     assert tape.metadata.reward == 1.0
-    pidfile = tmp_path / "child.pid"
-    os.environ["PIDFILE"] = str(pidfile)
-    try:
-        tape = run(harness_agent(harness("child")), ScriptedLLM(tokenizer, [solved()]))
-    finally:
-        del os.environ["PIDFILE"]
-    assert tape.metadata.reward == 1.0
-    child = int(pidfile.read_text())
-    time.sleep(0.2)
-    assert not alive(child)  # ended with its group when the harness was done
+    for fixed_path in (True, False):  # in its own process namespace (bubblewrap), and in its process group alone
+        unique = f"{300 + time.time() % 1:.6f}"
+        os.environ["PIDFILE"], os.environ["SLEEP_FOR"] = str(tmp_path / "child.pid"), unique
+        try:
+            tape = run(harness_agent(harness("child"), fixed_path=fixed_path), ScriptedLLM(tokenizer, [solved()]))
+        finally:
+            del os.environ["PIDFILE"], os.environ["SLEEP_FOR"]
+        assert tape.metadata.reward == 1.0 and (tmp_path / "child.pid").exists()  # it started its child
+        (tmp_path / "child.pid").unlink()
+        time.sleep(0.2)
+        assert not [pid for pid in sleeping(unique) if alive(pid)]  # ended with the harness
+
+
+def sleeping(seconds: str) -> list[int]:
+    """The processes that run `sleep SECONDS`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if cmdline.read().split(b"\0")[:2] == [b"sleep", seconds.encode()]:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def alive(pid: int) -> bool:
@@ -214,7 +230,7 @@ PROCESS_PROGRAMS = textwrap.dedent("""
         return await ask(task, client)
 
     async def leaves_a_child(task, client):
-        child = subprocess.Popen(["sleep", "300"])
+        child = subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
         open(os.environ["PIDFILE"], "w").write(str(child.pid))
         return await ask(task, client)
 
@@ -296,3 +312,14 @@ def test_a_harness_reward_of_the_tape_and_the_workspace(tokenizer, harness):
     finally:
         agent.close()
     assert tape.metadata.error is None and tape.metadata.reward == float(code_env().problem.solution.count("def "))
+
+
+def test_a_harness_that_writes_its_folder_into_its_prompt_replays_identically(tokenizer, harness, harness_agent):
+    """Each episode's workspace is a new folder; the harness sees it at one path (bubblewrap), so a replay asks
+    what the episode asked."""
+    agent = harness_agent(harness("pwd"))
+    tape = run(agent, ScriptedLLM(tokenizer, [solved()]))
+    assert tape.metadata.error is None and tape.metadata.reward == 1.0
+    assert "Working in /tmp/tapeloop-workspace (HOME /tmp/tapeloop-workspace/.home)" in tape.llm_calls[0].prompt_text
+    again = run(agent, ReplayLLM(tape, strict=True))
+    assert again.metadata.error is None and again.metadata.reward == 1.0
