@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,20 +93,10 @@ def write_solution(seed=0) -> str:
 
 
 @pytest.fixture
-def play(tokenizer, tmp_path, monkeypatch):
-    """Plays one episode of a harness command; the episode and its replay get the same workspace folder."""
-    # Codex writes its working folder and its home (inside the workspace) into the prompt; a replay renders the
-    # same tokens only where the folder has the same path, and the harness makes a fresh temporary one per episode
-    made = tempfile.mkdtemp
-
-    def workspace(*args, prefix=None, **kw):
-        if prefix != "tapeloop-harness-":
-            return made(*args, prefix=prefix, **kw)
-        folder = tmp_path / "workspace"
-        folder.mkdir()
-        return str(folder)
-
-    monkeypatch.setattr(tempfile, "mkdtemp", workspace)
+def play(tokenizer):
+    """Plays one episode of a harness command. Each episode's workspace is a new folder, seen by the harness at
+    one path (agents.harness.fixed_view): Codex writes its folder and home into its prompt, and a replay renders
+    the same tokens."""
     agents = []
 
     def play(command, llm, seed=0):
