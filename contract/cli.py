@@ -184,6 +184,16 @@ def parse_span(text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or m.group(1))) if m else None
 
 
+def checked_span(text: str, option: str, what: str, error: type[OptionError] = OptionError) -> tuple[int, int]:
+    """`text` as parse_span reads it, or refused in one line naming `option`: not `what`, or an empty range."""
+    span = parse_span(text)
+    if span is None:
+        raise error(f"{option}: {text!r} is not {what}")
+    if span[1] < span[0]:
+        raise error(f"{option}: {text!r} is an empty range")
+    return span
+
+
 def refuse_repeated(argv: list[str], aliases: dict[str, str] | None = None) -> None:
     """An option given twice (`--x 1 --x 2`, or an alias and its name) is refused, not silently the last."""
     aliases = aliases or {}

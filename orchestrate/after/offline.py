@@ -58,10 +58,10 @@ from contract.cli import (
     add_options,
     check_bools,
     check_finite,
+    checked_span,
     error_line,
     given,
     nest,
-    parse_span,
     parse_value,
     refuse_repeated,
 )
@@ -87,13 +87,7 @@ FILTER = re.compile(r"^\s*reward\s*(<=|>=|==|=|<|>|!=)\s*(-?\d+(?:\.\d+)?)\s*$")
 def parse_range(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
-    span = parse_span(text)
-    if span is None:
-        raise ConfigError(f"--iterations: {text!r} is not N or A-B (e.g. 3 or 3-10)")
-    low, high = span
-    if high < low:
-        raise ConfigError(f"--iterations: {text!r} is an empty range")
-    return low, high
+    return checked_span(text, "--iterations", "N or A-B (e.g. 3 or 3-10)", ConfigError)
 
 
 def parse_filter(text: str) -> Callable[[Tape], bool]:

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from orchestrate.gateway.chat_api import argument_pieces, sse, text_pieces
-from orchestrate.gateway.session import ChatAnswer, EpisodeSession, GatewayError, PreparedChat
+from orchestrate.gateway.session import ChatAnswer, EpisodeSession, GatewayError, PreparedChat, listed, text_parts
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
@@ -36,17 +36,7 @@ def anthropic_error(exc: GatewayError) -> dict[str, Any]:
 
 def _blocks_text(content: Any, where: str) -> str:
     """Text of a string or of a list of text blocks (a system prompt, a tool's result)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise GatewayError(400, f"{where}: expected a string or a list of text blocks")
-    out = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise GatewayError(400, f"{where}[{j}].type: blocks of type {kind!r} are not served here (text only)")
-        out.append(block["text"])
-    return "\n".join(out)
+    return text_parts(content, where, sep="\n", dotted=True)
 
 
 class MessagesCall:
@@ -69,12 +59,8 @@ class MessagesCall:
         self.id = ""
 
     def _tools(self, tools: Any) -> list[dict[str, Any]]:
-        if tools is None:
-            return []
-        if not isinstance(tools, list):
-            raise GatewayError(400, "tools: expected a list of tools")
         out = []
-        for i, tool in enumerate(tools):
+        for i, tool in enumerate(listed(tools, "tools", "tools")):
             if not isinstance(tool, dict):
                 raise GatewayError(400, f"tools.{i}: expected a tool object")
             if tool.get("type") not in (None, "custom"):

@@ -31,7 +31,7 @@ import uuid
 from typing import Any
 
 from orchestrate.gateway.chat_api import argument_pieces, openai_error, sse, text_pieces
-from orchestrate.gateway.session import ChatAnswer, EpisodeSession, GatewayError, PreparedChat
+from orchestrate.gateway.session import ChatAnswer, EpisodeSession, GatewayError, PreparedChat, listed, text_parts
 
 HOSTED = {"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search", "computer_use",
           "computer_use_preview", "code_interpreter", "image_generation", "mcp"}  # fmt: skip
@@ -45,20 +45,9 @@ SHELL = "local_shell"  # the function a local_shell tool is offered to the model
 
 def _text_of(content: Any, where: str) -> str:
     """A message item's content as text: a string, or input_text / output_text / refusal parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
+    if content is None:
         raise GatewayError(400, f"{where}.content: expected a string or a list of content parts")
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            out.append(part["refusal"])
-        else:
-            raise GatewayError(400, f"{where}.content[{j}]: content of type {kind!r} is not served (text only)")
-    return "".join(out)
+    return text_parts(content, f"{where}.content", ("input_text", "output_text", "text"), refusals=True)
 
 
 def _output_text(output: Any, where: str) -> str:
@@ -97,12 +86,8 @@ class ResponsesCall:
     # -- the request as chat ----------------------------------------------------------
 
     def _tools(self, tools: Any) -> list[dict[str, Any]]:
-        if tools is None:
-            return []
-        if not isinstance(tools, list):
-            raise GatewayError(400, "tools: expected a list of tools")
         out = []
-        for i, tool in enumerate(tools):
+        for i, tool in enumerate(listed(tools, "tools", "tools")):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind == "function":
                 name = tool.get("name")

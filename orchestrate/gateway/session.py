@@ -55,20 +55,37 @@ class GatewayError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}}
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, null, or a list of text parts."""
+def listed(value: Any, field: str, of: str) -> list[Any]:
+    """A request's list field: absent or null is empty; anything else but a list is refused naming it."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise GatewayError(400, f"{field}: expected a list of {of}")
+    return value
+
+
+def text_parts(content: Any, where: str, kinds: tuple[str, ...] = ("text",), sep: str = "", dotted: bool = False,
+               refusals: bool = False) -> str:  # fmt: skip
+    """A content as text: a string, null, or a list of parts of `kinds` (each part's `text`; a `refusal` part's
+    refusal where `refusals`), joined by `sep`. Any other part is refused naming its place: `where[j]` (or
+    `where.j`, `dotted`, as Anthropic writes it)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise GatewayError(400, f"{where}: only text content parts are served")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise GatewayError(400, f"{where}: content must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise GatewayError(400, f"{where}: expected a string or a list of text parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in kinds and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif refusals and kind == "refusal" and isinstance(part.get("refusal"), str):
+            out.append(part["refusal"])
+        else:
+            place = f"{where}.{j}" if dotted else f"{where}[{j}]"
+            raise GatewayError(400, f"{place}: content of type {kind!r} is not served (text only)")
+    return sep.join(out)
 
 
 def offered_tools(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -106,7 +123,7 @@ def normalise(messages: Any) -> list[dict[str, Any]]:
         ):
             raise GatewayError(400, f"{where}: expected a message with role system, user, assistant or tool")
         role = "system" if message["role"] == "developer" else message["role"]
-        clean: dict[str, Any] = {"role": role, "content": _text(message.get("content"), where)}
+        clean: dict[str, Any] = {"role": role, "content": text_parts(message.get("content"), f"{where}.content")}
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
             if not isinstance(calls, list) or not all(

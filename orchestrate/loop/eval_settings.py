@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.cli import OptionError, given, parse_span
+from contract.cli import OptionError, checked_span, given
 from contract.rundir import FORKS_DIR, RunDir
 from orchestrate.loop.command_line import DEFAULT_PRESET, load_preset, resolve_from
 from orchestrate.loop.config import RLConfig
@@ -161,12 +161,7 @@ def parse_versions(text: str, on_disk: list[int], step: int | None, run: RunDir)
     else:
         chosen = []
         for item in text.split(","):
-            span = parse_span(item)
-            if span is None:
-                raise EvalError(f"--versions: {item.strip()!r} is not a version N or a range A-B (or all)")
-            low, high = span
-            if high < low:
-                raise EvalError(f"--versions: {item.strip()!r} is an empty range")
+            low, high = checked_span(item.strip(), "--versions", "a version N or a range A-B (or all)", EvalError)
             if "-" not in item and low not in available:
                 raise EvalError(f"--versions: {run.root} has no version {low} on disk; {have}")
             chosen += [v for v in available if low <= v <= high]
