@@ -648,8 +648,9 @@ def test_timed_env_offers_exactly_what_it_wraps():
 
     clock = EnvClock()
     for env in (make_env("math:arithmetic", split="test"), ToolEnv(make_env("countdown"), [PythonTool(Sandbox())]),
-                _AsyncEnv(), _GemLike()):  # fmt: skip
+                _AsyncEnv(), _GemLike(), make_env("code", split="test")):  # fmt: skip
         assert capabilities(TimedEnv(env, clock)) == capabilities(env)
+    assert capabilities(TimedEnv(make_env("code"), clock)).workspace  # a harness's task files pass through
     timed = TimedEnv(make_env("math:arithmetic"), clock)
     assert not hasattr(timed, "astep") and not hasattr(timed, "tool_call") and not hasattr(timed, "stop")
     timed = TimedEnv(_AsyncEnv(), clock)

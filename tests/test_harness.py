@@ -323,3 +323,41 @@ def test_a_harness_that_writes_its_folder_into_its_prompt_replays_identically(to
     assert "Working in /tmp/tapeloop-workspace (HOME /tmp/tapeloop-workspace/.home)" in tape.llm_calls[0].prompt_text
     again = run(agent, ReplayLLM(tape, strict=True))
     assert again.metadata.error is None and again.metadata.reward == 1.0
+
+
+RESPONSES_HARNESS = textwrap.dedent("""
+    import os, re, openai
+    client = openai.OpenAI(max_retries=0)
+    stream = client.responses.create(model=os.environ["OPENAI_MODEL"], input=open("TASK.md").read(), stream=True)
+    text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    block = re.search(r"```(?:python)?\\n(.*?)```", text, re.S)
+    open("solution.py", "w").write(block.group(1) if block else text)
+""")
+
+
+@pytest.mark.vllm
+def test_a_harness_command_trains_an_iteration_through_the_rl_loop(embedded_policy_by_url, tmp_path):
+    """`--agent.command` end to end with real vLLM and the real trainer: a harness speaking the Responses API
+    (streamed) on the code environment, its workspace's solution.py tested; one iteration of tapes trained."""
+    from orchestrate.loop.metrics import read_metrics
+    from tapes import read_tapes
+
+    script = tmp_path / "harness.py"
+    script.write_text(RESPONSES_HARNESS)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orchestrate.rl", "--run-dir", str(run), "--iterations", "1", "--env.id", "code",
+           "--agent.command", f"{sys.executable} {script}", "--rollouts.tasks_per_iteration", "2",
+           "--rollouts.attempts", "2", "--rollouts.max_tokens", "48", "--eval.every", "0",
+           "--program.time_limit_s", "120", "--server.kv_cache_gib", "1", *embedded_policy_by_url]  # fmt: skip
+    import subprocess
+
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    tapes = list(read_tapes(run / "tapes" / "iter_000001.jsonl"))
+    assert len(tapes) == 4 and not any(t.metadata.error for t in tapes), [t.metadata.error for t in tapes]
+    for tape in tapes:
+        (output,) = [s for s in tape.steps if isinstance(s, HarnessOutput)]
+        assert output.exit_code == 0 and [c.protocol for c in tape.llm_calls] == ["responses+stream"]
+        assert tape.metadata.reward is not None  # the environment's tests, run on the workspace's solution.py
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert metrics[-1]["iteration"] == 1 and (run / "checkpoints").is_dir()

@@ -79,6 +79,8 @@ class TimedEnv:
             self.tool_call = env.tool_call
         if can.async_step:
             self.astep = self._astep
+        if can.workspace:  # a harness's task files; what it leaves is scored through step
+            self.workspace_files, self.answer_from_workspace = env.workspace_files, env.answer_from_workspace
 
     def _timed(self, fn, *args, **kwargs):
         entered = self.clock.enter()
