@@ -184,9 +184,9 @@ def test_the_locked_transformers_dequantizes_the_05b(qwen_extra, tmp_path, monke
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert 620e6 < sum(p.numel() for p in model.parameters()) < 640e6  # 630,167,424: lm_head untied
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}], tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-    assert text.endswith("<|im_start|>user\nWhat is 7 + 5?<|im_end|>\n<|im_start|>assistant\n")
+    question = [{"role": "user", "content": "What is 7 + 5? Answer with the number only."}]
+    text = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert text.endswith(f"<|im_start|>user\n{question[0]['content']}<|im_end|>\n<|im_start|>assistant\n")
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         logits = model(ids).logits
