@@ -56,6 +56,7 @@ from orchestrate.loop.config import EnvSection, ProgramSection, RLConfig, Server
 from orchestrate.loop.eval_report import headline, write_comparison, write_curve
 from orchestrate.loop.eval_settings import Settings, Target, folders_of, resolve
 from orchestrate.loop.policy import Policy
+from orchestrate.loop.rollouts import RolloutContext
 
 SERVER_OPTIONS = ("max_model_len", "kv_cache_gib", "dtype", "gpu_memory_utilization", "enforce_eager", "cpus", "gpus",
                   "startup_timeout_s", "extra_args")  # fmt: skip
@@ -187,9 +188,9 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool, serve=No
 
                     async def play():
                         async with served.client(s.max_concurrency) as client:
-                            await play_tasks(agent, spec, todo, s.n, client, sampling=sampling, iteration=0,
-                                             policy_version=target.policy.version, done=appender,
-                                             progress=progress, desc=f"eval {target.text}")  # fmt: skip
+                            context = RolloutContext(agent, spec, client, 0, target.policy.version, sampling)
+                            await play_tasks(context, todo, s.n, done=appender, progress=progress,
+                                             desc=f"eval {target.text}")  # fmt: skip
 
                     asyncio.run(play())
             finally:

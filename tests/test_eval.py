@@ -141,10 +141,10 @@ def test_ctrl_c_ends_an_evaluation_at_once_and_the_same_command_plays_the_rest(
 
     play_tasks = evaluation.play_tasks
 
-    async def interrupted(agent, spec, seeds, *args, **kwargs):
-        await play_tasks(agent, spec, seeds[:3], *args, **kwargs)
+    async def interrupted(context, seeds, *args, **kwargs):
+        await play_tasks(context, seeds[:3], *args, **kwargs)
         await interrupt_where_a_cancel_is_swallowed()
-        await play_tasks(agent, spec, seeds[3:], *args, **kwargs)
+        await play_tasks(context, seeds[3:], *args, **kwargs)
 
     monkeypatch.setattr(evaluation, "play_tasks", interrupted)
     out = tmp_path / "ev"

@@ -28,7 +28,7 @@ from orchestrate.loop.config import RLConfig
 from orchestrate.loop.eval_stats import NO_ANSWER, TaskResult, ks_for, summarize
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.progress import progress_bar
-from orchestrate.loop.rollouts import EnvClock, RolloutContext, play
+from orchestrate.loop.rollouts import RolloutContext, play
 from orchestrate.loop.samples import save_tapes
 from tapes.store import read_tapes
 from tapes.tape import EnvObservation, SamplingParams, Tape
@@ -50,25 +50,18 @@ def test_size(spec: EnvSpec) -> int | None:
 
 
 async def play_tasks(
-    agent,
-    spec: EnvSpec,
+    context: RolloutContext,
     seeds: list[int],
     samples: int,
-    llm,
     *,
-    sampling: SamplingParams | None,
-    iteration: int,
-    policy_version: int,
     done: Callable[[int, list[Tape]], None] | None = None,
     progress: bool = True,
     desc: str = "eval",
-    clock: EnvClock | None = None,
 ) -> list[Tape]:
     """`samples` episodes of each task seed, all in flight at once; the tapes in task order. `done(seed,
     tapes)` is called as each task's last sample ends. An environment or agent failure stays on its tape
     (metadata.error); a server failure raises (LLMError)."""
     bar = progress_bar(total=len(seeds) * samples, desc=desc, unit="episode", disable=not progress, leave=False)
-    context = RolloutContext(agent, spec, llm, iteration, policy_version, sampling, clock)
 
     async def episode(seed: int) -> Tape:
         tape = await play(context, seed, context.new_tape(seed))

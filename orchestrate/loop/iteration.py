@@ -251,9 +251,8 @@ class Loop:
                 served = self.servers.served
                 async with self.servers.client("policy", policy_version=served) as client:
                     try:
-                        return await play_tasks(self.agent, spec, seeds, samples, client, sampling=sampling,
-                                                iteration=iteration, policy_version=served, desc=desc,
-                                                progress=self.progress)  # fmt: skip
+                        context = RolloutContext(self.agent, spec, client, iteration, served, sampling)
+                        return await play_tasks(context, seeds, samples, desc=desc, progress=self.progress)
                     finally:
                         self.servers.count(client)
 
