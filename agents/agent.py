@@ -123,6 +123,19 @@ class AgentConfig(BaseModel):
             raise ValueError("agent.program and agent.command: give one of them (a harness command is a program)")
         return self
 
+    def first_messages(self, observation: str) -> list[dict[str, Any]]:
+        """The built-in agent's first prompt: the system prompt, the worked examples as earlier turns, then the
+        task with the instruction."""
+        messages: list[dict[str, Any]] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        for example in self.examples:
+            messages += [{"role": "user", "content": example.question},
+                         {"role": "assistant", "content": example.solution}]  # fmt: skip
+        text = f"{observation}\n{self.instruction}" if self.instruction else observation
+        messages.append({"role": "user", "content": text})
+        return messages
+
     @property
     def plays_program(self) -> bool:
         """Does a program of the user's (a function, or a harness command) play the episodes?"""
@@ -168,16 +181,7 @@ class ChatAgent(Agent):
         self.max_context = max_context  # the server's max_model_len: prompt + max_tokens must fit
 
     def first_messages(self, observation: str) -> list[dict[str, Any]]:
-        c = self.config
-        messages: list[dict[str, Any]] = []
-        if c.system_prompt:
-            messages.append({"role": "system", "content": c.system_prompt})
-        for example in c.examples:
-            messages += [{"role": "user", "content": example.question},
-                         {"role": "assistant", "content": example.solution}]  # fmt: skip
-        text = f"{observation}\n{c.instruction}" if c.instruction else observation
-        messages.append({"role": "user", "content": text})
-        return messages
+        return self.config.first_messages(observation)
 
     def _record(self, tape: Tape, step, call: LLMCall | None = None) -> None:
         step.metadata.agent = self.name

@@ -230,7 +230,7 @@ PROCESS_PROGRAMS = textwrap.dedent("""
         return await ask(task, client)
 
     async def leaves_a_child(task, client):
-        child = subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
+        child = subprocess.Popen(["sleep", os.environ.get("SLEEP_FOR", "300")])
         open(os.environ["PIDFILE"], "w").write(str(child.pid))
         return await ask(task, client)
 

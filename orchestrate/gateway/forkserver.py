@@ -43,7 +43,7 @@ async def episode(program: Any, job: dict[str, Any]) -> None:
     control = job["control"]
     headers = {"Authorization": f"Bearer {job['api_key']}"}
     limit = job["time_limit_s"]
-    async with httpx.AsyncClient(headers=headers, timeout=limit) as http:
+    async with httpx.AsyncClient(headers=headers, timeout=limit, verify=TLS) as http:
 
         async def post(op: str, body: dict[str, Any]) -> dict[str, Any]:
             response = await http.post(f"{control}/{op}", json=body)
@@ -66,7 +66,8 @@ async def episode(program: Any, job: dict[str, Any]) -> None:
             _run_python=lambda code: SandboxResult(**post_now("python", {"code": code})),
             _reward=lambda value: post_now("reward", {"value": value}),
         )  # fmt: skip
-        client = openai.AsyncOpenAI(base_url=job["base_url"], api_key=job["api_key"], max_retries=0, timeout=limit)
+        client = openai.AsyncOpenAI(base_url=job["base_url"], api_key=job["api_key"], max_retries=0, timeout=limit,
+                                    http_client=httpx.AsyncClient(timeout=limit, verify=TLS))  # fmt: skip
         try:
             report = {"ok": True, "result": _jsonable(await program(task, client)), "stepped": task.stepped}
         except BaseException as exc:  # noqa: BLE001 - sys.exit() included: the episode's failure, reported
@@ -91,16 +92,47 @@ def child(program: Any, job: dict[str, Any], channel: int) -> None:
     os._exit(code)
 
 
+TLS: Any = True  # one TLS context for every child's clients (made once here: each new one reads the CA file)
+
+
+def warm_up() -> None:
+    """What every child would do first, done once here and inherited: the client libraries' lazy imports, their
+    request and reply types (pydantic builds each on first use), a TLS context. A child then costs a fork."""
+    import ssl
+
+    import httpx
+    import openai
+
+    import agents.sandbox  # noqa: F401
+    import orchestrate.gateway.agent  # noqa: F401
+
+    global TLS
+    TLS = ssl.create_default_context()
+    reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "usage": None, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop", "logprobs": None}]}  # fmt: skip
+    body = json.dumps(reply).encode()
+
+    async def app(scope, receive, send):  # a canned chat completion, in this process
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def one_call() -> None:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), verify=TLS)
+        client = openai.AsyncOpenAI(base_url="http://warm-up/v1", api_key="-", max_retries=0, http_client=http)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "-"}])
+        await http.post("http://warm-up/control", json={})
+        await http.aclose()
+
+    asyncio.run(one_call())
+
+
 def main(path: str) -> None:
     from agents.program import load_program
 
     program = load_program(path)
-    # loaded once here, not in every child
-    import httpx  # noqa: F401
-    import openai  # noqa: F401
-
-    import agents.sandbox  # noqa: F401
-    import orchestrate.gateway.agent  # noqa: F401
+    warm_up()
 
     out = os.fdopen(os.dup(1), "w", buffering=1)
     null = os.open(os.devnull, os.O_WRONLY)
