@@ -26,6 +26,7 @@ import os
 import resource
 import shlex
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,7 @@ def harness_environment(base_url: str, key: str, model: str, workspace: Path) ->
     return env
 
 
-def fixed_view(workspace: Path) -> list[str] | None:
+def fixed_view(workspace: Path, network: str = "host") -> list[str] | None:
     """The words that run a command with `workspace` seen at VIEW (bubblewrap, where installed; VIEW itself an
     empty folder outside): the rest of the machine as it is, a process namespace of its own (whatever the
     harness starts ends with it). A harness that writes its folder into its prompt (Codex does) then asks the same in every
@@ -104,8 +105,19 @@ def fixed_view(workspace: Path) -> list[str] | None:
     if bwrap is None:
         return None
     VIEW.mkdir(exist_ok=True)  # the mount point, empty outside every harness's namespace
-    return [bwrap, "--dev-bind", "/", "/", "--bind", str(workspace), str(VIEW), "--proc", "/proc",
-            "--unshare-pid", "--die-with-parent", "--chdir", str(VIEW), "--"]  # fmt: skip
+    unshare = ["--unshare-pid"] + (["--unshare-net"] if network == "gateway" else [])
+    return [bwrap, "--dev-bind", "/", "/", "--bind", str(workspace), str(VIEW), "--proc", "/proc", *unshare,
+            "--die-with-parent", "--chdir", str(VIEW), "--"]  # fmt: skip
+
+
+def through_gateway_only(base_url: str, unix_path: str) -> list[str]:
+    """The words that run a command, inside a network namespace of its own, with the gateway's port on its
+    loopback forwarded to the gateway's unix socket (agents/gateway_forward.py): the gateway's URL works there,
+    nothing else does."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(base_url).port
+    return [sys.executable, str(Path(__file__).with_name("gateway_forward.py")), str(port), unix_path, "--"]
 
 
 async def run_harness(
@@ -206,6 +218,7 @@ class HarnessProgram:
     reward: Any = None  # a function of (tape, workspace) or of (tape)
     keep_workspace: bool = False  # for debugging: the folder is left where it is
     fixed_path: bool = True  # the harness sees its workspace at VIEW where bubblewrap is installed (fixed_view)
+    network: str = "host"  # host: the machine's network; gateway: a namespace whose one way out is the gateway
 
     @property
     def name(self) -> str:
@@ -220,7 +233,11 @@ class HarnessProgram:
         try:
             write_files(workspace, task.files)
             (workspace / ".home").mkdir()
-            view = fixed_view(workspace) if self.fixed_path else None
+            view = fixed_view(workspace, self.network) if self.fixed_path or self.network == "gateway" else None
+            if self.network == "gateway":
+                if view is None or not task.gateway_socket:
+                    raise HarnessError("--program.network gateway: needs bubblewrap (apt-get install bubblewrap)")
+                view += through_gateway_only(task.base_url, task.gateway_socket)
             seen = VIEW if view else workspace  # the folder as the harness sees it
             prompt = task.files.get("TASK.md") or task.observation  # the environment's words for a workspace
             values = {"prompt": prompt, "model": task.model, "base_url": task.base_url, "workspace": str(seen)}

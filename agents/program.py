@@ -112,6 +112,7 @@ class ProgramTask:
     _record: Callable[[Any], None] | None = field(default=None, repr=False)  # a step onto the tape, in order
     _calls: Callable[[], int] | None = field(default=None, repr=False)
     _tape: Any = field(default=None, repr=False)
+    gateway_socket: str | None = None  # the gateway's unix socket (a harness in a network namespace reaches it)
 
     @property
     def tape(self) -> Any:

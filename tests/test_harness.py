@@ -36,6 +36,13 @@ HARNESS = textwrap.dedent("""
         open("child.pid", "w").write(str(child.pid))
         open(os.environ["PIDFILE"], "w").write(str(child.pid))
     task = open("TASK.md").read() if len(sys.argv) < 3 else sys.argv[2]
+    if mode == "net":  # can it reach anything but its gateway?
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", int(os.environ["PROBE_PORT"])), timeout=2).close()
+            print("probe: reached")
+        except OSError as exc:
+            print("probe: refused", exc)
     if mode == "pwd":  # a harness that writes its folder into its prompt, as Codex does
         task = f"Working in {os.getcwd()} (HOME {os.environ['HOME']}).\\n{task}"
     if mode == "anthropic":
@@ -302,6 +309,8 @@ def test_the_harness_options_are_checked_before_anything_starts(rl_cli):
     assert code == 2 and "--program.memory_mb: is an agent program's option" in err
     code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.isolation", "fork"])
     assert code == 2 and "--program.isolation" in err
+    code, err = rl_cli(["--agent.program", "agents.programs.openai_tools:play", "--program.network", "gateway"])
+    assert code == 2 and "--program.network: is a harness command's option" in err
 
 
 def test_a_harness_reward_of_the_tape_and_the_workspace(tokenizer, harness):
@@ -361,3 +370,22 @@ def test_a_harness_command_trains_an_iteration_through_the_rl_loop(embedded_poli
         assert tape.metadata.reward is not None  # the environment's tests, run on the workspace's solution.py
     metrics = read_metrics(run / "metrics.jsonl")
     assert metrics[-1]["iteration"] == 1 and (run / "checkpoints").is_dir()
+
+
+def test_a_harness_whose_network_is_the_gateway_alone(tokenizer, harness, harness_agent, monkeypatch):
+    """--program.network gateway: the harness reaches its model through the gateway's URL as usual, and a
+    server on the machine's loopback it cannot reach; with the machine's network it can."""
+    import socket
+
+    probe = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("PROBE_PORT", str(probe.getsockname()[1]))
+    try:
+        outputs = {}
+        for network in ("gateway", "host"):
+            tape = run(harness_agent(harness("net"), network=network), ScriptedLLM(tokenizer, [solved()]))
+            assert tape.metadata.error is None and tape.metadata.reward == 1.0, tape.metadata.error
+            (output,) = [s for s in tape.steps if isinstance(s, HarnessOutput)]
+            outputs[network] = output.text
+    finally:
+        probe.close()
+    assert "probe: refused" in outputs["gateway"] and "probe: reached" in outputs["host"]

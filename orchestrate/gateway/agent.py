@@ -202,7 +202,7 @@ class ProgramAgent(Agent):
             observation=str(observation), seed=seed, info=jsonable(info), model=MODEL_NAME,
             base_url=self.gateway.base_url(session.id), api_key=self.gateway.key,
             _step=step_here, _run_python=self._run_python, _reward=give, _record=record,
-            _calls=lambda: session.calls, _tape=tape,
+            _calls=lambda: session.calls, _tape=tape, gateway_socket=self.gateway.unix_path,
             files=env.workspace_files() if can.workspace else {},
             _answer_from=env.answer_from_workspace if can.workspace else None,
         )  # fmt: skip

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -65,6 +68,13 @@ class Gateway:
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._sock = socket.create_server((host, port))
         self.port = self._sock.getsockname()[1]
+        # the same app on a unix socket, for harnesses in a network namespace of their own (agents.harness): a
+        # forwarder inside reaches it by path, and the namespace reaches nothing else
+        self._folder = tempfile.mkdtemp(prefix="tapeloop-gateway-")
+        self.unix_path = os.path.join(self._folder, "gateway.sock")
+        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._unix.bind(self.unix_path)
+        self._unix.listen(2048)
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -97,7 +107,7 @@ class Gateway:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
-            loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+            loop.run_until_complete(self._server.serve(sockets=[self._sock, self._unix]))
 
         self._thread = threading.Thread(target=serve, name="gateway", daemon=True)
         self._thread.start()
@@ -115,6 +125,8 @@ class Gateway:
         if self._thread is not None:
             self._thread.join(10)
         self._sock.close()
+        self._unix.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
     # -- episodes ------------------------------------------------------------------
 

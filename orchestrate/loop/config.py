@@ -89,6 +89,11 @@ class ProgramSection(BaseModel):
         "orchestrator's (no process start; the program's faults can reach the run)",
     )
     memory_mb: int = Field(8192, ge=64, description="a harness command's address space per process, MiB")
+    network: Literal["host", "gateway"] = Field(
+        "host",
+        description="a harness command's network: host, the machine's; gateway, a namespace of its own whose one "
+        "way out is the episode's gateway (bubblewrap)",
+    )
     max_output_chars: int = Field(
         20_000, ge=0, description="the last characters a harness command printed, kept on the tape"
     )

@@ -390,6 +390,13 @@ def check_program(config) -> None:
                 raise ConfigError(f"--program.{name}: is an agent program's option; give --agent.program "
                                   "MODULE:play (or --agent.command) or leave it out")  # fmt: skip
         return
+    if p.network == "gateway":
+        import shutil
+
+        if config.agent.command is None:
+            raise ConfigError("--program.network: is a harness command's option (--agent.command)")
+        if shutil.which("bwrap") is None:
+            raise ConfigError("--program.network gateway: needs bubblewrap (apt-get install bubblewrap)")
     if p.reward is not None and config.agent.program is not None:
         from agents.program import ProgramError, load_reward
 

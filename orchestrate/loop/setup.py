@@ -51,7 +51,7 @@ def build_agent(config: RLConfig, tokenizer) -> Agent:
 
         takes_workspace = reward is not None and harness_reward(reward)
         program = HarnessProgram(a.command, time_limit_s=p.time_limit_s, memory_mb=p.memory_mb,
-                                 max_output_chars=p.max_output_chars,
+                                 max_output_chars=p.max_output_chars, network=p.network,
                                  reward=load_reward(reward, workspace=takes_workspace) if reward else None)  # fmt: skip
         reward, isolation, limit = None, "thread", p.time_limit_s + 30  # the harness's own limit ends it first
     return ProgramAgent(program, sampling, tokenizer, max_context=config.server.max_model_len,
