@@ -68,7 +68,7 @@ def test_rl_resume_writes_each_iteration_once(tmp_path, monkeypatch, folder_mode
     seen = []
 
     class FakeLoop:
-        def __init__(self, config, run_dir):
+        def __init__(self, config, run_dir, models=None):
             self.run = run_dir
 
         def __call__(self):

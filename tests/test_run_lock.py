@@ -91,7 +91,7 @@ def test_lock_is_taken_while_the_loop_runs(tmp_path, monkeypatch, folder_model):
     seen = []
 
     class FakeLoop:
-        def __init__(self, config, run_dir):
+        def __init__(self, config, run_dir, models=None):
             self.run_dir = run_dir
 
         def __call__(self):
