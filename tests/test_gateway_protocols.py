@@ -403,3 +403,53 @@ def test_models_lists_the_one_model_name(tokenizer, agent_for):
 
     play(agent_for(program), ScriptedLLM(tokenizer, []))
     assert got["models"] == [MODEL_NAME]
+
+
+class HeldLLM(ScriptedLLM):
+    """A scripted LLM that samples only once released (`release`, a threading.Event): until then the reply does
+    not exist."""
+
+    def __init__(self, tokenizer, replies):
+        import threading
+
+        super().__init__(tokenizer, replies)
+        self.release = threading.Event()
+
+    async def complete_ids(self, *args, **kwargs):
+        import asyncio
+
+        released = await asyncio.to_thread(self.release.wait, 20)
+        self.release.clear()
+        if not released:
+            raise AssertionError("never released: the client saw nothing before the reply was sampled")
+        return await super().complete_ids(*args, **kwargs)
+
+
+def test_over_a_socket_the_first_streamed_event_comes_before_the_reply_is_sampled(tokenizer, agent_for):
+    """Each protocol's first event (the role chunk, response.created, message_start) is sent once the request
+    is rendered: a client on a socket reads it before the reply is sampled (the LLM samples only once the client
+    has read it), the rest after."""
+    seen = {}
+    requests = {
+        "chat": ("/chat/completions", {"messages": [{"role": "user", "content": "A"}]}),
+        "responses": ("/responses", {"input": "A"}),
+        "messages": ("/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "A"}]}),
+    }
+    llm = HeldLLM(tokenizer, ["one", "two", "three"])
+
+    async def program(task, client):
+        async with httpx.AsyncClient(timeout=30) as http:  # a real socket, as a harness's client
+            for name, (path, body) in requests.items():
+                async with http.stream("POST", task.base_url + path, headers={"x-api-key": task.api_key},
+                                       json={"model": task.model, "stream": True, **body}) as response:  # fmt: skip
+                    lines = response.aiter_lines()
+                    seen[name] = [await anext(lines)]  # before the reply exists
+                    llm.release.set()
+                    seen[name] += [line async for line in lines if line]
+        return 1.0
+
+    tape = play(agent_for(program), llm)
+    assert tape.metadata.error is None and len(tape.llm_calls) == 3
+    assert "chat.completion.chunk" in seen["chat"][0] and seen["chat"][-1] == "data: [DONE]"
+    assert seen["responses"][0] == "event: response.created" and "response.completed" in seen["responses"][-2]
+    assert seen["messages"][0] == "event: message_start" and seen["messages"][-1].endswith('{"type": "message_stop"}')
