@@ -207,7 +207,9 @@ def main() -> int:
         whole = statistics.median(w for _, w in mirrors.FIRST_BYTE)
         result["stream_first_byte_s"], result["stream_call_s"] = first, whole
         print(f"streamed calls: first byte after {first * 1000:.1f} ms, the whole call {whole * 1000:.1f} ms (medians "
-              f"of {len(mirrors.FIRST_BYTE)} calls; sampled whole, then streamed)")  # fmt: skip
+              f"of {len(mirrors.FIRST_BYTE)} calls; sampled whole, then streamed; this in-process client's transport, "
+              "httpx's ASGI one, hands over a stream at its end: a socket's client reads the first event before "
+              "sampling, tests/test_gateway_protocols.py)")  # fmt: skip
     if harness:
         print(f"a harness episode's fixed cost: {harness['fixed_cost_s'] * 1000:.0f} ms (process start, workspace) "
               f"over a program's {harness['program_s']:.2f} s for the same one call: "
