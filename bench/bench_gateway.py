@@ -11,6 +11,9 @@ sampling) on every side, in a rotating order:
   chat      - a program that sends the built-in agent's messages with the plain `openai` client's chat
               completions and steps the environment with each reply (`mirror` below), in a thread of the
               orchestrator's (--program.isolation thread), through the gateway on the same VLLMClient;
+  direct    - the same program with its client at the vLLM server's own chat completions instead (a socket, no
+              gateway, no tape): what the program costs without tapeloop; chat/direct is what the gateway adds
+              to a program (the openai client's own work, which the built-in agent does not do, is on both);
   process   - the same program in a process of its own per episode (--program.isolation process, the default);
   stream    - chat completions streamed (thread);
   responses - OpenAI's Responses API, the messages as input items (thread);
@@ -52,7 +55,7 @@ from orchestrate.serving.models import resolve_model  # noqa: E402
 from orchestrate.serving.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 from tapes.tape import SamplingParams  # noqa: E402
 
-SIDES = ("builtin", "chat", "process", "stream", "responses", "messages")
+SIDES = ("builtin", "chat", "direct", "process", "stream", "responses", "messages")
 
 
 def program_for(side: str, sampling, tokenizer) -> ProgramAgent:
@@ -143,6 +146,10 @@ def main() -> int:
     os.environ[mirrors.MIRROR_VAR] = f"{args.turns},{args.max_tokens}"  # for the program processes
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    taped = [side for side in sides if side != "direct"]  # the direct side's calls bypass the gateway: no tape
+    if "direct" in sides:
+        mirrors.DIRECT = {"sampling": {"temperature": sampling.temperature,
+                                                            "max_tokens": sampling.max_tokens, "extra_body": extra}}  # fmt: skip
     agents = {side: builtin if side == "builtin" else program_for(side, sampling, tokenizer) for side in sides}
     seeds = list(range(args.tasks))
     out_dir = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
@@ -150,10 +157,11 @@ def main() -> int:
           f"turn(s), {args.max_tokens} new tokens at most, T={sampling.temperature}, fixed length: {bool(extra)}; "
           f"sides {', '.join(sides)}; server log in {out_dir}", flush=True)  # fmt: skip
     seconds: dict[str, list[float]] = {side: [] for side in sides}
-    same = {side: [0, 0] for side in sides}
+    same = {side: [0, 0] for side in taped}
     mismatches = errors = 0
     with VLLMServer(model_dir, log_path=out_dir / "policy.log", config=ServerConfig(kv_cache_gib=2,
                                                                                       max_model_len=4096)) as server:  # fmt: skip
+        mirrors.DIRECT.update(base_url=f"{server.base_url}/v1", api_key=server.api_key, model=server.served_model_name)
         for side in sides:  # warm-up
             asyncio.run(play(agents[side], server, spec, seeds[:2], 1, args.concurrency, extra))
         mirrors.FIRST_BYTE.clear()
@@ -169,8 +177,10 @@ def main() -> int:
                 seconds[side].append(took)
                 tokens = sum(len(c.output_token_ids) for t in tapes[side] for c in t.llm_calls)
                 calls = sum(len(t.llm_calls) for t in tapes[side])
-                print(f"repeat {repeat} {side:9s}: {calls} calls, {tokens} tokens in {took:6.2f} s", flush=True)
-            for side in sides[1:]:
+                steps = sum(type(s).__name__ == "EnvObservation" and s.turn > 0 for t in tapes[side] for s in t.steps)
+                print(f"repeat {repeat} {side:9s}: {calls} calls, {tokens} tokens, {steps} environment steps in "
+                      f"{took:6.2f} s", flush=True)  # fmt: skip
+            for side in taped[1:]:
                 for a, b in zip(tapes["builtin"], tapes[side]):
                     same[side][0] += sum(
                         x.prompt_token_ids == y.prompt_token_ids for x, y in zip(a.llm_calls, b.llm_calls)
@@ -185,21 +195,26 @@ def main() -> int:
         agents[side].close()
     result = {"episodes": args.tasks * args.attempts, "turns": args.turns, "max_tokens": args.max_tokens,
               "seconds": seconds, "identical_prompts": same, "prompt_mismatches": mismatches,
-              "program_errors": errors, "ratio_to_builtin": {}, "ratio_to_chat": {}, "harness": harness}  # fmt: skip
+              "program_errors": errors, "ratio_to_builtin": {}, "ratio_to_chat": {}, "ratio_to_direct": {},
+              "harness": harness}  # fmt: skip
     for side in sides:
         values = seconds[side]
         print(f"{side:9s}: median {statistics.median(values):6.2f} s (runs: {', '.join(f'{v:.2f}' for v in values)})")
-    for base in ("builtin", "chat"):
+    for base in ("builtin", "chat", "direct"):
         if base not in sides:
             continue
         for side in sides:
-            if side == base or (base == "chat" and side == "builtin"):
+            if (
+                side == base
+                or (base != "builtin" and side in ("builtin", "direct"))
+                or (base == "direct" and side != "chat")
+            ):
                 continue
             ratios = [x / y for x, y in zip(seconds[side], seconds[base])]
             result[f"ratio_to_{base}"][side] = statistics.median(ratios)
             print(f"ratio {side}/{base}: median {statistics.median(ratios):.3f} (runs: "
-                  f"{', '.join(f'{r:.3f}' for r in ratios)}; target <= 1.05)")  # fmt: skip
-    for side in sides[1:]:
+                  f"{', '.join(f'{r:.3f}' for r in ratios)}{'' if 'direct' in (side, base) else '; target <= 1.05'})")  # fmt: skip
+    for side in taped[1:]:
         print(f"identical prompts, built-in vs {side}: {same[side][0]}/{same[side][1]} calls")
     print(f"program prompt mismatches: {mismatches}; program episodes with an error: {errors}")
     if mirrors.FIRST_BYTE:

@@ -15,6 +15,7 @@ from orchestrate.loop.command_line import load_preset
 MIRROR_VAR = "BENCH_GATEWAY_MIRROR"  # "TURNS,MAX_TOKENS": the setting a program process rebuilds
 FIRST_BYTE: list[tuple[float, float]] = []  # streamed calls: (seconds to the first byte, seconds to the last)
 GATEWAY_APP = None  # the messages side's gateway app, called in-process (messages_reply)
+DIRECT: dict = {}  # the direct side: the vLLM server's own OpenAI API (base_url, api_key, model, the sampling)
 
 
 def setting(turns: int) -> tuple[EnvSpec, AgentConfig]:
@@ -77,7 +78,17 @@ async def messages_reply(task, client, messages) -> tuple[str, bool]:
     return "".join(b.text for b in message.content if b.type == "text"), message.stop_reason == "max_tokens"
 
 
-REPLIES = {"chat": chat_reply, "process": chat_reply, "stream": stream_reply, "responses": responses_reply,
+async def direct_reply(task, client, messages) -> tuple[str, bool]:
+    """The chat side's call sent to the vLLM server's own chat completions (a socket, no gateway, no tape), with the
+    sampling the gateway would have applied: what the same program costs without tapeloop."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=DIRECT["base_url"], api_key=DIRECT["api_key"], max_retries=0) as own:
+        reply = await own.chat.completions.create(model=DIRECT["model"], messages=messages, **DIRECT["sampling"])
+    return reply.choices[0].message.content or "", reply.choices[0].finish_reason == "length"
+
+
+REPLIES = {"chat": chat_reply, "direct": direct_reply, "process": chat_reply, "stream": stream_reply, "responses": responses_reply,
            "messages": messages_reply}  # fmt: skip
 
 
