@@ -13,6 +13,11 @@ A replay re-runs the python tool (the sandbox is deterministic given the code) b
 the results the tape recorded (`RecordedTool`): the corpus may have changed or be elsewhere, and a tape
 must replay the same.
 
+A model tuned for its chat template's tool calls (Qwen2.5's, Hermes's) may write one in that format instead:
+`<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>` naming one of the episode's tools,
+its one string argument being the code or the query. ToolEnv takes that too (sampling also stops at
+`</tool_call>`), so the same tools serve both kinds of model.
+
 A tool call costs a turn and earns reward 0. A timeout, a crash or a limit reached is part of the
 observation. A sandbox that could not start raises ToolInfraError: the episode is then an
 infrastructure failure (flagged on its tape, left out of training and of group statistics).
@@ -20,6 +25,7 @@ infrastructure failure (flagged on its tape, left out of training and of group s
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -235,9 +241,32 @@ class RecordedTool:
         return f"answered {_plural(calls, self.name + ' call')} from the recorded results"
 
 
+_TEMPLATE_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+TEMPLATE_STOP = "</tool_call>"  # where a call in the chat template's format ends
+
+
+def template_call(action: str, names: set[str]) -> ToolCall | None:
+    """The first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of an action that names one of
+    `names` with one string argument (the arguments as an object or as a JSON string), as a ToolCall; else None."""
+    for match in _TEMPLATE_CALL.finditer(action):
+        try:
+            call = json.loads(match.group(1))
+            arguments = call.get("arguments", call.get("parameters"))
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if not isinstance(arguments, dict) or call.get("name") not in names:
+            continue
+        texts = [v for v in arguments.values() if isinstance(v, str)]
+        if len(texts) == 1:
+            return ToolCall(call["name"], texts[0].strip("\n"))
+    return None
+
+
 class ToolEnv:
-    """An environment with tools: an action holding a tool call is answered by the tool (reward 0, the
-    episode goes on); any other action goes to the wrapped environment. GEM's reset / step protocol."""
+    """An environment with tools: an action holding a tool call (the tool's own tags, or the chat template's
+    `<tool_call>` JSON) is answered by the tool (reward 0, the episode goes on); any other action goes to the
+    wrapped environment. GEM's reset / step protocol."""
 
     def __init__(self, env, tools: list[Tool]):
         self.env = env
@@ -248,7 +277,7 @@ class ToolEnv:
     @property
     def stop(self) -> list[str]:
         """Where sampling stops: the end of a tool call (kept in the output)."""
-        return [t.stop for t in self.tools]
+        return [t.stop for t in self.tools] + [TEMPLATE_STOP]
 
     def reset(self, seed: int | None = None):
         self.tool_calls = self.tool_errors = 0
@@ -257,14 +286,14 @@ class ToolEnv:
         return f"{observation}\n{hints}", info
 
     def step(self, action: str):
-        for tool in self.tools:
-            call = tool.parse(action)
-            if call is not None:
-                observation, info = tool.execute(call)
-                self.tool_calls += 1
-                self.tool_errors += bool(info["tool_error"])
-                info.update(tool_calls=self.tool_calls, tool_errors=self.tool_errors)
-                return observation, 0.0, False, False, info
+        call = self.tool_call(action)
+        if call is not None:
+            tool = next(t for t in self.tools if t.name == call.tool)
+            observation, info = tool.execute(call)
+            self.tool_calls += 1
+            self.tool_errors += bool(info["tool_error"])
+            info.update(tool_calls=self.tool_calls, tool_errors=self.tool_errors)
+            return observation, 0.0, False, False, info
         observation, reward, terminated, truncated, info = self.env.step(action)
         info = dict(info or {})
         info.update(tool_calls=self.tool_calls, tool_errors=self.tool_errors)
@@ -276,7 +305,7 @@ class ToolEnv:
             call = tool.parse(action)
             if call is not None:
                 return call
-        return None
+        return template_call(action, {t.name for t in self.tools})
 
     async def astep(self, action: str):
         """step() in a worker thread: a tool run blocks, the other episodes' rollouts go on meanwhile."""

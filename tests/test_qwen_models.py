@@ -209,3 +209,46 @@ def test_the_15b_teaches_the_05b_and_smollm2_may_not(qwen_extra, embedded_model_
         check_teacher("smollm2", student, "qwen-coder-0.5b")
     with pytest.raises(PreflightError, match="another vocabulary"):
         check_teacher("qwen-coder-1.5b", embedded_model_dir, "smollm2")
+
+
+@pytest.mark.qwen
+def test_the_05bs_tool_calls_in_its_templates_format_round_trip_through_the_gateway(qwen_extra, tmp_path):
+    """The 0.5B's chat template writes the tools itself (no stop string or preamble of ours) and the model calls
+    them in its own format (`<tool_call>` JSON on lines of its own): the gateway parses the call for a plain
+    openai program, renders its result with the template, and the second call extends the first token-exactly;
+    a strict replay makes the same calls."""
+    from transformers import AutoTokenizer
+
+    from agents.tool_format import ToolFormat
+    from orchestrate.gateway.agent import ProgramAgent
+    from orchestrate.serving.recorded import ReplayLLM
+    from tapes.tape import ToolCallAction, ToolResultObservation
+    from tests.programs import SAMPLING, FakeSandbox, ScriptedLLM, answer_of, play
+    from tests.test_gateway import tool_reply
+    from tests.test_gateway_protocols import PYTHON_TOOL, chat_program, same_calls_on_tapes
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("qwen-coder-0.5b"))
+    a, b, product = answer_of()
+    replies = [tool_reply(a, b), f"The answer is \\boxed{{{product}}}."]
+    agents = []
+
+    def agent():
+        agents.append(ProgramAgent(chat_program(False), SAMPLING, tokenizer, max_context=2048, sandbox=FakeSandbox()))
+        return agents[-1]
+
+    try:
+        tape = play(agent(), ScriptedLLM(tokenizer, replies))
+        assert tape.metadata.error is None and tape.metadata.reward == 1.0, tape.metadata.error
+        first, second = tape.llm_calls
+        assert "<tools>" in first.prompt_text and '"name": "python"' in first.prompt_text  # Qwen's own rendering
+        assert ToolFormat(tokenizer).renders_tools and ToolFormat(tokenizer).stop([PYTHON_TOOL]) == []
+        assert second.extends_previous is True
+        call = next(s for s in tape.steps if isinstance(s, ToolCallAction))
+        assert call.tool == "python" and f"print({a} * {b})" in call.call
+        assert next(s for s in tape.steps if isinstance(s, ToolResultObservation)).text == str(product)
+        assert "<tool_response>" in tokenizer.decode(second.prompt_token_ids)  # the result as the template writes it
+        again = play(agent(), ReplayLLM(tape, strict=True))
+        assert same_calls_on_tapes(again, tape) and again.metadata.reward == 1.0
+    finally:
+        for made in agents:
+            made.close()

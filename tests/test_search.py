@@ -248,7 +248,11 @@ def test_a_scripted_episode_searches_then_answers(qa, corpus):
     inner, seed = episode_of(qa, question)
     env = ToolEnv(inner, [search_tool(corpus)])
     observation, _ = env.reset(seed=seed)
-    assert observation.startswith(question) and "<search>query</search>" in observation and env.stop == ["</search>"]
+    assert (
+        observation.startswith(question)
+        and "<search>query</search>" in observation
+        and env.stop == ["</search>", "</tool_call>"]
+    )
     obs, reward, terminated, _, info = env.step(f"<search>{question}</search>")
     assert reward == 0.0 and not terminated and info["tool"] == "search" and info["tool_calls"] == 1
     assert answer in obs.split("Doc 2")[0]  # the best passage holds the answer
@@ -292,7 +296,7 @@ def test_an_agent_episode_is_recorded_as_search_steps_and_replays_from_the_recor
     )
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
     tape = asyncio.run(agent.run_episode(spec.make(), seed, llm, Tape(context=spec.context(seed))))
-    assert llm.stops == [["</search>"]] * 3
+    assert llm.stops == [["</search>", "</tool_call>"]] * 3
     assert [s.kind for s in tape.steps] == [
         "env_observation",
         "tool_call",

@@ -42,7 +42,7 @@ def test_parse_takes_the_first_complete_block(tool):
 def test_a_scripted_episode_calls_the_tool_then_answers(tool):
     env = ToolEnv(make_env("math:arithmetic"), [tool])
     question, info = env.reset(seed=3)
-    assert "<python>" in question and env.stop == ["</python>"]
+    assert "<python>" in question and env.stop == ["</python>", "</tool_call>"]
     answer = info["answer"]
     obs, reward, terminated, truncated, info = env.step("I will compute it.\n<python>\nprint(2 ** 10)\n</python>")
     assert obs == "<output>\n1024\n</output>" and reward == 0.0 and not terminated and not truncated
@@ -87,7 +87,7 @@ def test_the_agent_stops_sampling_at_the_end_of_a_tool_call_and_reads_its_output
 
     agent = ChatAgent(AgentConfig(max_turns=4), SamplingParams(max_tokens=64), ChatTokens(tokenizer))
     tape = asyncio.run(agent.run_episode(env, 5, LLM(), Tape()))
-    assert seen == [["</python>"], ["</python>"]]
+    assert seen == [["</python>", "</tool_call>"]] * 2
     observations = [s for s in tape.steps if isinstance(s, EnvObservation)]
     assert observations[1].text == "<output>\n42\n</output>" and observations[1].info["tool"] == "python"
     assert tape.metadata.success and tape.metadata.turns == 2
@@ -237,3 +237,21 @@ def test_replay_reruns_the_code_and_says_so(tool, tokenizer):
     assert diff.identical, diff.report()
     assert diff.how == ["re-ran 2 python tool calls (deterministic, in the sandbox)"]
     assert "identical (re-ran 2 python tool calls" in diff.report()
+
+
+def test_a_call_in_the_chat_templates_format_runs_the_tool_it_names(tool):
+    """Qwen2.5's and Hermes's `<tool_call>` JSON, as a model tuned for its template writes it: the arguments as an
+    object or a JSON string; a call naming no tool of the episode, or malformed, goes to the environment."""
+    env = ToolEnv(make_env("math:arithmetic"), [tool])
+    env.reset(seed=3)
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(2 ** 10)"}}\n</tool_call>'
+    obs, reward, terminated, _, info = env.step(f"Let me compute.\n{call}")
+    assert obs == "<output>\n1024\n</output>" and reward == 0.0 and not terminated and info["tool_calls"] == 1
+    assert env.tool_call(call).text == "print(2 ** 10)"
+    as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(3)\\"}"}</tool_call>'
+    assert env.tool_call(as_string).text == "print(3)"
+    for other in ('<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>',
+                  "<tool_call>{not json}</tool_call>", '<tool_call>{"name": "python", "arguments": {}}</tool_call>'):  # fmt: skip
+        assert env.tool_call(other) is None
+    obs, reward, terminated, _, info = env.step("<tool_call>{not json}</tool_call>")
+    assert terminated and reward < 1.0 and info["tool_calls"] == 1  # the environment's answer: no answer in it

@@ -210,6 +210,27 @@ def shared_cores_note(config, count: int | None = None) -> str | None:
             "with --server.cpus and --trainer.cpus (docs/async.md#placement)")  # fmt: skip
 
 
+def emulated_bf16_note(config, gpus: int | None = None, cpu_bf16: str | None | bool = False) -> str | None:
+    """The note for --train.dtype bfloat16 on a CPU learner whose processor has no bf16 instructions (torch then
+    emulates bf16: 26x slower than float32 on an AVX2 EPYC, bench/bench_bf16.py); none otherwise. `gpus` and
+    `cpu_bf16` stand in for the machine's (finetune.models.cpu_bf16) in tests."""
+    if config.train.dtype != "bfloat16":
+        return None
+    from orchestrate.loop.config_checks import visible_gpus
+
+    if len(visible_gpus()) if gpus is None else gpus:
+        return None
+    if cpu_bf16 is False:
+        from finetune.models import cpu_bf16 as processor_bf16
+
+        cpu_bf16 = processor_bf16()
+    if cpu_bf16:
+        return None
+    return ("note: --train.dtype bfloat16: this processor has no bf16 instructions (avx512_bf16, amx_bf16), so torch "
+            "emulates bf16 and the learner runs many times slower than in float32 (docs/benchmarks.md#the-learner-"
+            "in-bf16-on-cpu-benchbench_bf16py)")  # fmt: skip
+
+
 def preflight(config) -> RunModels:
     """Check task data, then models, of an RLConfig: the first problem refused in one line (PreflightError, or
     orchestrate.loop.policy's PolicyError for a model that cannot be had). The run's model folders, checked,
@@ -233,7 +254,7 @@ def preflight(config) -> RunModels:
         check_vllm()
     models = RunModels.of(config, model=check_model,
                           teacher=lambda name, policy: check_teacher(name, policy, config.model.policy))  # fmt: skip
-    for note in (teacher_temperature_note(config), shared_cores_note(config)):
+    for note in (teacher_temperature_note(config), shared_cores_note(config), emulated_bf16_note(config)):
         if note:
             print(note, file=sys.stderr)
     if config.train.lora.target_modules:
