@@ -251,16 +251,45 @@ def test_the_distillation_preset_fits_one_80_gb_gpu_with_its_8b_teacher_and_a_bi
 
 
 def test_the_plan_is_checked_before_the_run_on_the_gpu_it_is_tightest_on(tiny_model_dir):
-    """preflight's check reads the model's shape from its folder; no GPU, no plan."""
+    """preflight's check reads the model's shape from its folder; on CPU the machine's memory is the plan's."""
     from orchestrate.loop.memory_plan import MemoryPlanError, Shape
     from orchestrate.loop.preflight import check_memory
 
     shape = Shape.of(tiny_model_dir)
     assert shape.parameters > 0 and shape.layers >= 1
     config = RLConfig()
-    assert check_memory(config, tiny_model_dir) is None  # CPU: nothing to plan
+    assert set(check_memory(config, tiny_model_dir)) == {"servers", "learner", "orchestrator"}  # CPU: the machine's
     assert set(check_memory(config, tiny_model_dir, totals=[80.0])) == {"generate", "train"}  # no KL: no reference
     assert set(check_memory(config.model_copy(update={"server": config.server.model_copy(update={"gpus": "1"})}),
                             tiny_model_dir, totals=[80.0, 80.0])) == {"train"}  # fmt: skip
     with pytest.raises(MemoryPlanError, match="GPU's 0.1 GiB"):
         check_memory(config, tiny_model_dir, totals=[0.1])
+
+
+QWEN_05B = {"parameters": 630_167_424, "layers": 24, "hidden": 896}
+
+
+def test_on_cpu_the_05bs_full_fine_tuning_is_refused_in_24_gib_and_lora_fits():
+    """The CPU plan: one policy server (4.1 GiB measured for the 0.5B beside its 2 GiB KV cache), the learner's
+    peak, the orchestrator. Full fine-tuning of the 0.5B (AdamW, 16 bytes a parameter with its gradient) does not
+    fit 24 GiB beside its server; LoRA does. A plan past what is available now is a note, not a refusal."""
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check_cpu, cpu_server_gib
+
+    shape = Shape(**QWEN_05B)
+    assert 6.0 < cpu_server_gib(shape, 2) < 9.0
+    lora = resolve("qwen_gsm8k", {})
+    plan, note = check_cpu(lora, shape, total_gib=23.4, available=22.0)
+    assert note is None and set(plan) == {"servers", "learner", "orchestrator"} and sum(plan.values()) < 20
+    full = resolve("qwen_gsm8k", {"train.lora.rank": "0"})
+    with pytest.raises(
+        MemoryPlanError, match=r"^--train.token_budget: .* this machine has 23.4 GiB .*--train.lora.rank 16"
+    ):
+        check_cpu(full, shape, total_gib=23.4)
+    _, note = check_cpu(lora, shape, total_gib=23.4, available=8.0)
+    assert note.startswith("note: the run needs about") and "8.0 GiB is available now" in note
+    by_url = resolve("qwen_gsm8k", {"server.policy_urls": "http://127.0.0.1:8000"})
+    assert check_cpu(by_url, shape, total_gib=23.4)[0]["servers"] == 0  # servers started elsewhere hold none here
+    with_kl = resolve("qwen_gsm8k", {"train.kl_coef": "0.01", "train.lora.rank": "0", "train.token_budget": "256"})
+    tiny = Shape(parameters=10_000_000, layers=2, hidden=64)  # the reference's server beside the policy's
+    assert check_cpu(with_kl, tiny, total_gib=23.4)[0]["servers"] == 2 * cpu_server_gib(tiny, 2)

@@ -16,6 +16,13 @@ fp32 gradients (4) while it steps (LoRA: the frozen weights, 4 a parameter, and 
 activations of ACTIVATION_BYTES per token, layer and hidden unit, calibrated on the H200 measurements of
 docs/training.md (Llama-3.2-1B's shape, token budget 16384: peak 61.8 GiB eager, 45.2 GiB compiled). A
 sleeping vLLM server keeps its CUDA context and some of its pools (SLEEPING_GIB).
+
+On CPU (no GPU visible) the servers started here, the learner and the orchestrator share the machine's memory
+at once: each server its processes (CPU_SERVER_BASE_GIB + CPU_SERVER_PER_WEIGHT x its fp32 weights, fitted to
+two servers measured on 2026-12-07: SmolLM2-135M's 2.9 GiB at 0.5 GiB of weights, Qwen2.5-Coder-0.5B's 4.1 at
+2.35, beside their KV caches) and its --server.kv_cache_gib, the learner its peak with the CPU's activations
+(ACTIVATION_BYTES["cpu"], from SmolLM2's 1.8 MB a token of budget, docs/training.md), the orchestrator and the
+launcher CPU_ORCHESTRATOR_GIB. The sum must fit the memory available when the run starts (check_cpu).
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ from pathlib import Path
 from contract.cli import OptionError
 
 GiB = 2**30
-ACTIVATION_BYTES = {"eager": 87, "compiled": 54}  # per token x layer x hidden unit (see above)
+ACTIVATION_BYTES = {"eager": 87, "compiled": 54, "cpu": 104}  # per token x layer x hidden unit (see above)
 SLEEPING_GIB = 1.0  # what a sleeping server still holds of the GPU
 SERVER_WORK_GIB = 2.0  # of a server's share, what is neither weights nor KV cache (activations, CUDA graphs)
 CONTEXT_GIB = 0.5  # a process's CUDA context (the learner's)
+CPU_SERVER_BASE_GIB = 2.6  # a vLLM CPU server's processes beyond its weights' term and KV cache (see above)
+CPU_SERVER_PER_WEIGHT = 1.65  # GiB per GiB of fp32 weights (the weights and what grows with them)
+CPU_ORCHESTRATOR_GIB = 2.0  # the orchestrator (its tokenizer, tapes in flight) and accelerate's launcher
 
 
 class MemoryPlanError(OptionError):
@@ -64,14 +74,68 @@ class Shape:
         return cls(parameters, int(config["num_hidden_layers"]), int(config["hidden_size"]))
 
 
-def learner_gib(shape: Shape, train, compiled: bool) -> tuple[float, float]:
+def learner_gib(shape: Shape, train, compiled: bool, cpu: bool = False) -> tuple[float, float]:
     """The learner's GiB between batches and at its peak (see the module's docstring)."""
     lora = train.lora.rank > 0
     resident = shape.parameters * (4 if lora else 12) / GiB
     gradients = 0 if lora else shape.parameters * 4 / GiB
-    per_token = ACTIVATION_BYTES["compiled" if compiled else "eager"] * shape.layers * shape.hidden
+    per_token = ACTIVATION_BYTES["cpu" if cpu else "compiled" if compiled else "eager"] * shape.layers * shape.hidden
     activations = train.token_budget * per_token / GiB
-    return resident + CONTEXT_GIB, resident + gradients + activations + CONTEXT_GIB
+    context = 0 if cpu else CONTEXT_GIB
+    return resident + context, resident + gradients + activations + context
+
+
+def cpu_server_gib(shape: Shape, kv_cache_gib: float) -> float:
+    """A vLLM server on CPU: its processes, its fp32 weights' term and its KV cache (module docstring)."""
+    return CPU_SERVER_BASE_GIB + CPU_SERVER_PER_WEIGHT * shape.parameters * 4 / GiB + kv_cache_gib
+
+
+def cpu_plan(config, policy: Shape, teacher: Shape | None = None) -> dict[str, float]:
+    """GiB of the machine's memory each part of a CPU run holds at its peak: the servers started here, the
+    learner (started here), the orchestrator."""
+    s, kv = config.server, config.server.kv_cache_gib
+    servers = 0.0 if s.policy_urls else s.policy_servers * cpu_server_gib(policy, kv)
+    if config.train.needs_reference and not config.reference_on_policy and not s.reference_url:
+        servers += cpu_server_gib(policy, kv)
+    if config.teacher.model and not config.teacher.url and teacher is not None:
+        servers += cpu_server_gib(teacher, kv)
+    plan = {"servers": servers}
+    if config.trainer.launch == "local":
+        plan["learner"] = learner_gib(policy, config.train, compiled=False, cpu=True)[1]
+    plan["orchestrator"] = CPU_ORCHESTRATOR_GIB
+    return plan
+
+
+def check_cpu(config, policy: Shape, total_gib: float, available: float | None = None,
+              teacher: Shape | None = None) -> tuple[dict[str, float], str | None]:  # fmt: skip
+    """The CPU run's plan and a note when it passes the memory `available` now (something else holds it), or
+    MemoryPlanError when it passes the machine's `total_gib`: the numbers and what to lower."""
+    plan = cpu_plan(config, policy, teacher)
+    need = sum(plan.values())
+    parts = (f"{', '.join(f'{p} {g:.1f}' for p, g in plan.items())} GiB; policy {policy.parameters / 1e9:.2f}B "
+             f"parameters, {'full fine-tuning' if config.train.lora.rank == 0 else 'LoRA'}, token budget "
+             f"{config.train.token_budget}, KV cache {config.server.kv_cache_gib} GiB a server")  # fmt: skip
+    if need > total_gib:
+        lora = ", train LoRA adapters (--train.lora.rank 16)" if config.train.lora.rank == 0 else ""
+        raise MemoryPlanError(
+            f"--train.token_budget: the run needs about {need:.1f} GiB of memory and this machine has "
+            f"{total_gib:.1f} GiB ({parts}); lower --train.token_budget{lora} or --server.kv_cache_gib"
+        )
+    if available is not None and need > available:
+        return plan, (f"note: the run needs about {need:.1f} GiB of memory and {available:.1f} GiB is available now "
+                      f"({parts}): what else runs here may have to stop")  # fmt: skip
+    return plan, None
+
+
+def memory_gib(field: str) -> float:
+    """/proc/meminfo's `field` (MemTotal, MemAvailable) in GiB; inf where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return float("inf")
 
 
 def phases(config, shape: Shape, total_gib: float, compiled: bool, colocated: bool) -> dict[str, float]:

@@ -265,14 +265,26 @@ def preflight(config) -> RunModels:
 
 def check_memory(config, policy: Path, totals: list[float] | None = None,
                  teacher: Path | None = None) -> dict[str, float] | None:  # fmt: skip
-    """On GPUs, the run's memory plan (orchestrate.loop.memory_plan) fits the GPU it is tightest on: the
+    """On CPU, the run's memory plan (orchestrate.loop.memory_plan.check_cpu) fits the machine's memory (a note
+    when it passes what is available now). On GPUs, it fits the GPU it is tightest on: the
     colocated servers' first, else the learner's; a teacher served here (`teacher`: its folder) has room in
     a server's share (MemoryPlanError names the phase that does not fit). `totals`: each visible GPU's GiB (for
     tests)."""
     from orchestrate.loop.config_checks import colocated, placements, visible_gpus
-    from orchestrate.loop.memory_plan import Shape, check, gpu_totals_gib
+    from orchestrate.loop.memory_plan import Shape, check, check_cpu, gpu_totals_gib, memory_gib
 
-    if config.trainer.launch != "local" or not visible_gpus() and totals is None:
+    if not visible_gpus() and totals is None:  # on CPU: the servers, the learner and this process share the memory
+        from safetensors import SafetensorError
+
+        try:
+            shapes = Shape.of(policy), Shape.of(teacher) if teacher else None
+        except (OSError, ValueError, KeyError, SafetensorError):  # a folder loading will refuse, naming what is wrong
+            return None
+        plan, note = check_cpu(config, shapes[0], memory_gib("MemTotal"), memory_gib("MemAvailable"), teacher=shapes[1])
+        if note:
+            print(note, file=sys.stderr)
+        return plan
+    if config.trainer.launch != "local":
         return None
     totals = gpu_totals_gib() if totals is None else totals
     together = colocated(config, len(totals))
