@@ -266,7 +266,7 @@ def test_the_plan_is_checked_before_the_run_on_the_gpu_it_is_tightest_on(tiny_mo
         check_memory(config, tiny_model_dir, totals=[0.1])
 
 
-QWEN_05B = {"parameters": 630_167_424, "layers": 24, "hidden": 896}
+QWEN_05B = {"parameters": 630_167_424, "layers": 24, "hidden": 896, "intermediate": 4864}
 
 
 def test_on_cpu_the_05bs_full_fine_tuning_is_refused_in_24_gib_and_lora_fits():
@@ -279,8 +279,9 @@ def test_on_cpu_the_05bs_full_fine_tuning_is_refused_in_24_gib_and_lora_fits():
     shape = Shape(**QWEN_05B)
     assert 6.0 < cpu_server_gib(shape, 2) < 9.0
     lora = resolve("qwen_gsm8k", {})
-    plan, note = check_cpu(lora, shape, total_gib=23.4, available=22.0)
-    assert note is None and set(plan) == {"servers", "learner", "orchestrator"} and sum(plan.values()) < 20
+    plan, note = check_cpu(lora, shape, total_gib=23.4, available=23.0)
+    assert note is None and set(plan) == {"servers", "learner", "orchestrator"} and sum(plan.values()) < 23.4
+    assert 11.0 < plan["learner"] < 14.0  # measured: 13.0 GiB at its peak (the process's whole RSS)
     full = resolve("qwen_gsm8k", {"train.lora.rank": "0"})
     with pytest.raises(
         MemoryPlanError, match=r"^--train.token_budget: .* this machine has 23.4 GiB .*--train.lora.rank 16"

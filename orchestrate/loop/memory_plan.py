@@ -21,7 +21,8 @@ On CPU (no GPU visible) the servers started here, the learner and the orchestrat
 at once: each server its processes (CPU_SERVER_BASE_GIB + CPU_SERVER_PER_WEIGHT x its fp32 weights, fitted to
 two servers measured on 2026-12-07: SmolLM2-135M's 2.9 GiB at 0.5 GiB of weights, Qwen2.5-Coder-0.5B's 4.1 at
 2.35, beside their KV caches) and its --server.kv_cache_gib, the learner its peak with the CPU's activations
-(ACTIVATION_BYTES["cpu"], from SmolLM2's 1.8 MB a token of budget, docs/training.md), the orchestrator and the
+(CPU_ACTIVATION_BYTES per token, layer and hidden + MLP unit: the 0.5B's LoRA learner peaked at 13.0 GiB at a
+token budget of 2048, 36 bytes; SmolLM2's 1.8 MB a token, docs/training.md, is 28), the orchestrator and the
 launcher CPU_ORCHESTRATOR_GIB. The sum must fit the memory available when the run starts (check_cpu).
 """
 
@@ -36,7 +37,8 @@ from pathlib import Path
 from contract.cli import OptionError
 
 GiB = 2**30
-ACTIVATION_BYTES = {"eager": 87, "compiled": 54, "cpu": 104}  # per token x layer x hidden unit (see above)
+ACTIVATION_BYTES = {"eager": 87, "compiled": 54}  # per token x layer x hidden unit (see above)
+CPU_ACTIVATION_BYTES = 36  # per token x layer x (hidden + MLP) unit, the learner on CPU (see above)
 SLEEPING_GIB = 1.0  # what a sleeping server still holds of the GPU
 SERVER_WORK_GIB = 2.0  # of a server's share, what is neither weights nor KV cache (activations, CUDA graphs)
 CONTEXT_GIB = 0.5  # a process's CUDA context (the learner's)
@@ -56,6 +58,7 @@ class Shape:
     parameters: int
     layers: int
     hidden: int
+    intermediate: int = 0  # the MLP's width (config.json's intermediate_size; the CPU estimate counts it)
 
     @classmethod
     def of(cls, model_dir: str | Path) -> Shape:
@@ -71,7 +74,8 @@ class Shape:
                     for d in f.get_slice(key).get_shape():
                         n *= d
                     parameters += n
-        return cls(parameters, int(config["num_hidden_layers"]), int(config["hidden_size"]))
+        return cls(parameters, int(config["num_hidden_layers"]), int(config["hidden_size"]),
+                   int(config.get("intermediate_size") or 0))  # fmt: skip
 
 
 def learner_gib(shape: Shape, train, compiled: bool, cpu: bool = False) -> tuple[float, float]:
@@ -79,7 +83,10 @@ def learner_gib(shape: Shape, train, compiled: bool, cpu: bool = False) -> tuple
     lora = train.lora.rank > 0
     resident = shape.parameters * (4 if lora else 12) / GiB
     gradients = 0 if lora else shape.parameters * 4 / GiB
-    per_token = ACTIVATION_BYTES["cpu" if cpu else "compiled" if compiled else "eager"] * shape.layers * shape.hidden
+    if cpu:
+        per_token = CPU_ACTIVATION_BYTES * shape.layers * (shape.hidden + (shape.intermediate or 4 * shape.hidden))
+    else:
+        per_token = ACTIVATION_BYTES["compiled" if compiled else "eager"] * shape.layers * shape.hidden
     activations = train.token_budget * per_token / GiB
     context = 0 if cpu else CONTEXT_GIB
     return resident + context, resident + gradients + activations + context
