@@ -294,3 +294,16 @@ def test_on_cpu_the_05bs_full_fine_tuning_is_refused_in_24_gib_and_lora_fits():
     with_kl = resolve("qwen_gsm8k", {"train.kl_coef": "0.01", "train.lora.rank": "0", "train.token_budget": "256"})
     tiny = Shape(parameters=10_000_000, layers=2, hidden=64)  # the reference's server beside the policy's
     assert check_cpu(with_kl, tiny, total_gib=23.4)[0]["servers"] == 2 * cpu_server_gib(tiny, 2)
+
+
+def test_on_cpu_the_15b_teacher_beside_the_05b_is_refused_naming_the_teacher():
+    """The 1.5B teacher's server (fp32 on CPU) beside the 0.5B's and its learner passes 24 GiB: refused naming
+    --teacher.model and the way out (a teacher served elsewhere, by URL, holds nothing here)."""
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.memory_plan import MemoryPlanError, Shape, check_cpu
+
+    student, teacher = Shape(**QWEN_05B), Shape(parameters=1_777_088_000, layers=28, hidden=1536, intermediate=8960)
+    with pytest.raises(MemoryPlanError, match=r"^--teacher.model: .* its server \(1.78B parameters .*--role teacher"):
+        check_cpu(resolve("qwen_gsm8k", {"teacher.model": "qwen-coder-1.5b"}), student, 23.4, teacher=teacher)
+    by_url = resolve("qwen_gsm8k", {"teacher.model": "http://127.0.0.1:8001"})
+    assert check_cpu(by_url, student, 23.4, teacher=teacher)[0]["servers"] < 9

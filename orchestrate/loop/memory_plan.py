@@ -123,10 +123,25 @@ def check_cpu(config, policy: Shape, total_gib: float, available: float | None =
              f"parameters, {'full fine-tuning' if config.train.lora.rank == 0 else 'LoRA'}, token budget "
              f"{config.train.token_budget}, KV cache {config.server.kv_cache_gib} GiB a server")  # fmt: skip
     if need > total_gib:
-        lora = ", train LoRA adapters (--train.lora.rank 16)" if config.train.lora.rank == 0 else ""
+        teacher_gib = cpu_server_gib(teacher, config.server.kv_cache_gib) if teacher is not None else 0.0
+        if (
+            plan["servers"] >= plan.get("learner", 0.0)
+            and teacher_gib
+            and config.teacher.model
+            and not config.teacher.url
+        ):
+            option, lower = "--teacher.model", (
+                f"its server ({teacher.parameters / 1e9:.2f}B parameters in fp32, about {teacher_gib:.1f} GiB) does not "
+                "fit beside the policy's and the learner: serve it on another machine (`uv run -m orchestrate.serve "
+                "--role teacher`) and give its URL")  # fmt: skip
+        elif plan["servers"] >= plan.get("learner", 0.0):
+            option, lower = "--server.kv_cache_gib", "lower --server.kv_cache_gib or --train.token_budget"
+        else:
+            lora = ", train LoRA adapters (--train.lora.rank 16)" if config.train.lora.rank == 0 else ""
+            option, lower = "--train.token_budget", f"lower --train.token_budget{lora} or --server.kv_cache_gib"
         raise MemoryPlanError(
-            f"--train.token_budget: the run needs about {need:.1f} GiB of memory and this machine has "
-            f"{total_gib:.1f} GiB ({parts}); lower --train.token_budget{lora} or --server.kv_cache_gib"
+            f"{option}: the run needs about {need:.1f} GiB of memory and this machine has {total_gib:.1f} GiB "
+            f"({parts}); {lower}"
         )
     if available is not None and need > available:
         return plan, (f"note: the run needs about {need:.1f} GiB of memory and {available:.1f} GiB is available now "
