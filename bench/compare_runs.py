@@ -70,6 +70,7 @@ def main() -> int:
             )
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
+    ax.set_ylim(0, 100)  # the whole scale: a change of a few points looks its size
     ax.set_title(args.title)
     ax.grid(alpha=0.3)
     ax.legend()
