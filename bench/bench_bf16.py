@@ -12,7 +12,7 @@ weights, it compares the two:
   - the log-probs of the completion tokens against fp32's, which is what vLLM on CPU samples with (float32):
     the importance ratio the loss sees at the first epoch is exp(learner - sampler), so |ratio - 1| is how far
     bf16 alone moves it (mean, 99th percentile and max), and the share of tokens past PPO's clip of 0.2.
-Prints whether the processor has bf16 instructions (avx512_bf16 or amx_bf16; `finetune.models.cpu_bf16`):
+Prints whether the processor has bf16 instructions (avx512_bf16 or amx_bf16; `contract.processor.cpu_bf16`):
 without them torch emulates bf16 (measured on an AVX2-only EPYC: 26x slower than fp32), so there a smaller batch
 (`--prompts 1`: 4 completions) keeps the run to minutes; the agreement figures hold either way (the same
 bf16 rounding of each matmul's inputs, accumulated in fp32). Writes bench/results/bench_bf16/TAG.json.
@@ -34,9 +34,9 @@ from bench_trainer import peak_gb, preset_batch  # noqa: E402
 from provenance import results_dir, write_json  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from contract.processor import cpu_bf16  # noqa: E402
 from finetune.config import LoraOptions, TrainConfig  # noqa: E402
 from finetune.learner import Learner  # noqa: E402
-from finetune.models import cpu_bf16  # noqa: E402
 from orchestrate.serving.models import resolve_model  # noqa: E402
 
 

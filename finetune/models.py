@@ -22,17 +22,6 @@ from finetune.logprobs import PolicyLogProbs, ValueModel, compile_layers, head_i
 from finetune.lora import load_adapter_weights, with_lora
 
 
-def cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The processor's bf16 instructions ("amx_bf16", "avx512_bf16"), the first found, or None (torch then
-    emulates bf16 on the CPU: slower than fp32, bench/bench_bf16.py)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return None
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return next((flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags), None)
-
-
 def mixed_precision_for(config: TrainConfig) -> str | None:
     """accelerate's mixed_precision for config.dtype (None: what the launcher set)."""
     if config.dtype == "bfloat16":

@@ -3,8 +3,9 @@ the default that stays float32 on CPU (bench/bench_bf16.py measures both on the 
 
 import pytest
 
+from contract.processor import cpu_bf16
 from finetune.config import TrainConfig
-from finetune.models import cpu_bf16, mixed_precision_for
+from finetune.models import mixed_precision_for
 
 
 @pytest.mark.parametrize(

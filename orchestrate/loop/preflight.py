@@ -213,7 +213,7 @@ def shared_cores_note(config, count: int | None = None) -> str | None:
 def emulated_bf16_note(config, gpus: int | None = None, cpu_bf16: str | None | bool = False) -> str | None:
     """The note for --train.dtype bfloat16 on a CPU learner whose processor has no bf16 instructions (torch then
     emulates bf16: 26x slower than float32 on an AVX2 EPYC, bench/bench_bf16.py); none otherwise. `gpus` and
-    `cpu_bf16` stand in for the machine's (finetune.models.cpu_bf16) in tests."""
+    `cpu_bf16` stand in for the machine's (contract.processor.cpu_bf16) in tests."""
     if config.train.dtype != "bfloat16":
         return None
     from orchestrate.loop.config_checks import visible_gpus
@@ -221,7 +221,7 @@ def emulated_bf16_note(config, gpus: int | None = None, cpu_bf16: str | None | b
     if len(visible_gpus()) if gpus is None else gpus:
         return None
     if cpu_bf16 is False:
-        from finetune.models import cpu_bf16 as processor_bf16
+        from contract.processor import cpu_bf16 as processor_bf16
 
         cpu_bf16 = processor_bf16()
     if cpu_bf16:
