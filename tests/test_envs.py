@@ -632,7 +632,9 @@ def test_capabilities_of_a_plain_a_tool_and_an_async_environment():
     plain = make_env("math:arithmetic", split="test")
     assert capabilities(plain) == Capabilities(test_size=500)
     tools = ToolEnv(plain, [PythonTool(Sandbox())])  # the wrapper offers the wrapped env's held-out size too
-    assert capabilities(tools) == Capabilities(test_size=500, stop=("</python>", "</tool_call>"), tool_calls=True, async_step=True)
+    assert capabilities(tools) == Capabilities(
+        test_size=500, stop=("</python>", "</tool_call>"), tool_calls=True, async_step=True
+    )
     assert capabilities(_AsyncEnv()) == Capabilities(async_step=True)
     assert capabilities(_GemLike()) == Capabilities()
     assert capabilities(make_env("countdown", split="test")) == Capabilities()  # procedural: test_size None
