@@ -21,6 +21,7 @@ training; server failures (`LLMError`) propagate and stop the rollouts.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -56,6 +57,10 @@ class Example(BaseModel):
 
     question: str = Field(description="what the user said (an observation)")
     solution: str = Field(description="what the assistant answered (e.g. ending in \\boxed{answer})")
+
+
+ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+ROLE_BINDINGS = {"policy": "the run's policy, its weights shared by the roles bound to it"}
 
 
 class AgentConfig(BaseModel):
@@ -98,6 +103,29 @@ class AgentConfig(BaseModel):
         "gateway; {prompt} {model} {base_url} {workspace} are replaced, the prompt on stdin without {prompt}; "
         "the options of the program section; none: no harness",
     )
+
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="several agents in one episode: each role's name and what it is bound to, as JSON, e.g. "
+        '{"solver": "policy", "judge": "policy"}; an agent program or harness picks a role by the `model` name it '
+        "sends (docs/programs.md#roles). `policy`: the run's policy, its weights shared by the roles, each role's "
+        "calls credited as an episode of its own (its turns' returns, its own advantage groups). Empty: one agent, "
+        "the `model` name 'policy'",
+    )
+
+    @field_validator("roles")
+    @classmethod
+    def _bound(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, binding in value.items():
+            if not ROLE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a role name: letters, digits, '_', '.' and '-', the `model` name "
+                                 "a program sends")  # fmt: skip
+            if not binding.strip():
+                raise ValueError(f"{name}: bound to nothing; bind it to 'policy' (the run's policy)")
+            if binding not in ROLE_BINDINGS:
+                raise ValueError(f"{name}: {binding!r} is not a binding; one of: "
+                                 + ", ".join(f"{b} ({why})" for b, why in ROLE_BINDINGS.items()))  # fmt: skip
+        return value
 
     @field_validator("program")
     @classmethod
@@ -279,6 +307,17 @@ def summarize(tape: Tape) -> Tape:
         m.success = bool(rewards) and rewards[-1] > 0
     m.reward_reason = str(last.info.get("reason", "")) if last is not None else ""
     return tape
+
+
+def role_rewards(tape: Tape) -> dict[str, float]:
+    """Each role's reward, the sum of its turns' (a turn is its call's role's), in order of the roles' first
+    calls; empty for an episode of one agent (agent.roles)."""
+    roles: dict[int, str] = {c.turn: c.role for c in tape.llm_calls if c.role is not None}
+    out = dict.fromkeys(dict.fromkeys(roles.values()), 0.0)
+    for turn, reward in enumerate(turn_rewards(tape), start=1):
+        if turn in roles:
+            out[roles[turn]] += reward
+    return out
 
 
 def turn_rewards(tape: Tape) -> list[float]:

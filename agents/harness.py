@@ -9,7 +9,8 @@ its model server:
     OPENAI_BASE_URL, OPENAI_API_BASE    the episode's OpenAI base URL (".../v1")
     ANTHROPIC_BASE_URL                  the same without "/v1" (Anthropic's clients add it)
     OPENAI_API_KEY, ANTHROPIC_API_KEY, ANTHROPIC_AUTH_TOKEN    the run's key
-    TAPELOOP_MODEL, OPENAI_MODEL, ANTHROPIC_MODEL              the model name to send
+    TAPELOOP_MODEL, OPENAI_MODEL, ANTHROPIC_MODEL              the model name to send (with roles: the first's)
+    TAPELOOP_ROLES                      the run's roles (--agent.roles), comma-separated: each a model name
 
 and the placeholders `{prompt}`, `{model}`, `{base_url}`, `{workspace}` in the command replaced (each quoted
 for the shell); with no `{prompt}` the task's prompt comes on standard input. Limits: wall time (the whole
@@ -81,7 +82,8 @@ def check_command(command: str) -> None:
         raise HarnessError(f"--agent.command: {program!r} is not found on PATH")
 
 
-def harness_environment(base_url: str, key: str, model: str, workspace: Path) -> dict[str, str]:
+def harness_environment(base_url: str, key: str, model: str, workspace: Path, roles: list[str] | None = None
+                        ) -> dict[str, str]:  # fmt: skip
     """The harness's environment: this process's, its model server the episode's gateway, its home and
     working directory the workspace (as the harness sees it)."""
     env = dict(os.environ)
@@ -91,6 +93,10 @@ def harness_environment(base_url: str, key: str, model: str, workspace: Path) ->
     env.update(OPENAI_BASE_URL=base_url, OPENAI_API_BASE=base_url, OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=root,
                ANTHROPIC_API_KEY=key, ANTHROPIC_AUTH_TOKEN=key, TAPELOOP_MODEL=model, OPENAI_MODEL=model,
                ANTHROPIC_MODEL=model, HOME=str(workspace / ".home"), PWD=str(workspace))  # fmt: skip
+    if roles:
+        env["TAPELOOP_ROLES"] = ",".join(roles)
+    else:
+        env.pop("TAPELOOP_ROLES", None)
     return env
 
 
@@ -244,7 +250,7 @@ class HarnessProgram:
             stdin = None if "{prompt}" in self.command else prompt
             result = await run_harness(
                 [*(view or []), *harness_argv(self.command, values)], workspace=workspace, stdin=stdin,
-                env=harness_environment(task.base_url, task.api_key, task.model, seen),
+                env=harness_environment(task.base_url, task.api_key, task.model, seen, task.roles),
                 time_limit_s=self.time_limit_s, memory_mb=self.memory_mb, max_output_chars=self.max_output_chars,
             )  # fmt: skip
             from tapes.tape import HarnessOutput

@@ -11,7 +11,9 @@ orchestrator's gateway to the policy servers and are recorded token-exactly on t
 `task.base_url`, `task.api_key` and `task.model` are what an OpenAI client needs.
 
 What it returns decides the reward:
-- a number: the episode's reward (on the last call's turn);
+- a number: the episode's reward (on the last call's turn; with roles, on each role's last call's turn);
+- with roles (`--agent.roles`, several agents in one episode, each the `model` name it sends): a dict of
+  role -> number, each role's own reward (on its last call's turn);
 - a string: sent to the environment as the final answer; the environment's reward;
 - None: the rewards the program gave stand (`task.step`, or `task.reward(value)` for the latest call's
   turn: per-turn rewards); with none given, a reward function of the tape decides (`--program.reward
@@ -99,12 +101,12 @@ class ProgramTask:
     observation: str  # the environment's first observation: the task
     seed: int
     info: dict[str, Any]
-    model: str  # the name to pass as `model`
+    model: str  # the name to pass as `model` (with roles: the first role's)
     base_url: str  # this episode's OpenAI-compatible base URL (".../v1")
     api_key: str  # the run's key: `Authorization: Bearer KEY`
     _step: Callable[[str], Awaitable[StepResult]] | None = field(default=None, repr=False)
     _run_python: Callable[[str], Any] | None = field(default=None, repr=False)
-    _reward: Callable[[float], None] | None = field(default=None, repr=False)
+    _reward: Callable[[float, str | None], None] | None = field(default=None, repr=False)
     stepped: bool = False  # the environment was stepped or a reward given: those rewards stand
     # the environment's task as files, and the action that scores a folder's work (HasWorkspace): for a harness
     files: dict[str, str] = field(default_factory=dict)
@@ -113,6 +115,7 @@ class ProgramTask:
     _calls: Callable[[], int] | None = field(default=None, repr=False)
     _tape: Any = field(default=None, repr=False)
     gateway_socket: str | None = None  # the gateway's unix socket (a harness in a network namespace reaches it)
+    roles: list[str] = field(default_factory=list)  # the run's roles (agent.roles): the `model` names to send
 
     @property
     def tape(self) -> Any:
@@ -133,13 +136,16 @@ class ProgramTask:
         """The action that scores the work in `folder` (the environment's, where it has a workspace), or None."""
         return self._answer_from(folder) if self._answer_from is not None else None
 
-    def reward(self, value: float) -> None:
-        """Give the latest call's turn a reward (per-turn rewards; they add up to the episode's)."""
+    def reward(self, value: float, role: str | None = None) -> None:
+        """Give the latest call's turn a reward (per-turn rewards; they add up to the episode's); with `role`
+        (agent.roles), that role's latest call's turn."""
         if self._reward is None:
             raise RuntimeError("this episode takes no rewards")
         value = finite_reward(value, "task.reward")
+        if role is not None and role not in self.roles:
+            raise ValueError(f"task.reward: {role!r} is not a role of this run ({', '.join(self.roles) or 'none'})")
         self.stepped = True
-        self._reward(value)
+        self._reward(value, role)
 
     async def step(self, action: str) -> StepResult:
         """Send `action` to the environment; its answer and reward go on the tape."""

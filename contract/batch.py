@@ -164,6 +164,13 @@ class Sample(BaseModel):
         description="Optional: a fork's place in its tree (its parent, the turn it branched at, the replayed "
         "turns' rewards); none: the episode was played from its task.",
     )
+    role: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Optional: the role whose calls these are, where several agents act in one episode "
+        "(orchestrate's agent.roles). An episode's roles are credited apart: a role's returns run over its own "
+        "turns, its advantages are normalised among its group's samples of the same role (`credit_ids`).",
+    )
 
     @model_validator(mode="after")
     def _lengths_match(self) -> Sample:
@@ -177,6 +184,8 @@ class Sample(BaseModel):
                 end = turn.start + turn.length
             if end > len(self.completion_ids):
                 raise ValueError(f"turns reach token {end} of {len(self.completion_ids)} completion tokens")
+        if self.branch is not None and self.role is not None:
+            raise ValueError("a fork's samples carry no role: trees of episodes with several roles are not served")
         if self.branch is not None and any(t.index < self.branch.turn for t in self.all_turns):
             raise ValueError(f"a turn before the branch point (turn {self.branch.turn}) is the parent's to train")
         n = self.n_trained
@@ -224,6 +233,20 @@ class Sample(BaseModel):
         if self.turns is None:
             return list(range(len(self.completion_ids)))
         return [t.start + k for t in self.turns for k in range(t.length)]
+
+
+def credit_ids(samples: list[Sample]) -> tuple[list[str], list[str | int]]:
+    """Each sample's (episode, group) as credit is assigned: its episode id (a sample of its own: `#i`) and group
+    id, each of a sample with a role joined with that role, so an episode's roles have their own returns and
+    their own groups."""
+    episodes: list[str] = []
+    groups: list[str | int] = []
+    for i, sample in enumerate(samples):
+        episode = sample.episode_id or f"#{i}"
+        role = sample.role
+        episodes.append(episode if role is None else f"{episode}/{role}")
+        groups.append(sample.group_id if role is None else f"{sample.group_id}/{role}")
+    return episodes, groups
 
 
 def lag(batch_index: int, version: int) -> int:

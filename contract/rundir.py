@@ -76,7 +76,7 @@ CHECKPOINT_NAME = re.compile(r"^(\d+)$")
 # batch's records into its line of metrics.jsonl: each step figure averaged, as train_NAME; BATCH_METRICS
 # copied; seconds summed (train_seconds).
 STEP_RECORD_KEYS = ("batch", "epoch", "step_in_batch", "step", "samples", "seconds", "weights_changed", "time")
-BATCH_METRICS = ("lag_mean", "lag_max", "lag_token_mean", "stale_dropped", "overlong_masked")  # staleness, overlong
+BATCH_METRICS = ("lag_mean", "lag_max", "lag_token_mean", "stale_dropped", "overlong_masked", "role_dropped")
 
 
 def optimizer_steps(records: list[dict]) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contract.batch import Sample, lag
+from contract.batch import Sample, credit_ids, lag
 from finetune.config import TrainConfig
 from finetune.critic import Critic, CriticBatch
 from finetune.estimators import turn_advantages
@@ -42,6 +42,15 @@ def drop_stale(samples: list[Sample], batch_index: int, max_lag: int | None) -> 
     return kept, stats
 
 
+def keep_roles(samples: list[Sample], roles: list[str] | None) -> tuple[list[Sample], dict]:
+    """The samples of the roles trained (`roles`; none: every sample), and how many were left out
+    (role_dropped, where roles are named)."""
+    if roles is None:
+        return samples, {}
+    kept = [s for s in samples if s.role in roles]
+    return kept, {"role_dropped": len(samples) - len(kept)}
+
+
 def is_cut(sample: Sample) -> bool:
     """Whether an output of the sample was cut by its sampling limit (its finish reason: overlong
     filtering)."""
@@ -63,8 +72,7 @@ def batch_advantages(
     shaped = [[cfg.shaped_reward(t.reward, t.length, t.max_tokens) for t in sample.all_turns] for sample in samples]
     returns, turn_adv = turn_advantages(
         [[(t.index, r) for t, r in zip(sample.all_turns, rs)] for sample, rs in zip(samples, shaped)],
-        [sample.episode_id or f"#{i}" for i, sample in enumerate(samples)],
-        [sample.group_id for sample in samples],
+        *credit_ids(samples),
         cfg.estimator, cfg.gamma, cfg.normalize_std, cfg.std_eps,
         lengths=[[t.length for t in sample.all_turns] for sample in samples],
         branches=[sample.branch for sample in samples],

@@ -253,6 +253,22 @@ class _TrainOptions(BaseModel):
         "the policy-gradient term of each token is weighted by min(p_trainer / p_vllm, cap), p_trainer the "
         "trainer's probability before the batch's first update, and its ratio is taken against p_trainer.",
     )
+    roles: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Train the samples of these roles only, comma-separated (several agents in one episode: "
+        "orchestrate's agent.roles); the others' are left out of the batch (counted, role_dropped). none: every "
+        "sample.",
+    )
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _roles_comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [r.strip() for r in value.split(",")]
+        if isinstance(value, list) and any(not (isinstance(r, str) and r) for r in value):
+            raise ValueError("expected role names, comma-separated, none empty")
+        return value
 
     @model_validator(mode="before")
     @classmethod

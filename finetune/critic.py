@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.batch import credit_ids
 from finetune.lazy import lazy_import
 
 if TYPE_CHECKING:
@@ -157,8 +158,8 @@ class Critic:
         T = 1 of each sample (kl_in_reward at another temperature, `needs_untempered`)."""
         rewards = [self.rewards(s, None if untempered is None else untempered[i]) for i, s in enumerate(samples)]
         episodes: dict[str, list[int]] = {}
-        for i, sample in enumerate(samples):
-            episodes.setdefault(sample.episode_id or f"#{i}", []).append(i)
+        for i, episode in enumerate(credit_ids(samples)[0]):  # a role's turns are an episode of their own
+            episodes.setdefault(episode, []).append(i)
         advantages: list[Tensor] = [torch.empty(0)] * len(samples)
         returns: list[Tensor] = [torch.empty(0)] * len(samples)
         for members in episodes.values():

@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator
 
 from contract.batch import Sample
-from finetune.batch_advantages import BatchAdvantages, batch_advantages, drop_stale, is_cut
+from finetune.batch_advantages import BatchAdvantages, batch_advantages, drop_stale, is_cut, keep_roles
 from finetune.config import TrainConfig
 from finetune.critic import CriticBatch
 from finetune.export import Export
@@ -73,7 +73,9 @@ class Learner:
         on_progress(done, total) is called after each micro-batch, in completion tokens over all epochs.
         """
         cfg = self.config
+        samples, role_stats = keep_roles(samples, cfg.roles)
         samples, lag_stats = drop_stale(samples, batch_index, cfg.max_lag)
+        lag_stats.update(role_stats)
         if not samples:  # every sample was too stale: no step, the weights stay as they were
             self.turn_records = []
             return [self._no_step(batch_index, lag_stats)]

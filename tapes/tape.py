@@ -126,6 +126,11 @@ class LLMCall(OpenTapeModel):
         description="the API an agent program's call came in on through the gateway: 'chat.completions', "
         "'completions', 'responses' or 'messages', with '+stream' where it was streamed (None: the built-in agent)",
     )
+    role: str | None = Field(
+        None,
+        description="the role that made the call, where several agents act in one episode (the `model` name an "
+        "agent program sent; orchestrate's agent.roles); None: the episode's one agent",
+    )
 
     def token_versions(self) -> list[int]:
         """The policy version that sampled each output token."""

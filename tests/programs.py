@@ -61,3 +61,11 @@ class FakeSandbox:
         with contextlib.redirect_stdout(out):
             exec(code, namespace)  # test code of our own
         return SandboxResult(stdout=out.getvalue(), stderr="", exit_code=0)
+
+
+async def two_roles(task, client):
+    """Each role of the run calls once; a reward by role given, then returned by role (process isolation)."""
+    for role in task.roles:
+        await client.chat.completions.create(model=role, messages=[{"role": "user", "content": role}])
+    task.reward(0.25, role="solver")
+    return {"solver": 0.5, "judge": 0.5}

@@ -4,6 +4,7 @@ model's real tokenizer and chat template, the plain `openai` client over real HT
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 from pathlib import Path
@@ -252,9 +253,14 @@ def test_every_shipped_program_answers_a_task_through_the_gateway(tokenizer, age
     """Every program in agents/programs/ (a new one too: nothing registers it) plays an episode through the
     gateway: the model answering at once, its one call is recorded and the environment scores the answer."""
     a, b, product = answer_of()
-    tape = play(agent_for(f"agents.programs.{module}:play"), ScriptedLLM(tokenizer, [f"So \\boxed{{{product}}}."]))
+    roles = getattr(importlib.import_module(f"agents.programs.{module}"), "ROLES", ())  # several agents' programs
+    replies = [f"So \\boxed{{{product}}}."] * max(1, len(roles))
+    tape = play(agent_for(f"agents.programs.{module}:play", roles=roles), ScriptedLLM(tokenizer, replies))
     assert tape.metadata.error is None, tape.metadata.error
-    assert len(tape.llm_calls) == 1 and tape.metadata.reward == 1.0 and tape.metadata.success is True
+    assert [c.role for c in tape.llm_calls] == (list(roles) or [None])
+    assert turn_rewards(tape)[0] == 1.0  # the environment scored the first call's answer
+    if not roles:
+        assert tape.metadata.reward == 1.0 and tape.metadata.success is True
 
 
 def test_tools_are_checked_and_parsed_by_vllms_parser(tokenizer):

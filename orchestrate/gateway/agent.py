@@ -59,7 +59,9 @@ class ProgramAgent(Agent):
         sandbox: Any = None,
         reward: str | Callable[[Tape], Any] | None = None,
         isolation: str = "thread",
+        roles: tuple[str, ...] = (),
     ):
+        self.roles = tuple(roles)  # the `model` names of the episode's agents (agent.roles); none: MODEL_NAME
         self.program = load_program(program) if isinstance(program, str) else program
         self.reward = load_reward(reward) if isinstance(reward, str) else reward
         self.name = program if isinstance(program, str) else (
@@ -98,7 +100,7 @@ class ProgramAgent(Agent):
             return dataclasses.asdict(await asyncio.to_thread(self._run_python, str(body.get("code", ""))))
 
         async def reward(body: dict[str, Any]) -> dict[str, Any]:
-            self._give(session, finite_reward(body.get("value"), "task.reward"))
+            self._give(session, finite_reward(body.get("value"), "task.reward"), role=body.get("role"))
             return {}
 
         async def result(body: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +113,7 @@ class ProgramAgent(Agent):
 
         session.control = {"step": step_json, "python": python, "reward": reward, "result": result}
         job = {"id": session.id, "observation": task.observation, "seed": task.seed, "info": task.info,
-               "model": task.model, "base_url": task.base_url, "api_key": task.api_key,
+               "model": task.model, "roles": task.roles, "base_url": task.base_url, "api_key": task.api_key,
                "control": self.gateway.control_url(session.id), "time_limit_s": self.time_limit_s}  # fmt: skip
         pid, exited = await self.processes.run(job)
         try:
@@ -169,7 +171,7 @@ class ProgramAgent(Agent):
         tape.append(first)
         session = self.gateway.open(
             tape=tape, llm=llm, chat=self.chat, tool_format=self.tool_format, sampling=sampling,
-            model_name=MODEL_NAME, max_context=self.max_context, loop=asyncio.get_running_loop(),
+            model_name=MODEL_NAME, max_context=self.max_context, loop=asyncio.get_running_loop(), roles=self.roles,
         )  # fmt: skip
         ended = False
 
@@ -191,15 +193,18 @@ class ProgramAgent(Agent):
         async def step_here(action: str) -> StepResult:  # the program's thread -> the episode's loop
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(step(action), loop))
 
-        def give(value: float) -> None:  # in order with the program's next call, which follows it to this loop
-            loop.call_soon_threadsafe(self._give, session, value)
+        def give(value: float, role: str | None) -> None:  # in order with the program's next call, as it is
+            if role is not None and role not in session.last_turns:  # refused in the program's own thread
+                raise ValueError(f"task.reward: role {role!r} has made no call yet: its reward has no turn to go on")
+            loop.call_soon_threadsafe(self._give, session, value, "the program's reward", False, role)
 
         def record(step) -> None:  # in order with the program's next call, as a reward is
             step.metadata.agent, step.metadata.node = self.name, "program"
             loop.call_soon_threadsafe(tape.append, step)
 
         task = ProgramTask(
-            observation=str(observation), seed=seed, info=jsonable(info), model=MODEL_NAME,
+            observation=str(observation), seed=seed, info=jsonable(info), model=(self.roles or (MODEL_NAME,))[0],
+            roles=list(self.roles),
             base_url=self.gateway.base_url(session.id), api_key=self.gateway.key,
             _step=step_here, _run_python=self._run_python, _reward=give, _record=record,
             _calls=lambda: session.calls, _tape=tape, gateway_socket=self.gateway.unix_path,
@@ -241,10 +246,17 @@ class ProgramAgent(Agent):
         summarize(tape)
         return tape
 
-    def _give(self, session, value: float, reason: str = "the program's reward", end: bool = False) -> None:
-        """A reward for the latest call's turn, on the tape."""
-        record = EnvObservation(text="", turn=max(1, session.calls), reward=float(value), terminated=end,
-                                info={"reason": reason})  # fmt: skip
+    def _give(self, session, value: float, reason: str = "the program's reward", end: bool = False,
+              role: str | None = None) -> None:  # fmt: skip
+        """A reward for the latest call's turn, or `role`'s latest call's (agent.roles), on the tape."""
+        if role is None:
+            turn = max(1, session.calls)
+        elif role in session.last_turns:
+            turn = session.last_turns[role]
+        else:
+            raise ValueError(f"a reward for role {role!r}, which made no call: it has no turn to go on")
+        info: dict[str, Any] = {"reason": reason} if role is None else {"reason": reason, "role": role}
+        record = EnvObservation(text="", turn=turn, reward=float(value), terminated=end, info=info)
         record.metadata.agent, record.metadata.node = self.name, "program"
         session.tape.append(record)
 
@@ -254,6 +266,11 @@ class ProgramAgent(Agent):
         if isinstance(result, str):
             if not (stepped and ended):
                 await step(result)
+        elif self.roles and isinstance(result, dict):
+            self._give_roles(session, result)
+        elif result is not None and self.roles:  # every role's (a team's reward): each on its own last turn
+            value = finite_reward(result, "the program's return")
+            self._give_roles(session, dict.fromkeys(session.last_turns, value))
         elif result is not None:
             self._give(session, finite_reward(result, "the program's return"), end=True)
         elif stepped:
@@ -265,6 +282,19 @@ class ProgramAgent(Agent):
                        end=True)  # fmt: skip
         else:
             await step(session.last_reply)
+
+    def _give_roles(self, session, rewards: dict[str, Any]) -> None:
+        """Each role's reward (a program's return by role) on its last call's turn; a role that is not the run's,
+        or made no call, is refused (ValueError: the episode is left out of training, the reason on its tape)."""
+        for role in rewards:
+            if role not in self.roles:
+                raise ValueError(f"the program returned a reward for {role!r}, which is not a role of this run "
+                                 f"({', '.join(self.roles)})")  # fmt: skip
+            if role not in session.last_turns:
+                raise ValueError(f"the program returned a reward for role {role!r}, which made no call")
+        values = {role: finite_reward(value, f"the program's return[{role!r}]") for role, value in rewards.items()}
+        for i, (role, value) in enumerate(values.items()):
+            self._give(session, value, "the program's return", end=i == len(values) - 1, role=role)
 
 
 async def in_own_thread(coroutine, time_limit_s: float, name: str = "program") -> Any:

@@ -78,7 +78,7 @@ class ChatCall:
                usage: dict[str, int] | None = None) -> bytes:  # fmt: skip
         choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.session.model_name, "choices": choices}  # fmt: skip
+                 "model": self.session.echo(self.body), "choices": choices}  # fmt: skip
         if self.usage_chunk:
             chunk["usage"] = usage
         return sse(chunk)

@@ -29,6 +29,8 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, (int, float)):
         return value if math.isfinite(value) else str(value)  # settled as a bad reward, as in a thread
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):  # a reward by role
+        return {k: _jsonable(v) for k, v in value.items()}
     return repr(value)[:1000]
 
 
@@ -64,7 +66,7 @@ async def episode(program: Any, job: dict[str, Any]) -> None:
             observation=job["observation"], seed=job["seed"], info=job["info"], model=job["model"],
             base_url=job["base_url"], api_key=job["api_key"], _step=step,
             _run_python=lambda code: SandboxResult(**post_now("python", {"code": code})),
-            _reward=lambda value: post_now("reward", {"value": value}),
+            _reward=lambda value, role: post_now("reward", {"value": value, "role": role}), roles=job["roles"],
         )  # fmt: skip
         client = openai.AsyncOpenAI(base_url=job["base_url"], api_key=job["api_key"], max_retries=0, timeout=limit,
                                     http_client=httpx.AsyncClient(timeout=limit, verify=TLS))  # fmt: skip

@@ -155,7 +155,7 @@ class MessagesCall:
             if answer.stop_sequence is not None and answer.stop_sequence in self.stops:
                 stop_reason, stop_sequence = "stop_sequence", answer.stop_sequence
         return {"id": self.id or f"msg_{answer.call.id}", "type": "message", "role": "assistant",
-                "model": self.session.model_name, "content": content, "stop_reason": stop_reason,
+                "model": self.session.echo(self.body), "content": content, "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence, "usage": {"input_tokens": prompt, "output_tokens": generated,
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}  # fmt: skip
 

@@ -242,7 +242,7 @@ class ResponsesCall:
                      "total_tokens": prompt + generated}  # fmt: skip
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.session.model_name, "output": output, "usage": usage, "error": None,
+            "model": self.session.echo(self.body), "output": output, "usage": usage, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "metadata": b.get("metadata") or {}, "parallel_tool_calls": b.get("parallel_tool_calls", True),

@@ -192,7 +192,7 @@ class Gateway:
                                                          "not_found_error")))  # fmt: skip
             if endpoint == "models" and request.method == "GET":
                 return _json(200, {"object": "list", "data": [
-                    {"id": session.model_name, "object": "model", "created": 0, "owned_by": "tapeloop"}]})  # fmt: skip
+                    {"id": name, "object": "model", "created": 0, "owned_by": "tapeloop"} for name in session.served]})  # fmt: skip
             if request.method != "POST" or endpoint not in POSTED:
                 return _json(404, api.error(GatewayError(404, f"{request.method} /v1/{endpoint} is not served here",
                                                          "not_found_error")))  # fmt: skip

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -153,10 +153,22 @@ def _same_message(sent: dict[str, Any], echoed: dict[str, Any]) -> bool:
 
 
 @dataclass
+class Thread:
+    """One role's conversation in an episode (the episode's one agent's: role None): its previous chat call's
+    messages + the reply it got, its tools, its prompt + output ids, the call itself."""
+
+    history: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    ids: list[int] | None = None
+    last_call: LLMCall | None = None
+
+
+@dataclass
 class PreparedChat:
     """A chat request rendered and checked, not yet sent: what `EpisodeSession.answer` samples."""
 
     protocol: str  # recorded on the call: the API it came in on
+    role: str | None  # the role that asked (agent.roles; None: the episode's one agent)
     messages: list[dict[str, Any]]
     new: list[dict[str, Any]]  # the messages not already on the tape
     tools: list[dict[str, Any]]
@@ -200,20 +212,19 @@ class EpisodeSession:
         model_name: str,
         max_context: int | None,
         loop: asyncio.AbstractEventLoop,
+        roles: tuple[str, ...] = (),
     ):
         self.id, self.tape, self.llm, self.tokens, self.tools = episode_id, tape, llm, chat, tool_format
         self.sampling, self.model_name, self.max_context, self.loop = sampling, model_name, max_context, loop
+        self.roles = tuple(roles)  # the model names served, each a role's (none: model_name, the one agent's)
         self.calls = 0
         self.mismatches = 0
         self.closed = False
         self.error: str | None = None  # the program's first fault (GatewayError)
         self.server_error: BaseException | None = None
         self.last_reply = ""  # the last call's text (sent to the environment when the program returns None)
-        # the previous chat call: its messages + the reply it got, its tools, its prompt + output ids
-        self._history: list[dict[str, Any]] = []
-        self._tools: list[dict[str, Any]] = []
-        self._ids: list[int] | None = None
-        self._last_call: LLMCall | None = None
+        self._threads: dict[str | None, Thread] = {}  # each role's conversation: its previous call to extend
+        self.last_turns: dict[str | None, int] = {}  # each role's latest turn (its rewards go there)
         self._names: dict[str, str] = {}  # tool call id -> the function it called
         # the Responses API's stored responses (orchestrate.gateway.responses_api): id -> its conversation
         self.responses: dict[str, list[dict[str, Any]]] = {}
@@ -227,11 +238,27 @@ class EpisodeSession:
 
     # -- requests ----------------------------------------------------------------
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    @property
+    def served(self) -> tuple[str, ...]:
+        """The model names a request may send: the roles', or the one agent's."""
+        return self.roles or (self.model_name,)
+
+    def _check_model(self, body: dict[str, Any]) -> str | None:
+        """The role a request's `model` names (None: the episode's one agent); a name not served is refused."""
         model = body.get("model")
-        if model != self.model_name:
-            raise GatewayError(404, f"model {model!r} is not served here; this gateway serves {self.model_name!r}",
-                               "not_found_error")  # fmt: skip
+        if model not in self.served:
+            names = " or ".join(repr(n) for n in self.served)
+            what = f"the run's roles are {names}" if self.roles else f"this gateway serves {names}"
+            raise GatewayError(404, f"model {model!r} is not served here; {what}", "not_found_error")
+        return model if self.roles else None
+
+    def echo(self, body: dict[str, Any]) -> str:
+        """The model name a reply names: the role the request asked for, or the one agent's."""
+        model = body.get("model")
+        return model if self.roles and model in self.roles else self.model_name
+
+    def thread(self, role: str | None) -> Thread:
+        return self._threads.setdefault(role, Thread())
 
     @staticmethod
     def _asked_stops(body: dict[str, Any]) -> list[str]:
@@ -301,7 +328,8 @@ class EpisodeSession:
     ) -> PreparedChat:
         """A chat request checked and rendered, nothing sent nor recorded yet: every fault of the request's own is
         raised here (a streamed reply starts only once this has passed)."""
-        self._check_model(body)
+        role = self._check_model(body)
+        thread = self.thread(role)
         messages = normalise(body.get("messages"))
         try:
             tools = check_tools(body.get("tools"))
@@ -309,49 +337,51 @@ class EpisodeSession:
             raise GatewayError(400, str(exc)) from None
         offered = offered_tools(body.get("tool_choice"), tools)
         sampling = self._sampling(body, self.tools.stop(offered))
+        t = thread
         extends = (
-            self._ids is not None
-            and tools == self._tools
-            and len(messages) > len(self._history)
-            and all(_same_message(a, b) for a, b in zip(self._history, messages))
+            t.ids is not None
+            and tools == t.tools
+            and len(messages) > len(t.history)
+            and all(_same_message(a, b) for a, b in zip(t.history, messages))
         )
         try:
             if extends:
-                new = messages[len(self._history) :]
-                previous_calls = self._history[-1].get("tool_calls")
-                delta = self.tokens.close_turn(self._last_call.output_token_ids) + self.tokens.messages_delta(
+                new = messages[len(t.history) :]
+                previous_calls = t.history[-1].get("tool_calls")
+                delta = self.tokens.close_turn(t.last_call.output_token_ids) + self.tokens.messages_delta(
                     self.tools.prepare(new, []), previous_calls if self.tools.renders_tool_calls else None,
                     **self.tools.template_kwargs(tools),
                 )  # fmt: skip
-                prompt_ids = self._ids + self.tokens.encode(delta)
-                prompt_text = self._last_call.prompt_text + self.tokens.tokenizer.decode(
-                    self._last_call.output_token_ids, skip_special_tokens=False) + delta  # fmt: skip
+                prompt_ids = t.ids + self.tokens.encode(delta)
+                prompt_text = t.last_call.prompt_text + self.tokens.tokenizer.decode(
+                    t.last_call.output_token_ids, skip_special_tokens=False) + delta  # fmt: skip
             else:
-                new = messages[self._common_prefix(messages) :]
+                new = messages[_common_prefix(t.history, messages) :]
                 prompt_text, prompt_ids = self.tokens.first_prompt(
                     self.tools.prepare(messages, tools), **self.tools.template_kwargs(tools)
                 )
         except (ValueError, TypeError, KeyError, TemplateError) as exc:  # the template refused these messages
             raise GatewayError(400, f"messages: the chat template cannot render them ({exc})") from None
         sampling = self._fit(prompt_ids, sampling) if fit else sampling
-        return PreparedChat(protocol, messages, new, tools, offered, sampling, prompt_ids,
+        return PreparedChat(protocol, role, messages, new, tools, offered, sampling, prompt_ids,
                             prompt_text, extends, self._asked_stops(body))  # fmt: skip
 
     async def answer(self, prepared: PreparedChat) -> ChatAnswer:
         """The prepared call sampled, parsed and recorded on the tape."""
         p = prepared
         call = await self._complete(p.prompt_ids, p.sampling, p.messages, p.prompt_text)
-        call.protocol = p.protocol
+        call.protocol, call.role = p.protocol, p.role
         text = self._without_stop(call, p.asked_stops)
         content, calls = self.tools.parse(text, p.offered)
         for i, c in enumerate(calls):  # ids of ours, the same in a replay (the parser's are random)
             c["id"] = f"call_{self.calls + 1}_{i}"
-        self._record(call, p.new, calls, p.extends)
+        thread = self.thread(p.role)
+        self._record(call, p.new, calls, p.extends, thread)
         reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
         if calls:
             reply["tool_calls"] = calls
-        self._history, self._tools, self._last_call = [*p.messages, reply], p.tools, call
-        self._ids = call.prompt_token_ids + call.output_token_ids
+        thread.history, thread.tools, thread.last_call = [*p.messages, reply], p.tools, call
+        thread.ids = call.prompt_token_ids + call.output_token_ids
         self.last_reply = content or ""
         finish = "tool_calls" if calls else call.finish_reason or "stop"
         stop_sequence = call.output_text[len(text) :] or None
@@ -376,7 +406,8 @@ class EpisodeSession:
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/completions: a prompt as text or token ids, continued as sent."""
-        self._check_model(body)
+        role = self._check_model(body)
+        thread = self.thread(role)
         if body.get("stream"):
             raise GatewayError(400, "stream: /v1/completions is not streamed here; send stream=false (chat "
                                     "completions, responses and messages stream)")  # fmt: skip
@@ -393,14 +424,13 @@ class EpisodeSession:
         else:
             raise GatewayError(400, "prompt: expected a non-empty string or list of token ids (one prompt)")
         sampling = self._fit(prompt_ids, self._sampling(body, []))
-        extends = (
-            self._ids is not None and len(prompt_ids) > len(self._ids) and prompt_ids[: len(self._ids)] == self._ids
-        )
+        t = thread
+        extends = t.ids is not None and len(prompt_ids) > len(t.ids) and prompt_ids[: len(t.ids)] == t.ids
         call = await self._complete(prompt_ids, sampling, [], prompt_text)
-        call.protocol = "completions"
-        self._record(call, [], [], extends)
-        self._history, self._tools, self._last_call = [], [], call
-        self._ids = call.prompt_token_ids + call.output_token_ids
+        call.protocol, call.role = "completions", role
+        self._record(call, [], [], extends, t)
+        t.history, t.tools, t.last_call = [], [], call
+        t.ids = call.prompt_token_ids + call.output_token_ids
         self.last_reply = text = self._without_stop(call, self._asked_stops(body))
         logprobs = self._completion_logprobs(call) if body.get("logprobs") is not None else None
         return self._response("text_completion", call, {"index": 0, "text": text,
@@ -408,19 +438,13 @@ class EpisodeSession:
 
     # -- the tape ----------------------------------------------------------------
 
-    def _common_prefix(self, messages: list[dict[str, Any]]) -> int:
-        n = 0
-        for a, b in zip(self._history, messages):
-            if not _same_message(a, b):
-                break
-            n += 1
-        return n
-
-    def _record(self, call: LLMCall, new: list[dict[str, Any]], calls: list[dict[str, Any]], extends: bool) -> None:
+    def _record(self, call: LLMCall, new: list[dict[str, Any]], calls: list[dict[str, Any]], extends: bool,
+                thread: Thread) -> None:  # fmt: skip
         self.calls += 1
         turn = self.calls
         call.turn = turn
-        if self._ids is not None:
+        self.last_turns[call.role] = turn
+        if thread.ids is not None:  # the first call of its role's conversation extends nothing
             call.extends_previous = extends
             self.mismatches += not extends
         tape = self.tape
@@ -467,10 +491,20 @@ class EpisodeSession:
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{call.id}",
             "object": kind,
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": call.role or self.model_name,
             "choices": [choice],
             "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
         }
+
+
+def _common_prefix(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> int:
+    """How many of `messages` start as `history` did."""
+    n = 0
+    for a, b in zip(history, messages):
+        if not _same_message(a, b):
+            break
+        n += 1
+    return n
 
 
 def dumps(body: dict[str, Any]) -> bytes:

@@ -16,6 +16,7 @@ option (`--rollouts.attempts: ...`), before anything is loaded or written:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,35 @@ def check_program(config) -> None:
                           f"({', '.join(names)})")  # fmt: skip
 
 
+def check_roles(config) -> None:
+    """Several agents in one episode (agent.roles): the trained roles are the run's; rollouts that regroup or fork
+    episodes by their whole reward (dynamic sampling, trees) are not built for them."""
+    roles, trained = config.agent.roles, config.train.roles
+    if roles and not config.agent.plays_program:
+        raise ConfigError("--agent.roles: a role is the `model` name an agent program or harness command sends; "
+                          "give --agent.program or --agent.command (the built-in agent plays one role)")  # fmt: skip
+    if config.agent.program is not None:  # a program may name the roles it calls (its module's ROLES)
+        import importlib
+
+        called = getattr(importlib.import_module(config.agent.program.partition(":")[0]), "ROLES", ())
+        missing = [r for r in called if r not in roles]
+        if missing:
+            raise ConfigError(f"--agent.roles: the program {config.agent.program} calls the roles "
+                              f"{', '.join(called)}; {missing[0]!r} is not bound (e.g. "
+                              f"--agent.roles '{json.dumps(dict.fromkeys(called, 'policy'))}')")  # fmt: skip
+    if trained is not None:
+        unknown = [r for r in trained if r not in roles]
+        if unknown:
+            have = f"its roles are {', '.join(roles)}" if roles else "it has no roles (agent.roles)"
+            raise ConfigError(f"--train.roles: {unknown[0]!r} is not a role of this run; {have}")
+    if roles and config.tree.width:
+        raise ConfigError("--tree.width: tree rollouts of episodes with several roles (agent.roles) are not built; "
+                          "leave one of them out")  # fmt: skip
+    if roles and config.rollouts.dynamic_sampling:
+        raise ConfigError("--rollouts.dynamic_sampling: it keeps or drops a task's episodes by their whole reward, "
+                          "and with agent.roles each role is credited apart; leave it off")  # fmt: skip
+
+
 def check_distillation(config) -> None:
     """Distillation options that cannot work: pure distillation (estimator zero) with no teacher; a top-k with
     no teacher; a teacher with no term (coef 0 without a top-k)."""
@@ -506,6 +536,7 @@ def check_config(config) -> None:
         raise ConfigError("--env.search.corpus: --env.tools search needs a corpus: a JSON lines file, one passage per "
                           "line with 'text' (and optional 'title', 'id')")  # fmt: skip
     check_program(config)
+    check_roles(config)
     t = config.trainer
     if t.num_machines > 1 and t.launch == "local":
         raise ConfigError(f"--trainer.num_machines: {t.num_machines} machines need --trainer.launch external (the "

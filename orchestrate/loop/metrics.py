@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agents.agent import role_rewards
 from contract.durable import atomic_write_bytes
 from contract.kl import k3
 from tapes.tape import EnvObservation, Tape, ToolCallAction, ToolResultObservation
@@ -69,6 +70,13 @@ def rollout_metrics(tapes: list[Tape], prefix: str = "") -> dict[str, float]:
         out["tool_episode_rate"] = sum(n > 0 for n in tool_calls) / len(ok)
         # share of tool calls whose run failed (exception, non-zero exit, timeout, limit)
         out["tool_error_rate"] = sum(bool(s.info.get("tool_error")) for s in results) / max(1, len(results))
+    by_role: dict[str, list[float]] = {}
+    for t in ok:  # several agents in one episode (agent.roles): each role's reward and success
+        for role, reward in role_rewards(t).items():
+            by_role.setdefault(role, []).append(reward)
+    for role, rewards in by_role.items():
+        out[f"reward_mean_{role}"] = statistics.fmean(rewards)
+        out[f"success_rate_{role}"] = sum(r > 0 for r in rewards) / len(rewards)
     swapped = [c for c in calls if c.version_changes]
     if swapped:  # --run.in_flight_swaps: calls that new weights took over before they ended
         out["swapped_call_rate"] = len(swapped) / len(calls)

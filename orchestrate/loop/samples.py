@@ -22,7 +22,7 @@ from pathlib import Path
 from agents.agent import turn_rewards
 from contract.durable import AtomicFile
 from tapes.store import TapeWriter
-from tapes.tape import Tape, call_chains
+from tapes.tape import LLMCall, Tape, call_chains
 
 
 class SampleError(ValueError):
@@ -66,7 +66,26 @@ def tape_samples(tape: Tape, require_ref: bool, whole: bool = False) -> list[dic
     if not rewards:  # a tape that counts no agent turn (metadata.turns 0: not played by the agent): its reward, once
         rewards = [float(tape.metadata.reward)]
     branch = None if whole else fork_branch(tape, rewards)
+    samples = []
+    for role, role_calls in by_role(calls).items():
+        samples += _role_samples(tape, role, role_calls, rewards, replayed, branch, require_ref)
+    return samples
+
+
+def by_role(calls: list[LLMCall]) -> dict[str | None, list[LLMCall]]:
+    """An episode's calls by the role that made them, in order of each role's first call (one agent: all under
+    None). Each role's calls are its own conversation, trained as an episode of its own."""
+    out: dict[str | None, list[LLMCall]] = {}
+    for call in calls:
+        out.setdefault(call.role, []).append(call)
+    return out
+
+
+def _role_samples(tape: Tape, role: str | None, calls: list[LLMCall], rewards: list[float], replayed: set[str],
+                  branch: dict | None, require_ref: bool) -> list[dict]:  # fmt: skip
+    """The samples of one role's calls of a tape (its one agent's: role None)."""
     segments = call_chains(calls)
+    own_id = tape.metadata.id if role is None else f"{tape.metadata.id}/{role}"
     samples = []
     for k, segment in enumerate(segments):
         own = [call for call in segment if call.id not in replayed]
@@ -112,10 +131,11 @@ def tape_samples(tape: Tape, require_ref: bool, whole: bool = False) -> list[dic
             "group_id": tape.metadata.group_id,
             "episode_id": tape.metadata.id,
             "temperature": own[0].sampling.temperature,  # a fork's own calls' (tree.temperature), not its parent's
-            "sample_id": tape.metadata.id if len(segments) == 1 else f"{tape.metadata.id}:{k}",
+            "sample_id": own_id if len(segments) == 1 else f"{own_id}:{k}",
             "policy_version": oldest,
             "version_changes": changes or None,
             "branch": branch,
+            "role": role,
         })  # fmt: skip
     return samples
 

@@ -56,7 +56,8 @@ def build_agent(config: RLConfig, tokenizer) -> Agent:
         reward, isolation, limit = None, "thread", p.time_limit_s + 30  # the harness's own limit ends it first
     return ProgramAgent(program, sampling, tokenizer, max_context=config.server.max_model_len,
                         tool_parser=p.tool_parser, time_limit_s=limit, host=p.gateway_host,
-                        port=p.gateway_port, sandbox=spec.sandbox, reward=reward, isolation=isolation)  # fmt: skip
+                        port=p.gateway_port, sandbox=spec.sandbox, reward=reward, isolation=isolation,
+                        roles=tuple(a.roles))  # fmt: skip
 
 
 def load_tokenizer(config: RLConfig):

@@ -1,0 +1,230 @@
+"""Roles: several agents in one episode (agent.roles), each the `model` name a program sends through the gateway:
+each role's conversation extends its own calls, each call records its role, rewards go to a role's turns, the
+samples of a role are credited apart (returns and advantage groups per role), and --train.roles trains some."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from agents.agent import role_rewards, turn_rewards
+from contract.batch import Sample, credit_ids
+from finetune.batch_advantages import batch_advantages, keep_roles
+from finetune.config import TrainConfig
+from finetune.estimators import turn_advantages
+from orchestrate.loop.command_line import resolve
+from orchestrate.loop.config_checks import ConfigError
+from orchestrate.loop.metrics import rollout_metrics
+from orchestrate.loop.samples import tape_samples
+from tests.programs import ScriptedLLM, answer_of, play
+
+ROLES = ("solver", "judge")
+
+
+def two_roles_agent(agent_for, program):
+    return agent_for(program, roles=ROLES)
+
+
+async def debate(task, client):
+    """Each role talks twice, interleaved: solver, judge, solver, judge."""
+    chats = {role: [{"role": "user", "content": f"{task.observation} ({role})"}] for role in ROLES}
+    for _ in range(2):
+        for role in ROLES:
+            reply = await client.chat.completions.create(model=role, messages=chats[role])
+            assert reply.model == role  # the reply names the role asked for
+            chats[role] += [{"role": "assistant", "content": reply.choices[0].message.content},
+                            {"role": "user", "content": "Again."}]  # fmt: skip
+    return {"solver": 1.0, "judge": 0.25}
+
+
+def test_each_roles_calls_extend_its_own_conversation_and_record_the_role(tokenizer, agent_for):
+    llm = ScriptedLLM(tokenizer, ["s1", "j1", "s2", "j2"])
+    tape = play(two_roles_agent(agent_for, debate), llm)
+    assert tape.metadata.error is None, tape.metadata.error
+    calls = tape.llm_calls
+    assert [c.role for c in calls] == ["solver", "judge", "solver", "judge"]
+    assert [c.turn for c in calls] == [1, 2, 3, 4]
+    # each role's second call extends that role's first (not the other role's call in between)
+    assert [c.extends_previous for c in calls] == [None, None, True, True]
+    for first, second in ((calls[0], calls[2]), (calls[1], calls[3])):
+        assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.output_token_ids)] == (
+            first.prompt_token_ids + first.output_token_ids
+        )
+    # the rewards the program returned by role, each on its role's last turn
+    assert turn_rewards(tape) == [0.0, 0.0, 1.0, 0.25]
+    assert role_rewards(tape) == {"solver": 1.0, "judge": 0.25}
+    metrics = rollout_metrics([tape])
+    assert metrics["reward_mean_solver"] == 1.0 and metrics["success_rate_judge"] == 1.0
+    # one sample per role, its own turns only, credited as its own
+    samples = tape_samples(tape, require_ref=False)
+    assert [s["role"] for s in samples] == ["solver", "judge"]
+    assert [[t["index"] for t in s["turns"]] for s in samples] == [[0, 2], [1, 3]]
+    assert [s["reward"] for s in samples] == [1.0, 0.25]
+    assert len({s["sample_id"] for s in samples}) == 2
+    solver = samples[0]
+    assert solver["prompt_ids"] == calls[0].prompt_token_ids
+    assert solver["behaviour_logprobs"] == calls[0].logprobs + calls[2].logprobs
+
+
+def test_a_model_name_that_is_not_a_role_is_a_404_in_each_protocols_shape(tokenizer, agent_for):
+    seen = {}
+
+    async def program(task, client):
+        assert task.model == "solver" and task.roles == list(ROLES)
+        headers = {"Authorization": f"Bearer {task.api_key}"}
+        async with httpx.AsyncClient() as http:
+            models = await http.get(task.base_url + "/models", headers=headers)
+            seen["models"] = [m["id"] for m in models.json()["data"]]
+            for name, (path, body) in {
+                "chat": ("/chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "A"}]}),
+                "responses": ("/responses", {"model": "critic", "input": "A"}),
+                "messages": ("/messages", {"model": "critic", "max_tokens": 8, "messages": [{"role": "user", "content": "A"}]}),
+            }.items():  # fmt: skip
+                response = await http.post(task.base_url + path, headers=headers, json=body)
+                seen[name] = (response.status_code, response.json())
+        return 1.0
+
+    tape = play(two_roles_agent(agent_for, program), ScriptedLLM(tokenizer, []))
+    assert seen["models"] == list(ROLES)
+    for name in ("chat", "responses", "messages"):
+        status, body = seen[name]
+        assert status == 404, (name, body)
+        assert "the run's roles are 'solver' or 'judge'" in body["error"]["message"]
+    assert seen["messages"][1]["type"] == "error" and seen["messages"][1]["error"]["type"] == "not_found_error"
+    assert "HTTP 404" in tape.metadata.error  # the program's fault: left out of training, the run goes on
+
+
+def test_rewards_by_role_go_to_that_roles_turns_and_bad_ones_are_the_programs_fault(tokenizer, agent_for):
+    async def judged(task, client):
+        for role in ROLES:
+            await client.chat.completions.create(model=role, messages=[{"role": "user", "content": role}])
+        task.reward(0.5, role="solver")  # the solver's latest turn, though the judge called last
+        task.reward(1.0)  # no role: the latest call's turn
+        return None
+
+    tape = play(two_roles_agent(agent_for, judged), ScriptedLLM(tokenizer, ["a", "b"]))
+    assert tape.metadata.error is None and turn_rewards(tape) == [0.5, 1.0]
+    assert role_rewards(tape) == {"solver": 0.5, "judge": 1.0}
+
+    async def team(task, client):
+        for role in ROLES:
+            await client.chat.completions.create(model=role, messages=[{"role": "user", "content": role}])
+        return 1.0  # a number: every role's reward
+
+    tape = play(two_roles_agent(agent_for, team), ScriptedLLM(tokenizer, ["a", "b"]))
+    assert role_rewards(tape) == {"solver": 1.0, "judge": 1.0} and tape.metadata.terminated
+
+    async def silent_judge(task, client):
+        await client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "A"}])
+        return {"solver": 1.0, "judge": 0.0}
+
+    tape = play(two_roles_agent(agent_for, silent_judge), ScriptedLLM(tokenizer, ["a"]))
+    assert "role 'judge', which made no call" in tape.metadata.error
+    assert tape_samples(tape, require_ref=False) == []
+
+    async def stranger(task, client):
+        await client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "A"}])
+        return {"critic": 1.0}
+
+    tape = play(two_roles_agent(agent_for, stranger), ScriptedLLM(tokenizer, ["a"]))
+    assert "'critic', which is not a role of this run" in tape.metadata.error
+
+    async def early(task, client):
+        task.reward(1.0, role="judge")
+
+    tape = play(two_roles_agent(agent_for, early), ScriptedLLM(tokenizer, []))
+    assert "role 'judge' has made no call yet" in tape.metadata.error
+
+
+def test_the_shipped_solver_and_judge_are_rewarded_apart(tokenizer, agent_for):
+    a, b, product = answer_of()
+    llm = ScriptedLLM(tokenizer, [f"\\boxed{{{product + 1}}}", "That is right: \\boxed{yes}"])
+    tape = play(two_roles_agent(agent_for, "agents.programs.solver_judge:play"), llm)
+    assert tape.metadata.error is None, tape.metadata.error
+    assert role_rewards(tape) == {"solver": 0.0, "judge": 0.0}  # a wrong answer, judged right: both wrong
+    llm = ScriptedLLM(tokenizer, [f"\\boxed{{{product + 1}}}", "\\boxed{no}"])
+    tape = play(two_roles_agent(agent_for, "agents.programs.solver_judge:play"), llm)
+    assert role_rewards(tape) == {"solver": 0.0, "judge": 1.0}
+    assert f"Proposed answer: \\boxed{{{product + 1}}}" in tape.llm_calls[1].prompt_text
+
+
+def sample(group, episode, role, reward, index=0):
+    return Sample(prompt_ids=[1], completion_ids=[2], behaviour_logprobs=[-1.0], reward=reward, group_id=group,
+                  episode_id=episode, role=role, turns=[{"index": index, "start": 0, "length": 1, "reward": reward}])  # fmt: skip
+
+
+def test_advantages_are_grouped_by_task_and_role():
+    # one task, two episodes, two roles: the solver succeeds in e1, the judge (its rewards 10x) in e2
+    samples = [sample("g", "e1", "solver", 1.0), sample("g", "e1", "judge", 0.0, 1),
+               sample("g", "e2", "solver", 0.0), sample("g", "e2", "judge", 10.0, 1)]  # fmt: skip
+    episodes, groups = credit_ids(samples)
+    assert episodes == ["e1/solver", "e1/judge", "e2/solver", "e2/judge"] and groups[0] == "g/solver"
+    advantages = batch_advantages(samples, TrainConfig(), None, None).per_token  # the learner's, per token
+    assert [round(float(a[0]), 3) for a in advantages] == [0.707, -0.707, -0.707, 0.707]
+    # credited as one agent, the judge's reward would swamp the solver's: its success would look like a failure
+    turns = [[(t.index, t.reward) for t in s.all_turns] for s in samples]
+    _, mixed = turn_advantages(turns, ["e1", "e1", "e2", "e2"], ["g"] * 4, "group")
+    assert mixed[0][0] < 0
+
+
+def test_train_roles_keeps_the_named_roles_samples_only():
+    samples = [sample("g", "e1", "solver", 1.0), sample("g", "e1", "judge", 1.0, 1)]
+    kept, stats = keep_roles(samples, ["judge"])
+    assert [s.role for s in kept] == ["judge"] and stats == {"role_dropped": 1}
+    assert keep_roles(samples, None) == (samples, {})
+    assert TrainConfig(roles="solver, judge").roles == ["solver", "judge"]
+    with pytest.raises(ValueError, match="none empty"):
+        TrainConfig(roles="solver,")
+
+
+def test_a_fork_of_an_episode_with_roles_is_refused_in_the_batch():
+    with pytest.raises(ValueError, match="a fork's samples carry no role"):
+        Sample(prompt_ids=[1], completion_ids=[2], behaviour_logprobs=[-1.0], reward=1.0, group_id="g", role="solver",
+               turns=[{"index": 1, "start": 0, "length": 1, "reward": 1.0}],
+               branch={"parent_id": "p", "turn": 1, "prefix_rewards": [0.0]})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"agent.roles": '{"solver": "policy", "judge": ""}'}, "--agent.roles: judge: bound to nothing"),
+        ({"agent.roles": '{"solver": "frozen"}'}, "'frozen' is not a binding; one of: policy"),
+        ({"agent.roles": '{"the solver": "policy"}'}, "is not a role name"),
+        ({"train.roles": "critic"}, "--train.roles: 'critic' is not a role of this run; its roles are solver, judge"),
+        ({"tree.width": "2"}, "--tree.width: tree rollouts of episodes with several roles"),
+        ({"train.algorithm": "dapo"}, "--rollouts.dynamic_sampling"),
+    ],
+)
+def test_bad_roles_are_refused_naming_the_option(overrides, message):
+    with pytest.raises(ConfigError, match=None) as caught:
+        resolve("solver_judge", overrides)
+    assert message in str(caught.value)
+
+
+def test_roles_need_a_program_and_train_roles_need_roles():
+    with pytest.raises(ConfigError, match="calls the roles solver, judge; 'judge' is not bound"):
+        resolve("solver_judge", {"agent.roles": '{"solver": "policy"}'})
+    with pytest.raises(ConfigError, match="--agent.roles: a role is the `model` name"):
+        resolve("embedded", {"agent.roles": '{"solver": "policy"}'})
+    with pytest.raises(ConfigError, match="it has no roles"):
+        resolve("embedded", {"train.roles": "solver"})
+    config = resolve("solver_judge", {"train.roles": "judge"})
+    assert config.agent.roles == {"solver": "policy", "judge": "policy"} and config.train.roles == ["judge"]
+
+
+def test_a_harness_is_told_the_roles(tmp_path):
+    from agents.harness import harness_environment
+
+    env = harness_environment("http://x/v1", "k", "solver", tmp_path, ["solver", "judge"])
+    assert env["TAPELOOP_ROLES"] == "solver,judge" and env["TAPELOOP_MODEL"] == "solver"
+    assert "TAPELOOP_ROLES" not in harness_environment("http://x/v1", "k", "policy", tmp_path)
+
+
+def test_a_program_in_its_own_process_gives_rewards_by_role(tokenizer, agent_for):
+    agent = agent_for("tests.programs:two_roles", roles=ROLES, isolation="process")
+    tape = play(agent, ScriptedLLM(tokenizer, ["a", "b"]))
+    assert tape.metadata.error is None, tape.metadata.error
+    assert role_rewards(tape) == {"solver": 0.75, "judge": 0.5}
+    assert json.loads(json.dumps(tape.model_dump(mode="json")))["llm_calls"][1]["role"] == "judge"
