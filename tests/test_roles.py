@@ -18,6 +18,7 @@ from orchestrate.loop.command_line import resolve
 from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.samples import tape_samples
+from orchestrate.serving.recorded import ReplayLLM
 from tests.programs import ScriptedLLM, answer_of, play
 
 ROLES = ("solver", "judge")
@@ -66,6 +67,31 @@ def test_each_roles_calls_extend_its_own_conversation_and_record_the_role(tokeni
     solver = samples[0]
     assert solver["prompt_ids"] == calls[0].prompt_token_ids
     assert solver["behaviour_logprobs"] == calls[0].logprobs + calls[2].logprobs
+
+
+def test_an_episode_with_roles_replays_to_the_same_tape(tokenizer, agent_for):
+    agent = two_roles_agent(agent_for, debate)
+    tape = play(agent, ScriptedLLM(tokenizer, ["s1", "j1", "s2", "j2"]))
+    again = play(agent, ReplayLLM(tape, strict=True))
+    assert again.metadata.error is None, again.metadata.error
+    assert [(c.role, c.prompt_token_ids) for c in again.llm_calls] == [
+        (c.role, c.prompt_token_ids) for c in tape.llm_calls
+    ]
+    assert role_rewards(again) == role_rewards(tape)
+
+
+def test_show_names_each_turns_role_and_the_learners_turns_of_every_role_are_found(tokenizer, agent_for):
+    from orchestrate.after.episode_view import learner_turns
+    from orchestrate.after.show import render
+
+    tape = play(two_roles_agent(agent_for, debate), ScriptedLLM(tokenizer, ["s1", "j1", "s2", "j2"]))
+    text = render(tape)
+    heads = [line.split(" turn ")[0] for line in text.splitlines() if line.startswith("[") and " turn " in line]
+    assert [h for h in heads if h != "[environment] answer to"] == ["[solver]", "[judge]", "[solver]", "[judge]"]
+    samples = tape_samples(tape, require_ref=False)
+    advantages = {s["sample_id"]: [{"index": t["index"], "advantage": 1.0} for t in s["turns"]] for s in samples}
+    assert [t["index"] for t in learner_turns(advantages, tape.metadata.id)] == [0, 1, 2, 3]
+    assert learner_turns(advantages, "another") is None
 
 
 def test_a_model_name_that_is_not_a_role_is_a_404_in_each_protocols_shape(tokenizer, agent_for):

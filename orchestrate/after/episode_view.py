@@ -11,6 +11,7 @@ from typing import Any
 
 from orchestrate.loop.dynamic_sampling import DROPPED_BY
 from orchestrate.loop.forks import DIVERGED
+from orchestrate.loop.samples import tape_of_sample
 from tapes.tape import EnvAction, EnvObservation, Tape, ToolCallAction
 
 TAPE_FILE = re.compile(r"^(iter|eval)_(\d+)\.jsonl$")
@@ -24,17 +25,13 @@ FORK_DIVERGED = "not trained on (a fork that did not come back to its branch poi
 def learner_turns(advantages: dict[str, list[dict]], tape_id: str) -> list[dict] | None:
     """The learner's turns ({index, reward, return, advantage}) for one episode, in turn order, from an
     advantages file read with `read_advantages`; None if the episode is not in it. An episode cut into
-    several samples has them as "<id>:0", "<id>:1", ..."""
+    several samples (re-rendered prompts, or one per role) has them all (orchestrate.loop.samples.sample_id)."""
     if tape_id in advantages:
-        turns = list(advantages[tape_id])
-    else:
-        turns, k = [], 0
-        while f"{tape_id}:{k}" in advantages:
-            turns += advantages[f"{tape_id}:{k}"]
-            k += 1
-        if k == 0:
-            return None
-    return sorted(turns, key=lambda t: t.get("index", 0))
+        return sorted(advantages[tape_id], key=lambda t: t.get("index", 0))
+    parts = [turns for sample, turns in advantages.items() if tape_of_sample(sample) == tape_id]
+    if not parts:
+        return None
+    return sorted((t for turns in parts for t in turns), key=lambda t: t.get("index", 0))
 
 
 def trained_turns(

@@ -175,9 +175,11 @@ def _first_observation(first: dict | None, c: _Ink) -> list[str]:
 def _agent_turn(turn: dict, call, c: _Ink) -> list[str]:
     """The turn's heading (which call, how it finished), its prompt where it starts a conversation or is
     re-rendered, the output and the steps recorded with it."""
-    head = c(BOLD, f"\n[agent] turn {turn['turn']}" + (f" ({turn['tool']} call)" if turn.get("tool") else ""))
+    who = f"[{call.role}]" if call is not None and call.role else "[agent]"
+    head = c(BOLD, f"\n{who} turn {turn['turn']}" + (f" ({turn['tool']} call)" if turn.get("tool") else ""))
     if call is not None:
-        head += c(DIM, f"  call {turn['call'] + 1}: {call.model}  T={call.sampling.temperature}  "
+        role = f" ({call.role})" if call.role else ""
+        head += c(DIM, f"  call {turn['call'] + 1}{role}: {call.model}  T={call.sampling.temperature}  "
                   f"finish {call.finish_reason}  {len(call.prompt_token_ids)} prompt + "
                   f"{len(call.output_token_ids)} output tokens")  # fmt: skip
         if call.extends_previous is False:

@@ -72,6 +72,18 @@ def tape_samples(tape: Tape, require_ref: bool, whole: bool = False) -> list[dic
     return samples
 
 
+def sample_id(tape_id: str, role: str | None = None, part: int | None = None) -> str:
+    """A sample's id: its tape's, then `/ROLE` for a role's calls (agent.roles), then `:K` for the K-th part of an
+    episode cut where a prompt was re-rendered."""
+    own = tape_id if role is None else f"{tape_id}/{role}"
+    return own if part is None else f"{own}:{part}"
+
+
+def tape_of_sample(sample: str) -> str:
+    """The id of the tape a sample id (`sample_id`) was cut from."""
+    return sample.partition(":")[0].partition("/")[0]
+
+
 def by_role(calls: list[LLMCall]) -> dict[str | None, list[LLMCall]]:
     """An episode's calls by the role that made them, in order of each role's first call (one agent: all under
     None). Each role's calls are its own conversation, trained as an episode of its own."""
@@ -85,7 +97,6 @@ def _role_samples(tape: Tape, role: str | None, calls: list[LLMCall], rewards: l
                   branch: dict | None, require_ref: bool) -> list[dict]:  # fmt: skip
     """The samples of one role's calls of a tape (its one agent's: role None)."""
     segments = call_chains(calls)
-    own_id = tape.metadata.id if role is None else f"{tape.metadata.id}/{role}"
     samples = []
     for k, segment in enumerate(segments):
         own = [call for call in segment if call.id not in replayed]
@@ -131,7 +142,7 @@ def _role_samples(tape: Tape, role: str | None, calls: list[LLMCall], rewards: l
             "group_id": tape.metadata.group_id,
             "episode_id": tape.metadata.id,
             "temperature": own[0].sampling.temperature,  # a fork's own calls' (tree.temperature), not its parent's
-            "sample_id": own_id if len(segments) == 1 else f"{own_id}:{k}",
+            "sample_id": sample_id(tape.metadata.id, role, None if len(segments) == 1 else k),
             "policy_version": oldest,
             "version_changes": changes or None,
             "branch": branch,
