@@ -60,8 +60,15 @@ ITERATIONS = 100_000  # out of reach: the time budget ends each run
 
 
 class Recipe(NamedTuple):
-    overrides: tuple[str, ...]  # added to the embedded preset (lr 1e-5, kl_coef 0, 16 tasks x 4 at T 0.7,
+    overrides: tuple[str, ...]  # added to the preset (embedded: lr 1e-5, kl_coef 0, 16 tasks x 4 at T 0.7,
     paper: str  #                  128 new tokens, one optimizer step per batch)
+    preset: str = PRESET  # the preset it starts from
+
+
+def presets_of(study_recipes: dict[str, Recipe]) -> str:
+    """What the recipes start from, for a title: `the embedded preset`, or each recipe's own."""
+    presets = {r.preset for r in study_recipes.values()}
+    return f"the {presets.pop()} preset" if len(presets) == 1 else "each recipe's preset"
 
 
 # Every registered algorithm (finetune.algorithms: its loss, estimator, aggregation and paper's options), by
@@ -155,7 +162,7 @@ def common_options(text: str, study: Study = STUDY) -> list[str]:
 def recipe_argv(name: str, args: argparse.Namespace, run_dir: Path, max_minutes: float,
                 study: Study = STUDY) -> list[str]:  # fmt: skip
     """orchestrate.rl's arguments for one recipe's run."""
-    argv = ["--preset", PRESET, "--run-dir", str(run_dir), "--run.iterations", str(ITERATIONS),
+    argv = ["--preset", study.recipes[name].preset, "--run-dir", str(run_dir), "--run.iterations", str(ITERATIONS),
             "--run.max_minutes", f"{max_minutes:g}", "--eval.every", str(args.eval_every)]  # fmt: skip
     if args.eval_tasks is not None:
         argv += ["--eval.tasks", str(args.eval_tasks)]
@@ -312,7 +319,7 @@ def report(out: Path, marks: list[float], plot_copy: Path | None, study: Study =
     extra = {name: shlex.join(options_of(out, name)) for name in rows}
     common = next(iter(extra.values())) if len(set(extra.values())) == 1 else ""
     text = "\n".join([
-        f"Held-out success of the {PRESET} preset under each recipe, the same wall time each{how}"
+        f"Held-out success of {presets_of(recipes)} under each recipe, the same wall time each{how}"
         f"{f', with `{common}` added to every recipe' if common else ''}; a cell is "
         "the latest evaluation at or before that minute from the command's start (its iteration and minute). "
         f"Made by {study.made_by}.",
@@ -324,7 +331,7 @@ def report(out: Path, marks: list[float], plot_copy: Path | None, study: Study =
         "",
     ])  # fmt: skip
     atomic_write_text(out / "table.md", text)
-    plot(rows, marks, png, common, study.name)
+    plot(rows, marks, png, common, study.name, presets_of(recipes))
     write_sidecar(out / "table.md")  # the report's (table and plot); each run's own is RECIPE.provenance.json
     if plot_copy is not None and plot_copy.resolve() != png.resolve():
         plot_copy.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +348,8 @@ def _first_config(out: Path, rows: dict) -> dict:
     return {}
 
 
-def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "", what: str = "algorithms") -> None:
+def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "", what: str = "algorithms",
+         start: str = f"the {PRESET} preset") -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,7 +362,7 @@ def plot(rows: dict[str, dict], marks: list[float], path: Path, options: str = "
         ax.axvline(m, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("minutes from the command's start")
     ax.set_ylabel("held-out success (%)")
-    ax.set_title(f"{PRESET} preset: {what}, the same wall time each" + (f"\n(all with {options})" if options else ""))
+    ax.set_title(f"{start}: {what}, the same wall time each" + (f"\n(all with {options})" if options else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
