@@ -60,7 +60,10 @@ class Example(BaseModel):
 
 
 ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-ROLE_BINDINGS = {"policy": "the run's policy, its weights shared by the roles bound to it"}
+ROLE_BINDINGS = {
+    "policy": "the run's policy, its weights shared by the roles bound to it",
+    "base": "the initial policy, frozen: on a LoRA run the servers' base model, without the adapter",
+}
 
 
 class AgentConfig(BaseModel):
@@ -109,8 +112,9 @@ class AgentConfig(BaseModel):
         description="several agents in one episode: each role's name and what it is bound to, as JSON, e.g. "
         '{"solver": "policy", "judge": "policy"}; an agent program or harness picks a role by the `model` name it '
         "sends (docs/programs.md#roles). `policy`: the run's policy, its weights shared by the roles, each role's "
-        "calls credited as an episode of its own (its turns' returns, its own advantage groups). Empty: one agent, "
-        "the `model` name 'policy'",
+        "calls credited as an episode of its own (its turns' returns, its own advantage groups); `base`: the "
+        "initial policy, frozen, never trained (a LoRA run's base model). Empty: one agent, the `model` name "
+        "'policy'",
     )
 
     @field_validator("roles")

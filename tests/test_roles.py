@@ -4,6 +4,7 @@ samples of a role are credited apart (returns and advantage groups per role), an
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -254,3 +255,72 @@ def test_a_program_in_its_own_process_gives_rewards_by_role(tokenizer, agent_for
     assert tape.metadata.error is None, tape.metadata.error
     assert role_rewards(tape) == {"solver": 0.75, "judge": 0.5}
     assert json.loads(json.dumps(tape.model_dump(mode="json")))["llm_calls"][1]["role"] == "judge"
+
+
+class WithBase(ScriptedLLM):
+    """A LoRA run's client as the session sees it: the policy's replies, and its base model's own."""
+
+    def __init__(self, tokenizer, replies, base_replies):
+        super().__init__(tokenizer, replies)
+        self.base = ScriptedLLM(tokenizer, base_replies)
+
+    def base_model(self):
+        return self.base
+
+
+def test_a_role_bound_to_base_is_answered_by_the_base_model_and_not_trained(tokenizer, agent_for):
+    agent = agent_for(debate, roles={"solver": "policy", "judge": "base"})
+    llm = WithBase(tokenizer, ["s1", "s2"], ["j1", "j2"])
+    tape = play(agent, llm)
+    assert tape.metadata.error is None, tape.metadata.error
+    assert [(c.role, c.output_text) for c in tape.llm_calls] == [("solver", "s1"), ("judge", "j1"),
+                                                                 ("solver", "s2"), ("judge", "j2")]  # fmt: skip
+    assert len(llm.prompts) == 2 and len(llm.base.prompts) == 2
+    # a replay answers every role from the tape
+    again = play(agent, ReplayLLM(tape, strict=True))
+    assert [c.output_text for c in again.llm_calls] == ["s1", "j1", "s2", "j2"]
+    config = resolve("solver_judge", {"agent.roles": '{"solver": "policy", "judge": "base"}', "train.lora.rank": "8"})
+    assert config.trained_roles == ["solver"]  # the learner's train.roles: the judge's samples are dropped
+    assert resolve("solver_judge", {}).trained_roles is None
+
+
+def test_the_client_serves_the_base_model_without_the_adapter_as_version_0():
+    from orchestrate.serving.llm import VLLMClient
+    from tapes.tape import SamplingParams
+    from tests.test_agents import Endpoint
+
+    asked = []
+
+    def handler(request):
+        asked.append(json.loads(request.content).get("model"))
+        body = {"choices": [{"text": "x", "finish_reason": "stop",
+                             "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5]}}]}  # fmt: skip
+        return httpx.Response(200, json=body)
+
+    async def go():
+        client = VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler), policy_version=3,
+                            adapter=lambda v: f"policy-v{v}")  # fmt: skip
+        policy = await client.complete_ids([1], SamplingParams())
+        base = await client.base_model().complete_ids([1], SamplingParams())
+        return policy, base
+
+    policy, base = asyncio.run(go())
+    assert asked == ["policy-v3", "policy"]  # the base: the server's own name, no adapter
+    assert (policy.policy_version, base.policy_version) == (3, 0)
+    with pytest.raises(ValueError, match="serves no adapters"):
+        VLLMClient([Endpoint("a")]).base_model()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"agent.roles": '{"solver": "policy", "judge": "base"}'}, "'judge' is bound to 'base'"),
+        ({"agent.roles": '{"solver": "base", "judge": "base"}', "train.lora.rank": "8"}, "no role is bound to 'policy'"),
+        ({"agent.roles": '{"solver": "policy", "judge": "base"}', "train.lora.rank": "8", "train.roles": "judge"},
+         "--train.roles: 'judge' is bound to 'base', which is not trained"),
+    ],
+)  # fmt: skip
+def test_bad_base_bindings_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        resolve("solver_judge", overrides)
+    assert message in str(caught.value)

@@ -25,7 +25,7 @@ import os
 import sysconfig
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agents.agent import Agent, summarize
@@ -59,9 +59,11 @@ class ProgramAgent(Agent):
         sandbox: Any = None,
         reward: str | Callable[[Tape], Any] | None = None,
         isolation: str = "thread",
-        roles: tuple[str, ...] = (),
+        roles: Mapping[str, str] | Sequence[str] = (),
     ):
-        self.roles = tuple(roles)  # the `model` names of the episode's agents (agent.roles); none: MODEL_NAME
+        # the episode's agents (agent.roles): each `model` name and its binding (a list: each bound to the policy)
+        self.bindings = dict(roles) if isinstance(roles, Mapping) else dict.fromkeys(roles, "policy")
+        self.roles = tuple(self.bindings)  # none: one agent, MODEL_NAME
         self.program = load_program(program) if isinstance(program, str) else program
         self.reward = load_reward(reward) if isinstance(reward, str) else reward
         self.name = program if isinstance(program, str) else (
@@ -172,6 +174,7 @@ class ProgramAgent(Agent):
         session = self.gateway.open(
             tape=tape, llm=llm, chat=self.chat, tool_format=self.tool_format, sampling=sampling,
             model_name=MODEL_NAME, max_context=self.max_context, loop=asyncio.get_running_loop(), roles=self.roles,
+            base_roles=frozenset(r for r, b in self.bindings.items() if b == "base"),
         )  # fmt: skip
         ended = False
 

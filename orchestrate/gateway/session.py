@@ -213,10 +213,13 @@ class EpisodeSession:
         max_context: int | None,
         loop: asyncio.AbstractEventLoop,
         roles: tuple[str, ...] = (),
+        base_roles: frozenset[str] = frozenset(),
     ):
         self.id, self.tape, self.llm, self.tokens, self.tools = episode_id, tape, llm, chat, tool_format
         self.sampling, self.model_name, self.max_context, self.loop = sampling, model_name, max_context, loop
         self.roles = tuple(roles)  # the model names served, each a role's (none: model_name, the one agent's)
+        self.base_roles = base_roles  # those answered by the base model, frozen (a LoRA run's: agent.roles)
+        self._base_llm: Any = None
         self.calls = 0
         self.mismatches = 0
         self.closed = False
@@ -297,11 +300,21 @@ class EpisodeSession:
                                     f"{self.max_context} (prompt + new tokens)", code="context_length_exceeded")  # fmt: skip
         return sampling if sampling.max_tokens <= room else sampling.model_copy(update={"max_tokens": room})
 
-    async def _complete(self, prompt_ids, sampling, messages, prompt_text) -> LLMCall:
+    def llm_for(self, role: str | None) -> Any:
+        """The LLM that answers `role`: the base model for a role bound to it (an LLM without one, a replay,
+        answers every role from its tape), else the episode's LLM."""
+        if role not in self.base_roles or not hasattr(self.llm, "base_model"):
+            return self.llm
+        if self._base_llm is None:
+            self._base_llm = self.llm.base_model()
+        return self._base_llm
+
+    async def _complete(self, prompt_ids, sampling, messages, prompt_text, role: str | None = None) -> LLMCall:
         from orchestrate.serving.llm import LLMError, RequestRejected
 
         try:
-            call = await self.llm.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+            call = await self.llm_for(role).complete_ids(prompt_ids, sampling, messages=messages,
+                                                         prompt_text=prompt_text)  # fmt: skip
         except RequestRejected as exc:
             raise GatewayError(400, f"the server refused the request: {exc}") from None
         except LLMError as exc:
@@ -369,7 +382,7 @@ class EpisodeSession:
     async def answer(self, prepared: PreparedChat) -> ChatAnswer:
         """The prepared call sampled, parsed and recorded on the tape."""
         p = prepared
-        call = await self._complete(p.prompt_ids, p.sampling, p.messages, p.prompt_text)
+        call = await self._complete(p.prompt_ids, p.sampling, p.messages, p.prompt_text, p.role)
         call.protocol, call.role = p.protocol, p.role
         text = self._without_stop(call, p.asked_stops)
         content, calls = self.tools.parse(text, p.offered)
@@ -426,7 +439,7 @@ class EpisodeSession:
         sampling = self._fit(prompt_ids, self._sampling(body, []))
         t = thread
         extends = t.ids is not None and len(prompt_ids) > len(t.ids) and prompt_ids[: len(t.ids)] == t.ids
-        call = await self._complete(prompt_ids, sampling, [], prompt_text)
+        call = await self._complete(prompt_ids, sampling, [], prompt_text, role)
         call.protocol, call.role = "completions", role
         self._record(call, [], [], extends, t)
         t.history, t.tools, t.last_call = [], [], call

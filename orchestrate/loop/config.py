@@ -458,6 +458,15 @@ class RLConfig(BaseModel):
         return self.train.lora.rank > 0 and self.model.reference in (None, self.model.policy)
 
     @property
+    def trained_roles(self) -> list[str] | None:
+        """The learner's train.roles: --train.roles, else, where some role is frozen (agent.roles), every role
+        bound to the policy; none: every sample."""
+        roles = self.agent.roles
+        if self.train.roles is not None or all(b == "policy" for b in roles.values()):
+            return self.train.roles
+        return [r for r, b in roles.items() if b == "policy"]
+
+    @property
     def teacher_coef(self) -> float:
         """The learner's train.teacher_coef: --teacher.coef with a teacher, else 0."""
         return self.teacher.coef if self.teacher.model else 0.0

@@ -435,6 +435,16 @@ def check_roles(config) -> None:
         if unknown:
             have = f"its roles are {', '.join(roles)}" if roles else "it has no roles (agent.roles)"
             raise ConfigError(f"--train.roles: {unknown[0]!r} is not a role of this run; {have}")
+        frozen = [r for r in trained if roles[r] != "policy"]
+        if frozen:
+            raise ConfigError(f"--train.roles: {frozen[0]!r} is bound to {roles[frozen[0]]!r}, which is not trained; "
+                              "name roles bound to 'policy'")  # fmt: skip
+    base = [r for r, b in roles.items() if b == "base"]
+    if base and not config.train.lora.rank:
+        raise ConfigError(f"--agent.roles: {base[0]!r} is bound to 'base', the initial policy the servers serve "
+                          "beside the adapters of a LoRA run; add --train.lora.rank (e.g. 16)")  # fmt: skip
+    if roles and "policy" not in roles.values():
+        raise ConfigError("--agent.roles: no role is bound to 'policy', so nothing would be trained; bind one")
     if roles and config.tree.width:
         raise ConfigError("--tree.width: tree rollouts of episodes with several roles (agent.roles) are not built; "
                           "leave one of them out")  # fmt: skip

@@ -57,7 +57,7 @@ def build_agent(config: RLConfig, tokenizer) -> Agent:
     return ProgramAgent(program, sampling, tokenizer, max_context=config.server.max_model_len,
                         tool_parser=p.tool_parser, time_limit_s=limit, host=p.gateway_host,
                         port=p.gateway_port, sandbox=spec.sandbox, reward=reward, isolation=isolation,
-                        roles=tuple(a.roles))  # fmt: skip
+                        roles=a.roles)  # fmt: skip
 
 
 def load_tokenizer(config: RLConfig):
@@ -224,6 +224,7 @@ class RunSetup:
                 "colocated": servers.colocated,
                 "teacher_coef": c.teacher_coef,
                 "teacher_topk_coef": c.teacher_topk_coef,
+                "roles": c.trained_roles,
             }
         )
         if c.run.async_level and c.train.max_lag is None:  # it trains nothing more than K versions old

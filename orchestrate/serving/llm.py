@@ -132,7 +132,10 @@ class VLLMClient:
         *,
         messages: list[dict[str, Any]] | None = None,
         prompt_text: str = "",
+        base: bool = False,
     ) -> LLMCall:
+        """One completion of `prompt_ids`, by the policy's current version (its adapter, on a LoRA run), or with
+        `base` by the servers' base model (a LoRA run's initial policy: `base_model`), recorded as version 0."""
         payload: dict[str, Any] = {
             "prompt": prompt_ids,
             "max_tokens": sampling.max_tokens,
@@ -151,7 +154,7 @@ class VLLMClient:
             payload["include_stop_str_in_output"] = True
         payload.update(self.extra_body)
         version = await self.gate.enter()
-        adapter = self.adapter(version) if self.adapter is not None else None
+        adapter = self.adapter(version) if self.adapter is not None and not base else None
         if adapter:
             payload["model"] = adapter  # instead of the server's base name
         start = time.perf_counter()
@@ -171,8 +174,8 @@ class VLLMClient:
         output_ids = [_token_id(t) for t in tokens]
         return LLMCall(
             model=f"{self.model} + adapter {adapter}" if adapter else self.model,
-            policy_version=version,
-            version_changes=[c for c in flight.changes if c.token < len(output_ids)],  # none after the last
+            policy_version=0 if base else version,
+            version_changes=[] if base else [c for c in flight.changes if c.token < len(output_ids)],
             messages=list(messages or []),
             prompt_text=prompt_text,
             prompt_token_ids=prompt_ids,
@@ -183,6 +186,13 @@ class VLLMClient:
             sampling=sampling,
             latency_s=time.perf_counter() - start,
         )
+
+    def base_model(self) -> BaseModel:
+        """The servers' base model without the adapter, as an LLM of its own (a LoRA run's initial policy,
+        frozen: the roles bound to `base`, agent.roles)."""
+        if self.adapter is None:
+            raise ValueError("base_model: this client serves no adapters (a LoRA run's servers serve the base apart)")
+        return BaseModel(self)
 
     async def score(self, token_ids: list[int], n_prompt: int) -> list[float]:
         """Log-probs of token_ids[n_prompt:] given what precedes them (reference scoring).
@@ -226,6 +236,17 @@ class VLLMClient:
                 top_ids.append([t for _, t, _ in top])
                 top_logprobs.append([lp for _, _, lp in top])
         return Scores(out, top_ids if k else None, top_logprobs if k else None)
+
+
+class BaseModel:
+    """A LoRA run's base model on its policy servers (`VLLMClient.base_model`): calls without the adapter."""
+
+    def __init__(self, client: VLLMClient):
+        self.client = client
+
+    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text: str = "") -> LLMCall:
+        return await self.client.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text,
+                                              base=True)  # fmt: skip
 
 
 class Scores(NamedTuple):

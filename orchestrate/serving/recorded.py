@@ -98,6 +98,7 @@ class ForkLLM:
         *,
         messages: list[dict[str, Any]] | None = None,
         prompt_text: str = "",
+        base: bool = False,
     ) -> LLMCall:
         if self._replay.position < self.at:
             try:
@@ -105,7 +106,23 @@ class ForkLLM:
             except LLMError as exc:
                 raise ForkDiverged(f"fork at call {self.at}: {str(exc).removeprefix('replay: ')}") from None
         self.live_calls += 1
-        return await self.live.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+        live = self.live.base_model() if base else self.live
+        return await live.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
+
+    def base_model(self) -> _ForkBase:
+        """The base model's calls (roles bound to `base`): replayed as any, then the live LLM's base model."""
+        return _ForkBase(self)
+
+
+class _ForkBase:
+    """A fork's base model (roles bound to `base`): its replayed calls from the tape, then the live LLM's base."""
+
+    def __init__(self, fork: ForkLLM):
+        self.fork = fork
+
+    async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text: str = "") -> LLMCall:
+        return await self.fork.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text,
+                                            base=True)  # fmt: skip
 
 
 def _first_id_difference(recorded: list[int], now: list[int]) -> str:
