@@ -226,6 +226,9 @@ class ChatAgent(Agent):
         """Play one episode of `env` from `seed`, extending `tape`; returns it."""
         sampling = sampling or self.sampling
         can = capabilities(env)
+        if can.agents:
+            raise ValueError(f"the environment has several agents ({', '.join(can.agents)}): bind each as a role "
+                             "(--agent.roles) for the multi-agent agent to play them")  # fmt: skip
         env_stop = [s for s in can.stop if s not in sampling.stop]
         if env_stop:  # an environment with tools: sampling stops at the end of a tool call
             sampling = sampling.model_copy(update={"stop": [*sampling.stop, *env_stop]})

@@ -230,11 +230,9 @@ def test_bad_roles_are_refused_naming_the_option(overrides, message):
     assert message in str(caught.value)
 
 
-def test_roles_need_a_program_and_train_roles_need_roles():
+def test_a_programs_declared_roles_must_be_bound_and_train_roles_need_roles():
     with pytest.raises(ConfigError, match="calls the roles solver, judge; 'judge' is not bound"):
         resolve("solver_judge", {"agent.roles": '{"solver": "policy"}'})
-    with pytest.raises(ConfigError, match="--agent.roles: a role is the `model` name"):
-        resolve("embedded", {"agent.roles": '{"solver": "policy"}'})
     with pytest.raises(ConfigError, match="it has no roles"):
         resolve("embedded", {"train.roles": "solver"})
     config = resolve("solver_judge", {"train.roles": "judge"})
@@ -324,3 +322,12 @@ def test_bad_base_bindings_are_refused(overrides, message):
     with pytest.raises(ConfigError) as caught:
         resolve("solver_judge", overrides)
     assert message in str(caught.value)
+
+
+def test_the_built_in_agent_takes_roles_for_the_agents_of_a_multi_agent_environment():
+    config = resolve("hide_and_guess", {})
+    assert config.agent.roles == {"hider": "policy", "guesser": "policy"} and config.agent.program is None
+    with pytest.raises(ConfigError, match="agents are hider, guesser; bind each of them and nothing else"):
+        resolve("hide_and_guess", {"agent.roles": '{"hider": "policy"}'})
+    with pytest.raises(ConfigError, match="math:arithmetic is an environment of one agent"):
+        resolve("embedded", {"agent.roles": '{"hider": "policy"}'})

@@ -36,6 +36,9 @@ Optional capabilities. Beyond reset / step, an environment may offer:
   action holds, which step() will run (agents.tools.ToolEnv);
 - `async astep(action)` (SupportsAsyncStep): step() without blocking the
   event loop, for an environment whose step blocks (a tool run);
+- `possible_agents` and `observe(agent)` (MultiAgent): GEM's multi-agent
+  protocol, reset and step by dicts of agent ids, each agent a role of the
+  run (agents.multi_agent);
 - `workspace_files()` and `answer_from_workspace(folder)` (HasWorkspace):
   the episode's task as files a harness command works on
   (`--agent.command`, agents.harness), and the action that scores what it
@@ -91,6 +94,16 @@ class HasWorkspace(Protocol):
     def answer_from_workspace(self, folder: Any) -> str: ...  # the action that scores the folder's work
 
 
+@runtime_checkable
+class MultiAgent(Protocol):
+    """GEM's multi-agent protocol (`gem/multiagent/`): reset and step take and give dicts by agent id, each
+    agent a role of the run (agents.multi_agent plays it; --agent.roles binds each)."""
+
+    possible_agents: list[str]
+
+    def observe(self, agent: str) -> str: ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an environment offers beyond reset / step (see the module docstring)."""
@@ -100,6 +113,7 @@ class Capabilities:
     tool_calls: bool = False  # ToolCalling
     async_step: bool = False  # SupportsAsyncStep
     workspace: bool = False  # HasWorkspace
+    agents: tuple[str, ...] = ()  # MultiAgent: its agent ids (GEM's possible_agents)
 
 
 def capabilities(env: Any) -> Capabilities:
@@ -116,7 +130,10 @@ def capabilities(env: Any) -> Capabilities:
         workspace=isinstance(env, HasWorkspace)
         and callable(env.workspace_files)
         and callable(env.answer_from_workspace),
-    )
+        agents=tuple(env.possible_agents) if isinstance(env, MultiAgent) and callable(env.observe)
+        and isinstance(env.possible_agents, (list, tuple)) and all(isinstance(a, str) for a in env.possible_agents)
+        else (),
+    )  # fmt: skip
 
 
 class EnvError(ValueError):

@@ -57,7 +57,7 @@ def register_prefix(prefix: str, resolver: Callable[[str], EnvEntry]) -> None:
 
 def _load_builtins() -> None:
     # Importing a module registers its environments; each is light (no model, no data).
-    for name in ("math", "countdown", "guess_the_number", "code", "qa", "reasoning_gym", "gem"):
+    for name in ("math", "countdown", "guess_the_number", "hide_and_guess", "code", "qa", "reasoning_gym", "gem"):
         importlib.import_module(f"agents.envs.{name}")
 
 

@@ -418,9 +418,18 @@ def check_roles(config) -> None:
     """Several agents in one episode (agent.roles): the trained roles are the run's; rollouts that regroup or fork
     episodes by their whole reward (dynamic sampling, trees) are not built for them."""
     roles, trained = config.agent.roles, config.train.roles
-    if roles and not config.agent.plays_program:
-        raise ConfigError("--agent.roles: a role is the `model` name an agent program or harness command sends; "
-                          "give --agent.program or --agent.command (the built-in agent plays one role)")  # fmt: skip
+    if roles and not config.agent.plays_program:  # the built-in agent: the environment's agents are the roles
+        from agents.env_spec import EnvSpec
+        from agents.envs.base import capabilities
+
+        agents = capabilities(EnvSpec.from_config(config, "train").make()).agents
+        if not agents:
+            raise ConfigError(f"--agent.roles: {config.env.id} is an environment of one agent; a role is the `model` "
+                              "name an agent program or harness command sends (--agent.program, --agent.command), "
+                              "or an agent of a multi-agent environment (e.g. game:hide_and_guess)")  # fmt: skip
+        if set(agents) != set(roles):
+            raise ConfigError(f"--agent.roles: {config.env.id}'s agents are {', '.join(agents)}; bind each of them "
+                              f"and nothing else (e.g. --agent.roles '{json.dumps(dict.fromkeys(agents, 'policy'))}')")  # fmt: skip
     if config.agent.program is not None:  # a program may name the roles it calls (its module's ROLES)
         import importlib
 

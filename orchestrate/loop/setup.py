@@ -39,6 +39,10 @@ def build_agent(config: RLConfig, tokenizer) -> Agent:
     options of `--program.*`. Use it as `with build_agent(...) as agent:` (a program's gateway is closed)."""
     r, a = config.rollouts, config.agent
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+    if not a.plays_program and a.roles:  # the agents of a multi-agent environment, each a role
+        from agents.multi_agent import MultiAgentChatAgent
+
+        return MultiAgentChatAgent(a, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
     if not a.plays_program:
         return ChatAgent(a, sampling, ChatTokens(tokenizer), max_context=config.server.max_model_len)
     from orchestrate.gateway.agent import ProgramAgent
