@@ -32,6 +32,17 @@ class ScriptedLLM:
         return scripted_call(text, ids, prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
 
+class WithBase(ScriptedLLM):
+    """A LoRA run's client as an agent sees it: the policy's replies, and its base model's own (`base_model`)."""
+
+    def __init__(self, tokenizer, replies, base_replies):
+        super().__init__(tokenizer, replies)
+        self.base = ScriptedLLM(tokenizer, base_replies)
+
+    def base_model(self):
+        return self.base
+
+
 def arithmetic():
     return make_env("math:arithmetic", {"digits": 3, "operands": 2, "operations": ["*"]}, split="train", run_seed=0)
 

@@ -14,7 +14,7 @@ from agents.multi_agent import MultiAgentChatAgent
 from orchestrate.loop.samples import tape_samples
 from orchestrate.serving.recorded import ReplayLLM
 from tapes.tape import EnvObservation, SamplingParams, Tape
-from tests.programs import ScriptedLLM
+from tests.programs import ScriptedLLM, WithBase
 
 SAMPLING = SamplingParams(temperature=0.7, max_tokens=32)
 BOTH = {"hider": "policy", "guesser": "policy"}
@@ -68,15 +68,6 @@ def test_a_secret_outside_the_range_costs_the_hider_and_one_is_drawn(tokenizer):
                                                           "\\boxed{8}", "\\boxed{lower}", "\\boxed{9}"]))  # fmt: skip
     assert turn_rewards(tape)[0] == -1.0
     assert any(s.info.get("format_error") for s in tape.steps if isinstance(s, EnvObservation) and s.turn == 1)
-
-
-class WithBase(ScriptedLLM):
-    def __init__(self, tokenizer, replies, base_replies):
-        super().__init__(tokenizer, replies)
-        self.base = ScriptedLLM(tokenizer, base_replies)
-
-    def base_model(self):
-        return self.base
 
 
 def test_a_player_bound_to_base_asks_the_base_model(tokenizer):

@@ -20,7 +20,7 @@ from orchestrate.loop.config_checks import ConfigError
 from orchestrate.loop.metrics import rollout_metrics
 from orchestrate.loop.samples import tape_samples
 from orchestrate.serving.recorded import ReplayLLM
-from tests.programs import ScriptedLLM, answer_of, play
+from tests.programs import ScriptedLLM, WithBase, answer_of, play
 
 ROLES = ("solver", "judge")
 
@@ -253,17 +253,6 @@ def test_a_program_in_its_own_process_gives_rewards_by_role(tokenizer, agent_for
     assert tape.metadata.error is None, tape.metadata.error
     assert role_rewards(tape) == {"solver": 0.75, "judge": 0.5}
     assert json.loads(json.dumps(tape.model_dump(mode="json")))["llm_calls"][1]["role"] == "judge"
-
-
-class WithBase(ScriptedLLM):
-    """A LoRA run's client as the session sees it: the policy's replies, and its base model's own."""
-
-    def __init__(self, tokenizer, replies, base_replies):
-        super().__init__(tokenizer, replies)
-        self.base = ScriptedLLM(tokenizer, base_replies)
-
-    def base_model(self):
-        return self.base
 
 
 def test_a_role_bound_to_base_is_answered_by_the_base_model_and_not_trained(tokenizer, agent_for):
