@@ -32,10 +32,19 @@ def main() -> int:
     parser.add_argument("--out", help="PNG to write (default: bench/results/compare_runs/A_vs_B.png)")
     parser.add_argument("--title", default="held-out success")
     parser.add_argument("--minutes", type=float, help="only up to this many minutes from the start")
+    parser.add_argument(
+        "--metrics", default="eval_success_rate",
+        help="the held-out figure plotted, one for every run or comma-separated one per run (a run given twice: "
+        "e.g. each role's, eval_success_rate_solver,eval_success_rate_judge)",
+    )  # fmt: skip
     args = parser.parse_args()
     labels = args.labels.split(",") if args.labels else [Path(r).name for r in args.runs]
     if len(labels) != len(args.runs):
         parser.error(f"--labels: {len(labels)} labels for {len(args.runs)} runs")
+    metrics = args.metrics.split(",")
+    metrics = metrics * len(args.runs) if len(metrics) == 1 else metrics
+    if len(metrics) != len(args.runs):
+        parser.error(f"--metrics: {len(metrics)} metrics for {len(args.runs)} runs (give one, or one per run)")
     for run in args.runs:
         if not (Path(run) / "metrics.jsonl").is_file():
             parser.error(f"{run}: no metrics.jsonl (not a run directory)")
@@ -46,12 +55,14 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run, label in zip(args.runs, labels):
+    for run, label, metric in zip(args.runs, labels, metrics):
         records = read_metrics(Path(run) / "metrics.jsonl")
+        if not any(r.get(metric) is not None for r in records):
+            parser.error(f"--metrics: {run} never logged {metric}")
         points = [
-            (r["elapsed_s"] / 60, r["eval_success_rate"], r["iteration"])
+            (r["elapsed_s"] / 60, r[metric], r["iteration"])
             for r in records
-            if r.get("eval_success_rate") is not None
+            if r.get(metric) is not None
             and "elapsed_s" in r
             and (args.minutes is None or r["elapsed_s"] / 60 <= args.minutes)
         ]
