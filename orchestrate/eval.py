@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k", help="pass@k for these k, comma-separated [default: 1, 2, 4, ... n]")
     parser.add_argument("--key-file", help="a server's API key file [default: $VLLM_API_KEY]")  # fmt: skip
     parser.add_argument("--max-concurrency", type=int, help="episodes' calls in flight [default: rollouts.max_concurrency]")  # fmt: skip
+    parser.add_argument("--role", help="several agents in an episode (agent.roles): this role's figures (its reward; success: above 0) [default: the episode's]")  # fmt: skip
     parser.add_argument("--out", help="output folder [default: RUN/evals/LABEL, else runs/evals/NAME-LABEL]")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_options(parser, EnvSection, "env.", defaults=False)
@@ -201,11 +202,12 @@ def evaluate(s: Settings, target: Target, folder: Path, progress: bool, serve=No
         in_order = "".join(t.model_dump_json() + "\n" for t in tapes)
         if path.read_text(encoding="utf-8") != in_order:  # appended as tasks ended: kept in task order
             atomic_write_text(path, in_order)
-        summary = summarize(task_results(tapes), s.ks)
+        summary = summarize(task_results(tapes, s.role), s.ks)
         record = {"settings": s.record(target), "policy": target.policy.note, "config": s.config_source,
-                  "tapes": str(path), "seconds": round(seconds, 3), **summary}  # fmt: skip
+                  "tapes": str(path), "seconds": round(seconds, 3), "role": s.role, **summary}  # fmt: skip
         atomic_write_json(folder / "eval.json", record)
-        atomic_write_text(folder / "summary.md", markdown(summary, f"{target.text} ({target.policy.note})"))
+        role = f", role {s.role}" if s.role else ""
+        atomic_write_text(folder / "summary.md", markdown(summary, f"{target.text} ({target.policy.note}{role})"))
         plot(summary, folder / "pass_at_k.png")
         return record
     finally:

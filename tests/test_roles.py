@@ -95,6 +95,17 @@ def test_show_names_each_turns_role_and_the_learners_turns_of_every_role_are_fou
     assert learner_turns(advantages, "another") is None
 
 
+def test_evaluation_gives_each_roles_figures(tokenizer, agent_for):
+    from orchestrate.loop.evaluation import task_results
+
+    tape = play(two_roles_agent(agent_for, debate), ScriptedLLM(tokenizer, ["s1", "j1", "s2", "j2"]))
+    (solver,) = task_results([tape], role="solver")
+    (judge,) = task_results([tape, tape], role="judge")
+    assert solver.rewards == [1.0] and solver.successes == [True] and solver.answers == [None]
+    assert judge.rewards == [0.25, 0.25] and judge.n == 2
+    assert task_results([tape], role="critic")[0].successes == [False]  # a role that made no call: 0
+
+
 def test_a_model_name_that_is_not_a_role_is_a_404_in_each_protocols_shape(tokenizer, agent_for):
     seen = {}
 

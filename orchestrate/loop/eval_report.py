@@ -228,7 +228,7 @@ def write_comparison(s: Settings, folders: list[Path]) -> dict:
     results = []
     for target, folder in zip(s.targets, folders):
         done = finished(tape_file(folder, target.policy.version), s.n)
-        results.append(task_results([t for seed in s.seeds for t in done.get(seed, [])]))
+        results.append(task_results([t for seed in s.seeds for t in done.get(seed, [])], s.role))
     paired = compare(results[0], results[1], s.ks)
     summary_b = summarize(results[1], s.ks)
     a, b = s.targets

@@ -63,6 +63,7 @@ class Settings:
     max_concurrency: int
     split: str
     sweep: bool = False  # --versions: the targets are versions of one run, served by one server in turn
+    role: str | None = None  # --role: the figures of this role of the episodes (agent.roles)
 
     def record(self, target: Target) -> dict:
         """What an evaluation folder holds: a resumed one must have been started with the same."""
@@ -300,7 +301,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
         targets.append(Target(text, policy, run))
     settings = Settings(targets, config, source, seeds, args.n, temperature, max_tokens,
                         ks, Path(), args.key_file, args.max_concurrency or config.rollouts.max_concurrency,
-                        args.split, sweep=args.versions is not None)  # fmt: skip
+                        args.split, sweep=args.versions is not None, role=args.role)  # fmt: skip
+    if args.role is not None and args.role not in config.agent.roles:
+        have = f"its roles are {', '.join(config.agent.roles)}" if config.agent.roles else "it has no roles"
+        raise EvalError(f"--role {args.role}: not a role of {source}; {have}")
     settings.out = Path(args.out) if args.out else default_out(settings)
     if settings.out.exists() and not settings.out.is_dir():
         raise EvalError(f"--out: {settings.out} is a file")

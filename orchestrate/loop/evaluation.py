@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from agents.agent import role_rewards
 from agents.env_spec import EnvSpec
 from agents.envs import capabilities
 from contract.durable import atomic_write_text
@@ -87,11 +88,12 @@ def final_info(tape: Tape) -> dict:
     return answers[-1].info if answers else {}
 
 
-def task_results(tapes: list[Tape]) -> list[TaskResult]:
+def task_results(tapes: list[Tape], role: str | None = None) -> list[TaskResult]:
     """Per task (in first-seen order): the rewards, successes and answers of its samples that ran, and how many
     failed (infrastructure). Answers are compared by majority votes when the environment reports them
     (`info["answer"]` on its last observation; a sample without one, truncated say, answered nothing);
-    else they are None."""
+    else they are None. With `role` (several agents in one episode, agent.roles): that role's reward
+    (agents.agent.role_rewards; 0 where it made no call) and success (its reward above 0), no answers."""
     by_task: dict[str, list[Tape]] = {}
     for tape in tapes:
         by_task.setdefault(tape.metadata.task_id or tape.metadata.id, []).append(tape)
@@ -102,6 +104,11 @@ def task_results(tapes: list[Tape]) -> list[TaskResult]:
     results = []
     for task_id, group in by_task.items():
         ok = [t for t in group if not t.metadata.error]
+        if role is not None:
+            rewards = [role_rewards(t).get(role, 0.0) for t in ok]
+            results.append(TaskResult(task_id=task_id, rewards=rewards, successes=[r > 0 for r in rewards],
+                                      answers=[None] * len(ok), errors=len(group) - len(ok)))  # fmt: skip
+            continue
         results.append(TaskResult(
             task_id=task_id,
             rewards=[float(t.metadata.reward or 0.0) for t in ok],
