@@ -10,7 +10,8 @@ or all at once, its parallel mode; without one, every agent still in `env.agents
 observation, each later call extends its own previous call token-exactly (its prompt ids + sampled ids + the
 new observation's). Every call is one turn of the episode, recorded with its role; an agent's reward goes on
 its latest call's turn, whenever the environment gives it (a hider paid when the guesser runs out of guesses).
-The episode ends when no agent is left, when an output is cut by max_tokens (that agent's turn earns
+A reward to an agent before its first call has no turn to go on and is dropped. The episode ends when no
+agent is left, when an output is cut by max_tokens (that agent's turn earns
 `truncation_reward`) or at `max_turns` calls. A role bound to `base` is answered by the LLM's base model.
 The built-in agent's `instruction` and `examples` are one agent's and do not apply here.
 """

@@ -8,6 +8,7 @@ refused with one line naming the field, before any model is loaded.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -264,6 +265,11 @@ class _TrainOptions(BaseModel):
     @field_validator("roles", mode="before")
     @classmethod
     def _roles_comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lstrip().startswith("["):  # a JSON list, as --help's JSON says
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("expected role names: comma-separated, or a JSON list") from None
         if isinstance(value, str):
             value = [r.strip() for r in value.split(",")]
         if isinstance(value, list) and any(not (isinstance(r, str) and r) for r in value):

@@ -43,7 +43,7 @@ def test_two_players_take_turns_each_in_its_own_conversation(tokenizer):
     assert [c.role for c in calls] == ["hider", "guesser"] * 3 and [c.turn for c in calls] == [1, 2, 3, 4, 5, 6]
     assert [c.extends_previous for c in calls] == [None, None, True, True, True, True]  # each its own thread
     assert "Pick a secret whole number" in calls[0].prompt_text and "Pick" not in calls[1].prompt_text
-    assert "The guesser says 10" in tokenizer.decode(calls[2].prompt_token_ids)
+    assert "Your number is 13. The guesser says 10" in tokenizer.decode(calls[2].prompt_token_ids)
     assert "10 is too low. The number is between 11 and 20. 2 guesses left." in calls[3].prompt_text
     assert role_rewards(tape) == {"hider": 0.0, "guesser": 1.0} and tape.metadata.success is True
     samples = tape_samples(tape, require_ref=False)
@@ -130,3 +130,23 @@ def test_a_gem_multi_agent_environment_plays_its_agents_at_once(tokenizer):
     tape = play(agent(tokenizer, roles={"a": "policy", "b": "policy"}), ScriptedLLM(tokenizer, ["a", "x"]), Echo())
     assert [c.role for c in tape.llm_calls] == ["a", "b"] and [c.turn for c in tape.llm_calls] == [1, 2]
     assert role_rewards(tape) == {"a": 1.0, "b": 0.0}
+
+
+def test_a_timed_environment_offers_the_agents_of_the_one_it_wraps(tokenizer):
+    from orchestrate.loop.rollouts import EnvClock, TimedEnv
+
+    clock = EnvClock()
+    replies = ["\\boxed{13}", "\\boxed{13}"]
+    tape = play(agent(tokenizer), ScriptedLLM(tokenizer, replies), TimedEnv(game(), clock))
+    assert tape.metadata.error is None and [c.role for c in tape.llm_calls] == ["hider", "guesser"]
+    assert role_rewards(tape) == {"hider": 0.0, "guesser": 1.0} and clock.busy_s > 0
+
+
+def test_an_unreadable_guess_uses_a_guess_and_the_guesser_goes_again(tokenizer):
+    replies = ["\\boxed{13}", "a number", "\\boxed{13}"]
+    tape = play(agent(tokenizer), ScriptedLLM(tokenizer, replies))
+    assert [c.role for c in tape.llm_calls] == ["hider", "guesser", "guesser"]
+    assert "That guess could not be read. The number is between 1 and 20. 2 guesses left." in (
+        tape.llm_calls[2].prompt_text
+    )
+    assert role_rewards(tape) == {"hider": 0.0, "guesser": 1.0}

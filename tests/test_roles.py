@@ -154,6 +154,13 @@ def test_rewards_by_role_go_to_that_roles_turns_and_bad_ones_are_the_programs_fa
     tape = play(two_roles_agent(agent_for, team), ScriptedLLM(tokenizer, ["a", "b"]))
     assert role_rewards(tape) == {"solver": 1.0, "judge": 1.0} and tape.metadata.terminated
 
+    async def scored_after(task, client):
+        for role in ROLES:
+            await client.chat.completions.create(model=role, messages=[{"role": "user", "content": role}])
+
+    agent = agent_for(scored_after, roles=ROLES, reward=lambda tape: 0.5)  # --program.reward: every role's too
+    assert role_rewards(play(agent, ScriptedLLM(tokenizer, ["a", "b"]))) == {"solver": 0.5, "judge": 0.5}
+
     async def silent_judge(task, client):
         await client.chat.completions.create(model="solver", messages=[{"role": "user", "content": "A"}])
         return {"solver": 1.0, "judge": 0.0}
@@ -213,6 +220,7 @@ def test_train_roles_keeps_the_named_roles_samples_only():
     assert [s.role for s in kept] == ["judge"] and stats == {"role_dropped": 1}
     assert keep_roles(samples, None) == (samples, {})
     assert TrainConfig(roles="solver, judge").roles == ["solver", "judge"]
+    assert TrainConfig(roles='["solver", "judge"]').roles == ["solver", "judge"]
     with pytest.raises(ValueError, match="none empty"):
         TrainConfig(roles="solver,")
 
@@ -305,8 +313,10 @@ def test_the_client_serves_the_base_model_without_the_adapter_as_version_0():
     policy, base = asyncio.run(go())
     assert asked == ["policy-v3", "policy"]  # the base: the server's own name, no adapter
     assert (policy.policy_version, base.policy_version) == (3, 0)
-    with pytest.raises(ValueError, match="serves no adapters"):
-        VLLMClient([Endpoint("a")]).base_model()
+    plain = VLLMClient([Endpoint("a")])  # version 0 without adapters (eval's of a LoRA run's version 0): the base
+    assert plain.base_model() is plain
+    with pytest.raises(ValueError, match="serves version 2's own weights"):
+        VLLMClient([Endpoint("a")], policy_version=2).base_model()
 
 
 @pytest.mark.parametrize(
@@ -331,3 +341,7 @@ def test_the_built_in_agent_takes_roles_for_the_agents_of_a_multi_agent_environm
         resolve("hide_and_guess", {"agent.roles": '{"hider": "policy"}'})
     with pytest.raises(ConfigError, match="math:arithmetic is an environment of one agent"):
         resolve("embedded", {"agent.roles": '{"hider": "policy"}'})
+    with pytest.raises(ConfigError, match="is an environment of several agents; bind each"):
+        resolve("hide_and_guess", {"agent.roles": "{}"})
+    with pytest.raises(ConfigError, match="--agent.program: game:hide_and_guess is an environment of several agents"):
+        resolve("hide_and_guess", {"agent.program": "agents.programs.openai_tools:play"})

@@ -2,17 +2,18 @@
 
     hider:   Pick a secret whole number between 1 and 20 ... -> \\boxed{13}
     guesser: I am thinking of a number between 1 and 20. You have 5 guesses. ... -> \\boxed{10}
-    hider:   The guesser says 10. Is your number higher or lower? -> \\boxed{higher}
+    hider:   Your number is 13. The guesser says 10. Is your number higher or lower? -> \\boxed{higher}
     guesser: 10 is too low. The number is between 11 and 20. 4 guesses left. -> \\boxed{15}
     ...
 
 The hider picks the secret, then answers each wrong guess with higher or lower; the guesser guesses. Turns
 alternate (GEM's sequential agent selector: hider, guesser, hider, ...). The environment keeps the hider
-honest: an answer that is not the truth about its own secret, or cannot be read, costs the hider
-`reward_dishonest` and the guesser is told the truth. A secret that cannot be read or is outside the range
-costs it `reward_invalid` and one is drawn from the episode's seed instead. The game is zero-sum at its end:
-the guesser earns `reward_win` for finding the number (the game ends there), the hider earns it when the
-guesses run out.
+honest: it is reminded of its number each time, and an answer that is not the truth about it, or cannot be
+read, costs the hider `reward_dishonest` and the guesser is told the truth. A secret that cannot be read or
+is outside the range costs it `reward_invalid` and one is drawn from the episode's seed instead (and told to
+it). A guess that cannot be read uses up a guess and the guesser goes again. At the game's end the winner
+earns `reward_win`: the guesser for finding the number (the game ends there), the hider when the guesses run
+out; each agent's info says whether it won (`success`), the guesser's last being the episode's.
 
 It speaks GEM's multi-agent protocol structurally (no dependency on the `gem` package): `possible_agents`,
 `agents`, `agent_selector.get_active_agents()`, `reset(seed) -> ({agent: observation}, {agent: info})`,
@@ -91,6 +92,7 @@ class HideAndGuessEnv:
         self.known = (self.options.low, self.options.high)
         self.left = self.options.guesses
         self.last_guess: int | None = None
+        self.made = 0  # guesses made
         self.told = ""  # what the guesser was last told
         return {a: self.observe(a) for a in self.agents}, {a: {} for a in self.agents}
 
@@ -100,9 +102,9 @@ class HideAndGuessEnv:
             return (f"Pick a secret whole number between {o.low} and {o.high}; another player will try to guess it "
                     f"in {o.guesses} guesses. Put it in \\boxed{{}}, e.g. \\boxed{{{o.low + 2}}}.")  # fmt: skip
         if agent == HIDER:
-            return (f"The guesser says {self.last_guess}. Is your number higher or lower? Answer \\boxed{{higher}} "
-                    "or \\boxed{lower}.")  # fmt: skip
-        if self.last_guess is None:
+            return (f"Your number is {self.secret}. The guesser says {self.last_guess}. Is your number higher or "
+                    "lower? Answer \\boxed{higher} or \\boxed{lower}.")  # fmt: skip
+        if not self.made:
             return (f"I am thinking of a number between {o.low} and {o.high}. You have {o.guesses} guesses. After "
                     "each guess I say whether the number is higher or lower. Put your guess in \\boxed{}, e.g. "
                     f"\\boxed{{{(o.low + o.high) // 2}}}.")  # fmt: skip
@@ -115,7 +117,7 @@ class HideAndGuessEnv:
             raise ValueError(f"it is {agent}'s turn; got actions of {sorted(actions)}")
         rewards = {a: 0.0 for a in self.agents}
         info: dict[str, Any] = {}
-        done = False
+        won: str | None = None
         if agent == HIDER and self.secret is None:
             picked = _number(actions[HIDER])
             if picked is None or not self.options.low <= picked <= self.options.high:
@@ -132,14 +134,11 @@ class HideAndGuessEnv:
             self.told = f"{self.last_guess} is too {'low' if truth == 'higher' else 'high'}."
         else:
             guess = _number(actions[GUESSER])
-            self.left -= 1
-            self.last_guess = guess
+            self.left, self.made, self.last_guess = self.left - 1, self.made + 1, guess
             if guess == self.secret:
-                rewards[GUESSER], done = self.options.reward_win, True
-                info = {"success": True, "reason": "found"}
+                won, info = GUESSER, {"reason": "found"}
             elif self.left <= 0:
-                rewards[HIDER], done = self.options.reward_win, True
-                info = {"success": False, "reason": f"out of guesses; the number was {self.secret}"}
+                won, info = HIDER, {"reason": f"out of guesses; the number was {self.secret}"}
             elif guess is None:
                 self.told, info = "That guess could not be read.", {"format_error": True}
                 self.agent_selector.next()  # the guesser goes again: the hider has nothing to answer
@@ -147,15 +146,20 @@ class HideAndGuessEnv:
                 lo, hi = self.known
                 self.known = (max(lo, guess + 1), hi) if guess < self.secret else (lo, min(hi, guess - 1))
         self.agent_selector.next()
+        done = won is not None
+        if done:
+            rewards[won] = self.options.reward_win
         terminations = dict.fromkeys(self.agents, done)
+        infos = {a: {**(info if a == agent else {}), **({"success": a == won} if done else {})}
+                 for a in self.possible_agents}  # fmt: skip
         if done:
             self.agents = []
-        observations = {a: "" if done else self.observe(a) for a in self.possible_agents}
-        infos = {a: dict(info) for a in self.possible_agents}
+        up_next = set() if done else set(self.agent_selector.get_active_agents())
+        observations = {a: self.observe(a) if a in up_next else "" for a in self.possible_agents}
         return observations, rewards, terminations, dict.fromkeys(terminations, False), infos
 
 
 @register("game:hide_and_guess", HideOptions, "two players: a hider picks a number and answers higher/lower, a "
-          "guesser guesses (GEM's multi-agent API; --agent.roles binds hider and guesser)")  # fmt: skip
+          "guesser guesses (GEM's multi-agent API; --agent.roles binds hider and guesser)", agents=(HIDER, GUESSER))  # fmt: skip
 def make_hide_and_guess(options: HideOptions, split: str, run_seed: int) -> HideAndGuessEnv:
     return HideAndGuessEnv(options, split, run_seed)

@@ -33,18 +33,21 @@ class EnvEntry:
     factory: Factory
     description: str
     sandbox: bool = False  # it runs model-written code: the factory takes `sandbox=` (one Sandbox per EnvSpec)
+    agents: tuple[str, ...] = ()  # a multi-agent environment's agent ids (GEM's possible_agents), known unbuilt
 
 
 _REGISTRY: dict[str, EnvEntry] = {}
 _PREFIXES: dict[str, Callable[[str], EnvEntry]] = {}
 
 
-def register(env_id: str, options: type[BaseModel], description: str, *, sandbox: bool = False):
+def register(env_id: str, options: type[BaseModel], description: str, *, sandbox: bool = False,
+             agents: tuple[str, ...] = ()):  # fmt: skip
     """Decorator: register `factory(options, split, run_seed) -> Env` under `env_id`; with `sandbox`, the
-    environment runs model-written code and its factory also takes `sandbox=` (an agents.sandbox.Sandbox)."""
+    environment runs model-written code and its factory also takes `sandbox=` (an agents.sandbox.Sandbox);
+    `agents`: the agent ids of a multi-agent environment (each a role of the run), checked before it is built."""
 
     def wrap(factory: Factory) -> Factory:
-        _REGISTRY[env_id] = EnvEntry(env_id, options, factory, description, sandbox)
+        _REGISTRY[env_id] = EnvEntry(env_id, options, factory, description, sandbox, tuple(agents))
         return factory
 
     return wrap

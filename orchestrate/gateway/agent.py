@@ -281,8 +281,11 @@ class ProgramAgent(Agent):
         elif self.reward is not None:
             value = self.reward(session.tape)
             value = await value if inspect.isawaitable(value) else value
-            self._give(session, finite_reward(value, "the reward function"), reason="the reward function's",
-                       end=True)  # fmt: skip
+            value = finite_reward(value, "the reward function")
+            if self.roles:  # the episode's reward, every role's (as a returned number)
+                self._give_roles(session, dict.fromkeys(session.last_turns, value))
+            else:
+                self._give(session, value, reason="the reward function's", end=True)
         else:
             await step(session.last_reply)
 

@@ -418,11 +418,21 @@ def check_roles(config) -> None:
     """Several agents in one episode (agent.roles): the trained roles are the run's; rollouts that regroup or fork
     episodes by their whole reward (dynamic sampling, trees) are not built for them."""
     roles, trained = config.agent.roles, config.train.roles
+    from agents.envs.registry import entry
+
+    registered = entry(config.env.id).agents  # a registered multi-agent environment's agents, known unbuilt
+    if registered and config.agent.plays_program:
+        raise ConfigError(f"--agent.program: {config.env.id} is an environment of several agents "
+                          f"({', '.join(registered)}), played by the built-in agent with --agent.roles; leave the "
+                          "program out")  # fmt: skip
+    if registered and not roles:
+        raise ConfigError(f"--agent.roles: {config.env.id} is an environment of several agents; bind each (e.g. "
+                          f"--agent.roles '{json.dumps(dict.fromkeys(registered, 'policy'))}')")  # fmt: skip
     if roles and not config.agent.plays_program:  # the built-in agent: the environment's agents are the roles
         from agents.env_spec import EnvSpec
         from agents.envs.base import capabilities
 
-        agents = capabilities(EnvSpec.from_config(config, "train").make()).agents
+        agents = registered or capabilities(EnvSpec.from_config(config, "train").make()).agents
         if not agents:
             raise ConfigError(f"--agent.roles: {config.env.id} is an environment of one agent; a role is the `model` "
                               "name an agent program or harness command sends (--agent.program, --agent.command), "

@@ -123,8 +123,9 @@ class Loop:
                 if watcher is not None:
                     await watcher
                 self.servers.count(client)
+        frozen = {r for r, b in self.config.agent.roles.items() if b != "policy"}  # a base role's calls: version 0
         for tape in tapes:  # a tape's version is its oldest call's: the one that bounds its lag
-            versions = [call.policy_version for call in tape.llm_calls]
+            versions = [call.policy_version for call in tape.llm_calls if call.role not in frozen]
             if versions:
                 tape.metadata.policy_version = min(versions)
         return tapes, clock.wall_s, client.held_s

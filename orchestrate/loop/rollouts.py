@@ -81,6 +81,16 @@ class TimedEnv:
             self.astep = self._astep
         if can.workspace:  # a harness's task files; what it leaves is scored through step
             self.workspace_files, self.answer_from_workspace = env.workspace_files, env.answer_from_workspace
+        if can.agents:  # GEM's multi-agent protocol: its agents, who acts next, what each sees
+            self.possible_agents, self.observe = list(can.agents), env.observe
+
+    @property
+    def agents(self):  # the agents still in a multi-agent game (it changes as they leave)
+        return self.env.agents
+
+    @property
+    def agent_selector(self):
+        return getattr(self.env, "agent_selector", None)
 
     def _timed(self, fn, *args, **kwargs):
         entered = self.clock.enter()

@@ -190,8 +190,11 @@ class VLLMClient:
     def base_model(self) -> BaseModel:
         """The servers' base model without the adapter, as an LLM of its own (a LoRA run's initial policy,
         frozen: the roles bound to `base`, agent.roles)."""
+        if self.adapter is None and self.policy_version == 0:
+            return self  # it serves the initial policy itself (a LoRA run's version 0, as eval serves it)
         if self.adapter is None:
-            raise ValueError("base_model: this client serves no adapters (a LoRA run's servers serve the base apart)")
+            raise ValueError("base_model: this client serves version "
+                             f"{self.policy_version}'s own weights, not a LoRA run's adapters beside its base")  # fmt: skip
         return BaseModel(self)
 
     async def score(self, token_ids: list[int], n_prompt: int) -> list[float]:
