@@ -415,7 +415,7 @@ class EpisodeSession:
             message["tool_calls"] = answer.tool_calls
         return self._response("chat.completion", answer.call, {
             "index": 0, "message": message, "finish_reason": answer.finish_reason,
-            "logprobs": self.chat_logprobs(answer.call) if logprobs else None})  # fmt: skip
+            "logprobs": chat_logprobs(self.tokens_of(answer.call), answer.call) if logprobs else None})  # fmt: skip
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/completions: a prompt as text or token ids, continued as sent."""
@@ -445,7 +445,7 @@ class EpisodeSession:
         t.history, t.tools, t.last_call = [], [], call
         t.ids = call.prompt_token_ids + call.output_token_ids
         self.last_reply = text = self._without_stop(call, self._asked_stops(body))
-        logprobs = self._completion_logprobs(call) if body.get("logprobs") is not None else None
+        logprobs = completion_logprobs(self.tokens_of(call), call) if body.get("logprobs") is not None else None
         return self._response("text_completion", call, {"index": 0, "text": text,
                                                         "finish_reason": call.finish_reason or "stop", "logprobs": logprobs})  # fmt: skip
 
@@ -485,19 +485,6 @@ class EpisodeSession:
     def tokens_of(self, call: LLMCall) -> list[str]:
         return [self.tokens.tokenizer.decode([t], skip_special_tokens=False) for t in call.output_token_ids]
 
-    def chat_logprobs(self, call: LLMCall) -> dict[str, Any]:
-        """The sampled tokens' log-probs (those the learner's ratio starts from) in the chat API's shape; no top
-        alternatives (`top_logprobs` is refused)."""
-        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                            for tok, lp in zip(self.tokens_of(call), call.logprobs)]}  # fmt: skip
-
-    def _completion_logprobs(self, call: LLMCall) -> dict[str, Any]:
-        tokens, offsets, at = self.tokens_of(call), [], 0
-        for tok in tokens:
-            offsets.append(at)
-            at += len(tok)
-        return {"tokens": tokens, "token_logprobs": list(call.logprobs), "top_logprobs": None, "text_offset": offsets}
-
     def _response(self, kind: str, call: LLMCall, choice: dict[str, Any]) -> dict[str, Any]:
         prompt, output = len(call.prompt_token_ids), len(call.output_token_ids)
         return {
@@ -508,6 +495,22 @@ class EpisodeSession:
             "choices": [choice],
             "usage": {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output},
         }
+
+
+def chat_logprobs(tokens: list[str], call: LLMCall) -> dict[str, Any]:
+    """The sampled tokens' log-probs (those the learner's ratio starts from) in the chat API's shape, `tokens` their
+    texts; no top alternatives (`top_logprobs` is refused)."""
+    return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                        for tok, lp in zip(tokens, call.logprobs)]}  # fmt: skip
+
+
+def completion_logprobs(tokens: list[str], call: LLMCall) -> dict[str, Any]:
+    """The same in /v1/completions' shape, with each token's offset in the text."""
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens, "token_logprobs": list(call.logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
 def _common_prefix(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> int:
