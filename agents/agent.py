@@ -174,6 +174,22 @@ class AgentConfig(BaseModel):
         return self.program is not None or self.command is not None
 
 
+class RoleLLMs:
+    """Which LLM answers each role of an episode (agent.roles): for a role bound to `base`, `llm`'s base model
+    (`llm.base_model()`, made once; an LLM without one, a replay, answers every role from its tape), else `llm`."""
+
+    def __init__(self, llm: TokenLLM, base_roles: Any = ()):
+        self.llm, self.base_roles = llm, frozenset(base_roles)
+        self._base: Any = None
+
+    def __call__(self, role: str | None) -> Any:
+        if role not in self.base_roles or not hasattr(self.llm, "base_model"):
+            return self.llm
+        if self._base is None:
+            self._base = self.llm.base_model()
+        return self._base
+
+
 class Agent:
     """What plays episodes: the built-in agent (ChatAgent) or an agent program (orchestrate.gateway.agent's
     ProgramAgent). Started before its first episode and closed after its last (`with agent:` does both; start

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from agents.agent import Agent, AgentConfig, TokenLLM, summarize
+from agents.agent import Agent, AgentConfig, RoleLLMs, TokenLLM, summarize
 from agents.chat import ChatTokens
 from agents.envs.base import Env, capabilities, jsonable
 from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
@@ -44,14 +44,6 @@ class MultiAgentChatAgent(Agent):
 
     def __init__(self, config: AgentConfig, sampling: SamplingParams, chat: ChatTokens, max_context: int | None = None):
         self.config, self.sampling, self.chat, self.max_context = config, sampling, chat, max_context
-
-    def _llm(self, llm: TokenLLM, role: str, base: dict[str, Any]) -> Any:
-        """A role bound to `base` asks the LLM's base model (a replay answers every role from its tape)."""
-        if self.config.roles.get(role) != "base" or not hasattr(llm, "base_model"):
-            return llm
-        if "llm" not in base:
-            base["llm"] = llm.base_model()
-        return base["llm"]
 
     def _record(self, tape: Tape, step, call: LLMCall | None = None) -> None:
         step.metadata.agent = self.name
@@ -87,7 +79,7 @@ class MultiAgentChatAgent(Agent):
                                           info={"observations": jsonable(observations)}))  # fmt: skip
         threads = {a: _Thread() for a in agents}
         last_turn: dict[str, int] = {}
-        base: dict[str, Any] = {}
+        llm_for = RoleLLMs(llm, (r for r, b in self.config.roles.items() if b == "base"))
         turn = 0
         while env.agents:
             selector = getattr(env, "agent_selector", None)
@@ -103,7 +95,7 @@ class MultiAgentChatAgent(Agent):
                 self._end(tape, turn, f"context full: {full[0]}'s prompt of {len(threads[full[0]].prompt_ids)} "
                                       f"tokens + {sampling.max_tokens} new > max_model_len {self.max_context}")  # fmt: skip
                 break
-            calls = await asyncio.gather(*(self._llm(llm, a, base).complete_ids(
+            calls = await asyncio.gather(*(llm_for(a).complete_ids(
                 threads[a].prompt_ids, sampling, messages=list(threads[a].messages), prompt_text=threads[a].prompt_text)
                 for a in active))  # fmt: skip
             cut = False

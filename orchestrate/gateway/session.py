@@ -29,6 +29,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from agents.agent import RoleLLMs
 from agents.chat import ChatTokens
 from agents.tool_format import ToolFormat, ToolFormatError, check_tools, same_calls, written
 from tapes.tape import (
@@ -218,8 +219,7 @@ class EpisodeSession:
         self.id, self.tape, self.llm, self.tokens, self.tools = episode_id, tape, llm, chat, tool_format
         self.sampling, self.model_name, self.max_context, self.loop = sampling, model_name, max_context, loop
         self.roles = tuple(roles)  # the model names served, each a role's (none: model_name, the one agent's)
-        self.base_roles = base_roles  # those answered by the base model, frozen (a LoRA run's: agent.roles)
-        self._base_llm: Any = None
+        self.llm_for = RoleLLMs(llm, base_roles)  # the LLM that answers each role (a base role: the base model)
         self.calls = 0
         self.mismatches = 0
         self.closed = False
@@ -299,15 +299,6 @@ class EpisodeSession:
             raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                                     f"{self.max_context} (prompt + new tokens)", code="context_length_exceeded")  # fmt: skip
         return sampling if sampling.max_tokens <= room else sampling.model_copy(update={"max_tokens": room})
-
-    def llm_for(self, role: str | None) -> Any:
-        """The LLM that answers `role`: the base model for a role bound to it (an LLM without one, a replay,
-        answers every role from its tape), else the episode's LLM."""
-        if role not in self.base_roles or not hasattr(self.llm, "base_model"):
-            return self.llm
-        if self._base_llm is None:
-            self._base_llm = self.llm.base_model()
-        return self._base_llm
 
     async def _complete(self, prompt_ids, sampling, messages, prompt_text, role: str | None = None) -> LLMCall:
         from orchestrate.serving.llm import LLMError, RequestRejected
