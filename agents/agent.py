@@ -60,10 +60,21 @@ class Example(BaseModel):
 
 
 ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+OWN_ADAPTER = "adapter"  # the binding of a role with a LoRA adapter of its own (not a weight-transfer mechanism)
 ROLE_BINDINGS = {
     "policy": "the run's policy, its weights shared by the roles bound to it",
     "base": "the initial policy, frozen: on a LoRA run the servers' base model, without the adapter",
+    OWN_ADAPTER: "a LoRA adapter of the role's own on the same base, trained on its samples alone (a LoRA run)",
 }
+TRAINED_BINDINGS = ("policy", OWN_ADAPTER)  # the bindings whose roles the run trains (the others are frozen)
+
+
+def example_turns(examples: list[Example]) -> list[dict[str, Any]]:
+    """Worked examples as earlier chat turns: user, assistant, user, ..."""
+    turns: list[dict[str, Any]] = []
+    for example in examples:
+        turns += [{"role": "user", "content": example.question}, {"role": "assistant", "content": example.solution}]
+    return turns
 
 
 class AgentConfig(BaseModel):
@@ -113,8 +124,13 @@ class AgentConfig(BaseModel):
         '{"solver": "policy", "judge": "policy"}; an agent program or harness picks a role by the `model` name it '
         "sends (docs/programs.md#roles). `policy`: the run's policy, its weights shared by the roles, each role's "
         "calls credited as an episode of its own (its turns' returns, its own advantage groups); `base`: the "
-        "initial policy, frozen, never trained (a LoRA run's base model). Empty: one agent, the `model` name "
-        "'policy'",
+        "initial policy, frozen, never trained (a LoRA run's base model); `adapter`: a LoRA adapter of the role's "
+        "own, trained on its samples alone (a LoRA run). Empty: one agent, the `model` name 'policy'",
+    )
+    role_examples: dict[str, list[Example]] = Field(
+        default_factory=dict,
+        description="the multi-agent agent's worked examples, per role (an agent of the environment): each "
+        "role's first call shows its own as earlier chat turns, after the system prompt",
     )
 
     @field_validator("roles")
@@ -161,9 +177,7 @@ class AgentConfig(BaseModel):
         messages: list[dict[str, Any]] = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
-        for example in self.examples:
-            messages += [{"role": "user", "content": example.question},
-                         {"role": "assistant", "content": example.solution}]  # fmt: skip
+        messages += example_turns(self.examples)
         text = f"{observation}\n{self.instruction}" if self.instruction else observation
         messages.append({"role": "user", "content": text})
         return messages
@@ -175,19 +189,25 @@ class AgentConfig(BaseModel):
 
 
 class RoleLLMs:
-    """Which LLM answers each role of an episode (agent.roles): for a role bound to `base`, `llm`'s base model
-    (`llm.base_model()`, made once; an LLM without one, a replay, answers every role from its tape), else `llm`."""
+    """Which LLM answers each role of an episode (agent.roles: role -> binding): for a role bound to `base`, `llm`'s
+    base model (`llm.base_model()`), for one bound to `adapter`, the role's own adapter (`llm.role_model(role)`),
+    each made once; else `llm`. An LLM without them (a replay) answers every role itself (from its tape)."""
 
-    def __init__(self, llm: TokenLLM, base_roles: Any = ()):
-        self.llm, self.base_roles = llm, frozenset(base_roles)
-        self._base: Any = None
+    def __init__(self, llm: TokenLLM, bindings: Any = None):
+        self.llm, self.bindings = llm, dict(bindings or {})
+        self._made: dict[str, Any] = {}
 
     def __call__(self, role: str | None) -> Any:
-        if role not in self.base_roles or not hasattr(self.llm, "base_model"):
-            return self.llm
-        if self._base is None:
-            self._base = self.llm.base_model()
-        return self._base
+        binding = self.bindings.get(role)
+        if binding == "base" and hasattr(self.llm, "base_model"):
+            if role not in self._made:
+                self._made[role] = self.llm.base_model()
+            return self._made[role]
+        if binding == OWN_ADAPTER and hasattr(self.llm, "role_model"):
+            if role not in self._made:
+                self._made[role] = self.llm.role_model(role)
+            return self._made[role]
+        return self.llm
 
 
 class Agent:

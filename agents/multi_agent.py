@@ -12,8 +12,9 @@ new observation's). Every call is one turn of the episode, recorded with its rol
 its latest call's turn, whenever the environment gives it (a hider paid when the guesser runs out of guesses).
 A reward to an agent before its first call has no turn to go on and is dropped. The episode ends when no
 agent is left, when an output is cut by max_tokens (that agent's turn earns
-`truncation_reward`) or at `max_turns` calls. A role bound to `base` is answered by the LLM's base model.
-The built-in agent's `instruction` and `examples` are one agent's and do not apply here.
+`truncation_reward`) or at `max_turns` calls. A role bound to `base` is answered by the LLM's base model, one
+bound to `adapter` by its own adapter. The built-in agent's `instruction` and `examples` are one agent's and
+do not apply here: each role's worked examples are `role_examples` (its first call shows them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from agents.agent import Agent, AgentConfig, RoleLLMs, TokenLLM, summarize
+from agents.agent import Agent, AgentConfig, RoleLLMs, TokenLLM, example_turns, summarize
 from agents.chat import ChatTokens
 from agents.envs.base import Env, capabilities, jsonable
 from tapes.tape import EnvAction, EnvObservation, LLMCall, SamplingParams, Tape
@@ -50,11 +51,13 @@ class MultiAgentChatAgent(Agent):
         step.metadata.node = "act" if call is not None else "env"
         tape.append(step, llm_call=call)
 
-    def _prompt(self, thread: _Thread, observation: str) -> None:
-        """The agent's next prompt: its first (system prompt + observation), or its last call continued."""
+    def _prompt(self, thread: _Thread, observation: str, role: str) -> None:
+        """The agent's next prompt: its first (system prompt, the role's worked examples, the observation), or its
+        last call continued."""
         if thread.last is None:
             system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-            thread.messages = [*system, {"role": "user", "content": observation}]
+            examples = example_turns(self.config.role_examples.get(role, []))
+            thread.messages = [*system, *examples, {"role": "user", "content": observation}]
             thread.prompt_text, thread.prompt_ids = self.chat.first_prompt(thread.messages)
             return
         out = thread.last.output_token_ids
@@ -79,7 +82,7 @@ class MultiAgentChatAgent(Agent):
                                           info={"observations": jsonable(observations)}))  # fmt: skip
         threads = {a: _Thread() for a in agents}
         last_turn: dict[str, int] = {}
-        llm_for = RoleLLMs(llm, (r for r, b in self.config.roles.items() if b == "base"))
+        llm_for = RoleLLMs(llm, self.config.roles)
         turn = 0
         while env.agents:
             selector = getattr(env, "agent_selector", None)
@@ -88,7 +91,7 @@ class MultiAgentChatAgent(Agent):
                 self._end(tape, turn, f"turn limit ({self.config.max_turns} calls) reached")
                 break
             for agent in active:
-                self._prompt(threads[agent], str(env.observe(agent)))
+                self._prompt(threads[agent], str(env.observe(agent)), agent)
             full = [a for a in active if self.max_context and len(threads[a].prompt_ids) + sampling.max_tokens
                     > self.max_context]  # fmt: skip
             if full:

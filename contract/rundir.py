@@ -97,6 +97,16 @@ ADAPTER_DIR = "adapter"  # in each checkpoint of a LoRA run: the adapter (finetu
 ADAPTER_CONFIG = "adapter_config.json"  # peft's; written last (finetune.lora): an adapter folder with it is whole
 
 
+def role_adapters(adapter: str | os.PathLike) -> dict[str, Path]:
+    """The adapters of the roles with one of their own (agent.roles bound to `adapter`) inside an adapter folder,
+    in peft's layout for several adapters (ADAPTER/ROLE/, each a whole peft adapter folder): role -> folder. The
+    role folders are written before the policy's own ADAPTER_CONFIG, so a whole adapter folder has them all."""
+    adapter = Path(adapter)
+    if not adapter.is_dir():
+        return {}
+    return {p.name: p for p in sorted(adapter.iterdir()) if p.is_dir() and (p / ADAPTER_CONFIG).is_file()}
+
+
 def advantages_file(root: str | os.PathLike, index: int) -> Path:
     """RUN/advantages/000003.jsonl: what the learner trained batch 3 with."""
     return Path(root) / ADVANTAGES_DIR / f"{index:06d}.jsonl"

@@ -57,15 +57,31 @@ class LoraOptions(BaseModel):
         "--model ADAPTER sets them from it).",
     )
 
-    @field_validator("target_modules", mode="before")
+    roles: list[str] = Field(
+        default_factory=list,
+        description="Roles with an adapter of their own (the orchestrator's agent.roles bound to `adapter`): each "
+        "a second adapter on the same base, trained on that role's samples alone and published beside the "
+        "policy's (checkpoints/N/adapter/ROLE/); every other sample trains the policy's adapter.",
+    )
+
+    @field_validator("target_modules", "roles", mode="before")
     @classmethod
     def _comma_separated(cls, value):
         return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
+    @field_validator("roles")
+    @classmethod
+    def _role_folders(cls, roles: list[str]) -> list[str]:
+        for role in roles:  # each names a folder inside the adapter's
+            if not role or "/" in role or role.startswith(".") or roles.count(role) > 1:
+                raise ValueError(f"lora.roles: {role!r} is not a role name of its own (one folder name, each once)")
+        return roles
+
     @model_validator(mode="after")
     def _options_need_a_rank(self) -> LoraOptions:
         fields = type(self).model_fields
-        changed = [f for f in sorted(self.model_fields_set - {"rank"}) if getattr(self, f) != fields[f].default]
+        changed = [f for f in sorted(self.model_fields_set - {"rank"})
+                   if getattr(self, f) != fields[f].get_default(call_default_factory=True)]  # fmt: skip
         if self.rank == 0 and (extra := changed):  # a dump of the defaults (train_config.json) is fine
             raise ValueError(f"lora.{extra[0]} is set but lora.rank is 0 (full fine-tuning): give lora.rank too")
         return self

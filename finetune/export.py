@@ -13,7 +13,7 @@ import torch
 
 from contract.model_folder import folder_dtype
 from finetune.config import TrainConfig
-from finetune.lora import adapter_tensors, merged, write_adapter
+from finetune.lora import adapter_tensors, merged, role_adapter, write_adapter
 from finetune.models import Models
 
 TOKENIZER_FILES = (
@@ -65,16 +65,25 @@ class Export:
         return weights
 
     def adapter_weights(self) -> dict | None:
-        """The LoRA adapter's tensors as peft saves them, in the served dtype. Every process must call it
-        (FSDP gathers the shards); the main process gets them, the others None."""
+        """The LoRA adapters' tensors as peft saves them, in the served dtype: {None: the policy's, ROLE: the
+        tensors of each role with an adapter of its own (lora.roles)}. Every process must call it (FSDP gathers
+        the shards); the main process gets them, the others None."""
         lm_state = self._lm_state()
         if lm_state is None:
             return None
-        return {k: v.to(DTYPES[self.save_dtype]) for k, v in adapter_tensors(lm_state).items()}
+        lora = self.config.lora
+        return {role: {k: v.to(DTYPES[self.save_dtype]) for k, v in adapter_tensors(lm_state, role_adapter(lora, role)).items()}
+                for role in [None, *lora.roles]}  # fmt: skip
 
-    def save_adapter(self, folder: str | os.PathLike, tensors: dict) -> Path:
-        """Write the adapter folder (finetune.lora.write_adapter) of `adapter_weights`. Main process only."""
-        return write_adapter(folder, tensors, self.models.lora_config, self.model_dir)
+    def save_adapter(self, folder: str | os.PathLike, adapters: dict) -> Path:
+        """Write the adapter folder (finetune.lora.write_adapter) of `adapter_weights`: each role's own in
+        FOLDER/ROLE/ first, the policy's last (its adapter_config.json says the whole folder is there). Main
+        process only."""
+        folder = Path(folder)
+        for role, tensors in adapters.items():
+            if role is not None:
+                write_adapter(folder / role, tensors, self.models.lora_config, self.model_dir)
+        return write_adapter(folder, adapters[None], self.models.lora_config, self.model_dir)
 
     def save_weights(self, folder: str | os.PathLike, weights: dict) -> None:
         """Write `weights` (policy_weights) as a Hugging Face model folder (safetensors, config, tokenizer)

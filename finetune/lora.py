@@ -10,10 +10,17 @@ model folder (`uv run -m orchestrate.after.merge`).
 Names: inside the learner a LoRA layer's tensors are peft's `X.base_layer.weight`,
 `X.lora_A.default.weight` and `X.lora_B.default.weight`; in an adapter file they are
 `base_model.model.X.lora_A.weight` (peft's saved form, which vLLM reads too).
+
+Roles with an adapter of their own (`lora.roles`, the orchestrator's agent.roles bound to `adapter`): each is a
+second adapter on the same layers (peft's `roleI`, by the role's place in lora.roles: a role's name may hold
+dots, which peft's names may not), trained on that role's samples alone: every micro-batch holds one
+adapter's samples and `activate`s it (peft trains the active adapter of a forward pass). They are published
+beside the policy's in peft's layout for several adapters (adapter/ROLE/, contract.rundir.role_adapters).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -24,7 +31,26 @@ import torch
 from contract.adapters import ADAPTER_WEIGHTS, SAVED_PREFIX
 from contract.rundir import ADAPTER_CONFIG
 
-ADAPTER = "default"  # peft's name of the one adapter
+ADAPTER = "default"  # peft's name of the policy's adapter
+
+
+def role_adapter(lora, role: str | None) -> str:
+    """peft's name of the adapter that trains `role`'s samples: the role's own (lora.roles), else the policy's."""
+    return f"role{lora.roles.index(role)}" if role is not None and role in lora.roles else ADAPTER
+
+
+def activate(lm, name: str) -> None:
+    """Make adapter `name` the one `lm`'s LoRA layers apply (a role's own, or the policy's). peft's set_adapter
+    also freezes the others: they stay trainable here (the optimizer and the trainer state hold every adapter;
+    one not applied in a forward pass gets no gradient and no update)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in lm.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.set_adapter(name)
+    for key, param in lm.named_parameters():
+        if ".lora_A." in key or ".lora_B." in key:
+            param.requires_grad_(True)
 
 
 def with_lora(lm, lora, seed: int = 0):
@@ -43,6 +69,10 @@ def with_lora(lm, lora, seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
+        for role in lora.roles:  # each role's own adapter, on the same layers
+            peft_model.add_adapter(role_adapter(lora, role), copy.deepcopy(peft_model.peft_config[ADAPTER]))
+    if lora.roles:
+        activate(peft_model.get_base_model(), ADAPTER)  # every adapter trainable, the policy's applied
     return peft_model.get_base_model(), peft_model.peft_config[ADAPTER]
 
 
@@ -70,13 +100,13 @@ def load_adapter_weights(lm, folder: str | os.PathLike) -> None:
             param.copy_(saved[key].to(param.dtype))
 
 
-def adapter_tensors(lm_state: dict) -> dict:
-    """The adapter's tensors of a learner's state dict (the language model's keys), named as peft saves
+def adapter_tensors(lm_state: dict, name: str = ADAPTER) -> dict:
+    """Adapter `name`'s tensors of a learner's state dict (the language model's keys), named as peft saves
     them."""
     out = {}
     for key, value in lm_state.items():
-        if f".lora_A.{ADAPTER}." in key or f".lora_B.{ADAPTER}." in key:
-            out[SAVED_PREFIX + key.replace(f".{ADAPTER}.", ".")] = value
+        if f".lora_A.{name}." in key or f".lora_B.{name}." in key:
+            out[SAVED_PREFIX + key.replace(f".{name}.", ".")] = value
     return out
 
 

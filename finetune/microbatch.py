@@ -63,6 +63,7 @@ class MicroBatch:
     completion_lengths: list[int]  # trained tokens of each sequence
     n_tokens: int  # real tokens computed (a shared prompt counts once)
     attention_mask: Tensor | None = None  # [rows, 1, cols, cols] bool (True: may attend), shared_prefix only
+    adapter: str | None = None  # the LoRA adapter its samples train, with roles of their own (finetune.lora)
 
     @property
     def n_slots(self) -> int:

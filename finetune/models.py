@@ -63,6 +63,9 @@ def build_models(model_dir: Path, config: TrainConfig, acc: Accelerator) -> Mode
             "DeepSpeed is not supported: a step has a variable number of micro-batches, which DeepSpeed's "
             "fixed gradient accumulation cannot express. Use FSDP (finetune/accelerate/multi_gpu_fsdp.yaml)."
         )
+    if config.lora.roles and acc.num_processes > 1:
+        raise ValueError("lora.roles: adapters of their own for roles are trained in one learner process (each "
+                         "micro-batch applies one adapter, which DDP and FSDP see as unused weights); launch one")  # fmt: skip
     lm, lora_config = _language_model(model_dir, config, acc.device.type == "cuda")
     head_rows = int(lm.get_output_embeddings().weight.shape[0])
     impl = config.logprob_impl

@@ -11,6 +11,7 @@ import torch
 
 from contract.batch import Sample
 from finetune.config import TrainConfig
+from finetune.lora import ADAPTER, activate, role_adapter
 from finetune.microbatch import MicroBatch, micro_batches
 from finetune.models import Models
 
@@ -28,9 +29,25 @@ def fork_parents(samples: list[Sample]) -> list[int | None]:
 class Passes:
     def __init__(self, models: Models, config: TrainConfig):
         self.models, self.config = models, config
+        self._active = ADAPTER  # the adapter applied (finetune.lora.with_lora starts with the policy's)
 
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        """The samples cut into micro-batches of at most token_budget tokens, in the configured layout."""
+        """The samples cut into micro-batches of at most token_budget tokens, in the configured layout; with
+        roles of their own adapter (lora.roles), each micro-batch of one adapter's samples."""
+        lora = self.config.lora
+        if not lora.roles:
+            return self._micro_batches(samples)
+        by_adapter: dict[str, list[int]] = {}
+        for i, sample in enumerate(samples):
+            by_adapter.setdefault(role_adapter(lora, sample.role), []).append(i)
+        out = []
+        for name, members in by_adapter.items():
+            for mb in self._micro_batches([samples[i] for i in members]):
+                mb.indices, mb.adapter = [members[i] for i in mb.indices], name
+                out.append(mb)
+        return out
+
+    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
         cfg = self.config
         return micro_batches(
             [s.prompt_ids for s in samples],
@@ -66,6 +83,7 @@ class Passes:
         """The policy on one micro-batch: log-probs of its targets at inv_temp (and untempered ones if raw; at
         `soft_ids` [n, k], a teacher's top-k tokens of each target's position, untempered, when given)."""
         dev = self.models.accelerator.device
+        self._activate(mb)
         return self.models.model(
             mb.input_ids.to(dev),
             None if mb.position_ids is None else mb.position_ids.to(dev),
@@ -89,10 +107,17 @@ class Passes:
             mb.cols.to(dev),
         )
         mask = None if mb.attention_mask is None else mb.attention_mask.to(dev)
+        self._activate(mb)
         if self.models.value_model is not None:
             return self.models.value_model(*args, attention_mask=mask)
         inv_temp = torch.ones(len(mb.targets), device=dev)
         return self.models.model(*args, mb.targets.to(dev), inv_temp, False, mask).values
+
+    def _activate(self, mb: MicroBatch) -> None:
+        """The micro-batch's adapter applied, where roles have adapters of their own."""
+        if mb.adapter is not None and mb.adapter != self._active:
+            activate(self.models.accelerator.unwrap_model(self.models.model).lm, mb.adapter)
+            self._active = mb.adapter
 
     @torch.no_grad()
     def sample_values(self, samples: list[Sample]) -> list[torch.Tensor]:

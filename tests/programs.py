@@ -33,14 +33,19 @@ class ScriptedLLM:
 
 
 class WithBase(ScriptedLLM):
-    """A LoRA run's client as an agent sees it: the policy's replies, and its base model's own (`base_model`)."""
+    """A LoRA run's client as an agent sees it: the policy's replies, its base model's own (`base_model`) and
+    each role's own adapter's (`role_model`)."""
 
-    def __init__(self, tokenizer, replies, base_replies):
+    def __init__(self, tokenizer, replies, base_replies, role_replies=None):
         super().__init__(tokenizer, replies)
         self.base = ScriptedLLM(tokenizer, base_replies)
+        self.own = {role: ScriptedLLM(tokenizer, said) for role, said in (role_replies or {}).items()}
 
     def base_model(self):
         return self.base
+
+    def role_model(self, role):
+        return self.own[role]
 
 
 def arithmetic():

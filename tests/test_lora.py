@@ -33,9 +33,11 @@ def servers(tiny_model_dir, tiny_servers, tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("vllm")
     config = ServerConfig(max_model_len=1024, kv_cache_gib=1)
-    policy = VLLMServer(untied_copy(tiny_model_dir), log_path=logs / "policy.log", config=config, lora_rank=RANK)
+    policy = VLLMServer(untied_copy(tiny_model_dir), log_path=logs / "policy.log", config=config, lora_rank=RANK,
+                        lora_adapters=2)  # fmt: skip
     reference = tiny_servers[1]
     assert "--enable-lora" in policy.command() and "--enable-lora" not in reference.command()
+    assert policy.command()[policy.command().index("--max-loras") + 1] == "4"  # two adapters, each with its last
     with policy:
         yield policy, reference
 
@@ -89,6 +91,54 @@ def test_each_version_is_served_as_its_adapter_and_the_old_one_unloaded(servers,
     assert gone.status_code == 404, gone.text  # version 1's adapter was unloaded when 2 came in
     weights.rejoin(policy)  # e.g. back after a restart: version 2 again, in place
     assert worst_ratio(learner, [sample_from_vllm(as_model(policy, "policy-v2"), prompts[0], 1.0)]) < 1e-3
+
+
+def test_roles_own_adapters_are_served_beside_the_policys_and_base_requests_batched_with_them(
+    servers, tiny_model_dir, tmp_path
+):
+    """Roles bound to `adapter`: a version's adapters are served as policy-vN and policy-ROLE-vN, each sampling
+    what the learner computes for that role's samples, while base requests batched with them, every adapter slot
+    in use, get the base model (vLLM's -1 for no adapter is no update: orchestrate.serving.vllm_plugin.cpu_lora)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from contract.batch import Sample
+    from contract.rundir import RunDir
+    from contract.weight_paths import select
+    from finetune.learner import Learner
+    from orchestrate.serving.weights import transport_for
+
+    policy, _ = servers
+    learner = Learner(tiny_model_dir, TrainConfig(lr=1e-2, lora={"rank": RANK, "roles": "solver,judge"}))
+    base = Learner(tiny_model_dir, TrainConfig())
+    prompts = chat_prompts(tiny_model_dir)
+    for k, role in enumerate((None, "solver", "judge")):  # each adapter an update of its own
+        ids = [[(7 * k + 3 * j + i) % 256 for i in range(12)] for j in range(len(prompts) * 2)]
+        batch = [Sample(prompt_ids=p, completion_ids=ids[2 * i + j], behaviour_logprobs=[0.0] * 12, reward=float(j),
+                        group_id=i, role=role) for i, p in enumerate(prompts) for j in range(2)]  # fmt: skip
+        batch = [
+            s.model_copy(update={"behaviour_logprobs": lp.tolist()}) for s, lp in zip(batch, learner.logprobs(batch))
+        ]
+        learner.train_batch(batch, k)
+    run = RunDir(tmp_path / "run")
+    publish(learner, run, 1)
+    weights = transport_for(run, [policy], select("disk", RANK), 60, _Trainer())
+    assert weights.serve(1) == []
+    policy.load_adapter("policy-copy-v1", run.adapter(1))  # a fourth adapter: every slot in use
+    roles = {"policy-v1": None, "policy-solver-v1": "solver", "policy-judge-v1": "judge", "policy-copy-v1": None,
+             "policy": "base"}  # fmt: skip
+    asks = [(name, p) for p in prompts for name in roles]
+    with ThreadPoolExecutor(len(asks)) as pool:  # at once: vLLM batches them
+        got = list(pool.map(lambda a: sample_from_vllm(as_model(policy, a[0]), a[1], 1.0), asks))
+    for (name, _), sample in zip(asks, got):
+        role = roles[name]
+        gap = (
+            worst_ratio(base, [sample])
+            if role == "base"
+            else worst_ratio(learner, [sample.model_copy(update={"role": role})])
+        )
+        assert gap < 1e-3, f"{name}: max |ratio - 1| = {gap:.2e}"
+    solver = [s.model_copy(update={"role": "judge"}) for (n, _), s in zip(asks, got) if n == "policy-solver-v1"]
+    assert worst_ratio(learner, solver) > 1e-2  # the roles' adapters differ
 
 
 def test_reference_on_the_policy_server_equals_the_reference_servers(servers, tiny_model_dir):

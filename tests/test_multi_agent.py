@@ -78,6 +78,27 @@ def test_a_player_bound_to_base_asks_the_base_model(tokenizer):
     assert len(llm.base.prompts) == 2 and len(llm.prompts) == 2
 
 
+def test_players_with_adapters_of_their_own_ask_them_and_see_their_own_worked_examples(tokenizer):
+    from agents.agent import Example
+
+    llm = WithBase(tokenizer, [], [], {"hider": ["\\boxed{13}", "\\boxed{higher}"],
+                                       "guesser": ["\\boxed{10}", "\\boxed{13}"]})  # fmt: skip
+    shown = {"hider": [Example(question="Pick one of 1-50.", solution="\\boxed{37}")],
+             "guesser": [Example(question="Guess one of 1-50.", solution="\\boxed{25}")]}  # fmt: skip
+    tape = play(agent(tokenizer, roles={"hider": "adapter", "guesser": "adapter"}, role_examples=shown), llm)
+    assert [(c.role, c.output_text) for c in tape.llm_calls] == [
+        ("hider", "\\boxed{13}"), ("guesser", "\\boxed{10}"), ("hider", "\\boxed{higher}"), ("guesser", "\\boxed{13}")]  # fmt: skip
+    hider, guesser = tape.llm_calls[0], tape.llm_calls[1]
+    assert [m["content"] for m in hider.messages[:2]] == ["Pick one of 1-50.", "\\boxed{37}"]
+    assert "Guess one of 1-50." in guesser.prompt_text and "Pick one of" not in guesser.prompt_text
+    assert "Pick a secret whole number" in hider.prompt_text  # the game's own observation after the example
+    from orchestrate.loop.command_line import resolve
+    from orchestrate.loop.config_checks import ConfigError
+
+    with pytest.raises(ConfigError, match="--agent.role_examples: 'judge' is not a role of agent.roles"):
+        resolve("hide_and_guess", {"agent.role_examples": '{"judge": []}'})
+
+
 def test_an_output_cut_by_max_tokens_ends_the_episode_and_the_turn_limit_truncates(tokenizer):
     cut = ScriptedLLM(tokenizer, ["\\boxed{13}", "\\boxed{1"], eos=False)
     original = cut.complete_ids

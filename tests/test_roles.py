@@ -336,7 +336,10 @@ def test_bad_base_bindings_are_refused(overrides, message):
 
 def test_the_built_in_agent_takes_roles_for_the_agents_of_a_multi_agent_environment():
     config = resolve("hide_and_guess", {})
-    assert config.agent.roles == {"hider": "policy", "guesser": "policy"} and config.agent.program is None
+    assert config.agent.roles == {"hider": "adapter", "guesser": "adapter"} and config.agent.program is None
+    assert config.adapter_roles == ["hider", "guesser"] and set(config.agent.role_examples) == {"hider", "guesser"}
+    with pytest.raises(ConfigError, match="--agent.role_examples: the multi-agent agent's worked examples"):
+        resolve("solver_judge", {"agent.role_examples": '{"solver": []}'})
     with pytest.raises(ConfigError, match="agents are hider, guesser; bind each of them and nothing else"):
         resolve("hide_and_guess", {"agent.roles": '{"hider": "policy"}'})
     with pytest.raises(ConfigError, match="math:arithmetic is an environment of one agent"):

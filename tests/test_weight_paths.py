@@ -8,6 +8,7 @@ import ast
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -271,6 +272,39 @@ def test_a_collective_that_cannot_form_falls_back_to_disk(run, capsys):
     assert transport.serve(1) == [] and server.paths == [run.checkpoint(1).resolve()]
 
 
+def test_a_learner_that_dies_before_joining_the_group_is_an_error_at_once(run):
+    """The learner joins the weight group as rank 0: dead before it does (a bad option, out of memory), its error
+    is raised within a second, not after timeout_s of servers waiting, and the servers drop their ends."""
+    import threading
+    import time
+
+    from orchestrate.loop.trainer import TrainerError
+
+    released, dropped = threading.Event(), []
+
+    class Waiting(Server):
+        def get(self, route, params=None):
+            return httpx.Response(200, json={"world_size": 1})
+
+        def _post(self, route, json=None, timeout=300):
+            released.wait(timeout)  # joined: waits for the other ranks
+
+        def drop_weight_group(self):
+            dropped.append(self)
+            released.set()
+
+    class Dead(Trainer):
+        def check_alive(self):
+            raise TrainerError("the trainer exited with code 2")
+
+    server = Waiting()
+    transport = transport_for(run, [server], select("gloo"), 60, Dead())
+    start = time.monotonic()
+    with pytest.raises(TrainerError, match="exited with code 2"):
+        transport.start()
+    assert time.monotonic() - start < 5 and dropped == [server]
+
+
 def test_only_adapters_stay_loaded_side_by_side(run):
     """unload is the loop's at every swap; it frees something only where versions stay loaded."""
     posted = []
@@ -295,6 +329,38 @@ def test_only_adapters_stay_loaded_side_by_side(run):
     assert transport.loaded - {0} == {2} and ("/v1/unload_lora_adapter", "policy-v1") in posted
     disk = transport_for(run, [Server()], select(None), 5, Trainer())
     disk.unload(1)  # nothing loaded side by side: nothing to do, nothing raised
+
+
+def test_roles_own_adapters_are_loaded_before_the_policys_and_unloaded_with_it(run):
+    """A version with roles' own adapters (adapter/ROLE/): each loaded as policy-ROLE-vN before policy-vN (whose
+    name says the version is in), each unloaded with it when the next version comes."""
+    posted = []
+
+    class AdapterServer(Server):
+        served_model_name = "policy"
+        load_adapter, unload_adapter = VLLMServer.load_adapter, VLLMServer.unload_adapter
+        reset_prefix_cache = VLLMServer.reset_prefix_cache
+
+        def _post(self, route, json=None, timeout=300):
+            posted.append((route.rsplit("/", 1)[-1], (json or {}).get("lora_name")))
+
+    transport = transport_for(run, [AdapterServer()], select(None, lora_rank=4), 5, Trainer())
+    for version in (1, 2):
+        for folder in (run.adapter(version) / "solver", run.adapter(version) / "ju.dge", run.adapter(version)):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "adapter_config.json").write_text("{}")
+        transport.serve(version)
+    loads = [name for route, name in posted if route == "load_lora_adapter"]
+    assert loads == [
+        "policy-ju.dge-v1",
+        "policy-solver-v1",
+        "policy-v1",
+        "policy-ju.dge-v2",
+        "policy-solver-v2",
+        "policy-v2",
+    ]
+    unloads = [name for route, name in posted if route == "unload_lora_adapter"]
+    assert unloads == ["policy-v1", "policy-ju.dge-v1", "policy-solver-v1"]
 
 
 def test_the_plugin_entry_point_module_imports_no_vllm():

@@ -174,7 +174,7 @@ class ProgramAgent(Agent):
         session = self.gateway.open(
             tape=tape, llm=llm, chat=self.chat, tool_format=self.tool_format, sampling=sampling,
             model_name=MODEL_NAME, max_context=self.max_context, loop=asyncio.get_running_loop(), roles=self.roles,
-            base_roles=frozenset(r for r, b in self.bindings.items() if b == "base"),
+            bindings=self.bindings,
         )  # fmt: skip
         ended = False
 

@@ -214,12 +214,12 @@ class EpisodeSession:
         max_context: int | None,
         loop: asyncio.AbstractEventLoop,
         roles: tuple[str, ...] = (),
-        base_roles: frozenset[str] = frozenset(),
+        bindings: dict[str, str] | None = None,
     ):
         self.id, self.tape, self.llm, self.tokens, self.tools = episode_id, tape, llm, chat, tool_format
         self.sampling, self.model_name, self.max_context, self.loop = sampling, model_name, max_context, loop
         self.roles = tuple(roles)  # the model names served, each a role's (none: model_name, the one agent's)
-        self.llm_for = RoleLLMs(llm, base_roles)  # the LLM that answers each role (a base role: the base model)
+        self.llm_for = RoleLLMs(llm, bindings)  # the LLM that answers each role (agent.roles' binding)
         self.calls = 0
         self.mismatches = 0
         self.closed = False

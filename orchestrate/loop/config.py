@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from agents.agent import AgentConfig
+from agents.agent import OWN_ADAPTER, TRAINED_BINDINGS, AgentConfig
 from agents.envs import EnvError, check_options, known_ids
 from agents.sandbox import SandboxConfig
 from agents.search import SearchConfig
@@ -460,11 +460,16 @@ class RLConfig(BaseModel):
     @property
     def trained_roles(self) -> list[str] | None:
         """The learner's train.roles: --train.roles, else, where some role is frozen (agent.roles), every role
-        bound to the policy; none: every sample."""
+        bound to the policy or to an adapter of its own; none: every sample."""
         roles = self.agent.roles
-        if self.train.roles is not None or all(b == "policy" for b in roles.values()):
+        if self.train.roles is not None or all(b in TRAINED_BINDINGS for b in roles.values()):
             return self.train.roles
-        return [r for r, b in roles.items() if b == "policy"]
+        return [r for r, b in roles.items() if b in TRAINED_BINDINGS]
+
+    @property
+    def adapter_roles(self) -> list[str]:
+        """The roles with a LoRA adapter of their own (agent.roles bound to `adapter`): the learner's lora.roles."""
+        return [r for r, b in self.agent.roles.items() if b == OWN_ADAPTER]
 
     @property
     def teacher_coef(self) -> float:

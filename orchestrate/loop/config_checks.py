@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from agents.agent import TRAINED_BINDINGS
 from contract.cli import OptionError, check_finite
 from contract.weight_paths import DEFAULT, select
 from finetune.estimators import ESTIMATORS
@@ -425,6 +426,9 @@ def check_roles(config) -> None:
         raise ConfigError(f"--agent.program: {config.env.id} is an environment of several agents "
                           f"({', '.join(registered)}), played by the built-in agent with --agent.roles; leave the "
                           "program out")  # fmt: skip
+    if config.agent.role_examples and config.agent.plays_program:
+        raise ConfigError("--agent.role_examples: the multi-agent agent's worked examples; a program writes its own "
+                          "prompts, leave them out")  # fmt: skip
     if registered and not roles:
         raise ConfigError(f"--agent.roles: {config.env.id} is an environment of several agents; bind each (e.g. "
                           f"--agent.roles '{json.dumps(dict.fromkeys(registered, 'policy'))}')")  # fmt: skip
@@ -440,6 +444,9 @@ def check_roles(config) -> None:
         if set(agents) != set(roles):
             raise ConfigError(f"--agent.roles: {config.env.id}'s agents are {', '.join(agents)}; bind each of them "
                               f"and nothing else (e.g. --agent.roles '{json.dumps(dict.fromkeys(agents, 'policy'))}')")  # fmt: skip
+    if unknown := [r for r in config.agent.role_examples if r not in roles]:
+        raise ConfigError(f"--agent.role_examples: {unknown[0]!r} is not a role of agent.roles "
+                          f"({', '.join(roles) or 'none'})")  # fmt: skip
     if config.agent.program is not None:  # a program may name the roles it calls (its module's ROLES)
         import importlib
 
@@ -454,16 +461,24 @@ def check_roles(config) -> None:
         if unknown:
             have = f"its roles are {', '.join(roles)}" if roles else "it has no roles (agent.roles)"
             raise ConfigError(f"--train.roles: {unknown[0]!r} is not a role of this run; {have}")
-        frozen = [r for r in trained if roles[r] != "policy"]
+        frozen = [r for r in trained if roles[r] not in TRAINED_BINDINGS]
         if frozen:
             raise ConfigError(f"--train.roles: {frozen[0]!r} is bound to {roles[frozen[0]]!r}, which is not trained; "
-                              "name roles bound to 'policy'")  # fmt: skip
+                              "name roles bound to 'policy' or 'adapter'")  # fmt: skip
     base = [r for r, b in roles.items() if b == "base"]
     if base and not config.train.lora.rank:
         raise ConfigError(f"--agent.roles: {base[0]!r} is bound to 'base', the initial policy the servers serve "
                           "beside the adapters of a LoRA run; add --train.lora.rank (e.g. 16)")  # fmt: skip
-    if roles and "policy" not in roles.values():
-        raise ConfigError("--agent.roles: no role is bound to 'policy', so nothing would be trained; bind one")
+    own = config.adapter_roles
+    if own and not config.train.lora.rank:
+        raise ConfigError(f"--agent.roles: {own[0]!r} is bound to 'adapter', a LoRA adapter of its own beside the "
+                          "policy's; add --train.lora.rank (e.g. 16)")  # fmt: skip
+    if config.train.lora.roles and config.train.lora.roles != own:
+        raise ConfigError("--train.lora.roles: the roles with an adapter of their own are those --agent.roles binds "
+                          "to 'adapter'; leave it out")  # fmt: skip
+    if roles and not any(b in TRAINED_BINDINGS for b in roles.values()):
+        raise ConfigError("--agent.roles: no role is bound to 'policy' or 'adapter', so nothing would be trained; "
+                          "bind one")  # fmt: skip
     if roles and config.tree.width:
         raise ConfigError("--tree.width: tree rollouts of episodes with several roles (agent.roles) are not built; "
                           "leave one of them out")  # fmt: skip

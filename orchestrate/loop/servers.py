@@ -71,7 +71,7 @@ class Servers:
             n = c.server.policy_servers
             gpus = gpu_slices(c.server.gpus, n, per_server) if (c.server.gpus or n > 1) else None
             policy = policy_servers(policy_dir, c.server, logs, count=n, gpus=gpus, cpus=cpus, seed=c.run.seed,
-                                    lora_rank=c.train.lora.rank)  # fmt: skip
+                                    lora_rank=c.train.lora.rank, lora_adapters=1 + len(c.adapter_roles))  # fmt: skip
         reference = None
         if c.train.needs_reference and not c.reference_on_policy:
             if c.server.reference_url:
@@ -210,7 +210,7 @@ class Servers:
         adapter = None
         if role == "policy" and self.mechanism.adapter:
             name = self.policy[0].served_model_name
-            adapter = lambda v: adapter_name(name, v) if v else None  # noqa: E731 - version 0 is the base
+            adapter = lambda v, role=None: adapter_name(name, v, role) if v else None  # noqa: E731 - 0 is the base
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,

@@ -25,7 +25,7 @@ from typing import Any
 from agents.agent import Agent, ChatAgent
 from agents.chat import ChatTokens
 from agents.env_spec import EnvSpec
-from contract.rundir import RunDir
+from contract.rundir import RunDir, role_adapters
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.policy import Policy, RunModels, read_run_config
 from tapes.tape import SamplingParams, Tape
@@ -104,7 +104,6 @@ class PolicyServer:
         from orchestrate.serving.launch import policy_servers, remote_servers
         from orchestrate.serving.models import untied_copy
         from orchestrate.serving.processes import parse_cpus
-        from orchestrate.serving.vllm_server import adapter_name
 
         p, s = self.policy, self.config.server
         if p.url:
@@ -116,11 +115,11 @@ class PolicyServer:
         model = untied_copy(p.model) if self.switches and not lora else p.model
         (self.server,) = policy_servers(model, s, self.logs, gpus=gpus, cpus=parse_cpus(s.cpus) if s.cpus else None,
                                         seed=self.config.run.seed, reloads=False, log_name=self.log_name,
-                                        lora_rank=lora)  # fmt: skip
+                                        lora_rank=lora, lora_adapters=1 + len(self.config.adapter_roles))  # fmt: skip
         self.server.start()
         try:
             if p.adapter is not None:
-                self.server.load_adapter(adapter_name(self.server.served_model_name, p.version), p.adapter.resolve())
+                self._load_adapters(p)
         except Exception:
             self.server.stop()
             raise
@@ -137,12 +136,22 @@ class PolicyServer:
             raise RuntimeError("PolicyServer.switch: a server started with switches=True, not one by URL")
         name = self.server.served_model_name
         if policy.adapter is not None:
-            self.server.load_adapter(adapter_name(name, policy.version), policy.adapter.resolve())
+            self._load_adapters(policy)
         elif policy.model != self.policy.model:  # another folder of weights (a LoRA run's base never changes)
             self.server.reload_weights(untied_copy(policy.model), verify=False)  # the prefix cache reset with it
-        if self.policy.adapter is not None:  # the adapter served before is not needed again
-            self.server.unload_adapter(adapter_name(name, self.policy.version))
+        if self.policy.adapter is not None:  # the adapters served before are not needed again
+            for role in [None, *role_adapters(self.policy.adapter)]:
+                self.server.unload_adapter(adapter_name(name, self.policy.version, role))
         self.policy = policy
+
+    def _load_adapters(self, policy: Policy) -> None:
+        """A LoRA version's adapters into the server: the policy's, and each role's own (contract.rundir.role_adapters)."""
+        from orchestrate.serving.vllm_server import adapter_name
+
+        name = self.server.served_model_name
+        self.server.load_adapter(adapter_name(name, policy.version), policy.adapter.resolve())
+        for role, folder in role_adapters(policy.adapter).items():
+            self.server.load_adapter(adapter_name(name, policy.version, role), folder.resolve())
 
     def stop(self) -> None:
         if self.server is not None:
@@ -159,11 +168,11 @@ class PolicyServer:
         from orchestrate.serving.llm import VLLMClient
         from orchestrate.serving.vllm_server import adapter_name
 
-        p = self.policy
-        adapter = adapter_name(self.server.served_model_name, p.version) if p.adapter is not None else None
+        p, name = self.policy, self.server.served_model_name
+        adapter = (lambda _, role=None: adapter_name(name, p.version, role)) if p.adapter is not None else None
         return VLLMClient([self.server], model=p.name, policy_version=p.version,
                           max_concurrency=max_concurrency or self.config.rollouts.max_concurrency,
-                          adapter=(lambda _: adapter) if adapter else None)  # fmt: skip
+                          adapter=adapter)  # fmt: skip
 
 
 # -- the reference scorer ---------------------------------------------------------------------------
@@ -229,6 +238,7 @@ class RunSetup:
                 "teacher_coef": c.teacher_coef,
                 "teacher_topk_coef": c.teacher_topk_coef,
                 "roles": c.trained_roles,
+                "lora": c.train.lora.model_copy(update={"roles": c.adapter_roles}) if c.adapter_roles else c.train.lora,
             }
         )
         if c.run.async_level and c.train.max_lag is None:  # it trains nothing more than K versions old

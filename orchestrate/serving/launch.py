@@ -30,6 +30,7 @@ def policy_servers(
     cpus: list[int] | None = None,
     seed: int = 0,
     lora_rank: int = 0,
+    lora_adapters: int = 1,
     reloads: bool = True,
     log_name: str = "policy",
 ) -> list[VLLMServer]:
@@ -44,7 +45,7 @@ def policy_servers(
     return [
         VLLMServer(served, log_path=logs / (f"{log_name}-{i}.log" if reloads else f"{log_name}.log"),
                    name="policy", config=settings, gpu_ids=gpus[i] if gpus else None, cpus=cpus, seed=seed + i,
-                   lora_rank=lora_rank)
+                   lora_rank=lora_rank, lora_adapters=lora_adapters)
         for i in range(count)
     ]  # fmt: skip
 

@@ -54,7 +54,7 @@ class VLLMClient:
         out: Sequence[Endpoint] = (),
         health_interval_s: float = 10.0,
         rejoin_timeout_s: float = 120.0,
-        adapter: Callable[[int], str | None] | None = None,
+        adapter: Callable[..., str | None] | None = None,
     ):
         self.pool = ServerPool(endpoints, max_concurrency=max_concurrency, timeout_s=timeout_s,
                                max_retries=max_retries, on_failure=on_failure, on_rejoin=on_rejoin, out=out,
@@ -64,7 +64,8 @@ class VLLMClient:
         self.endpoints = self.pool.endpoints
         self.tokenizer = tokenizer
         self.model = model
-        # a LoRA run: the name version v's adapter is served under (None: the base model's own name)
+        # a LoRA run: the name version v's adapter is served under, adapter(v) the policy's and adapter(v, ROLE) a
+        # role's own (None: the base model's own name)
         self.adapter = adapter
         self.extra_body = dict(extra_body or {})  # more vLLM sampling fields, e.g. {"ignore_eos": True}
 
@@ -133,9 +134,11 @@ class VLLMClient:
         messages: list[dict[str, Any]] | None = None,
         prompt_text: str = "",
         base: bool = False,
+        role: str | None = None,
     ) -> LLMCall:
         """One completion of `prompt_ids`, by the policy's current version (its adapter, on a LoRA run), or with
-        `base` by the servers' base model (a LoRA run's initial policy: `base_model`), recorded as version 0."""
+        `base` by the servers' base model (a LoRA run's initial policy: `base_model`), recorded as version 0, or
+        with `role` by the current version of that role's own adapter (`role_model`)."""
         payload: dict[str, Any] = {
             "prompt": prompt_ids,
             "max_tokens": sampling.max_tokens,
@@ -154,7 +157,9 @@ class VLLMClient:
             payload["include_stop_str_in_output"] = True
         payload.update(self.extra_body)
         version = await self.gate.enter()
-        adapter = self.adapter(version) if self.adapter is not None and not base else None
+        adapter = None
+        if self.adapter is not None and not base:
+            adapter = self.adapter(version) if role is None else self.adapter(version, role)
         if adapter:
             payload["model"] = adapter  # instead of the server's base name
         start = time.perf_counter()
@@ -187,7 +192,7 @@ class VLLMClient:
             latency_s=time.perf_counter() - start,
         )
 
-    def base_model(self) -> BaseModel:
+    def base_model(self) -> ServedModel:
         """The servers' base model without the adapter, as an LLM of its own (a LoRA run's initial policy,
         frozen: the roles bound to `base`, agent.roles)."""
         if self.adapter is None and self.policy_version == 0:
@@ -195,7 +200,15 @@ class VLLMClient:
         if self.adapter is None:
             raise ValueError("base_model: this client serves version "
                              f"{self.policy_version}'s own weights, not a LoRA run's adapters beside its base")  # fmt: skip
-        return BaseModel(self)
+        return ServedModel(self)
+
+    def role_model(self, role: str) -> ServedModel:
+        """Role `role`'s own adapter on the servers, as an LLM of its own (agent.roles bound to `adapter`: each
+        version's ROLE adapter beside the policy's; version 0 is the base model, as the policy's)."""
+        if self.adapter is None and self.policy_version:
+            raise ValueError(f"role_model: this client serves version {self.policy_version}'s own weights, not a "
+                             "LoRA run's adapters beside its base")  # fmt: skip
+        return ServedModel(self, role=role)
 
     async def score(self, token_ids: list[int], n_prompt: int) -> list[float]:
         """Log-probs of token_ids[n_prompt:] given what precedes them (reference scoring).
@@ -241,15 +254,16 @@ class VLLMClient:
         return Scores(out, top_ids if k else None, top_logprobs if k else None)
 
 
-class BaseModel:
-    """A LoRA run's base model on its policy servers (`VLLMClient.base_model`): calls without the adapter."""
+class ServedModel:
+    """Another model a LoRA run's policy servers serve beside the policy: the base model (`VLLMClient.base_model`),
+    calls without an adapter; or, given a `role`, that role's own adapter (`VLLMClient.role_model`)."""
 
-    def __init__(self, client: VLLMClient):
-        self.client = client
+    def __init__(self, client: VLLMClient, role: str | None = None):
+        self.client, self.role = client, role
 
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text: str = "") -> LLMCall:
         return await self.client.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text,
-                                              base=True)  # fmt: skip
+                                              base=self.role is None, role=self.role)  # fmt: skip
 
 
 class Scores(NamedTuple):

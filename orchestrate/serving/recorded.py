@@ -99,6 +99,7 @@ class ForkLLM:
         messages: list[dict[str, Any]] | None = None,
         prompt_text: str = "",
         base: bool = False,
+        role: str | None = None,
     ) -> LLMCall:
         if self._replay.position < self.at:
             try:
@@ -106,23 +107,28 @@ class ForkLLM:
             except LLMError as exc:
                 raise ForkDiverged(f"fork at call {self.at}: {str(exc).removeprefix('replay: ')}") from None
         self.live_calls += 1
-        live = self.live.base_model() if base else self.live
+        live = self.live.base_model() if base else self.live.role_model(role) if role is not None else self.live
         return await live.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
-    def base_model(self) -> _ForkBase:
+    def base_model(self) -> _ForkServed:
         """The base model's calls (roles bound to `base`): replayed as any, then the live LLM's base model."""
-        return _ForkBase(self)
+        return _ForkServed(self)
+
+    def role_model(self, role: str) -> _ForkServed:
+        """A role's own adapter's calls (roles bound to `adapter`): replayed as any, then the live LLM's."""
+        return _ForkServed(self, role)
 
 
-class _ForkBase:
-    """A fork's base model (roles bound to `base`): its replayed calls from the tape, then the live LLM's base."""
+class _ForkServed:
+    """A fork's base model (roles bound to `base`) or a role's own adapter (bound to `adapter`): its replayed
+    calls from the tape, then the live LLM's."""
 
-    def __init__(self, fork: ForkLLM):
-        self.fork = fork
+    def __init__(self, fork: ForkLLM, role: str | None = None):
+        self.fork, self.role = fork, role
 
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text: str = "") -> LLMCall:
         return await self.fork.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text,
-                                            base=True)  # fmt: skip
+                                            base=self.role is None, role=self.role)  # fmt: skip
 
 
 def _first_id_difference(recorded: list[int], now: list[int]) -> str:

@@ -47,11 +47,13 @@ def served_lora_rank(rank: int) -> int:
     raise ValueError(f"lora.rank {rank} is above the largest rank vLLM serves ({LORA_RANKS[-1]})")
 
 
-def adapter_name(served_model_name: str, version: int) -> str:
+def adapter_name(served_model_name: str, version: int, role: str | None = None) -> str:
     """The name a LoRA run's version is served under: the base model's name for version 0 (no adapter),
     else one name per version (reloading an adapter in place under one name can serve stale prefix-cache
-    entries, vLLM #42125)."""
-    return served_model_name if version == 0 else f"{served_model_name}-v{version}"
+    entries, vLLM #42125); a role with an adapter of its own (agent.roles `adapter`): policy-ROLE-vN."""
+    if version == 0:
+        return served_model_name
+    return f"{served_model_name}-v{version}" if role is None else f"{served_model_name}-{role}-v{version}"
 
 
 # Any ids in every tokenizer's range; used to check that a weight reload took.
@@ -312,6 +314,7 @@ class VLLMServer(ServerRoutes):
         host: str = "127.0.0.1",
         port: int = 0,
         lora_rank: int = 0,
+        lora_adapters: int = 1,
     ):
         self.model = str(model)
         self.host = host  # a server of our own listens on loopback only; `orchestrate.serve` may say otherwise
@@ -323,6 +326,9 @@ class VLLMServer(ServerRoutes):
         self.cpus = cpus  # cores the server runs on (CPU: its OpenMP threads bind to them); none: ours
         self.seed = seed
         self.max_lora_rank = served_lora_rank(lora_rank)  # 0: no adapters (full fine-tuning)
+        # a LoRA run's adapters of one version (the policy's, each role's of its own), each beside the one of the
+        # version before while a swap finishes: the slots vLLM holds on the device (--max-loras)
+        self.max_loras = 2 * lora_adapters
         self.on_gpu = cuda_available()
         self.api_key = secrets.token_hex(16)
         self.port = port
@@ -363,7 +369,7 @@ class VLLMServer(ServerRoutes):
             cmd.append("--enforce-eager")
         cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.max_lora_rank:  # a LoRA run: each version is an adapter, loaded by path (orchestrate.serving.weights)
-            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "2"]
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
             from contract.adapters import layer_projections
 
             if targets := layer_projections(self.model):  # adapters live inside the layers; the head stays plain

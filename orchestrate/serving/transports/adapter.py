@@ -1,12 +1,14 @@
 """The adapter path (a LoRA run, `--train.lora.rank`): whole weights never move; each version is the adapter
 folder in its checkpoint (megabytes), loaded into every server by path under a name of its own
 (vllm_server.adapter_name: policy-vN; version 0 is the base model, served under the plain name, which is
-also what the reference is scored on). The adapter of the version before is unloaded once the new one is in;
+also what the reference is scored on), with each role's own beside it (agent.roles bound to `adapter`:
+checkpoints/N/adapter/ROLE/, served as policy-ROLE-vN). The adapter of the version before is unloaded once the new one is in;
 while episodes run (async_level >= 1) calls are not drained around a swap: those in flight finish under the
 old adapter, which is unloaded when the last of them is done."""
 
 from __future__ import annotations
 
+from contract.rundir import role_adapters
 from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
 from orchestrate.serving.weights import Transport
 
@@ -15,6 +17,7 @@ class AdapterTransport(Transport):
     def __init__(self, *args):
         super().__init__(*args)
         self.loaded: set[int] = set()  # the versions whose adapters the servers hold (calls use them)
+        self.roles: list[str] = []  # the roles with adapters of their own (found in the first version loaded)
 
     def put(self, version: int, verify: bool, keep_previous: bool) -> list[tuple[VLLMServer, str]]:
         """Load version `version`'s adapter into every server, then (unless `keep_previous`) unload the one
@@ -38,6 +41,10 @@ class AdapterTransport(Transport):
         path = self.run.adapter(version).resolve()  # by absolute path: servers elsewhere see the same
         if not self.run.has_adapter(version):
             raise ServerError(f"version {version} has no adapter at {path}")
+        roles = role_adapters(path)
+        self.roles = self.roles or list(roles)
+        for role, folder in roles.items():  # each role's own first: the policy's name says the version is in
+            server.load_adapter(adapter_name(server.served_model_name, version, role), folder)
         server.load_adapter(adapter_name(server.served_model_name, version), path)
         if not fresh or isinstance(server, RemoteServer):
             server.reset_prefix_cache()
@@ -50,10 +57,11 @@ class AdapterTransport(Transport):
             self.loaded.discard(version)
 
     def _unload_adapter(self, server: VLLMServer, version: int) -> None:
-        try:
-            server.unload_adapter(adapter_name(server.served_model_name, version))
-        except ServerError:
-            pass  # not loaded there (a server that rejoined since): nothing to free
+        for role in [None, *self.roles]:
+            try:
+                server.unload_adapter(adapter_name(server.served_model_name, version, role))
+            except ServerError:
+                pass  # not loaded there (a server that rejoined since): nothing to free
 
     def rejoin(self, server: VLLMServer) -> None:
         for version in sorted(v for v in self.loaded if v):  # the served one, and any calls still use

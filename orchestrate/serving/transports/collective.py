@@ -15,7 +15,7 @@ learner's end: finetune.publish.collective; the servers' engine: orchestrate.ser
 from __future__ import annotations
 
 import socket
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 
 from contract.durable import atomic_write_json
 from contract.weight_paths import DEFAULT
@@ -101,8 +101,20 @@ class CollectiveTransport(DiskTransport):
              "world_size": info["world_size"], "rank_offset": off, "timeout_s": self.timeout_s}
             for off in offsets
         ]  # fmt: skip
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            results = list(pool.map(self._join, self.servers, payloads))
+        pool = ThreadPoolExecutor(len(self.servers))
+        joins = [pool.submit(self._join, server, payload) for server, payload in zip(self.servers, payloads)]
+        try:
+            while not all(j.done() for j in joins):
+                wait(joins, timeout=0.5)
+                # the learner joins as rank 0: one that died (a bad option, out of memory) would leave every
+                # rank waiting out timeout_s; its error is raised, the servers told to drop their ends
+                self.trainer.check_alive()
+        except BaseException:
+            self._abort_group("the learner is gone")
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        results = [j.result() for j in joins]
         failed = [f"{s.base_url}: {r}" for s, r in zip(self.servers, results) if r]
         if failed:
             return self._give_up("; ".join(failed))

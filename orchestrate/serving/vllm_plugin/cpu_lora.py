@@ -8,9 +8,10 @@ of tokens that is gigabytes of copies per layer: measured here, generation with 
 times as long as without, the base model included. The tokens of a batch use one or two adapters, so the
 same result is one matmul per adapter present over its rows. These functions are drop-in replacements of
 `bgmv_shrink`, `bgmv_expand` and `bgmv_expand_slice` (the `sgmv_*` variants call them), with the same
-semantics: an index picks a slot as Python indexing does (vLLM's -1, no adapter, is the last slot, which
-holds no adapter in our runs: the head is never a target and base and adapter requests are not batched
-together), one index or one input row broadcasts over the other, outputs cast to the output's dtype.
+semantics but one: an index picks a slot, one index or one input row broadcasts over the other, outputs cast
+to the output's dtype; vLLM's -1 (a request without an adapter) gives zeros, as vLLM's GPU kernels skip it,
+where vLLM's own CPU ops index the last slot with it (Python indexing): that slot holds an adapter once every
+slot is used, as when roles each have their own adapter and a base role's requests are batched with them.
 `tests/test_lora.py` checks the served log-probs against the learner's through them.
 """
 
@@ -27,12 +28,16 @@ def _per_adapter(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Ten
     rows = max(inputs.shape[0], indices.numel())
     first = indices.reshape(-1)[:1]
     if indices.numel() == 1 or bool((indices == first).all()):
+        if int(first[0]) < 0:  # no adapter
+            return inputs.new_zeros((rows, weights.shape[1]))
         out = inputs @ weights[first[0]].to(dtype=dtype).T
         return out.expand(rows, -1) if out.shape[0] != rows else out
     if inputs.shape[0] != indices.numel():  # not a shape vLLM sends: the original's own error
         return torch.einsum("bi, boi -> bo", inputs, weights[indices].to(dtype=dtype))
-    out = inputs.new_empty((rows, weights.shape[1]))
+    out = inputs.new_zeros((rows, weights.shape[1]))  # rows without an adapter (-1) stay zero
     for slot in torch.unique(indices):
+        if int(slot) < 0:
+            continue
         mask = indices == slot
         out[mask] = inputs[mask] @ weights[slot].to(dtype=dtype).T
     return out
