@@ -6,7 +6,6 @@ whatever the slots hold."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -14,10 +13,9 @@ import torch
 
 from finetune.config import TrainConfig
 from orchestrate.loop.command_line import resolve
-from orchestrate.loop.config_checks import ConfigError
 from orchestrate.serving.recorded import ReplayLLM
 from tests.programs import WithBase, play
-from tests.test_roles import debate
+from tests.test_roles import asked_models, debate
 
 
 def test_a_role_bound_to_adapter_is_answered_by_its_own_and_trained_with_its_own_adapter(tokenizer, agent_for):
@@ -37,23 +35,6 @@ def test_a_role_bound_to_adapter_is_answered_by_its_own_and_trained_with_its_own
     assert mixed.trained_roles == ["solver"] and mixed.adapter_roles == ["solver"]
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"agent.roles": '{"solver": "adapter", "judge": "policy"}'}, "'solver' is bound to 'adapter'"),
-        ({"agent.roles": '{"solver": "adapter", "judge": "policy"}', "train.lora.rank": "8",
-          "train.lora.roles": "judge"}, "--train.lora.roles: the roles with an adapter of their own"),
-        ({"agent.roles": '{"solver": "base", "judge": "base"}', "train.lora.rank": "8"},
-         "no role is bound to 'policy' or 'adapter'"),
-        ({"agent.roles": '{"solver": "adapter", "judge": "bogus"}', "train.lora.rank": "8"}, "bogus"),
-    ],
-)  # fmt: skip
-def test_bad_adapter_bindings_are_refused(overrides, message):
-    with pytest.raises(ConfigError) as caught:
-        resolve("solver_judge", overrides)
-    assert message in str(caught.value)
-
-
 def test_the_client_asks_for_a_roles_own_adapter_by_its_name():
     from orchestrate.serving.llm import VLLMClient
     from orchestrate.serving.vllm_server import adapter_name
@@ -61,12 +42,7 @@ def test_the_client_asks_for_a_roles_own_adapter_by_its_name():
     from tests.test_agents import Endpoint
 
     asked = []
-
-    def handler(request):
-        asked.append(json.loads(request.content).get("model"))
-        body = {"choices": [{"text": "x", "finish_reason": "stop",
-                             "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5]}}]}  # fmt: skip
-        return httpx.Response(200, json=body)
+    handler = asked_models(asked)
 
     def names(v, role=None):
         return adapter_name("policy", v, role) if v else None

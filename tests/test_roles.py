@@ -290,18 +290,25 @@ def test_a_role_bound_to_base_is_answered_by_the_base_model_and_not_trained(toke
     assert resolve("solver_judge", {}).trained_roles is None
 
 
-def test_the_client_serves_the_base_model_without_the_adapter_as_version_0():
-    from orchestrate.serving.llm import VLLMClient
-    from tapes.tape import SamplingParams
-    from tests.test_agents import Endpoint
-
-    asked = []
+def asked_models(asked: list):
+    """A mock vLLM completions handler that records each request's `model` and answers one token."""
 
     def handler(request):
         asked.append(json.loads(request.content).get("model"))
         body = {"choices": [{"text": "x", "finish_reason": "stop",
                              "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5]}}]}  # fmt: skip
         return httpx.Response(200, json=body)
+
+    return handler
+
+
+def test_the_client_serves_the_base_model_without_the_adapter_as_version_0():
+    from orchestrate.serving.llm import VLLMClient
+    from tapes.tape import SamplingParams
+    from tests.test_agents import Endpoint
+
+    asked = []
+    handler = asked_models(asked)
 
     async def go():
         client = VLLMClient([Endpoint("a")], transport=httpx.MockTransport(handler), policy_version=3,
@@ -323,12 +330,17 @@ def test_the_client_serves_the_base_model_without_the_adapter_as_version_0():
     ("overrides", "message"),
     [
         ({"agent.roles": '{"solver": "policy", "judge": "base"}'}, "'judge' is bound to 'base'"),
-        ({"agent.roles": '{"solver": "base", "judge": "base"}', "train.lora.rank": "8"}, "no role is bound to 'policy'"),
+        ({"agent.roles": '{"solver": "base", "judge": "base"}', "train.lora.rank": "8"},
+         "no role is bound to 'policy' or 'adapter'"),
         ({"agent.roles": '{"solver": "policy", "judge": "base"}', "train.lora.rank": "8", "train.roles": "judge"},
          "--train.roles: 'judge' is bound to 'base', which is not trained"),
+        ({"agent.roles": '{"solver": "adapter", "judge": "policy"}'}, "'solver' is bound to 'adapter'"),
+        ({"agent.roles": '{"solver": "adapter", "judge": "policy"}', "train.lora.rank": "8",
+          "train.lora.roles": "judge"}, "--train.lora.roles: the roles with an adapter of their own"),
+        ({"agent.roles": '{"solver": "adapter", "judge": "bogus"}', "train.lora.rank": "8"}, "bogus"),
     ],
 )  # fmt: skip
-def test_bad_base_bindings_are_refused(overrides, message):
+def test_bad_bindings_are_refused(overrides, message):
     with pytest.raises(ConfigError) as caught:
         resolve("solver_judge", overrides)
     assert message in str(caught.value)

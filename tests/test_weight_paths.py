@@ -305,20 +305,25 @@ def test_a_learner_that_dies_before_joining_the_group_is_an_error_at_once(run):
     assert time.monotonic() - start < 5 and dropped == [server]
 
 
+class AdapterServer(Server):
+    """A server's own adapter routes over a _post that records (route, adapter name) in `posted`."""
+
+    served_model_name = "policy"
+    load_adapter, unload_adapter = VLLMServer.load_adapter, VLLMServer.unload_adapter
+    reset_prefix_cache = VLLMServer.reset_prefix_cache
+
+    def __init__(self):
+        super().__init__()
+        self.posted = []
+
+    def _post(self, route, json=None, timeout=300):
+        self.posted.append((route, (json or {}).get("lora_name")))
+
+
 def test_only_adapters_stay_loaded_side_by_side(run):
     """unload is the loop's at every swap; it frees something only where versions stay loaded."""
-    posted = []
-
-    class AdapterServer(Server):
-        served_model_name = "policy"
-        # the server's own adapter routes, over the recording _post below
-        load_adapter, unload_adapter = VLLMServer.load_adapter, VLLMServer.unload_adapter
-        reset_prefix_cache = VLLMServer.reset_prefix_cache
-
-        def _post(self, route, json=None, timeout=300):
-            posted.append((route, (json or {}).get("lora_name")))
-
     server = AdapterServer()
+    posted = server.posted
     transport = transport_for(run, [server], select(None, lora_rank=4), 5, Trainer())
     for version in (1, 2):
         run.adapter(version).mkdir(parents=True)
@@ -334,23 +339,14 @@ def test_only_adapters_stay_loaded_side_by_side(run):
 def test_roles_own_adapters_are_loaded_before_the_policys_and_unloaded_with_it(run):
     """A version with roles' own adapters (adapter/ROLE/): each loaded as policy-ROLE-vN before policy-vN (whose
     name says the version is in), each unloaded with it when the next version comes."""
-    posted = []
-
-    class AdapterServer(Server):
-        served_model_name = "policy"
-        load_adapter, unload_adapter = VLLMServer.load_adapter, VLLMServer.unload_adapter
-        reset_prefix_cache = VLLMServer.reset_prefix_cache
-
-        def _post(self, route, json=None, timeout=300):
-            posted.append((route.rsplit("/", 1)[-1], (json or {}).get("lora_name")))
-
-    transport = transport_for(run, [AdapterServer()], select(None, lora_rank=4), 5, Trainer())
+    server = AdapterServer()
+    transport = transport_for(run, [server], select(None, lora_rank=4), 5, Trainer())
     for version in (1, 2):
         for folder in (run.adapter(version) / "solver", run.adapter(version) / "ju.dge", run.adapter(version)):
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "adapter_config.json").write_text("{}")
         transport.serve(version)
-    loads = [name for route, name in posted if route == "load_lora_adapter"]
+    loads = [name for route, name in server.posted if route == "/v1/load_lora_adapter"]
     assert loads == [
         "policy-ju.dge-v1",
         "policy-solver-v1",
@@ -359,7 +355,7 @@ def test_roles_own_adapters_are_loaded_before_the_policys_and_unloaded_with_it(r
         "policy-solver-v2",
         "policy-v2",
     ]
-    unloads = [name for route, name in posted if route == "unload_lora_adapter"]
+    unloads = [name for route, name in server.posted if route == "/v1/unload_lora_adapter"]
     assert unloads == ["policy-v1", "policy-ju.dge-v1", "policy-solver-v1"]
 
 
