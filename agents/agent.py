@@ -67,6 +67,14 @@ ROLE_BINDINGS = {
     OWN_ADAPTER: "a LoRA adapter of the role's own on the same base, trained on its samples alone (a LoRA run)",
 }
 TRAINED_BINDINGS = ("policy", OWN_ADAPTER)  # the bindings whose roles the run trains (the others are frozen)
+MODEL_BINDING = ("a model, frozen, on a server of its own: a model name ('smollm2'), a model folder, a run directory "
+                 "(its newest checkpoint) or a vLLM server's URL; its tokenizer must be the policy's")  # fmt: skip
+
+
+def model_bindings(roles: dict[str, str]) -> dict[str, str]:
+    """The roles bound to a model of their own (a name, folder, run directory or URL; not a keyword of
+    ROLE_BINDINGS): role -> that model, as given."""
+    return {role: binding for role, binding in roles.items() if binding not in ROLE_BINDINGS}
 
 
 def example_turns(examples: list[Example]) -> list[dict[str, Any]]:
@@ -125,7 +133,9 @@ class AgentConfig(BaseModel):
         "sends (docs/programs.md#roles). `policy`: the run's policy, its weights shared by the roles, each role's "
         "calls credited as an episode of its own (its turns' returns, its own advantage groups); `base`: the "
         "initial policy, frozen, never trained (a LoRA run's base model); `adapter`: a LoRA adapter of the role's "
-        "own, trained on its samples alone (a LoRA run). Empty: one agent, the `model` name 'policy'",
+        "own, trained on its samples alone (a LoRA run); anything else is a model, frozen, served on a server of its "
+        "own (a model name, folder, run directory or a vLLM server's URL; the policy's tokenizer). Empty: one agent, "
+        "the `model` name 'policy'",
     )
     role_examples: dict[str, list[Example]] = Field(
         default_factory=dict,
@@ -142,9 +152,10 @@ class AgentConfig(BaseModel):
                                  "a program sends")  # fmt: skip
             if not binding.strip():
                 raise ValueError(f"{name}: bound to nothing; bind it to 'policy' (the run's policy)")
-            if binding not in ROLE_BINDINGS:
-                raise ValueError(f"{name}: {binding!r} is not a binding; one of: "
-                                 + ", ".join(f"{b} ({why})" for b, why in ROLE_BINDINGS.items()))  # fmt: skip
+            if binding != binding.strip():
+                raise ValueError(f"{name}: {binding!r} has spaces around it; one of: "
+                                 + ", ".join(f"{b} ({why})" for b, why in ROLE_BINDINGS.items())
+                                 + f", or {MODEL_BINDING}")  # fmt: skip
         return value
 
     @field_validator("program")
@@ -191,7 +202,8 @@ class AgentConfig(BaseModel):
 class RoleLLMs:
     """Which LLM answers each role of an episode (agent.roles: role -> binding): for a role bound to `base`, `llm`'s
     base model (`llm.base_model()`), for one bound to `adapter`, the role's own adapter (`llm.role_model(role)`),
-    each made once; else `llm`. An LLM without them (a replay) answers every role itself (from its tape)."""
+    for one bound to a model, that model's server (`llm.model_of(binding)`), each made once; else `llm`. An LLM
+    without them (a replay) answers every role itself (from its tape)."""
 
     def __init__(self, llm: TokenLLM, bindings: Any = None):
         self.llm, self.bindings = llm, dict(bindings or {})
@@ -206,6 +218,10 @@ class RoleLLMs:
         if binding == OWN_ADAPTER and hasattr(self.llm, "role_model"):
             if role not in self._made:
                 self._made[role] = self.llm.role_model(role)
+            return self._made[role]
+        if binding is not None and binding not in ROLE_BINDINGS and hasattr(self.llm, "model_of"):
+            if role not in self._made:
+                self._made[role] = self.llm.model_of(binding)
             return self._made[role]
         return self.llm
 

@@ -297,6 +297,11 @@ class TapeMetadata(OpenTapeModel):
     dropped: str | None = Field(
         None, description="why the tape was left out of its iteration's batch ('dynamic_sampling'); none: it was not"
     )
+    counterfactual: str | None = Field(
+        None,
+        description="a counterfactual fork (rollouts.counterfactual): the role played again from branch_at, whose "
+        "sample is credited against its parent's same role; the fork's other calls are not trained",
+    )
 
 
 class Tape(OpenTapeModel):

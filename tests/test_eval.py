@@ -465,10 +465,14 @@ def test_a_lora_runs_versions_switch_adapters_and_the_base_needs_none(tmp_path):
     config = resolve("embedded", {"train.lora.rank": "8"})
     served = PolicyServer(Policy(Path("base"), 0, "m"), config, tmp_path, switches=True)
     served.server = StandIn()
+    (tmp_path / "a3" / "judge").mkdir(parents=True)  # version 3 with a role's own adapter beside the policy's
+    (tmp_path / "a3" / "judge" / "adapter_config.json").write_text("{}")
     served.switch(Policy(Path("base"), 3, "m", adapter=tmp_path / "a3"))
+    shutil.rmtree(tmp_path / "a3")  # its checkpoint deleted (keep_checkpoints) while it is served
     served.switch(Policy(Path("base"), 5, "m", adapter=tmp_path / "a5"))
     served.switch(Policy(Path("base"), 0, "m"))  # the base model: no adapter to load, no weights to reload
-    assert served.server.switched == [("adapter", "policy-v3"), ("adapter", "policy-v5"), ("unloaded", "policy-v3"),
+    assert served.server.switched == [("adapter", "policy-v3"), ("adapter", "policy-judge-v3"), ("adapter", "policy-v5"),
+                                      ("unloaded", "policy-v3"), ("unloaded", "policy-judge-v3"),
                                       ("unloaded", "policy-v5")]  # fmt: skip
     assert served.policy.version == 0
     with pytest.raises(RuntimeError):

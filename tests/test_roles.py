@@ -236,7 +236,7 @@ def test_a_fork_of_an_episode_with_roles_is_refused_in_the_batch():
     ("overrides", "message"),
     [
         ({"agent.roles": '{"solver": "policy", "judge": ""}'}, "--agent.roles: judge: bound to nothing"),
-        ({"agent.roles": '{"solver": "frozen"}'}, "'frozen' is not a binding; one of: policy"),
+        ({"agent.roles": '{"solver": "policy ", "judge": "policy"}'}, "'policy ' has spaces around it; one of: policy"),
         ({"agent.roles": '{"the solver": "policy"}'}, "is not a role name"),
         ({"train.roles": "critic"}, "--train.roles: 'critic' is not a role of this run; its roles are solver, judge"),
         ({"tree.width": "2"}, "--tree.width: tree rollouts of episodes with several roles"),
@@ -337,7 +337,8 @@ def test_the_client_serves_the_base_model_without_the_adapter_as_version_0():
         ({"agent.roles": '{"solver": "adapter", "judge": "policy"}'}, "'solver' is bound to 'adapter'"),
         ({"agent.roles": '{"solver": "adapter", "judge": "policy"}', "train.lora.rank": "8",
           "train.lora.roles": "judge"}, "--train.lora.roles: the roles with an adapter of their own"),
-        ({"agent.roles": '{"solver": "adapter", "judge": "bogus"}', "train.lora.rank": "8"}, "bogus"),
+        ({"agent.roles": '{"solver": "adapter", "judge": "bogus"}', "train.lora.rank": "8", "train.roles": "judge"},
+         "'judge' is bound to 'bogus', which is not trained"),
     ],
 )  # fmt: skip
 def test_bad_bindings_are_refused(overrides, message):

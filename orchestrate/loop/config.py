@@ -158,6 +158,15 @@ class RolloutSection(BaseModel):
         description="dynamic sampling: at most this many extra tasks (groups) per iteration; default: "
         "tasks_per_iteration",
     )
+    counterfactual: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="counterfactual credit per role (agent.roles; orchestrate.loop.counterfactual): for each "
+        "episode, this many forks at each trained role's first call after the episode's first, replayed up to it "
+        "and played live from there; that role's samples of the episode and its forks are one advantage group "
+        "(the same state, only its own choice differs); 0: roles grouped per task",
+    )
 
     @model_validator(mode="after")
     def _extra_tasks_follow_tasks(self) -> RolloutSection:
@@ -456,6 +465,12 @@ class RLConfig(BaseModel):
         """A LoRA run whose reference is the initial policy: reference log-probs are the base model's, which
         the policy servers serve under their plain name (no adapter); no reference server is started."""
         return self.train.lora.rank > 0 and self.model.reference in (None, self.model.policy)
+
+    @property
+    def credited_roles(self) -> list[str]:
+        """The roles whose samples the learner trains (trained_roles, else every role of agent.roles)."""
+        trained = self.trained_roles
+        return list(self.agent.roles) if trained is None else trained
 
     @property
     def trained_roles(self) -> list[str] | None:

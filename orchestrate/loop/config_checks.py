@@ -122,7 +122,15 @@ def servers_here(config) -> bool:
     (when a KL term needs one) unless given by URL, the teacher's unless given by URL."""
     s = config.server
     by_url = s.policy_urls and (s.reference_url or not config.train.needs_reference)
-    return not by_url or bool(config.teacher.model and not config.teacher.url)
+    return not by_url or bool(config.teacher.model and not config.teacher.url) or bool(local_role_models(config))
+
+
+def local_role_models(config) -> list[str]:
+    """The models roles are bound to that are served here (agent.roles: a model, not a server's URL)."""
+    from agents.agent import model_bindings
+    from orchestrate.loop.config import teacher_url
+
+    return [b for b in model_bindings(config.agent.roles).values() if not teacher_url(b)]
 
 
 def check_gpus(config, count: int | None = None) -> None:
@@ -138,6 +146,10 @@ def check_gpus(config, count: int | None = None) -> None:
                                   ("server.data_parallel_size", s.data_parallel_size)) if v > 1}  # fmt: skip
     if not servers_here(config):
         parallel = {}  # no server runs here: parallelism is for `orchestrate.serve` on their machines
+    if local_role_models(config) and colocated(config, count):
+        raise ConfigError(f"--agent.roles: a role bound to a model ({local_role_models(config)[0]}) has a server of its "
+                          "own, which --server.colocate does not time-share with the learner; serve it elsewhere "
+                          "(`uv run -m orchestrate.serve`) and bind the role to its URL, or --server.colocate off")  # fmt: skip
     one_rank_per_gpu = select(s.weight_transfer).one_rank_per_gpu  # our servers and trainer meet on GPUs
     if one_rank_per_gpu and not s.policy_urls:
         parallel["server.weight_transfer"] = s.weight_transfer
@@ -482,6 +494,9 @@ def check_roles(config) -> None:
     if roles and config.tree.width:
         raise ConfigError("--tree.width: tree rollouts of episodes with several roles (agent.roles) are not built; "
                           "leave one of them out")  # fmt: skip
+    if config.rollouts.counterfactual and not roles:
+        raise ConfigError("--rollouts.counterfactual: counterfactual credit is per role, and this run has one agent; "
+                          "give --agent.roles, or leave it out")  # fmt: skip
     if roles and config.rollouts.dynamic_sampling:
         raise ConfigError("--rollouts.dynamic_sampling: it keeps or drops a task's episodes by their whole reward, "
                           "and with agent.roles each role is credited apart; leave it off")  # fmt: skip

@@ -260,6 +260,10 @@ def resolve(args: argparse.Namespace, env_options: dict[str, str]) -> Settings:
     from orchestrate.loop.evaluation import test_size
 
     check_environment(config.model_copy(update={"eval": config.eval.model_copy(update={"every": 0})}))
+    from orchestrate.loop.policy import role_models, teacher_folder
+
+    for role, binding in role_models(config).items():  # each served beside the policy (PolicyServer)
+        teacher_folder(binding, f"--agent.roles {role}")
 
     spec = EnvSpec(config.env.id, config.env.options, args.split, config.run.seed, config.env.tools)
     size = test_size(spec) if args.split == "test" else None

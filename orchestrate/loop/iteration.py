@@ -34,11 +34,12 @@ import asyncio
 import time
 from contextlib import ExitStack
 
-from agents.agent import Agent
+from agents.agent import TRAINED_BINDINGS, Agent
 from agents.env_spec import EnvSpec
 from contract.rundir import RunDir
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import overlap_eval
+from orchestrate.loop.counterfactual import counterfactual_metrics, run_counterfactuals
 from orchestrate.loop.dynamic_sampling import dropped, dynamic_metrics, iteration_seeds, sample_dynamically
 from orchestrate.loop.evaluation import Evaluation, play_tasks
 from orchestrate.loop.metrics import rollout_metrics
@@ -118,12 +119,17 @@ class Loop:
                     tapes = await run_tree_rollouts(context, seeds, attempts, tree, desc=desc, progress=self.progress)
                 else:
                     tapes = await run_rollouts(context, seeds, attempts, desc=desc, progress=self.progress)
+                if self.config.rollouts.counterfactual:  # forks at later roles' first calls
+                    tapes += await run_counterfactuals(context, tapes, self.config.rollouts.counterfactual,
+                                                       self.config.credited_roles, progress=self.progress,
+                                                       desc=desc.replace("rollouts", "counterfactual forks"))  # fmt: skip
             finally:
                 stop.set()
                 if watcher is not None:
                     await watcher
                 self.servers.count(client)
-        frozen = {r for r, b in self.config.agent.roles.items() if b != "policy"}  # a base role's calls: version 0
+        # a frozen role's calls (the base's, a model's) are version 0; a role's own adapter's have the policy's
+        frozen = {r for r, b in self.config.agent.roles.items() if b not in TRAINED_BINDINGS}
         for tape in tapes:  # a tape's version is its oldest call's: the one that bounds its lag
             versions = [call.policy_version for call in tape.llm_calls if call.role not in frozen]
             if versions:
@@ -219,9 +225,15 @@ class Loop:
         due, plot, state.json. Its time is the wall time since the previous record."""
         c = self.config
         tapes = self.generated.pop(j)
-        record = {"iteration": j, **rollout_metrics([t for t in tapes if not diverged(t)])}
+        # a counterfactual fork is another try at a role's turn, not another episode of a task
+        record = {
+            "iteration": j,
+            **rollout_metrics([t for t in tapes if not diverged(t) and not t.metadata.counterfactual]),
+        }
         if c.tree.width:
             record.update(tree_metrics(tapes))
+        if c.rollouts.counterfactual:
+            record.update(counterfactual_metrics(tapes))
         if c.rollouts.dynamic_sampling:
             record.update(dynamic_metrics(tapes, c.rollouts.tasks_per_iteration, c.train))
         record.update(self.trainer.iteration_metrics(j))

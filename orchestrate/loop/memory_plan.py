@@ -97,15 +97,16 @@ def cpu_server_gib(shape: Shape, kv_cache_gib: float) -> float:
     return CPU_SERVER_BASE_GIB + CPU_SERVER_PER_WEIGHT * shape.parameters * 4 / GiB + kv_cache_gib
 
 
-def cpu_plan(config, policy: Shape, teacher: Shape | None = None) -> dict[str, float]:
-    """GiB of the machine's memory each part of a CPU run holds at its peak: the servers started here, the
-    learner (started here), the orchestrator."""
+def cpu_plan(config, policy: Shape, teacher: Shape | None = None, roles: list[Shape] = ()) -> dict[str, float]:
+    """GiB of the machine's memory each part of a CPU run holds at its peak: the servers started here (`roles`:
+    the frozen models roles are bound to, a server each), the learner (started here), the orchestrator."""
     s, kv = config.server, config.server.kv_cache_gib
     servers = 0.0 if s.policy_urls else s.policy_servers * cpu_server_gib(policy, kv)
     if config.train.needs_reference and not config.reference_on_policy and not s.reference_url:
         servers += cpu_server_gib(policy, kv)
     if config.teacher.model and not config.teacher.url and teacher is not None:
         servers += cpu_server_gib(teacher, kv)
+    servers += sum(cpu_server_gib(shape, kv) for shape in roles)
     plan = {"servers": servers}
     if config.trainer.launch == "local":
         plan["learner"] = learner_gib(policy, config.train, compiled=False, cpu=True)[1]
@@ -114,10 +115,10 @@ def cpu_plan(config, policy: Shape, teacher: Shape | None = None) -> dict[str, f
 
 
 def check_cpu(config, policy: Shape, total_gib: float, available: float | None = None,
-              teacher: Shape | None = None) -> tuple[dict[str, float], str | None]:  # fmt: skip
+              teacher: Shape | None = None, roles: list[Shape] = ()) -> tuple[dict[str, float], str | None]:  # fmt: skip
     """The CPU run's plan and a note when it passes the memory `available` now (something else holds it), or
     MemoryPlanError when it passes the machine's `total_gib`: the numbers and what to lower."""
-    plan = cpu_plan(config, policy, teacher)
+    plan = cpu_plan(config, policy, teacher, roles)
     need = sum(plan.values())
     parts = (f"{', '.join(f'{p} {g:.1f}' for p, g in plan.items())} GiB; policy {policy.parameters / 1e9:.2f}B "
              f"parameters, {'full fine-tuning' if config.train.lora.rank == 0 else 'LoRA'}, token budget "
@@ -134,6 +135,12 @@ def check_cpu(config, policy: Shape, total_gib: float, available: float | None =
                 f"its server ({teacher.parameters / 1e9:.2f}B parameters in fp32, about {teacher_gib:.1f} GiB) does not "
                 "fit beside the policy's and the learner: serve it on another machine (`uv run -m orchestrate.serve "
                 "--role teacher`) and give its URL")  # fmt: skip
+        elif plan["servers"] >= plan.get("learner", 0.0) and roles:
+            option, lower = "--agent.roles", (
+                f"the servers of the models roles are bound to ({len(roles)}, about "
+                f"{sum(cpu_server_gib(r, config.server.kv_cache_gib) for r in roles):.1f} GiB) do not fit beside the "
+                "policy's and the learner: serve them on another machine and give their URLs, or lower "
+                "--server.kv_cache_gib")  # fmt: skip
         elif plan["servers"] >= plan.get("learner", 0.0):
             option, lower = "--server.kv_cache_gib", "lower --server.kv_cache_gib or --train.token_budget"
         else:

@@ -6,8 +6,8 @@
   checkpoint or model folder or a model by name (`given_policy`); a server by URL is checked as it is resolved
   (orchestrate.loop.preflight.remote_policy);
 - the teacher's model folder (`teacher_folder`: a model, or a run's newest checkpoint with weights);
-- a run's folders (`RunModels`): the policy's, the reference's and the teacher's, resolved once per run (by
-  the checks, which return them) and passed to its set-up.
+- a run's folders (`RunModels`): the policy's, the reference's, the teacher's and those of the models roles are
+  bound to, resolved once per run (by the checks, which return them) and passed to its set-up.
 
 Each refuses with a PolicyError: one line naming the option.
 """
@@ -15,12 +15,12 @@ Each refuses with a PolicyError: one line naming the option.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from contract.cli import OptionError
 from contract.rundir import CHECKPOINT_NAME, RunDir
-from orchestrate.loop.config import RLConfig
+from orchestrate.loop.config import RLConfig, teacher_url
 
 
 class PolicyError(OptionError):
@@ -166,14 +166,33 @@ class RunModels:
     policy: Path
     reference: Path  # the policy's when no --model.reference is given
     teacher: Path | None  # a teacher served here; None without one, or with one by URL (its server's)
+    # the frozen models roles are bound to and served here (agent.roles: a model, not a URL): binding -> folder
+    roles: dict[str, Path] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, config: RLConfig, model=model_folder, teacher=None) -> RunModels:
-        """Each folder resolved with `model(name, option)` and the teacher's with `teacher(name, policy_folder)`
-        (default teacher_folder); the checks pass theirs, which check each folder as they resolve it."""
+    def of(cls, config: RLConfig, model=model_folder, teacher=None, role=None) -> RunModels:
+        """Each folder resolved with `model(name, option)`, the teacher's with `teacher(name, policy_folder)`
+        (default teacher_folder) and a role's model with `role(binding, policy_folder, option)` (default
+        teacher_folder: the same kinds of model); the checks pass theirs, which check each folder as they
+        resolve it."""
         policy = model(config.model.policy, "--model.policy")
         reference = model(config.model.reference, "--model.reference") if config.model.reference else policy
+        role = role or (lambda name, _policy, option: teacher_folder(name, option))
+        roles = {binding: role(binding, policy, f"--agent.roles {name}")
+                 for name, binding in role_models(config).items()}  # fmt: skip
         if not config.teacher.model or config.teacher.url:
-            return cls(policy, reference, None)
+            return cls(policy, reference, None, roles)
         teacher = teacher or (lambda name, _policy: teacher_folder(name))
-        return cls(policy, reference, teacher(config.teacher.model, policy))
+        return cls(policy, reference, teacher(config.teacher.model, policy), roles)
+
+
+def role_models(config: RLConfig, urls: bool = False) -> dict[str, str]:
+    """The roles bound to a model served here (agent.roles; with `urls`, those bound to a server's URL instead):
+    role -> binding, one role per binding (the first that names it: one server each)."""
+    from agents.agent import model_bindings
+
+    found: dict[str, str] = {}
+    for name, binding in model_bindings(config.agent.roles).items():
+        if binding not in found.values() and bool(teacher_url(binding)) == urls:
+            found[name] = binding
+    return found

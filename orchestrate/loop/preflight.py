@@ -73,31 +73,74 @@ def check_model(name: str, option: str) -> Path:
     return folder
 
 
-def check_teacher(teacher: str, student: Path, student_name: str, option: str = "--teacher.model") -> Path:
+def check_teacher(teacher: str, student: Path, student_name: str, option: str = "--teacher.model",
+                  what: str = "teacher") -> Path:  # fmt: skip
     """The teacher's model folder (orchestrate.loop.policy.teacher_folder), checked as a model, with a tokenizer
     that is the student's (the same vocabulary, token -> id: the teacher scores the student's token ids as they
     are) and a chat template with the student's turn markup (`chat_markup`). Templates that differ only in their
     text (Llama-3.1-8B's and Llama-3.2-1B's: the system header's date line) pass, with a note on stderr: the
-    teacher reads every prompt as the student's template rendered it."""
+    teacher reads every prompt as the student's template rendered it. `what`: "teacher", or a role's model (the
+    same check: it reads prompts the policy's tokenizer rendered)."""
     folder = teacher_folder(teacher, option)
     check_model(str(folder), option)
     teacher_tok = _tokenizer(folder, f"{option} {teacher}")
     student_tok = _tokenizer(student, f"--model.policy {student_name}")
+    # the teacher's words, or a role's model's (it is sent the policy's token ids, as the teacher scores them)
+    ours, it = ("student", "the teacher") if what == "teacher" else ("policy", "it")
+    reads = (
+        "scores the student's token ids"
+        if what == "teacher"
+        else "is sent the token ids the policy's tokenizer rendered"
+    )
     if teacher_tok.get_vocab() != student_tok.get_vocab():
-        raise PreflightError(f"{option}: the teacher {teacher} ({folder}) has another vocabulary than the student "
-                             f"{student_name} ({student}); the teacher scores the student's token ids, so give a "
-                             "teacher with the student's tokenizer")  # fmt: skip
+        raise PreflightError(f"{option}: the {what} {teacher} ({folder}) has another vocabulary than the {ours} "
+                             f"{student_name} ({student}); {it} {reads}, so give a {what} with the {ours}'s "
+                             "tokenizer")  # fmt: skip
     if getattr(teacher_tok, "chat_template", None) == getattr(student_tok, "chat_template", None):
         return folder
-    theirs, ours = chat_markup(teacher_tok, f"{option} {teacher}"), chat_markup(student_tok, student_name)
-    if theirs != ours:
-        raise PreflightError(f"{option}: the teacher {teacher} ({folder}) marks chat turns otherwise than the student "
+    theirs, mine = chat_markup(teacher_tok, f"{option} {teacher}"), chat_markup(student_tok, student_name)
+    if theirs != mine:
+        raise PreflightError(f"{option}: the {what} {teacher} ({folder}) marks chat turns otherwise than the {ours} "
                              f"{student_name} ({student}): {' '.join(theirs) or 'no special tokens'} against "
-                             f"{' '.join(ours) or 'no special tokens'}; the teacher would score prompts in a markup it "
-                             "was not trained on, so give a teacher with the student's chat template")  # fmt: skip
-    print(f"note: {option}: the teacher's chat template differs from the student's in its text, not its turn markup; "
-          "the teacher scores each prompt as the student's template rendered it", file=sys.stderr)  # fmt: skip
+                             f"{' '.join(mine) or 'no special tokens'}; {it} would "
+                             f"{'score' if what == 'teacher' else 'read'} prompts in a markup it was not trained on, "
+                             f"so give a {what} with the {ours}'s chat template")  # fmt: skip
+    print(f"note: {option}: the {what}'s chat template differs from the {ours}'s in its text, not its turn markup; "
+          f"{it} {'scores' if what == 'teacher' else 'reads'} each prompt as the {ours}'s template rendered it",
+          file=sys.stderr)  # fmt: skip
     return folder
+
+
+def check_role_server(url: str, student: Path, student_name: str, option: str, key: str) -> str:
+    """A role bound to a server's URL (agent.roles): it answers, and its /tokenize turns a chat in the policy's
+    markup into the token ids the policy's tokenizer does (it is sent those ids). The model name it serves."""
+    import httpx
+
+    from orchestrate.serving.launch import served_name
+    from orchestrate.serving.vllm_server import ServerError
+
+    try:
+        name = served_name(url, key)
+    except ServerError as exc:
+        raise PreflightError(f"{option}: {exc}") from None
+    tok = _tokenizer(student, f"--model.policy {student_name}")
+    text = tok.apply_chat_template(MARKUP_PROBE, tokenize=False, add_generation_prompt=True)
+    try:
+        theirs = httpx.post(f"{url.rstrip('/')}/tokenize", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                            json={"model": name, "prompt": text, "add_special_tokens": False})  # fmt: skip
+        theirs.raise_for_status()
+        tokens = theirs.json()["tokens"]
+    except httpx.HTTPError as exc:
+        raise PreflightError(f"{option}: {url} does not answer as a vLLM server ({type(exc).__name__}: "
+                             f"{first_line(exc)})") from None  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PreflightError(f"{option}: {url} does not answer as a vLLM server ({first_line(exc)} in its answer to "
+                             "/tokenize)") from None  # fmt: skip
+    if tokens != tok.encode(text, add_special_tokens=False):
+        raise PreflightError(f"{option}: {url} ({name}) tokenizes a chat otherwise than the policy "
+                             f"{student_name}; it is sent the token ids the policy's tokenizer rendered, so serve "
+                             "a model with the policy's tokenizer there")  # fmt: skip
+    return name
 
 
 MARKUP_PROBE = [
@@ -253,23 +296,43 @@ def preflight(config) -> RunModels:
     if servers_here(config):
         check_vllm()
     models = RunModels.of(config, model=check_model,
-                          teacher=lambda name, policy: check_teacher(name, policy, config.model.policy))  # fmt: skip
+                          teacher=lambda name, policy: check_teacher(name, policy, config.model.policy),
+                          role=lambda name, policy, option: check_teacher(name, policy, config.model.policy, option,
+                                                                          what="model"))  # fmt: skip
+    check_role_servers(config, models.policy)
     for note in (teacher_temperature_note(config), shared_cores_note(config), emulated_bf16_note(config)):
         if note:
             print(note, file=sys.stderr)
     if config.train.lora.target_modules:
         check_lora_targets(models.policy, config.train.lora.target_modules)
-    check_memory(config, models.policy, teacher=models.teacher)
+    check_memory(config, models.policy, teacher=models.teacher, roles=list(models.roles.values()))
     return models
 
 
+def check_role_servers(config, policy: Path) -> dict[str, str]:
+    """Each role bound to a server's URL answers with the policy's tokenizer (check_role_server): binding -> the
+    model name it serves."""
+    from orchestrate.loop.policy import role_models
+    from orchestrate.serving.auth import APIKeyMissing, read_api_key
+
+    urls = role_models(config, urls=True)
+    if not urls:
+        return {}
+    try:
+        key = read_api_key(config.server.api_key_file)
+    except APIKeyMissing as exc:
+        raise PreflightError(f"--agent.roles {next(iter(urls))}: {exc}") from None
+    return {url: check_role_server(url, policy, config.model.policy, f"--agent.roles {role}", key)
+            for role, url in urls.items()}  # fmt: skip
+
+
 def check_memory(config, policy: Path, totals: list[float] | None = None,
-                 teacher: Path | None = None) -> dict[str, float] | None:  # fmt: skip
+                 teacher: Path | None = None, roles: list[Path] = ()) -> dict[str, float] | None:  # fmt: skip
     """On CPU, the run's memory plan (orchestrate.loop.memory_plan.check_cpu) fits the machine's memory (a note
     when it passes what is available now). On GPUs, it fits the GPU it is tightest on: the
     colocated servers' first, else the learner's; a teacher served here (`teacher`: its folder) has room in
     a server's share (MemoryPlanError names the phase that does not fit). `totals`: each visible GPU's GiB (for
-    tests)."""
+    tests). `roles`: the folders of the frozen models roles are bound to, each a server here."""
     from orchestrate.loop.config_checks import colocated, placements, visible_gpus
     from orchestrate.loop.memory_plan import Shape, check, check_cpu, gpu_totals_gib, memory_gib
 
@@ -278,9 +341,11 @@ def check_memory(config, policy: Path, totals: list[float] | None = None,
 
         try:
             shapes = Shape.of(policy), Shape.of(teacher) if teacher else None
+            role_shapes = [Shape.of(folder) for folder in roles]
         except (OSError, ValueError, KeyError, SafetensorError):  # a folder loading will refuse, naming what is wrong
             return None
-        plan, note = check_cpu(config, shapes[0], memory_gib("MemTotal"), memory_gib("MemAvailable"), teacher=shapes[1])
+        plan, note = check_cpu(config, shapes[0], memory_gib("MemTotal"), memory_gib("MemAvailable"), teacher=shapes[1],
+                               roles=role_shapes)  # fmt: skip
         if note:
             print(note, file=sys.stderr)
         return plan

@@ -172,7 +172,30 @@ def tapes_to_samples(tapes: list[Tape], require_ref: bool) -> list[dict]:
         temperatures = {c.sampling.temperature for c in tape.llm_calls if c.output_token_ids}
         return tape.metadata.parent_id not in present | {None} and len(temperatures) == 1
 
-    return [sample for tape in tapes for sample in tape_samples(tape, require_ref, whole=whole(tape))]
+    samples = [sample for tape in tapes for sample in tape_samples(tape, require_ref, whole=whole(tape))]
+    return counterfactual_regroup(samples, tapes)
+
+
+def counterfactual_regroup(samples: list[dict], tapes: list[Tape]) -> list[dict]:
+    """The batch's samples with counterfactual credit (orchestrate.loop.counterfactual): each fork's samples cut
+    to its role's, and the parent's sample of that role moved into the fork's group (its other roles keep the
+    task's)."""
+    groups = {(t.metadata.parent_id, t.metadata.counterfactual): t.metadata.group_id for t in tapes
+              if t.metadata.counterfactual and not t.metadata.dropped}  # fmt: skip
+    if not groups:
+        return samples
+    forks = {t.metadata.id: t.metadata.counterfactual for t in tapes if t.metadata.counterfactual}
+    out = []
+    for sample in samples:
+        episode, role = sample["episode_id"], sample["role"]
+        if episode in forks:
+            if role != forks[episode]:
+                continue  # not the role played again: its calls are the parent's, or an episode it changed
+            sample = {**sample, "branch": None}  # all of its role's calls are its own (none replayed)
+        elif (episode, role) in groups:
+            sample = {**sample, "group_id": groups[(episode, role)]}
+        out.append(sample)
+    return out
 
 
 def write_samples(path: Path, tapes: list[Tape], require_ref: bool) -> Path:

@@ -2,7 +2,8 @@
 
 The policy servers (started here, or run elsewhere and used by URL: `orchestrate.serve`), the reference
 server when a KL term needs one (a LoRA run scores the reference on the policy servers' base model instead,
-no adapter), the teacher's server with --teacher.model (the reference's seat: served like it, or by URL), the
+no adapter), the teacher's server with --teacher.model (the reference's seat: served like it, or by URL), a
+server for each frozen model a role is bound to (agent.roles; started here, or by URL), the
 version the policy servers serve, and the clients that call them. New weights reach the servers by
 orchestrate.loop.weight_swaps (when a version is served, what the calls in flight see), which this pool holds.
 The loop (orchestrate.loop.iteration) asks for a client, a reference pass, or the next version served; this module
@@ -19,10 +20,11 @@ from contract.weight_paths import select
 from orchestrate.loop.config import RLConfig
 from orchestrate.loop.config_checks import colocated, gpu_slices, visible_gpus
 from orchestrate.loop.metrics import server_metrics
+from orchestrate.loop.policy import role_models
 from orchestrate.loop.reference import annotate_reference
 from orchestrate.loop.weight_swaps import WeightSwaps
 from orchestrate.serving.auth import APIKeyMissing, read_api_key
-from orchestrate.serving.launch import policy_servers, reference_server, remote_servers
+from orchestrate.serving.launch import policy_servers, reference_server, remote_servers, served_name
 from orchestrate.serving.llm import VLLMClient
 from orchestrate.serving.processes import parse_cpus
 from orchestrate.serving.vllm_server import RemoteServer, ServerError, VLLMServer, adapter_name
@@ -37,13 +39,14 @@ class Servers:
     learner whose checkpoints they serve; `start` starts them (those given by URL are reset to their own model)."""
 
     def __init__(self, config: RLConfig, run: RunDir, tokenizer, policy: list, reference=None, progress=True,
-                 teacher=None):  # fmt: skip
+                 teacher=None, models: dict | None = None):  # fmt: skip
         self.config = config
         self.run = run
         self.tokenizer = tokenizer
         self.policy = list(policy)
         self.reference = reference
         self.teacher = teacher
+        self.models = dict(models or {})  # the frozen models roles are bound to: binding -> its server
         self.progress = progress
         self.swaps = WeightSwaps(config, run, self.policy, progress)  # the versions the policy servers serve
         self.counts = _no_counts()  # policy requests since the last record
@@ -53,11 +56,13 @@ class Servers:
 
     @classmethod
     def for_run(cls, config: RLConfig, run: RunDir, policy_dir, reference_dir, tokenizer, progress=True,
-                teacher_dir=None) -> Servers:  # fmt: skip
+                teacher_dir=None, role_dirs: dict | None = None) -> Servers:  # fmt: skip
         """The servers `config` asks for, built (not started): ours, or those given by URL. `teacher_dir`: the
-        teacher's model folder (orchestrate.loop.policy.teacher_folder), when it is not given by URL."""
+        teacher's model folder (orchestrate.loop.policy.teacher_folder), when it is not given by URL; `role_dirs`:
+        the folders of the models roles are bound to (RunModels.roles)."""
         c = config
-        remote = bool(c.server.policy_urls or c.server.reference_url or c.teacher.url)
+        by_url = role_models(c, urls=True)
+        remote = bool(c.server.policy_urls or c.server.reference_url or c.teacher.url or by_url)
         try:
             key = read_api_key(c.server.api_key_file) if remote else ""
         except APIKeyMissing as exc:
@@ -86,6 +91,13 @@ class Servers:
             gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
             teacher = reference_server(teacher_dir, c.server, logs / "teacher.log", gpus=gpus, cpus=cpus,
                                        role="teacher")  # fmt: skip
+        models = {}
+        gpus = gpu_slices(c.server.reference_gpus, 1, per_server)[0] if c.server.reference_gpus else None
+        for role, binding in role_models(c).items():  # on the reference's GPUs, awake: they answer calls
+            models[binding] = reference_server(role_dirs[binding], c.server, logs / f"role-{role}.log", gpus=gpus,
+                                               cpus=cpus, role=f"role-{role}")  # fmt: skip
+        for url in by_url.values():
+            models[url] = remote_servers([url], role=served_name(url, key), api_key=key)[0]
         by_path = select(c.server.weight_transfer, c.train.lora.rank).by_path  # servers reload versions by path
         for server in policy:
             # Checked before the run directory was written (preflight); now that it exists, exactly (before
@@ -95,11 +107,11 @@ class Servers:
                 raise ServerError(f"--server.policy_urls: {server.url}: {problem}; weights are reloaded by path, "
                                   f"so mount {run.root.resolve()} at the same path there")  # fmt: skip
         close_group(run)  # before the learner starts: no joining the group of a killed run
-        return cls(config, run, tokenizer, policy, reference, progress, teacher)
+        return cls(config, run, tokenizer, policy, reference, progress, teacher, models)
 
     @property
     def all(self) -> list:
-        return self.policy + [s for s in (self.reference, self.teacher) if s is not None]
+        return self.policy + [s for s in (self.reference, self.teacher) if s is not None] + list(self.models.values())
 
     # -- start -------------------------------------------------------------------------
 
@@ -211,11 +223,17 @@ class Servers:
         if role == "policy" and self.mechanism.adapter:
             name = self.policy[0].served_model_name
             adapter = lambda v, role=None: adapter_name(name, v, role) if v else None  # noqa: E731 - 0 is the base
+        models = None
+        if role == "policy":  # each frozen model's calls on its own server, version 0 (nothing swaps there)
+            models = {binding: VLLMClient([server], self.tokenizer, model=f"{binding} (frozen)",
+                                          max_concurrency=self.config.rollouts.max_concurrency,
+                                          on_failure=self._recover)
+                      for binding, server in self.models.items()}  # fmt: skip
         return VLLMClient(
             servers, self.tokenizer, model=self.config.model.policy, policy_version=policy_version,
             max_concurrency=self.config.rollouts.max_concurrency, on_failure=self._recover,
             on_rejoin=None if scorer else self.rejoin, out=[s for s in servers if s in self.stale],
-            adapter=adapter,
+            adapter=adapter, models=models,
         )  # fmt: skip
 
     def count(self, client: VLLMClient) -> None:

@@ -85,14 +85,17 @@ def agent_from_run_config(config_path: Path) -> Agent:
 
 class PolicyServer:
     """A policy, served: a vLLM server started for it with the run's server settings (its GPUs, cores, context
-    length, KV cache; a LoRA version's adapter loaded under its name), or the server that runs at its URL;
-    `client()` calls it, recording the policy's version and name. `with PolicyServer(...) as served:`."""
+    length, KV cache; a LoRA version's adapters loaded under their names), or the server that runs at its URL,
+    and a server for each frozen model the run's roles are bound to (agent.roles); `client()` calls them,
+    recording the policy's version and name. `with PolicyServer(...) as served:`."""
 
     def __init__(self, policy: Policy, config: RLConfig, logs: Path, key_file: str | None = None,
                  log_name: str = "policy", switches: bool = False):  # fmt: skip
         self.policy, self.config, self.logs, self.key_file, self.log_name = policy, config, logs, key_file, log_name
         self.switches = switches  # other versions of the run will be served after this one (`switch`)
         self.server = None
+        self.models: dict = {}  # the frozen models roles are bound to: binding -> its server
+        self.adapters: list[str] = []  # the names of the adapters loaded for the policy served now
 
     @property
     def log_path(self) -> Path | None:
@@ -106,42 +109,63 @@ class PolicyServer:
         from orchestrate.serving.processes import parse_cpus
 
         p, s = self.policy, self.config.server
-        if p.url:
-            self.server = remote_servers([p.url], role="policy", api_key=read_api_key(self.key_file))[0]
-            return self
-        gpus = [gpu_slices(s.gpus, 1, s.tensor_parallel_size * s.data_parallel_size)[0]] if s.gpus else None
-        # a server whose weights will be reloaded serves an untied folder from the start (untied_copy says why)
-        lora = self.config.train.lora.rank if p.adapter or self.switches else 0
-        model = untied_copy(p.model) if self.switches and not lora else p.model
-        (self.server,) = policy_servers(model, s, self.logs, gpus=gpus, cpus=parse_cpus(s.cpus) if s.cpus else None,
-                                        seed=self.config.run.seed, reloads=False, log_name=self.log_name,
-                                        lora_rank=lora, lora_adapters=1 + len(self.config.adapter_roles))  # fmt: skip
-        self.server.start()
         try:
-            if p.adapter is not None:
+            self._start_models()
+            if p.url:
+                self.server = remote_servers([p.url], role="policy", api_key=read_api_key(self.key_file))[0]
+            else:
+                gpus = [gpu_slices(s.gpus, 1, s.tensor_parallel_size * s.data_parallel_size)[0]] if s.gpus else None
+                # a server whose weights will be reloaded serves an untied folder from the start (untied_copy says why)
+                lora = self.config.train.lora.rank if p.adapter or self.switches else 0
+                model = untied_copy(p.model) if self.switches and not lora else p.model
+                (self.server,) = policy_servers(model, s, self.logs, gpus=gpus,
+                                                cpus=parse_cpus(s.cpus) if s.cpus else None, seed=self.config.run.seed,
+                                                reloads=False, log_name=self.log_name, lora_rank=lora,
+                                                lora_adapters=1 + len(self.config.adapter_roles))  # fmt: skip
+                self.server.start()
+            for server in self.models.values():
+                server.wait_ready()
+            if p.adapter is not None and not p.url:
                 self._load_adapters(p)
-        except Exception:
-            self.server.stop()
+        except BaseException:
+            self.stop()
             raise
         return self
+
+    def _start_models(self) -> None:
+        """A server for each frozen model a role is bound to (orchestrate.loop.policy.role_models), started
+        without waiting (the policy's starts meanwhile); those by URL used as they are."""
+        from orchestrate.loop.policy import role_models, teacher_folder
+        from orchestrate.serving.auth import read_api_key
+        from orchestrate.serving.launch import reference_server, remote_servers, served_name
+        from orchestrate.serving.processes import parse_cpus
+
+        s = self.config.server
+        for role, binding in role_models(self.config).items():
+            folder = teacher_folder(binding, f"--agent.roles {role}")
+            self.models[binding] = reference_server(folder, s, self.logs / f"{self.log_name}-role-{role}.log",
+                                                    cpus=parse_cpus(s.cpus) if s.cpus else None, role=f"role-{role}")  # fmt: skip
+            self.models[binding].start(wait=False)
+        if urls := role_models(self.config, urls=True):
+            key = read_api_key(self.key_file)
+            for url in urls.values():
+                self.models[url] = remote_servers([url], role=served_name(url, key), api_key=key)[0]
 
     def switch(self, policy: Policy) -> None:
         """Serve another version of the same run on the running server (started with `switches`): its weights
         reloaded from disk (an untied copy where the folder ties its head), or, for a LoRA run, its adapter
         loaded in place of the one served before (version 0: the base model, no adapter)."""
         from orchestrate.serving.models import untied_copy
-        from orchestrate.serving.vllm_server import adapter_name
 
         if not self.switches or self.policy.url:
             raise RuntimeError("PolicyServer.switch: a server started with switches=True, not one by URL")
-        name = self.server.served_model_name
+        before, self.adapters = self.adapters, []
         if policy.adapter is not None:
             self._load_adapters(policy)
         elif policy.model != self.policy.model:  # another folder of weights (a LoRA run's base never changes)
             self.server.reload_weights(untied_copy(policy.model), verify=False)  # the prefix cache reset with it
-        if self.policy.adapter is not None:  # the adapters served before are not needed again
-            for role in [None, *role_adapters(self.policy.adapter)]:
-                self.server.unload_adapter(adapter_name(name, self.policy.version, role))
+        for adapter in before:  # those served before are not needed again (their folders may be gone by now)
+            self.server.unload_adapter(adapter)
         self.policy = policy
 
     def _load_adapters(self, policy: Policy) -> None:
@@ -149,13 +173,16 @@ class PolicyServer:
         from orchestrate.serving.vllm_server import adapter_name
 
         name = self.server.served_model_name
-        self.server.load_adapter(adapter_name(name, policy.version), policy.adapter.resolve())
-        for role, folder in role_adapters(policy.adapter).items():
-            self.server.load_adapter(adapter_name(name, policy.version, role), folder.resolve())
+        folders = {adapter_name(name, policy.version): policy.adapter}
+        folders |= {adapter_name(name, policy.version, role): f for role, f in role_adapters(policy.adapter).items()}
+        for adapter, folder in folders.items():
+            self.server.load_adapter(adapter, folder.resolve())
+            self.adapters.append(adapter)
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()  # a server by URL is not ours: RemoteServer.stop leaves it running
+        for server in [self.server, *self.models.values()]:
+            if server is not None:
+                server.stop()  # a server by URL is not ours: RemoteServer.stop leaves it running
 
     def __enter__(self) -> PolicyServer:
         return self.start()
@@ -170,9 +197,11 @@ class PolicyServer:
 
         p, name = self.policy, self.server.served_model_name
         adapter = (lambda _, role=None: adapter_name(name, p.version, role)) if p.adapter is not None else None
-        return VLLMClient([self.server], model=p.name, policy_version=p.version,
-                          max_concurrency=max_concurrency or self.config.rollouts.max_concurrency,
-                          adapter=adapter)  # fmt: skip
+        concurrency = max_concurrency or self.config.rollouts.max_concurrency
+        models = {binding: VLLMClient([server], model=f"{binding} (frozen)", max_concurrency=concurrency)
+                  for binding, server in self.models.items()}  # fmt: skip
+        return VLLMClient([self.server], model=p.name, policy_version=p.version, max_concurrency=concurrency,
+                          adapter=adapter, models=models)  # fmt: skip
 
 
 # -- the reference scorer ---------------------------------------------------------------------------
@@ -208,6 +237,7 @@ class RunSetup:
         self.config, self.run, self.progress = config, run, progress
         models = models or RunModels.of(config)
         self.policy_dir, self.reference_dir, self.teacher_dir = models.policy, models.reference, models.teacher
+        self.role_dirs = models.roles
         self._tokenizer = None
 
     @property
@@ -231,7 +261,8 @@ class RunSetup:
 
         c = self.config
         servers = Servers.for_run(c, self.run, self.policy_dir, self.reference_dir, self.tokenizer,
-                                  progress=self.progress, teacher_dir=self.teacher_dir)  # fmt: skip
+                                  progress=self.progress, teacher_dir=self.teacher_dir,
+                                  role_dirs=self.role_dirs)  # fmt: skip
         train = c.train.model_copy(
             update={
                 "colocated": servers.colocated,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from orchestrate.serving.models import untied_copy
-from orchestrate.serving.vllm_server import RemoteServer, ServerConfig, VLLMServer
+from orchestrate.serving.vllm_server import RemoteServer, ServerConfig, ServerError, VLLMServer
 
 
 def server_settings(settings: ServerConfig) -> ServerConfig:
@@ -74,3 +74,16 @@ def own_server(
 def remote_servers(urls: list[str], *, role: str, api_key: str) -> list[RemoteServer]:
     """Servers that run elsewhere (`orchestrate.serve`), used by URL: neither started nor stopped here."""
     return [RemoteServer(url, name=role, api_key=api_key) for url in urls]
+
+
+def served_name(url: str, api_key: str) -> str:
+    """The model name a server by URL serves (the first of its /v1/models): a role bound to any vLLM server's URL
+    calls it by that name (ServerError when it does not answer)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ServerError(f"{url} does not say which model it serves ({type(exc).__name__}: {exc})") from None

@@ -55,6 +55,7 @@ class VLLMClient:
         health_interval_s: float = 10.0,
         rejoin_timeout_s: float = 120.0,
         adapter: Callable[..., str | None] | None = None,
+        models: dict[str, VLLMClient] | None = None,
     ):
         self.pool = ServerPool(endpoints, max_concurrency=max_concurrency, timeout_s=timeout_s,
                                max_retries=max_retries, on_failure=on_failure, on_rejoin=on_rejoin, out=out,
@@ -68,9 +69,13 @@ class VLLMClient:
         # role's own (None: the base model's own name)
         self.adapter = adapter
         self.extra_body = dict(extra_body or {})  # more vLLM sampling fields, e.g. {"ignore_eos": True}
+        # the frozen models roles are bound to, each on servers of its own (agent.roles): binding -> its client
+        self.models = dict(models or {})
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+        for client in self.models.values():
+            await client.aclose()
 
     async def __aenter__(self) -> VLLMClient:
         return self
@@ -209,6 +214,14 @@ class VLLMClient:
             raise ValueError(f"role_model: this client serves version {self.policy_version}'s own weights, not a "
                              "LoRA run's adapters beside its base")  # fmt: skip
         return ServedModel(self, role=role)
+
+    def model_of(self, binding: str) -> VLLMClient:
+        """The client of the frozen model `binding` names (a role bound to a model: agent.roles), served beside
+        the policy; its calls record it as their model, version 0."""
+        if binding not in self.models:
+            raise ValueError(f"model_of: no server of {binding!r} was started beside this client's "
+                             f"({', '.join(self.models) or 'none'})")  # fmt: skip
+        return self.models[binding]
 
     async def score(self, token_ids: list[int], n_prompt: int) -> list[float]:
         """Log-probs of token_ids[n_prompt:] given what precedes them (reference scoring).

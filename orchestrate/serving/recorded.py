@@ -100,6 +100,7 @@ class ForkLLM:
         prompt_text: str = "",
         base: bool = False,
         role: str | None = None,
+        binding: str | None = None,
     ) -> LLMCall:
         if self._replay.position < self.at:
             try:
@@ -107,7 +108,10 @@ class ForkLLM:
             except LLMError as exc:
                 raise ForkDiverged(f"fork at call {self.at}: {str(exc).removeprefix('replay: ')}") from None
         self.live_calls += 1
-        live = self.live.base_model() if base else self.live.role_model(role) if role is not None else self.live
+        if binding is not None:
+            live = self.live.model_of(binding)
+        else:
+            live = self.live.base_model() if base else self.live.role_model(role) if role is not None else self.live
         return await live.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text)
 
     def base_model(self) -> _ForkServed:
@@ -118,17 +122,22 @@ class ForkLLM:
         """A role's own adapter's calls (roles bound to `adapter`): replayed as any, then the live LLM's."""
         return _ForkServed(self, role)
 
+    def model_of(self, binding: str) -> _ForkServed:
+        """A frozen model's calls (roles bound to a model): replayed as any, then the live LLM's model's."""
+        return _ForkServed(self, binding=binding)
+
 
 class _ForkServed:
-    """A fork's base model (roles bound to `base`) or a role's own adapter (bound to `adapter`): its replayed
-    calls from the tape, then the live LLM's."""
+    """A fork's base model (roles bound to `base`), a role's own adapter (bound to `adapter`) or a frozen model
+    (bound to a model): its replayed calls from the tape, then the live LLM's."""
 
-    def __init__(self, fork: ForkLLM, role: str | None = None):
-        self.fork, self.role = fork, role
+    def __init__(self, fork: ForkLLM, role: str | None = None, binding: str | None = None):
+        self.fork, self.role, self.binding = fork, role, binding
 
     async def complete_ids(self, prompt_ids, sampling, *, messages=None, prompt_text: str = "") -> LLMCall:
         return await self.fork.complete_ids(prompt_ids, sampling, messages=messages, prompt_text=prompt_text,
-                                            base=self.role is None, role=self.role)  # fmt: skip
+                                            base=self.role is None and self.binding is None, role=self.role,
+                                            binding=self.binding)  # fmt: skip
 
 
 def _first_id_difference(recorded: list[int], now: list[int]) -> str:
