@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import httpx
 import pytest
@@ -20,6 +18,7 @@ from orchestrate.serving.recorded import ForkLLM, ReplayLLM
 from tests.programs import ScriptedLLM, play
 from tests.test_distill import copy_model
 from tests.test_roles import asked_models, debate
+from tests.test_server_pool import fake_server  # noqa: F401 - a fixture
 
 JUDGE_FROZEN = {"agent.roles": '{"solver": "policy", "judge": "smollm2"}'}
 
@@ -125,57 +124,25 @@ def test_a_model_that_cannot_be_had_or_tokenizes_otherwise_is_refused(tmp_path, 
     refused(rl_cli, tmp_path, tiny_model_dir, other, ["--agent.roles judge", "the model", "another vocabulary"])
 
 
-class FakeVLLM(BaseHTTPRequestHandler):
-    """/v1/models and /tokenize of a vLLM server; `shift` moves every token id it gives (another tokenizer)."""
-
-    tokenizer, shift, seen = None, 0, []
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.seen.append(self.headers.get("Authorization"))
-        self.answer({"data": [{"id": "judge-model"}]} if self.path == "/v1/models" else {})
-
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ids = self.tokenizer.encode(body["prompt"], add_special_tokens=False)
-        self.answer({"tokens": [i + self.shift for i in ids]} if body.get("model") == "judge-model" else {})
-
-    def answer(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def fake_vllm(tiny_model_dir):
+def test_a_role_server_by_url_is_checked(tmp_path, rl_cli, tiny_model_dir, fake_server, monkeypatch):  # noqa: F811
+    """It answers, with its key, and tokenizes a chat into the policy's ids."""
     from transformers import AutoTokenizer
 
-    FakeVLLM.tokenizer, FakeVLLM.shift, FakeVLLM.seen = AutoTokenizer.from_pretrained(tiny_model_dir), 0, []
-    server = HTTPServer(("127.0.0.1", 0), FakeVLLM)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-def test_a_server_by_url_must_answer_with_the_policys_tokenizer(tmp_path, rl_cli, tiny_model_dir, fake_vllm,
-                                                                monkeypatch):  # fmt: skip
     from orchestrate.loop.preflight import PreflightError, check_role_server
 
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    url = fake_server(model="judge-model", key="k", tokenizer=tok)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    refused(rl_cli, tmp_path, tiny_model_dir, fake_vllm, ["--agent.roles judge", "API key"])
+    refused(rl_cli, tmp_path, tiny_model_dir, url, ["--agent.roles judge", "API key"])
     monkeypatch.setenv("VLLM_API_KEY", "k")
     refused(rl_cli, tmp_path, tiny_model_dir, "http://127.0.0.1:9", ["--agent.roles judge", "does not say which model"])
-    assert check_role_server(fake_vllm, tiny_model_dir, "tiny", "--agent.roles judge", "k") == "judge-model"
-    assert FakeVLLM.seen[-1] == "Bearer k"
-    FakeVLLM.shift = 1
+    assert check_role_server(url, tiny_model_dir, "tiny", "--agent.roles judge", "k") == "judge-model"
+    with pytest.raises(PreflightError, match="--agent.roles judge: .* does not say which model"):
+        check_role_server(url, tiny_model_dir, "tiny", "--agent.roles judge", "wrong key")
+    other = fake_server(model="judge-model", key="k", tokenizer=tok, shift=1)
     with pytest.raises(PreflightError, match=r"--agent.roles judge: .* \(judge-model\) tokenizes a chat otherwise"):
-        check_role_server(fake_vllm, tiny_model_dir, "tiny", "--agent.roles judge", "k")
-    refused(rl_cli, tmp_path, tiny_model_dir, fake_vllm, ["--agent.roles judge", "tokenizes a chat otherwise"])
+        check_role_server(other, tiny_model_dir, "tiny", "--agent.roles judge", "k")
+    refused(rl_cli, tmp_path, tiny_model_dir, other, ["--agent.roles judge", "tokenizes a chat otherwise"])
 
 
 def test_the_memory_plan_counts_a_server_for_each_model_a_role_is_bound_to():

@@ -175,9 +175,19 @@ def test_a_server_that_missed_a_reload_starts_out_and_rejoins_with_the_weights()
 
 class FakeVLLM(BaseHTTPRequestHandler):
     """/health, /v1/models, /version and tapeloop's /tapeloop/stat behind a key, as a server from
-    orchestrate.serve."""
+    orchestrate.serve; /tokenize with a `tokenizer` (each id moved by `shift`: another tokenizer's)."""
 
     key, model, blind, lora_rank, version = "s3cret", "policy", False, 0, "0.32.0"
+    tokenizer, shift = None, 0
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.headers.get("Authorization") != f"Bearer {self.key}":
+            return self._send(401, {"error": "Unauthorized"})
+        if self.path != "/tokenize" or self.tokenizer is None or body.get("model") != self.model:
+            return self._send(404, {})
+        ids = self.tokenizer.encode(body["prompt"], add_special_tokens=False)
+        return self._send(200, {"tokens": [i + self.shift for i in ids]})
 
     def do_GET(self):
         if self.headers.get("Authorization") != f"Bearer {self.key}":
