@@ -115,7 +115,8 @@ def refused(rl_cli, tmp_path, policy, judge, words):
 def test_a_model_that_cannot_be_had_or_tokenizes_otherwise_is_refused(tmp_path, rl_cli, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    refused(rl_cli, tmp_path, tiny_model_dir, "frozen", ["--agent.roles judge", "frozen"])
+    refused(rl_cli, tmp_path, tiny_model_dir, "polcy", ["--agent.roles judge", "'polcy'",
+                                                        "or bind the role to one of policy, base, adapter"])  # fmt: skip
     refused(rl_cli, tmp_path, tiny_model_dir, tmp_path / "gone", ["--agent.roles judge"])
     other = copy_model(tiny_model_dir, tmp_path / "other")
     tok = AutoTokenizer.from_pretrained(other)

@@ -111,6 +111,18 @@ def check_teacher(teacher: str, student: Path, student_name: str, option: str = 
     return folder
 
 
+def check_role_model(model: str, policy: Path, policy_name: str, option: str) -> Path:
+    """A role's frozen model (agent.roles: neither policy, base nor adapter), checked as a teacher is
+    (check_teacher); a name that is no model is refused naming the bindings too (a misspelt one)."""
+    from agents.agent import ROLE_BINDINGS
+    from orchestrate.loop.policy import PolicyError
+
+    try:
+        return check_teacher(model, policy, policy_name, option, what="model")
+    except PolicyError as exc:
+        raise PolicyError(f"{str(exc).rstrip('.')}; or bind the role to one of {', '.join(ROLE_BINDINGS)}") from None
+
+
 def check_role_server(url: str, student: Path, student_name: str, option: str, key: str) -> str:
     """A role bound to a server's URL (agent.roles): it answers, and its /tokenize turns a chat in the policy's
     markup into the token ids the policy's tokenizer does (it is sent those ids). The model name it serves."""
@@ -297,8 +309,8 @@ def preflight(config) -> RunModels:
         check_vllm()
     models = RunModels.of(config, model=check_model,
                           teacher=lambda name, policy: check_teacher(name, policy, config.model.policy),
-                          role=lambda name, policy, option: check_teacher(name, policy, config.model.policy, option,
-                                                                          what="model"))  # fmt: skip
+                          role=lambda name, policy, option: check_role_model(name, policy, config.model.policy,
+                                                                             option))  # fmt: skip
     check_role_servers(config, models.policy)
     for note in (teacher_temperature_note(config), shared_cores_note(config), emulated_bf16_note(config)):
         if note:
