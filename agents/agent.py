@@ -360,10 +360,9 @@ def summarize(tape: Tape) -> Tape:
     m.reward = float(sum(rewards)) if rewards else None
     m.terminated = bool(last and last.terminated)
     m.truncated = bool(last and last.truncated)
-    if last is not None and isinstance(last.info.get("success"), bool):
-        m.success = last.info["success"]
-    else:
-        m.success = bool(rewards) and rewards[-1] > 0
+    # the environment's latest verdict, even when rewards came after it (a program's task.reward for a role)
+    judged = next((s.info["success"] for s in reversed(observations) if isinstance(s.info.get("success"), bool)), None)
+    m.success = judged if judged is not None else bool(rewards) and rewards[-1] > 0
     m.reward_reason = str(last.info.get("reason", "")) if last is not None else ""
     return tape
 

@@ -361,3 +361,15 @@ def test_the_built_in_agent_takes_roles_for_the_agents_of_a_multi_agent_environm
         resolve("hide_and_guess", {"agent.roles": "{}"})
     with pytest.raises(ConfigError, match="--agent.program: game:hide_and_guess is an environment of several agents"):
         resolve("hide_and_guess", {"agent.program": "agents.programs.openai_tools:play"})
+
+
+def test_an_episodes_success_is_the_environments_verdict_not_a_later_roles_reward(tokenizer, agent_for):
+    """The solver right, its judge wrong (a reward after the environment's step): the episode is solved."""
+    a, b, product = answer_of()
+    agent = agent_for("agents.programs.solver_judge:play", roles=ROLES)
+    tape = play(agent, ScriptedLLM(tokenizer, [f"\\boxed{{{product}}}", "\\boxed{no}"]))
+    assert tape.metadata.error is None, tape.metadata.error
+    assert role_rewards(tape) == {"solver": 1.0, "judge": 0.0}
+    assert tape.metadata.success is True  # the last reward (the judge's, 0) does not decide it
+    tape = play(agent, ScriptedLLM(tokenizer, [f"\\boxed{{{product + 1}}}", "\\boxed{no}"]))
+    assert role_rewards(tape) == {"solver": 0.0, "judge": 1.0} and tape.metadata.success is False
