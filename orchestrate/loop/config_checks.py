@@ -127,10 +127,9 @@ def servers_here(config) -> bool:
 
 def local_role_models(config) -> list[str]:
     """The models roles are bound to that are served here (agent.roles: a model, not a server's URL)."""
-    from agents.agent import model_bindings
-    from orchestrate.loop.config import teacher_url
+    from orchestrate.loop.policy import role_models
 
-    return [b for b in model_bindings(config.agent.roles).values() if not teacher_url(b)]
+    return list(role_models(config).values())
 
 
 def check_gpus(config, count: int | None = None) -> None:
